@@ -1,0 +1,36 @@
+"""vramlock: time-share one GPU between always-loaded programs with kernel file locks.
+
+The public API is loaded lazily so that ``vramlock who`` and ``vramlock.child``
+stay cheap to import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .arena import Arena
+    from .errors import ArenaError, NotObtained, VramlockError
+    from .member import Member, State, resident
+
+__all__ = ["Arena", "ArenaError", "Member", "NotObtained", "State", "VramlockError", "resident"]
+
+_WHERE = {
+    "Arena": "arena",
+    "ArenaError": "errors",
+    "NotObtained": "errors",
+    "VramlockError": "errors",
+    "Member": "member",
+    "State": "member",
+    "resident": "member",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,179 @@
+"""Where an arena lives, and opening it safely.
+
+An arena is a directory shared by everyone contending for one GPU. It holds the
+two lock files of the protocol (``token.lock``, ``want.lock``), created once and
+never deleted, and a ``members/`` directory of self-description records that
+``who`` merges with the kernel's lock state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+
+from .errors import ArenaError, UnsupportedFilesystem
+
+TOKEN = "token.lock"
+WANT = "want.lock"
+MEMBERS = "members"
+
+ENV_ARENA = "VRAMLOCK_ARENA"
+
+# statfs f_type values where flock(2) is not a local advisory lock: NFS turns it
+# into whole-file POSIX locks, CIFS/SMB make it mandatory, FUSE is up to the daemon.
+_REMOTE_FS = {
+    0x6969: "NFS",
+    0xFF534D42: "CIFS",
+    0xFE534D42: "SMB2",
+    0x517B: "SMB",
+    0x65735546: "FUSE",
+}
+
+
+def default_gpu() -> int:
+    """The GPU index of the default arena: CUDA_VISIBLE_DEVICES when it names one index, else 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return int(visible) if visible.isdigit() else 0
+
+
+def default_base() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "vramlock")
+    return f"/tmp/vramlock-{os.geteuid()}"
+
+
+def locate(arena: str | None = None, gpu: int | None = None) -> tuple[str, bool]:
+    """Return (path, is_default): ``arena``, else ``gpu``'s default arena, else VRAMLOCK_ARENA."""
+    if arena:
+        return os.path.abspath(arena), False
+    env = os.environ.get(ENV_ARENA)
+    if gpu is None and env:
+        return os.path.abspath(env), False
+    index = default_gpu() if gpu is None else gpu
+    return os.path.join(default_base(), f"gpu{index}"), True
+
+
+def _fs_type(fd: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fstatfs = libc.fstatfs
+    fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fstatfs.restype = ctypes.c_int
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if fstatfs(fd, buf) != 0:
+        return 0
+    # f_type is the first member, a machine word; the magic numbers fit in 32 bits.
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def _open_dir(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ENOENT:
+            raise ArenaError(path, "does not exist") from None
+        if err.errno == errno.ENOTDIR:
+            # O_NOFOLLOW|O_DIRECTORY on a symlink to a directory also says ENOTDIR.
+            if os.path.islink(path):
+                raise ArenaError(path, "is a symbolic link (refusing to follow it)") from None
+            raise ArenaError(path, "is not a directory") from None
+        if err.errno == errno.ELOOP:
+            raise ArenaError(path, "is a symbolic link (refusing to follow it)") from None
+        if err.errno in (errno.EACCES, errno.EPERM):
+            raise ArenaError(path, "permission denied") from None
+        raise ArenaError(path, err.strerror or str(err)) from None
+
+
+def _check_dir(fd: int, path: str, *, private: bool) -> os.stat_result:
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ArenaError(path, f"is owned by uid {st.st_uid}, not by you or root")
+    if st.st_mode & stat.S_IWOTH:
+        raise ArenaError(path, "is world-writable; anyone could replace its lock files")
+    if private and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ArenaError(path, "is group-writable; the default arena must be private")
+    kind = _REMOTE_FS.get(_fs_type(fd))
+    if kind is not None:
+        raise UnsupportedFilesystem(path, kind)
+    return st
+
+
+def _ensure_private_dir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise ArenaError(path, f"cannot be created: {err.strerror}") from None
+
+
+@dataclass
+class Arena:
+    """An opened arena directory. Files inside are opened relative to ``dirfd``."""
+
+    path: str
+    dirfd: int
+    owner: int
+    _closed: bool = field(default=False, repr=False)
+
+    @classmethod
+    def open(cls, arena: str | None = None, gpu: int | None = None) -> Arena:
+        """Open the arena; the default per-GPU arena is created, an explicit one must exist.
+
+        An explicit arena is never created: a mistyped path would otherwise make a
+        second arena, and two programs would both believe they own the GPU.
+        """
+        path, is_default = locate(arena, gpu)
+        if is_default:
+            base = os.path.dirname(path)
+            _ensure_private_dir(base)
+            basefd = _open_dir(base)
+            try:
+                _check_dir(basefd, base, private=True)
+            finally:
+                os.close(basefd)
+            _ensure_private_dir(path)
+        fd = _open_dir(path)
+        try:
+            st = _check_dir(fd, path, private=is_default)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path=path, dirfd=fd, owner=st.st_uid)
+
+    def shown(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def allowed_owners(self) -> set[int]:
+        return {os.geteuid(), self.owner, 0}
+
+    def members_dir(self, create: bool) -> int | None:
+        """A descriptor of ``members/``, or None when there is none we may use."""
+        if create:
+            try:
+                os.mkdir(MEMBERS, 0o755, dir_fd=self.dirfd)
+            except OSError:
+                pass
+        try:
+            fd = os.open(
+                MEMBERS,
+                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                dir_fd=self.dirfd,
+            )
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            os.close(fd)
+            return None
+        return fd
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.dirfd)

@@ -1,0 +1,84 @@
+"""Errors raised by vramlock's library layers.
+
+The command line turns each into one line on stderr and an exit status; the
+library never prints and never exits.
+
+    VramlockError                 exit 125: vramlock itself could not do its job
+    ├── ArenaError                the arena or a lock file is unusable (path, reason)
+    │   └── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    ├── StrategyError             a release strategy cannot be used or failed
+    ├── ControlError              the cooperative control channel broke its protocol
+    ├── UsageError                exit 2: a bad value (duration, descriptor, option mix)
+    ├── NotObtained               exit 1 (or -E): the token was not obtained in time
+    └── CommandError              the command could not be started
+        ├── CommandNotFound       exit 127
+        └── CommandNotExecutable  exit 126
+"""
+
+from __future__ import annotations
+
+
+class VramlockError(Exception):
+    """Base of every error vramlock raises on purpose."""
+
+    exit_status = 125
+
+
+class ArenaError(VramlockError):
+    """The arena directory or one of its files cannot be used safely."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"arena {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class UnsupportedFilesystem(ArenaError):
+    """flock(2) is emulated (NFS) or mandatory (CIFS) or unreliable (FUSE) here."""
+
+    def __init__(self, path: str, fstype: str) -> None:
+        super().__init__(
+            path, f"is on {fstype}, where flock is not a local advisory lock; use a local directory"
+        )
+        self.fstype = fstype
+
+
+class StrategyError(VramlockError):
+    """A release strategy is unknown, does not fit, or failed."""
+
+
+class ControlError(VramlockError):
+    """The child broke the control-channel protocol."""
+
+
+class UsageError(VramlockError):
+    """A value given by the user is malformed."""
+
+    exit_status = 2
+
+
+class NotObtained(VramlockError):
+    """The token was not obtained: ``-n`` found it held, or ``-w`` ran out."""
+
+    exit_status = 1
+
+    def __init__(self, timeout: float) -> None:
+        what = "token is held" if timeout == 0 else f"token not obtained within {timeout:g} s"
+        super().__init__(what)
+        self.timeout = timeout
+
+
+class CommandError(VramlockError):
+    """The wrapped command could not be started."""
+
+    def __init__(self, command: str, reason: str) -> None:
+        super().__init__(f"{command}: {reason}")
+        self.command = command
+
+
+class CommandNotFound(CommandError):
+    exit_status = 127
+
+
+class CommandNotExecutable(CommandError):
+    exit_status = 126

@@ -1,0 +1,240 @@
+"""Lock descriptors: the one module that opens lock files and calls flock(2).
+
+Everything here works on descriptors vramlock opened itself. portalocker is the
+lock layer, used only through its ``FlockLocker`` on those descriptors: never its
+module-global locker (another library may switch it to ``lockf``) and never its
+path-opening ``Lock`` class (it follows symlinks and polls).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import threading
+import time
+from types import FrameType
+
+from portalocker import LockFlags
+from portalocker import exceptions as plexc
+from portalocker.portalocker import FlockLocker
+
+from .errors import ArenaError
+
+_LOCKER = FlockLocker()
+
+# errno values that mean "somebody else holds it"; anything else is a real error.
+HELD_ERRNOS = frozenset({errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK})
+
+# O_NOFOLLOW: a symlink planted at a lock path must not redirect us (filelock CVEs).
+# O_NONBLOCK: a FIFO planted there must not hang the open; fstat rejects it after.
+# O_CLOEXEC: a lock belongs to the open file description, so an exec'd program
+#   must not keep it alive by accident; the runner passes the token on purpose.
+# No O_TRUNC, ever: lock files are created once and never truncated or unlinked,
+#   or waiters would split across inodes.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+# Descriptors we hold locks through. A forked child closes them without
+# unlocking: LOCK_UN from the child would release the parent's lock, and keeping
+# them open would let the child keep the parent's lock alive after it dies.
+_OWNED: set[int] = set()
+_OWNED_GUARD = threading.Lock()
+
+
+def _close_inherited() -> None:
+    for fd in list(_OWNED):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
+def _describe_open_error(err: OSError) -> str:
+    if err.errno == errno.ELOOP:
+        return "is a symbolic link (refusing to follow it)"
+    if err.errno == errno.EISDIR:
+        return "is a directory"
+    if err.errno == errno.ENXIO:
+        return "is a FIFO or socket"
+    if err.errno == errno.ENOENT:
+        return "does not exist and cannot be created here"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return err.strerror or str(err)
+
+
+def open_lock_file(dirfd: int, name: str, shown: str, *, allowed_owners: set[int]) -> int:
+    """Open (creating it if need be) the lock file ``name`` in the directory ``dirfd``.
+
+    ``shown`` is the path used in messages. Falls back to a read-only descriptor
+    when the file exists but is not writable: exclusive flock works on those, and
+    that is how members of a root-owned team arena open it.
+    """
+    try:
+        fd = os.open(name, _OPEN_FLAGS | os.O_RDWR | os.O_CREAT, 0o644, dir_fd=dirfd)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ArenaError(shown, _describe_open_error(err)) from None
+        try:
+            fd = os.open(name, _OPEN_FLAGS | os.O_RDONLY, dir_fd=dirfd)
+        except OSError as err2:
+            raise ArenaError(shown, _describe_open_error(err2)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArenaError(shown, "is not a regular file")
+        if st.st_uid not in allowed_owners:
+            raise ArenaError(shown, f"is owned by uid {st.st_uid}, not by you or the arena's owner")
+        if st.st_mode & stat.S_IWOTH:
+            raise ArenaError(shown, "is world-writable; anyone could replace the lock")
+    except BaseException:
+        os.close(fd)
+        raise
+    with _OWNED_GUARD:
+        _OWNED.add(fd)
+    return fd
+
+
+def adopt(fd: int) -> None:
+    """Treat an inherited descriptor (``wait --fd``) as one we lock through."""
+    with _OWNED_GUARD:
+        _OWNED.add(fd)
+
+
+def close(fd: int) -> None:
+    """Close without unlocking: other copies of the open file description keep the lock."""
+    with _OWNED_GUARD:
+        _OWNED.discard(fd)
+    os.close(fd)
+
+
+def check_still_linked(dirfd: int, name: str, fd: int, shown: str) -> None:
+    """After locking: the path must still name our inode, or we locked a file nobody sees."""
+    st = os.fstat(fd)
+    try:
+        now = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except OSError:
+        now = None
+    if st.st_nlink == 0 or now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise ArenaError(shown, "was removed or replaced while we locked it; never delete lock files")
+
+
+def same_file(fd_a: int, fd_b: int) -> bool:
+    a, b = os.fstat(fd_a), os.fstat(fd_b)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _flags(exclusive: bool, blocking: bool) -> LockFlags:
+    flags = LockFlags.EXCLUSIVE if exclusive else LockFlags.SHARED
+    return flags if blocking else flags | LockFlags.NON_BLOCKING
+
+
+def try_lock(fd: int, *, exclusive: bool) -> bool:
+    """One non-blocking attempt; False when somebody else holds a conflicting lock."""
+    try:
+        _LOCKER.lock(fd, _flags(exclusive, blocking=False))
+    except plexc.AlreadyLocked:
+        return False
+    except plexc.LockException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno in HELD_ERRNOS:
+            return False
+        raise OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}") from None
+    return True
+
+
+def lock(fd: int, *, exclusive: bool) -> None:
+    """Block in the kernel until the lock is granted (kernel queue order, visible in /proc/locks)."""
+    try:
+        _LOCKER.lock(fd, _flags(exclusive, blocking=True))
+    except plexc.LockException as exc:
+        cause = exc.__cause__
+        raise OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}") from None
+
+
+def unlock(fd: int) -> None:
+    """LOCK_UN: releases the lock for every descriptor sharing this open file description."""
+    try:
+        _LOCKER.unlock(fd)
+    except plexc.LockException:
+        pass  # EBADF after the descriptor went away: nothing is held through it
+
+
+class _Deadline(Exception):
+    pass
+
+
+_waiting = threading.Event()  # set only while a timed flock is in progress
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    # PEP 475 retries an interrupted flock unless the handler raises, so it
+    # raises - but only inside the wait, never in the cleanup around it.
+    if _waiting.is_set():
+        raise _Deadline
+
+
+def _lock_with_alarm(fd: int, exclusive: bool, timeout: float) -> bool:
+    # A blocking flock cut by SIGALRM is how flock(1) -w works: the waiter keeps
+    # its place in the kernel's queue, which polling would lose.
+    old_handler = signal.signal(signal.SIGALRM, _on_alarm)
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-6))
+    try:
+        _waiting.set()
+        try:
+            lock(fd, exclusive=exclusive)
+            _waiting.clear()
+            return True
+        except _Deadline:
+            _waiting.clear()
+            # The alarm may have fired just after the kernel granted the lock; a
+            # non-blocking retry on the same description settles it either way.
+            return try_lock(fd, exclusive=exclusive)
+    finally:
+        _waiting.clear()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:
+            signal.setitimer(signal.ITIMER_REAL, old_delay, old_interval)
+
+
+def lock_within(fd: int, *, exclusive: bool, timeout: float | None) -> bool:
+    """Lock, waiting at most ``timeout`` seconds (None: forever, 0: one attempt).
+
+    In the main thread the wait blocks in the kernel and is cut by SIGALRM, so the
+    waiter keeps its place in the kernel's queue. Other threads cannot take
+    signals, so there a finite timeout falls back to polling.
+    """
+    if timeout is None:
+        lock(fd, exclusive=exclusive)
+        return True
+    if timeout <= 0:
+        return try_lock(fd, exclusive=exclusive)
+    if threading.current_thread() is threading.main_thread():
+        return _lock_with_alarm(fd, exclusive, timeout)
+    end = time.monotonic() + timeout
+    pause = 0.0005
+    while not try_lock(fd, exclusive=exclusive):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.02)
+    return True
+
+
+def ring(dirfd: int, name: str) -> None:
+    """Open and close ``name``: an inotify IN_OPEN that wakes holders sooner.
+
+    Only a hint; holders decide from the want.lock probe. Opened read-only with
+    the same no-follow, no-block flags, and never locked.
+    """
+    try:
+        os.close(os.open(name, _OPEN_FLAGS | os.O_RDONLY, dir_fd=dirfd))
+    except OSError:
+        pass

@@ -1,0 +1,182 @@
+"""One participant of an arena: WAITING -> RESIDENT -> RELEASING -> RELEASED -> WAITING.
+
+This is also the Python API for programs that join an arena themselves::
+
+    with vramlock.resident(name="trainer") as me:
+        for batch in data:
+            step(batch)
+            me.yield_if_wanted(release=offload, restore=reload)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from .arena import Arena
+from .errors import NotObtained
+from .roster import Record, RecordWriter
+from .want import Token, Want, wait_turn
+
+DEFAULT_MIN_HOLD = 0.1
+# No barging: after a release we re-queue once the token has changed hands,
+# nobody waits any more, or this long has passed (a queued waiter that has not
+# been scheduled yet must not lose the token to us).
+REQUEUE_DELAY_MAX = 0.05
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RESIDENT = "resident"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    RESTORING = "restoring"
+
+
+class Member:
+    """A member of an arena; holds the token while RESIDENT (and while releasing/restoring)."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        *,
+        name: str | None = None,
+        min_hold: float = DEFAULT_MIN_HOLD,
+        command: list[str] | None = None,
+        strategy: str = "api",
+    ) -> None:
+        self.arena = arena
+        self.min_hold = min_hold
+        self.token = Token(arena)
+        self.want = Want(arena)
+        self.state = State.RELEASED
+        self.resident_since = 0.0
+        cmd = command if command is not None else [sys.argv[0], *sys.argv[1:]]
+        self.records = RecordWriter(
+            arena,
+            Record(
+                pid=os.getpid(),
+                name=name or os.path.basename(cmd[0] if cmd else "python"),
+                command=cmd,
+                strategy=strategy,
+                state=self.state.value,
+                since=time.time(),
+            ),
+        )
+
+    def _set(self, state: State) -> None:
+        self.state = state
+        self.records.update(state=state.value)
+
+    def describe(self, **changes: object) -> None:
+        """Update this member's record (strategy, child pid) as shown by ``who``."""
+        self.records.update(**changes)
+
+    def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
+        """Queue for the token; True once resident, False if ``timeout`` ran out."""
+        self._set(State.WAITING)
+        if not wait_turn(self.want, self.token, timeout, wanting=wanting):
+            self._set(State.RELEASED)
+            return False
+        self.resident_since = time.monotonic()
+        self._set(State.RESIDENT)
+        return True
+
+    def restoring(self) -> None:
+        """Mark the time between owning the token and being usable again."""
+        self._set(State.RESTORING)
+
+    def resident(self) -> None:
+        self.resident_since = time.monotonic()
+        self._set(State.RESIDENT)
+
+    def wanted(self) -> bool:
+        """Does anybody wait for the token? A few microseconds: call it in the work loop."""
+        return self.want.probe()
+
+    def held_long_enough(self) -> bool:
+        return time.monotonic() - self.resident_since >= self.min_hold
+
+    def should_release(self) -> bool:
+        """Resident for at least ``min_hold`` and somebody waits."""
+        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+
+    def releasing(self) -> None:
+        self._set(State.RELEASING)
+
+    def release(self) -> None:
+        """Drop the token (the GPU memory must already be free)."""
+        self.token.release()
+        self._set(State.RELEASED)
+
+    def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
+        """After a release, wait until re-queueing cannot barge past a queued waiter.
+
+        A process calling flock at the instant the token is free jumps the kernel's
+        queue; once somebody else holds the token, queueing is fair again.
+        """
+        end = time.monotonic() + max_delay
+        pause = 0.0002
+        while time.monotonic() < end:
+            if not self.want.probe() or self.token.held_elsewhere():
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def yield_if_wanted(
+        self, release: Callable[[], object], restore: Callable[[], object]
+    ) -> bool:
+        """If somebody waits (and ``min_hold`` has passed): release, step aside, come back.
+
+        ``release`` must free this program's GPU memory; ``restore`` brings it back.
+        Returns True when it yielded.
+        """
+        if not self.should_release():
+            return False
+        self.releasing()
+        release()
+        self.release()
+        self.wait_polite()
+        self.acquire()
+        self.restoring()
+        restore()
+        self.resident()
+        return True
+
+    def close(self) -> None:
+        """Leave the arena: drop any lock, remove the record."""
+        if self.token.held:
+            self.token.release()
+        self.want.close()
+        self.token.close()
+        self.records.close()
+
+
+@contextmanager
+def resident(
+    arena: str | None = None,
+    *,
+    gpu: int | None = None,
+    name: str | None = None,
+    timeout: float | None = None,
+    min_hold: float = DEFAULT_MIN_HOLD,
+) -> Iterator[Member]:
+    """Wait for the token, yield the resident Member, leave the arena afterwards.
+
+    Raises NotObtained when ``timeout`` (seconds; 0 = one attempt) runs out.
+    """
+    opened = Arena.open(arena, gpu)
+    try:
+        member = Member(opened, name=name, min_hold=min_hold)
+        try:
+            if not member.acquire(timeout):
+                raise NotObtained(timeout or 0.0)
+            yield member
+        finally:
+            member.close()
+    finally:
+        opened.close()

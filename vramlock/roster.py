@@ -1,0 +1,305 @@
+"""Who is in an arena: kernel lock state merged with members' self-description records.
+
+Records live in ``<arena>/members/<pid>-<starttime>.json``; each member rewrites
+its own (write a temporary file, rename it into place) on every change of state.
+They are for display only, as is /proc/locks: nothing in vramlock decides from
+either. Garbage, foreign or stale records are skipped, never fatal.
+
+This module must stay cheap to import: ``who`` uses it without the lock layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .arena import TOKEN, WANT, Arena
+
+RECORD_VERSION = 1
+_MAX_RECORD = 64 * 1024
+_MAX_PROC_LOCKS = 4 * 1024 * 1024
+
+STATES = ("resident", "releasing", "waiting", "released", "restoring")
+
+
+def proc_starttime(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _proc_text(pid: int, what: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return ""
+    if what == "cmdline":
+        return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+    return raw.decode(errors="replace").strip()
+
+
+@dataclass
+class Record:
+    """What a member says about itself."""
+
+    pid: int
+    name: str
+    command: list[str]
+    strategy: str
+    state: str
+    since: float  # wall-clock seconds (time.time()) when the state began
+    starttime: int = 0
+    child_pid: int | None = None
+    uid: int = field(default_factory=os.geteuid)
+    version: int = RECORD_VERSION
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Record | None:
+        try:
+            data = json.loads(raw)
+            rec = cls(
+                pid=int(data["pid"]),
+                name=str(data["name"]),
+                command=[str(c) for c in data["command"]],
+                strategy=str(data["strategy"]),
+                state=str(data["state"]),
+                since=float(data["since"]),
+                starttime=int(data.get("starttime", 0)),
+                child_pid=None if data.get("child_pid") is None else int(data["child_pid"]),
+                uid=int(data.get("uid", -1)),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return None
+        return rec if rec.pid > 0 else None
+
+
+class RecordWriter:
+    """Keeps one member's record current; silent when the arena has no usable members/."""
+
+    def __init__(self, arena: Arena, record: Record) -> None:
+        self.record = record
+        self.record.starttime = proc_starttime(record.pid) or 0
+        self.dirfd = arena.members_dir(create=True)
+        self.name = f"{record.pid}-{self.record.starttime}.json"
+        if self.dirfd is not None:
+            _sweep_stale(self.dirfd)
+        self.write()
+
+    def update(self, **changes: Any) -> None:
+        for key, value in changes.items():
+            setattr(self.record, key, value)
+        if "state" in changes and "since" not in changes:
+            self.record.since = time.time()
+        self.write()
+
+    def write(self) -> None:
+        if self.dirfd is None:
+            return
+        tmp = f".{self.name}.tmp"
+        data = json.dumps(asdict(self.record)).encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o644, dir_fd=self.dirfd)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.name, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+        except OSError:
+            pass  # records are for display; a full disk must not stop the GPU work
+
+    def close(self) -> None:
+        if self.dirfd is None:
+            return
+        try:
+            os.unlink(self.name, dir_fd=self.dirfd)
+        except OSError:
+            pass
+        os.close(self.dirfd)
+        self.dirfd = None
+
+
+def _record_files(dirfd: int) -> list[str]:
+    try:
+        return [n for n in os.listdir(dirfd) if n.endswith(".json") and not n.startswith(".")]
+    except OSError:
+        return []
+
+
+def _read_record(dirfd: int, name: str) -> Record | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return Record.parse(os.read(fd, _MAX_RECORD))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _alive(rec: Record) -> bool:
+    return proc_starttime(rec.pid) == rec.starttime
+
+
+def _sweep_stale(dirfd: int) -> None:
+    for name in _record_files(dirfd):
+        rec = _read_record(dirfd, name)
+        if rec is None or not _alive(rec):
+            try:
+                os.unlink(name, dir_fd=dirfd)
+            except OSError:
+                pass  # somebody else's, or already gone
+
+
+@dataclass
+class LockEntry:
+    pid: int
+    write: bool
+    blocked: bool
+
+
+def parse_proc_locks(text: str, dev: int, ino: int) -> list[LockEntry]:
+    """The FLOCK entries on one inode, holders and blocked waiters in kernel order."""
+    want = (os.major(dev), os.minor(dev), ino)
+    out: list[LockEntry] = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        blocked = fields[1] == "->"
+        f = fields[2:] if blocked else fields[1:]
+        if len(f) < 5 or f[0] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = f[4].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(f[3])
+        except ValueError:
+            continue
+        if key == want:
+            out.append(LockEntry(pid=pid, write=f[2] == "WRITE", blocked=blocked))
+    return out
+
+
+def read_proc_locks() -> str:
+    # One read: the listing is regenerated between reads, and a line-by-line
+    # read under churn shows phantom double holders.
+    try:
+        fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, _MAX_PROC_LOCKS).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Row:
+    """One line of ``who``."""
+
+    pid: int
+    state: str
+    name: str
+    command: str
+    strategy: str
+    since: float | None
+    child_pid: int | None
+    member: bool  # False: joined without vramlock (flock(1), a C program) or exited
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        data = asdict(self)
+        data["seconds_in_state"] = None if self.since is None else round(now - self.since, 3)
+        return data
+
+
+def _foreign_row(pid: int, state: str) -> Row:
+    comm = _proc_text(pid, "comm")
+    return Row(
+        pid=pid,
+        state=state,
+        name=comm or "(exited)",
+        command=_proc_text(pid, "cmdline"),
+        strategy="-",
+        since=None,
+        child_pid=None,
+        member=False,
+    )
+
+
+def snapshot(arena: Arena) -> list[Row]:
+    """Residents first, then waiters in queue order, then the rest."""
+    text = read_proc_locks()
+
+    def entries(name: str) -> list[LockEntry]:
+        try:
+            st = os.stat(name, dir_fd=arena.dirfd, follow_symlinks=False)
+        except OSError:
+            return []
+        return parse_proc_locks(text, st.st_dev, st.st_ino)
+
+    token, want = entries(TOKEN), entries(WANT)
+    holders = [e.pid for e in token if not e.blocked]
+    queued = [e.pid for e in token if e.blocked]
+    wanting = [e.pid for e in want if not e.write]
+
+    records: dict[int, Record] = {}
+    dirfd = arena.members_dir(create=False)
+    if dirfd is not None:
+        try:
+            for name in _record_files(dirfd):
+                rec = _read_record(dirfd, name)
+                if rec is not None and _alive(rec):
+                    records[rec.pid] = rec
+        finally:
+            os.close(dirfd)
+
+    def row(pid: int, kernel_state: str | None) -> Row:
+        rec = records.pop(pid, None)
+        if rec is None:
+            return _foreign_row(pid, kernel_state or "?")
+        state = rec.state
+        if kernel_state == "resident" and state not in ("resident", "releasing", "restoring"):
+            state = "resident"
+        elif kernel_state == "waiting" and state != "waiting":
+            state = "waiting"
+        return Row(
+            pid=rec.pid,
+            state=state,
+            name=rec.name,
+            command=" ".join(rec.command),
+            strategy=rec.strategy,
+            since=rec.since,
+            child_pid=rec.child_pid,
+            member=True,
+        )
+
+    rows: list[Row] = []
+    seen: set[int] = set()
+    for pid, kstate in [(p, "resident") for p in holders] + [
+        (p, "waiting") for p in queued + wanting
+    ]:
+        if pid not in seen:
+            seen.add(pid)
+            rows.append(row(pid, kstate))
+    rest = sorted(records.values(), key=lambda r: (STATES.index(r.state) if r.state in STATES else 9))
+    rows.extend(row(rec.pid, None) for rec in rest)
+    return rows

@@ -1,0 +1,109 @@
+"""The protocol's two locks: the token (held = resident) and want (held shared = waiting).
+
+Waiter: ``want.lock`` shared (blocking: a probe holds it exclusively for an
+instant), ring, ``token.lock`` exclusive (blocking in the kernel, so waiters are
+queued in order and visible in /proc/locks), then drop ``want.lock``.
+
+Holder: probe ``want.lock`` with ``LOCK_EX|LOCK_NB`` on an open file description
+of its own; failure means somebody waits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import lockfd
+from .arena import TOKEN, WANT, Arena
+
+
+class Token:
+    """``token.lock``: an exclusive flock on it means resident on the GPU."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.fd = lockfd.open_lock_file(
+            arena.dirfd, TOKEN, arena.shown(TOKEN), allowed_owners=arena.allowed_owners
+        )
+        self.held = False
+
+    def acquire(self, timeout: float | None) -> bool:
+        if not lockfd.lock_within(self.fd, exclusive=True, timeout=timeout):
+            return False
+        try:
+            lockfd.check_still_linked(self.arena.dirfd, TOKEN, self.fd, self.arena.shown(TOKEN))
+        except BaseException:
+            lockfd.unlock(self.fd)
+            raise
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        self.held = False
+        lockfd.unlock(self.fd)
+
+    def held_elsewhere(self) -> bool:
+        """True when another open file description holds the token (we must not hold it)."""
+        if lockfd.try_lock(self.fd, exclusive=False):
+            lockfd.unlock(self.fd)
+            return False
+        return True
+
+    def close(self) -> None:
+        lockfd.close(self.fd)
+
+
+class Want:
+    """``want.lock``: the waiter's shared lock, and the holder's probe."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        owners = arena.allowed_owners
+        shown = arena.shown(WANT)
+        self.fd = lockfd.open_lock_file(arena.dirfd, WANT, shown, allowed_owners=owners)
+        # The probe needs an open file description of its own: probing on the
+        # waiter's descriptor would convert our own lock instead of seeing others'.
+        self.probe_fd = lockfd.open_lock_file(arena.dirfd, WANT, shown, allowed_owners=owners)
+        self.holding = False
+
+    def enter(self, timeout: float | None) -> bool:
+        """Say we want the token: take want.lock shared, then ring the holder."""
+        if not lockfd.lock_within(self.fd, exclusive=False, timeout=timeout):
+            return False
+        self.holding = True
+        lockfd.ring(self.arena.dirfd, TOKEN)
+        return True
+
+    def leave(self) -> None:
+        if self.holding:
+            self.holding = False
+            lockfd.unlock(self.fd)
+
+    def probe(self) -> bool:
+        """Does anybody (other than our own ``enter``) want the token?"""
+        if lockfd.try_lock(self.probe_fd, exclusive=True):
+            lockfd.unlock(self.probe_fd)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.leave()
+        lockfd.close(self.fd)
+        lockfd.close(self.probe_fd)
+
+
+def wait_turn(want: Want, token: Token, timeout: float | None, *, wanting: bool = True) -> bool:
+    """Queue for the token as a waiter; True once it is ours, False when ``timeout`` ran out.
+
+    ``wanting=False`` waits passively: residents are not asked to step aside.
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if end is None else max(0.0, end - time.monotonic())
+
+    if wanting and not want.enter(left()):
+        return False
+    try:
+        return token.acquire(left())
+    finally:
+        want.leave()
