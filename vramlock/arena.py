@@ -36,7 +36,7 @@ _REMOTE_FS = {
 def default_gpu() -> int:
     """The GPU index of the default arena: CUDA_VISIBLE_DEVICES when it names one index, else 0."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    return int(visible) if visible.isdigit() else 0
+    return int(visible) if visible.isascii() and visible.isdigit() else 0
 
 
 def default_base() -> str:

@@ -125,7 +125,12 @@ def check_still_linked(dirfd: int, name: str, fd: int, shown: str) -> None:
 
 
 def same_file(fd_a: int, fd_b: int) -> bool:
-    a, b = os.fstat(fd_a), os.fstat(fd_b)
+    """Do both descriptors name one inode? False when ``fd_a`` is not open."""
+    try:
+        a = os.fstat(fd_a)
+    except OSError:
+        return False
+    b = os.fstat(fd_b)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 

@@ -79,12 +79,18 @@ class Member:
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
         """Queue for the token; True once resident, False if ``timeout`` ran out."""
         self._set(State.WAITING)
-        if not wait_turn(self.want, self.token, timeout, wanting=wanting):
+        if not self.take_token(timeout, wanting=wanting):
             self._set(State.RELEASED)
             return False
-        self.resident_since = time.monotonic()
-        self._set(State.RESIDENT)
+        self.resident()
         return True
+
+    def waiting(self) -> None:
+        self._set(State.WAITING)
+
+    def take_token(self, timeout: float | None, *, wanting: bool = True) -> bool:
+        """Only the locking part of ``acquire``: safe from a helper thread (no state change)."""
+        return wait_turn(self.want, self.token, timeout, wanting=wanting)
 
     def restoring(self) -> None:
         """Mark the time between owning the token and being usable again."""

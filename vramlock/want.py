@@ -14,16 +14,27 @@ import time
 
 from . import lockfd
 from .arena import TOKEN, WANT, Arena
+from .errors import UsageError
 
 
 class Token:
     """``token.lock``: an exclusive flock on it means resident on the GPU."""
 
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena, fd: int | None = None) -> None:
+        """Open token.lock, or adopt ``fd``, a descriptor of it opened by our caller
+        (``vramlock wait --fd``: the lock then belongs to the caller's open file description)."""
         self.arena = arena
-        self.fd = lockfd.open_lock_file(
-            arena.dirfd, TOKEN, arena.shown(TOKEN), allowed_owners=arena.allowed_owners
-        )
+        shown = arena.shown(TOKEN)
+        own = lockfd.open_lock_file(arena.dirfd, TOKEN, shown, allowed_owners=arena.allowed_owners)
+        if fd is not None:
+            try:
+                if not lockfd.same_file(fd, own):
+                    raise UsageError(f"--fd {fd}: not an open descriptor of {shown}")
+            finally:
+                lockfd.close(own)
+            lockfd.adopt(fd)
+            own = fd
+        self.fd = own
         self.held = False
 
     def acquire(self, timeout: float | None) -> bool:

@@ -1,0 +1,135 @@
+"""For programs run under ``vramlock run``: give the GPU back when asked.
+
+In a training loop::
+
+    from vramlock import child
+
+    ctl = child.connect()            # None when not run by vramlock
+    for batch in data:
+        step(batch)
+        if ctl:
+            ctl.yield_if_asked(release=offload, restore=reload)
+
+In a server, answer from a thread and ask for the GPU back when work arrives::
+
+    ctl = child.connect()
+    if ctl:
+        ctl.serve(release=offload, restore=reload)     # returns at once
+    ...
+    def handle(request):
+        if ctl:
+            ctl.ensure_resident()                     # says `want`, waits for restore
+        ...
+
+Connecting says ``hello``, which is what makes ``vramlock run --release auto``
+pick the cooperative strategy. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .control import LineChannel, child_socket
+
+
+class ControlLost(RuntimeError):
+    """vramlock went away while we were released: the GPU cannot be ours again."""
+
+
+class Control:
+    """The child's side of the control channel."""
+
+    def __init__(self, channel: LineChannel) -> None:
+        self.channel = channel
+        self.released = False
+        self._pending: list[str] = []
+        self._restored = threading.Event()
+        self._restored.set()
+        self._thread: threading.Thread | None = None
+        # serve(): GPU work done while holding this cannot be released under it.
+        self.lock = threading.RLock()
+        channel.send("hello")
+
+    def _next(self, timeout: float | None) -> str | None:
+        if not self._pending:
+            self._pending = self.channel.wait_lines(timeout)
+        return self._pending.pop(0) if self._pending else None
+
+    def requested(self) -> bool:
+        """Has vramlock asked us to release? Never blocks."""
+        self._pending += self.channel.read_lines()
+        return "release" in self._pending
+
+    def _wait_for(self, word: str) -> None:
+        while True:
+            line = self._next(None)
+            if line == word:
+                return
+            if line is None and self.channel.closed:
+                raise ControlLost("vramlock closed the control channel")
+
+    def yield_if_asked(
+        self,
+        release: Callable[[], object],
+        restore: Callable[[], object],
+        *,
+        want: bool = True,
+    ) -> bool:
+        """If asked: ``release()``, answer, wait for our turn, ``restore()``, answer.
+
+        ``want=True`` asks for the GPU back at once (a batch job); with False the
+        call still blocks until vramlock restores us for another reason.
+        """
+        if not self.requested():
+            return False
+        self._pending.remove("release")
+        release()
+        self.released = True
+        self.channel.send("released")
+        if want:
+            self.channel.send("want")
+        self._wait_for("restore")
+        restore()
+        self.released = False
+        self.channel.send("restored")
+        return True
+
+    def serve(self, release: Callable[[], object], restore: Callable[[], object]) -> None:
+        """Answer release/restore from a daemon thread (returns at once).
+
+        Hold ``self.lock`` around each piece of GPU work: a release waits for it.
+        """
+
+        def loop() -> None:
+            while True:
+                line = self._next(None)
+                if line is None and self.channel.closed:
+                    return
+                with self.lock:
+                    if line == "release" and not self.released:
+                        release()
+                        self.released = True
+                        self._restored.clear()
+                        self.channel.send("released")
+                    elif line == "restore" and self.released:
+                        restore()
+                        self.released = False
+                        self._restored.set()
+                        self.channel.send("restored")
+
+        self._thread = threading.Thread(target=loop, name="vramlock-control", daemon=True)
+        self._thread.start()
+
+    def ensure_resident(self, timeout: float | None = None) -> bool:
+        """While released, say ``want`` and wait until restored; True when resident."""
+        if self._restored.is_set():
+            return True
+        self.channel.send("want")
+        return self._restored.wait(timeout)
+
+
+def connect() -> Control | None:
+    """Join the control channel vramlock gave us, or None when there is none."""
+    sock = child_socket()
+    return None if sock is None else Control(LineChannel(sock))

@@ -1,0 +1,420 @@
+"""The command line. The only module that imports typer or rich.
+
+Errors become one line on stderr and an exit status here, in ``main``, and
+nowhere else. Heavy modules are imported inside the commands that need them,
+so ``vramlock who`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from . import __version__
+from .errors import NotObtained, UsageError, VramlockError
+
+if TYPE_CHECKING:
+    from .roster import Row
+
+app = typer.Typer(
+    name="vramlock",
+    help="Time-share one GPU between always-loaded programs, with kernel file locks only.",
+    no_args_is_help=True,
+    add_completion=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """Seconds from ``2``, ``0.5``, ``250ms``, ``1.5s``, ``2m``, ``1h``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|)\s*", text)
+    if not m:
+        raise UsageError(
+            f"{option}: bad duration {text!r} (seconds, or a number followed by ms, s, m or h)"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _timeout(nonblock: bool, wait: str | None) -> float | None:
+    if nonblock:
+        return 0.0
+    return None if wait is None else parse_duration(wait, "--timeout")
+
+
+ArenaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--arena",
+        metavar="PATH",
+        help="Arena directory (must exist). Default: the --gpu arena, or VRAMLOCK_ARENA.",
+        show_default=False,
+    ),
+]
+GpuOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--gpu",
+        min=0,
+        metavar="N",
+        help="Use GPU N's default arena (default: CUDA_VISIBLE_DEVICES if one index, else 0).",
+        show_default=False,
+    ),
+]
+NonblockOpt = Annotated[
+    bool, typer.Option("-n", "--nonblock", help="Fail at once if the token is not free.")
+]
+TimeoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-w",
+        "--timeout",
+        metavar="SECONDS",
+        help="Give up after SECONDS (fractions and ms/s/m/h suffixes accepted).",
+        show_default=False,
+    ),
+]
+ConflictOpt = Annotated[
+    int,
+    typer.Option(
+        "-E",
+        "--conflict-exit-code",
+        min=0,
+        max=255,
+        metavar="CODE",
+        help="Exit status when the token is not obtained.",
+    ),
+]
+
+
+def _exit_with(err: VramlockError, conflict_code: int) -> None:
+    if isinstance(err, NotObtained):
+        err.exit_status = conflict_code
+    raise err
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False},
+    no_args_is_help=True,
+)
+def run(
+    command: Annotated[
+        list[str],
+        typer.Argument(metavar="-- COMMAND...", help="The command to run and its arguments."),
+    ],
+    nonblock: NonblockOpt = False,
+    wait: TimeoutOpt = None,
+    conflict_exit_code: ConflictOpt = 1,
+    arena: ArenaOpt = None,
+    gpu: GpuOpt = None,
+    name: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="Name shown by who (default: the command's).",
+                     show_default=False),
+    ] = None,
+    release: Annotated[
+        str,
+        typer.Option(
+            metavar="STRATEGY",
+            help="How the command gives the GPU back: auto, signal, none, restart, stop, exec.",
+        ),
+    ] = "auto",
+    demand: Annotated[
+        str,
+        typer.Option(
+            metavar="DEMAND",
+            help="When a released command wants the GPU back: always, child.",
+        ),
+    ] = "always",
+    on_release: Annotated[
+        str | None,
+        typer.Option(metavar="CMD", help="exec strategy: shell command that frees the memory.",
+                     show_default=False),
+    ] = None,
+    on_restore: Annotated[
+        str | None,
+        typer.Option(metavar="CMD", help="exec strategy: shell command that takes it back.",
+                     show_default=False),
+    ] = None,
+    min_hold: Annotated[
+        str,
+        typer.Option(metavar="SECONDS", help="Stay resident at least this long after acquiring."),
+    ] = "100ms",
+    yield_within: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="If a graceful release takes longer, end the command (restarted on its turn).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run COMMAND while it holds the GPU; release it whenever someone else waits."""
+    from .runner import RunOptions
+    from .runner import run as run_command
+
+    opts = RunOptions(
+        command=command,
+        arena=arena,
+        gpu=gpu,
+        name=name,
+        release=release,
+        demand=demand,
+        timeout=_timeout(nonblock, wait),
+        min_hold=parse_duration(min_hold, "--min-hold"),
+        yield_within=None if yield_within is None else parse_duration(
+            yield_within, "--yield-within"
+        ),
+        on_release=on_release,
+        on_restore=on_restore,
+    )
+    try:
+        code = run_command(opts)
+    except NotObtained as err:
+        _exit_with(err, conflict_exit_code)
+    raise typer.Exit(code)
+
+
+@app.command()
+def wait(
+    nonblock: NonblockOpt = False,
+    timeout: TimeoutOpt = None,
+    conflict_exit_code: ConflictOpt = 1,
+    arena: ArenaOpt = None,
+    gpu: GpuOpt = None,
+    free: Annotated[
+        bool,
+        typer.Option("--free", help="Wait passively until the GPU is free; ask nobody to leave."),
+    ] = False,
+    fd: Annotated[
+        int | None,
+        typer.Option(
+            "--fd",
+            min=0,
+            metavar="N",
+            help="Lock the caller's descriptor N of token.lock, so the caller stays resident.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Queue for the GPU (residents step aside) and return once the token is obtained."""
+    from .runner import wait as wait_for_token
+
+    try:
+        wait_for_token(arena, gpu, timeout=_timeout(nonblock, timeout), passive=free, fd=fd)
+    except NotObtained as err:
+        _exit_with(err, conflict_exit_code)
+
+
+def _ago(since: float | None, now: float) -> str:
+    if since is None:
+        return "-"
+    s = max(0.0, now - since)
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "COMMAND")
+
+
+def _cells(row: Row, now: float) -> list[str]:
+    return [
+        row.state,
+        str(row.pid),
+        row.name,
+        row.strategy,
+        _ago(row.since, now),
+        "-" if row.child_pid is None else str(row.child_pid),
+        row.command,
+    ]
+
+
+def _plain(path: str, rows: list[Row], now: float) -> str:
+    lines = [f"arena {path}"]
+    if not rows:
+        lines.append("no members")
+        return "\n".join(lines)
+    table = [list(_COLUMNS)] + [_cells(r, now) for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(len(_COLUMNS) - 1)]
+    for t in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=False)) + "  " + t[-1])
+    return "\n".join(lines)
+
+
+_STYLE = {"resident": "bold green", "releasing": "yellow", "restoring": "yellow",
+          "waiting": "cyan", "released": "dim"}
+
+
+def _rich_table(path: str, rows: list[Row], now: float) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"arena {path}", title_justify="left", expand=False)
+    for col in _COLUMNS:
+        table.add_column(col, overflow="fold" if col == "COMMAND" else "ellipsis")
+    for row in rows:
+        table.add_row(*_cells(row, now), style=_STYLE.get(row.state))
+    if not rows:
+        table.caption = "no members"
+    return table
+
+
+@app.command()
+def who(
+    arena: ArenaOpt = None,
+    gpu: GpuOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every second until Ctrl-C.")] = False,
+) -> None:
+    """Show who is resident, who waits and who is released, from kernel lock state."""
+    from .arena import Arena
+    from .roster import snapshot
+
+    opened = Arena.open(arena, gpu)
+    try:
+        def render() -> tuple[list[Row], float]:
+            return snapshot(opened), time.time()
+
+        def as_text(rows: list[Row], now: float) -> str:
+            if as_json:
+                return json.dumps(
+                    {"arena": opened.path, "members": [r.as_json(now) for r in rows]}, indent=2
+                )
+            return _plain(opened.path, rows, now)
+
+        tty = sys.stdout.isatty() and not as_json
+        if not watch:
+            rows, now = render()
+            if tty:
+                from rich.console import Console
+
+                Console().print(_rich_table(opened.path, rows, now))
+            else:
+                print(as_text(rows, now))
+            return
+        try:
+            if tty:
+                from rich.live import Live
+
+                with Live(_rich_table(opened.path, *render()), auto_refresh=False) as live:
+                    while True:
+                        time.sleep(1.0)
+                        live.update(_rich_table(opened.path, *render()), refresh=True)
+            while True:
+                print(as_text(*render()), flush=True)
+                print(flush=True)
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            return
+    finally:
+        opened.close()
+
+
+@app.command("arena")
+def arena_path(arena: ArenaOpt = None, gpu: GpuOpt = None) -> None:
+    """Print the arena's directory (creating the default one), for shell scripts."""
+    from .arena import Arena
+
+    opened = Arena.open(arena, gpu)
+    print(opened.path)
+    opened.close()
+
+
+@app.command()
+def demo(
+    members: Annotated[int, typer.Option(min=2, max=8, help="Simulated GPU programs.")] = 3,
+    seconds: Annotated[
+        str, typer.Option(metavar="SECONDS", help="How long to run.")
+    ] = "8",
+) -> None:
+    """Simulated GPU programs share a temporary arena; watch the token move. No GPU needed."""
+    from .demo import Demo
+
+    show = Demo(members=members, seconds=parse_duration(seconds, "--seconds"))
+    tty = sys.stdout.isatty()
+    show.start()
+    try:
+        if tty:
+            from rich.console import Group
+            from rich.live import Live
+            from rich.text import Text
+
+            def frame() -> Any:
+                rows, now = show.snapshot(), time.time()
+                strip = Text("token: ")
+                for name in show.timeline(width=60):
+                    strip.append("█" if name else "·", style=show.color(name))
+                legend = Text("  ".join(show.names), style="bold")
+                return Group(_rich_table(show.arena, rows, now), strip, legend)
+
+            with Live(frame(), auto_refresh=False) as live:
+                while show.running():
+                    time.sleep(0.2)
+                    live.update(frame(), refresh=True)
+        else:
+            last = None
+            while show.running():
+                time.sleep(0.05)
+                holder = show.current()
+                if holder != last and holder is not None:
+                    print(f"{show.elapsed():6.2f}s  token -> {holder}", flush=True)
+                    last = holder
+    finally:
+        summary = show.stop()
+    print(summary)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"vramlock {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Time-share one GPU between always-loaded programs, with kernel file locks only."""
+
+
+def _click_exception_class() -> type[BaseException]:
+    # typer has shipped click both vendored and as a dependency; find its base
+    # exception class through a public subclass instead of importing either.
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, map every error to one stderr line and an exit status."""
+    command = typer.main.get_command(app)
+    click_error = _click_exception_class()
+    try:
+        code = command.main(args=argv, prog_name="vramlock", standalone_mode=False)
+    except VramlockError as err:
+        print(f"vramlock: {err}", file=sys.stderr)
+        code = err.exit_status
+    except click_error as err:
+        message = err.format_message()  # type: ignore[attr-defined]
+        print(f"vramlock: {message}", file=sys.stderr)
+        code = getattr(err, "exit_code", 2)
+    except KeyboardInterrupt:
+        code = 130
+    except BrokenPipeError:
+        # `vramlock who | head`: the reader left; say nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.stdout.flush()
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,393 @@
+"""``vramlock run`` and ``vramlock wait``: the wrapper around a command, and the shell's waiter.
+
+The runner takes the token as a waiter *before* it starts the command, then loops:
+probe want.lock while resident, release through the strategy when somebody
+waits, drop the token, come back by ``--demand``. The command inherits the
+token's open file description, so a SIGKILLed runner cannot leave it resident
+without the token: the lock lives as long as the command does.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+
+from . import strategies
+from .arena import Arena
+from .control import ParentEnd
+from .errors import ControlError, NotObtained, StrategyError, UsageError
+from .hint import Hint
+from .member import DEFAULT_MIN_HOLD, Member, State
+from .process import Child, exit_code
+from .want import Token, Want, wait_turn
+
+# How often a resident probes want.lock when no inotify hint wakes it sooner.
+PROBE_INTERVAL = 0.05
+# After a failed release (a hook exited non-zero), stay resident this long before retrying.
+RETRY_AFTER_FAILURE = 1.0
+
+DEMANDS = ("always", "child")
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGWINCH,
+)
+_ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+
+
+def _warn(message: str) -> None:
+    print(f"vramlock: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunOptions:
+    command: list[str]
+    arena: str | None = None
+    gpu: int | None = None
+    name: str | None = None
+    release: str = "auto"
+    demand: str = "always"
+    timeout: float | None = None  # None: wait forever; 0: -n
+    min_hold: float = DEFAULT_MIN_HOLD
+    yield_within: float | None = None
+    on_release: str | None = None
+    on_restore: str | None = None
+    warn: Callable[[str], None] = field(default=_warn)
+
+    def check(self) -> None:
+        """Reject option mixes that cannot work, before anything is locked or started."""
+        if not self.command:
+            raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
+        hooks = self.on_release is not None or self.on_restore is not None
+        if hooks and self.release == "auto":
+            self.release = "exec"
+        if self.release not in strategies.NAMES:
+            raise StrategyError(
+                f"unknown release strategy {self.release!r}"
+                f" (choose from {', '.join(strategies.NAMES)})"
+            )
+        if self.demand not in DEMANDS:
+            raise StrategyError(
+                f"unknown demand {self.demand!r} (choose from {', '.join(DEMANDS)})"
+            )
+        if hooks and self.release != "exec":
+            raise UsageError("--on-release/--on-restore need --release exec")
+        if self.release == "exec" and self.on_release is None:
+            raise UsageError("--release exec needs --on-release COMMAND")
+
+
+class _Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated(signum)
+
+
+class Runner:
+    """One ``vramlock run``."""
+
+    def __init__(self, opts: RunOptions) -> None:
+        self.opts = opts
+        self.arena: Arena | None = None
+        self.member: Member | None = None
+        self.pending_signal: int | None = None
+        self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._acquiring: threading.Thread | None = None
+        self._acquire_error: BaseException | None = None
+        self._retry_at = 0.0
+
+    # -- setup -----------------------------------------------------------------
+
+    def run(self) -> int:
+        opts = self.opts
+        opts.check()
+        old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self.arena = Arena.open(opts.arena, opts.gpu)
+            self.member = Member(
+                self.arena,
+                name=opts.name,
+                min_hold=opts.min_hold,
+                command=opts.command,
+                strategy=opts.release,
+            )
+            if not self.member.acquire(opts.timeout):
+                raise NotObtained(opts.timeout or 0.0)
+        except _Terminated as t:
+            self._close()
+            return 128 + t.signum
+        except KeyboardInterrupt:
+            self._close()
+            return 128 + signal.SIGINT
+        except BaseException:
+            self._close()
+            raise
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        try:
+            return self._supervise()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        assert self.member is not None and self.arena is not None
+        member, opts = self.member, self.opts
+        control = ParentEnd()
+        env = dict(os.environ)
+        env.update(control.child_env(member.token.fd))
+        env["VRAMLOCK_ARENA"] = self.arena.path
+        try:
+            child = Child(opts.command, env, (control.child_fd, member.token.fd))
+        except BaseException:
+            control.close()
+            raise
+        self.child = child
+        ctx = strategies.Context(
+            child=child,
+            control=control,
+            yield_within=opts.yield_within,
+            on_release=opts.on_release,
+            on_restore=opts.on_restore,
+        )
+        self.ctx = ctx
+        self.strategy = strategies.pick(opts.release, ctx)
+        self._describe()
+        hint = Hint(self.arena.dirfd)
+        old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        try:
+            status = self._loop(hint)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            signal.set_wakeup_fd(old_wakeup)
+            hint.close()
+            if member.token.held:
+                # Explicitly: the command's descendants may still share this
+                # open file description, and must not keep the token.
+                member.token.release()
+            control.close()
+            child.close()
+        return status
+
+    def _describe(self) -> None:
+        assert self.member is not None
+        name = self.strategy.name
+        if self.opts.release == "auto":
+            name = f"auto:{name}"
+        self.member.describe(strategy=name, child_pid=self.child.pid)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.child.status is None and not self.strategy.killed:
+            self.child.signal_group(signum)
+            if signum in _ENDING:
+                self.child.signal_group(signal.SIGCONT)  # a stopped command must see it
+        if signum in _ENDING:
+            self.pending_signal = signum
+
+    def _child_gone(self) -> int | None:
+        if self.strategy.killed:
+            return None
+        return self.child.poll()
+
+    def _loop(self, hint: Hint) -> int:
+        assert self.member is not None
+        member, ctx = self.member, self.ctx
+        while True:
+            status = self._child_gone()
+            if status is not None:
+                return exit_code(status)
+            if self.strategy.killed and self.pending_signal is not None:
+                return 128 + self.pending_signal  # nothing is running to pass it to
+
+            ctx.take_lines(ctx.control.read_lines())
+            upgraded = strategies.upgrade(self.strategy, self.opts.release, ctx)
+            if upgraded is not self.strategy:
+                self.strategy = upgraded
+                self._describe()
+
+            timeout: float | None = None
+            watch = [self._wake_r]
+            if self.child.pidfd is not None and not self.strategy.killed:
+                watch.append(self.child.pidfd)
+            elif not self.strategy.killed:
+                timeout = PROBE_INTERVAL
+            if not ctx.control.closed:
+                watch.append(ctx.control.fileno())
+
+            if member.state is State.RESIDENT and self.strategy.releases:
+                now = time.monotonic()
+                if now >= self._retry_at and member.should_release():
+                    status = self._release()
+                    if status is not None:
+                        return status
+                    continue
+                if hint.fd is not None:
+                    watch.append(hint.fd)
+                hold_left = member.resident_since + member.min_hold - now
+                timeout = PROBE_INTERVAL if hold_left <= 0 else min(PROBE_INTERVAL, hold_left)
+                if self._retry_at > now:
+                    timeout = min(timeout, self._retry_at - now)
+            elif member.state is State.RELEASED:
+                if self.opts.demand == "always" or ctx.wants:
+                    self._start_acquire()
+                    continue
+            elif member.state is State.WAITING:
+                watch.append(self._acquired_r)
+                if self._acquired():
+                    status = self._restore()
+                    if status is not None:
+                        return status
+                    continue
+
+            self._wait(watch, timeout)
+            hint.drain()
+
+    def _wait(self, fds: list[int], timeout: float | None) -> None:
+        try:
+            select.select(fds, [], [], timeout)
+        except InterruptedError:
+            pass
+        _drain(self._wake_r)
+
+    # -- transitions -------------------------------------------------------------
+
+    def _release(self) -> int | None:
+        """RESIDENT -> RELEASED. Returns an exit status if the command ended meanwhile."""
+        assert self.member is not None
+        member = self.member
+        member.releasing()
+        y = self.opts.yield_within
+        deadline = None if y is None else time.monotonic() + y
+        try:
+            self.strategy.release(deadline)
+        except strategies.ReleaseTimeout:
+            self.opts.warn(
+                f"{self.strategy.name} release did not finish within {y:g} s;"
+                " ending the command (it is started again on its turn)"
+            )
+            self.strategy.force()
+        except strategies.ChildExited:
+            return exit_code(self.child.poll() or 0)
+        except ControlError as err:
+            self.opts.warn(f"{err}; holding the GPU until it exits")
+            self.strategy = strategies.NoneStrategy(self.ctx)
+            self._describe()
+            member.resident()
+            return None
+        except StrategyError as err:
+            self.opts.warn(f"release failed: {err}; staying resident")
+            self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
+            member.resident()
+            return None
+        member.release()
+        return None
+
+    def _start_acquire(self) -> None:
+        assert self.member is not None
+        member = self.member
+        member.wait_polite()
+        _drain(self._acquired_r)
+        member.waiting()
+        self._acquire_error = None
+
+        # Blocking in the kernel's queue from a thread keeps the main loop free to
+        # forward signals and notice the command's exit. The thread only locks;
+        # every change of state happens here, in the loop.
+        def acquire() -> None:
+            try:
+                member.take_token(None)
+            except BaseException as err:  # surfaced by the loop in _restore
+                self._acquire_error = err
+            os.write(self._acquired_w, b"!")
+
+        self._acquiring = threading.Thread(target=acquire, name="vramlock-acquire", daemon=True)
+        self._acquiring.start()
+
+    def _acquired(self) -> bool:
+        return self._acquiring is not None and not self._acquiring.is_alive()
+
+    def _restore(self) -> int | None:
+        assert self.member is not None
+        member = self.member
+        self._acquiring = None
+        if self._acquire_error is not None:
+            raise self._acquire_error
+        member.restoring()
+        try:
+            self.strategy.restore()
+        except strategies.ChildExited:
+            return exit_code(self.child.poll() or 0)
+        except (ControlError, StrategyError) as err:
+            self.opts.warn(f"restore: {err}")
+        if self.strategy.name == "restart" or self.child.pid != self.member.records.record.child_pid:
+            self._describe()
+        member.resident()
+        self.ctx.wants = False
+        return None
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def run(opts: RunOptions) -> int:
+    """``vramlock run``: the command's exit status (128+N if killed by signal N)."""
+    return Runner(opts).run()
+
+
+def wait(
+    arena: str | None = None,
+    gpu: int | None = None,
+    *,
+    timeout: float | None = None,
+    passive: bool = False,
+    fd: int | None = None,
+) -> None:
+    """``vramlock wait``: queue as a waiter (residents step aside) until the token is ours.
+
+    Without ``fd`` the token is dropped again when this returns. With ``fd`` the
+    lock is taken on that descriptor's open file description (the calling
+    shell's), so it stays held after we exit. Raises NotObtained.
+    """
+    opened = Arena.open(arena, gpu)
+    try:
+        token = Token(opened, fd=fd)
+        want = Want(opened)
+        try:
+            if not wait_turn(want, token, timeout, wanting=not passive):
+                raise NotObtained(timeout or 0.0)
+        finally:
+            want.close()
+            token.close()  # closing our copy of a shell's descriptor keeps its lock
+    finally:
+        opened.close()
