@@ -8,6 +8,7 @@ never deleted, and a ``members/`` directory of self-description records that
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -155,10 +156,8 @@ class Arena:
     def members_dir(self, create: bool) -> int | None:
         """A descriptor of ``members/``, or None when there is none we may use."""
         if create:
-            try:
+            with contextlib.suppress(OSError):
                 os.mkdir(MEMBERS, 0o755, dir_fd=self.dirfd)
-            except OSError:
-                pass
         try:
             fd = os.open(
                 MEMBERS,

@@ -118,8 +118,9 @@ def run(
     gpu: GpuOpt = None,
     name: Annotated[
         str | None,
-        typer.Option(metavar="NAME", help="Name shown by who (default: the command's).",
-                     show_default=False),
+        typer.Option(
+            metavar="NAME", help="Name shown by who (default: the command's).", show_default=False
+        ),
     ] = None,
     release: Annotated[
         str,
@@ -137,13 +138,19 @@ def run(
     ] = "always",
     on_release: Annotated[
         str | None,
-        typer.Option(metavar="CMD", help="exec strategy: shell command that frees the memory.",
-                     show_default=False),
+        typer.Option(
+            metavar="CMD",
+            help="exec strategy: shell command that frees the memory.",
+            show_default=False,
+        ),
     ] = None,
     on_restore: Annotated[
         str | None,
-        typer.Option(metavar="CMD", help="exec strategy: shell command that takes it back.",
-                     show_default=False),
+        typer.Option(
+            metavar="CMD",
+            help="exec strategy: shell command that takes it back.",
+            show_default=False,
+        ),
     ] = None,
     min_hold: Annotated[
         str,
@@ -171,9 +178,9 @@ def run(
         demand=demand,
         timeout=_timeout(nonblock, wait),
         min_hold=parse_duration(min_hold, "--min-hold"),
-        yield_within=None if yield_within is None else parse_duration(
-            yield_within, "--yield-within"
-        ),
+        yield_within=None
+        if yield_within is None
+        else parse_duration(yield_within, "--yield-within"),
         on_release=on_release,
         on_restore=on_restore,
     )
@@ -253,8 +260,13 @@ def _plain(path: str, rows: list[Row], now: float) -> str:
     return "\n".join(lines)
 
 
-_STYLE = {"resident": "bold green", "releasing": "yellow", "restoring": "yellow",
-          "waiting": "cyan", "released": "dim"}
+_STYLE = {
+    "resident": "bold green",
+    "releasing": "yellow",
+    "restoring": "yellow",
+    "waiting": "cyan",
+    "released": "dim",
+}
 
 
 def _rich_table(path: str, rows: list[Row], now: float) -> Any:
@@ -275,7 +287,9 @@ def who(
     arena: ArenaOpt = None,
     gpu: GpuOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh every second until Ctrl-C.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh every second until Ctrl-C.")
+    ] = False,
 ) -> None:
     """Show who is resident, who waits and who is released, from kernel lock state."""
     from .arena import Arena
@@ -283,6 +297,7 @@ def who(
 
     opened = Arena.open(arena, gpu)
     try:
+
         def render() -> tuple[list[Row], float]:
             return snapshot(opened), time.time()
 
@@ -334,9 +349,7 @@ def arena_path(arena: ArenaOpt = None, gpu: GpuOpt = None) -> None:
 @app.command()
 def demo(
     members: Annotated[int, typer.Option(min=2, max=8, help="Simulated GPU programs.")] = 3,
-    seconds: Annotated[
-        str, typer.Option(metavar="SECONDS", help="How long to run.")
-    ] = "8",
+    seconds: Annotated[str, typer.Option(metavar="SECONDS", help="How long to run.")] = "8",
 ) -> None:
     """Simulated GPU programs share a temporary arena; watch the token move. No GPU needed."""
     from .demo import Demo

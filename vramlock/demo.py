@@ -164,8 +164,7 @@ class Demo:
                 " (one program's memory freed -> the next one starts loading)"
             )
         lines.append(
-            "GPU share: "
-            + ", ".join(f"{n} {resident[n] / total:.0%}" for n in self.names)
+            "GPU share: " + ", ".join(f"{n} {resident[n] / total:.0%}" for n in self.names)
         )
         bad = [c for c in codes if c not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         if bad:

@@ -8,6 +8,7 @@ path-opening ``Lock`` class (it follows symlinks and polls).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -44,10 +45,8 @@ _OWNED_GUARD = threading.Lock()
 
 def _close_inherited() -> None:
     for fd in list(_OWNED):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _OWNED.clear()
 
 
@@ -121,7 +120,9 @@ def check_still_linked(dirfd: int, name: str, fd: int, shown: str) -> None:
     except OSError:
         now = None
     if st.st_nlink == 0 or now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-        raise ArenaError(shown, "was removed or replaced while we locked it; never delete lock files")
+        raise ArenaError(
+            shown, "was removed or replaced while we locked it; never delete lock files"
+        )
 
 
 def same_file(fd_a: int, fd_b: int) -> bool:
@@ -154,7 +155,7 @@ def try_lock(fd: int, *, exclusive: bool) -> bool:
 
 
 def lock(fd: int, *, exclusive: bool) -> None:
-    """Block in the kernel until the lock is granted (kernel queue order, visible in /proc/locks)."""
+    """Block in the kernel until granted: kernel queue order, visible in /proc/locks."""
     try:
         _LOCKER.lock(fd, _flags(exclusive, blocking=True))
     except plexc.LockException as exc:
@@ -239,7 +240,5 @@ def ring(dirfd: int, name: str) -> None:
     Only a hint; holders decide from the want.lock probe. Opened read-only with
     the same no-follow, no-block flags, and never locked.
     """
-    try:
+    with contextlib.suppress(OSError):
         os.close(os.open(name, _OPEN_FLAGS | os.O_RDONLY, dir_fd=dirfd))
-    except OSError:
-        pass

@@ -133,9 +133,7 @@ class Member:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
-    def yield_if_wanted(
-        self, release: Callable[[], object], restore: Callable[[], object]
-    ) -> bool:
+    def yield_if_wanted(self, release: Callable[[], object], restore: Callable[[], object]) -> bool:
         """If somebody waits (and ``min_hold`` has passed): release, step aside, come back.
 
         ``release`` must free this program's GPU memory; ``restore`` brings it back.

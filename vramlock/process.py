@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -95,10 +96,8 @@ class Child:
         return self.status
 
     def signal_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def terminate(self, grace: float) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds, reap the leader."""

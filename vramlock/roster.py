@@ -10,6 +10,7 @@ This module must stay cheap to import: ``who`` uses it without the lock layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -125,10 +126,8 @@ class RecordWriter:
     def close(self) -> None:
         if self.dirfd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.name, dir_fd=self.dirfd)
-        except OSError:
-            pass
         os.close(self.dirfd)
         self.dirfd = None
 
@@ -300,6 +299,6 @@ def snapshot(arena: Arena) -> list[Row]:
         if pid not in seen:
             seen.add(pid)
             rows.append(row(pid, kstate))
-    rest = sorted(records.values(), key=lambda r: (STATES.index(r.state) if r.state in STATES else 9))
+    rest = sorted(records.values(), key=lambda r: STATES.index(r.state) if r.state in STATES else 9)
     rows.extend(row(rec.pid, None) for rec in rest)
     return rows

@@ -9,6 +9,7 @@ without the token: the lock lives as long as the command does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -269,10 +270,8 @@ class Runner:
             hint.drain()
 
     def _wait(self, fds: list[int], timeout: float | None) -> None:
-        try:
+        with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
-        except InterruptedError:
-            pass
         _drain(self._wake_r)
 
     # -- transitions -------------------------------------------------------------
@@ -345,7 +344,10 @@ class Runner:
             return exit_code(self.child.poll() or 0)
         except (ControlError, StrategyError) as err:
             self.opts.warn(f"restore: {err}")
-        if self.strategy.name == "restart" or self.child.pid != self.member.records.record.child_pid:
+        if (
+            self.strategy.name == "restart"
+            or self.child.pid != self.member.records.record.child_pid
+        ):
             self._describe()
         member.resident()
         self.ctx.wants = False
