@@ -338,12 +338,17 @@ def who(
 
 @app.command("arena")
 def arena_path(arena: ArenaOpt = None, gpu: GpuOpt = None) -> None:
-    """Print the arena's directory (creating the default one), for shell scripts."""
+    """Print the arena's directory, with its lock files created, for shell scripts."""
     from .arena import Arena
+    from .want import Token, Want
 
     opened = Arena.open(arena, gpu)
-    print(opened.path)
-    opened.close()
+    try:
+        Token(opened).close()
+        Want(opened).close()
+        print(opened.path)
+    finally:
+        opened.close()
 
 
 @app.command()

@@ -44,6 +44,8 @@ class Child:
             )
         except OSError as err:
             raise self._spawn_error(err) from None
+        except ValueError:  # posix_spawnp refuses an empty program name (execvp: ENOENT)
+            raise CommandNotFound(repr(self.argv[0]), "command not found") from None
         finally:
             for fd in self.pass_fds:
                 os.set_inheritable(fd, False)

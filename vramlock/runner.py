@@ -98,20 +98,15 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 
 class Runner:
-    """One ``vramlock run``."""
+    """One ``vramlock run``: take the token, start the command, hand over to a Supervisor."""
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
         self.arena: Arena | None = None
         self.member: Member | None = None
-        self.pending_signal: int | None = None
-        self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._acquiring: threading.Thread | None = None
-        self._acquire_error: BaseException | None = None
-        self._retry_at = 0.0
-
-    # -- setup -----------------------------------------------------------------
+        self._supervisor: Supervisor | None = None
+        self._early_signals: list[int] = []
 
     def run(self) -> int:
         opts = self.opts
@@ -141,7 +136,7 @@ class Runner:
             for s, h in old.items():
                 signal.signal(s, h)
         try:
-            return self._supervise()
+            return self._supervise(self.arena, self.member)
         finally:
             self._close()
 
@@ -152,37 +147,34 @@ class Runner:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
-    # -- the loop ----------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._supervisor is None:
+            self._early_signals.append(signum)  # the command is being started
+        else:
+            self._supervisor.on_signal(signum)
 
-    def _supervise(self) -> int:
-        assert self.member is not None and self.arena is not None
-        member, opts = self.member, self.opts
+    def _supervise(self, arena: Arena, member: Member) -> int:
+        opts = self.opts
         control = ParentEnd()
         env = dict(os.environ)
         env.update(control.child_env(member.token.fd))
-        env["VRAMLOCK_ARENA"] = self.arena.path
-        try:
-            child = Child(opts.command, env, (control.child_fd, member.token.fd))
-        except BaseException:
-            control.close()
-            raise
-        self.child = child
-        ctx = strategies.Context(
-            child=child,
-            control=control,
-            yield_within=opts.yield_within,
-            on_release=opts.on_release,
-            on_restore=opts.on_restore,
-        )
-        self.ctx = ctx
-        self.strategy = strategies.pick(opts.release, ctx)
-        self._describe()
-        hint = Hint(self.arena.dirfd)
+        env["VRAMLOCK_ARENA"] = arena.path
+        # Handlers first: a signal that arrives while the command starts must be
+        # passed on, not kill us with the default action.
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        hint = Hint(arena.dirfd)
+        child: Child | None = None
         try:
-            status = self._loop(hint)
+            child = Child(opts.command, env, (control.child_fd, member.token.fd))
+            sup = Supervisor(opts, member, child, control, self._wake_r)
+            self._supervisor = sup
+            for signum in self._early_signals:
+                sup.on_signal(signum)
+            return sup.loop(hint)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
@@ -193,17 +185,42 @@ class Runner:
                 # open file description, and must not keep the token.
                 member.token.release()
             control.close()
-            child.close()
-        return status
+            if child is not None:
+                child.close()
+
+
+class Supervisor:
+    """The loop around a running command: probe, release, re-queue, restore."""
+
+    def __init__(
+        self, opts: RunOptions, member: Member, child: Child, control: ParentEnd, wake_r: int
+    ) -> None:
+        self.opts = opts
+        self.member = member
+        self.child = child
+        self.ctx = strategies.Context(
+            child=child,
+            control=control,
+            yield_within=opts.yield_within,
+            on_release=opts.on_release,
+            on_restore=opts.on_restore,
+        )
+        self.strategy = strategies.pick(opts.release, self.ctx)
+        self.pending_signal: int | None = None
+        self._wake_r = wake_r
+        self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._acquiring: threading.Thread | None = None
+        self._acquire_error: BaseException | None = None
+        self._retry_at = 0.0
+        self._describe()
 
     def _describe(self) -> None:
-        assert self.member is not None
         name = self.strategy.name
         if self.opts.release == "auto":
             name = f"auto:{name}"
         self.member.describe(strategy=name, child_pid=self.child.pid)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def on_signal(self, signum: int) -> None:
         if self.child.status is None and not self.strategy.killed:
             self.child.signal_group(signum)
             if signum in _ENDING:
@@ -216,8 +233,7 @@ class Runner:
             return None
         return self.child.poll()
 
-    def _loop(self, hint: Hint) -> int:
-        assert self.member is not None
+    def loop(self, hint: Hint) -> int:
         member, ctx = self.member, self.ctx
         while True:
             status = self._child_gone()
@@ -278,7 +294,6 @@ class Runner:
 
     def _release(self) -> int | None:
         """RESIDENT -> RELEASED. Returns an exit status if the command ended meanwhile."""
-        assert self.member is not None
         member = self.member
         member.releasing()
         y = self.opts.yield_within
@@ -308,7 +323,6 @@ class Runner:
         return None
 
     def _start_acquire(self) -> None:
-        assert self.member is not None
         member = self.member
         member.wait_polite()
         _drain(self._acquired_r)
@@ -332,7 +346,6 @@ class Runner:
         return self._acquiring is not None and not self._acquiring.is_alive()
 
     def _restore(self) -> int | None:
-        assert self.member is not None
         member = self.member
         self._acquiring = None
         if self._acquire_error is not None:

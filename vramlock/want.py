@@ -90,7 +90,7 @@ class Want:
             lockfd.unlock(self.fd)
 
     def probe(self) -> bool:
-        """Does anybody (other than our own ``enter``) want the token?"""
+        """Does anybody wait for the token? (Holders have left want.lock, so it is never us.)"""
         if lockfd.try_lock(self.probe_fd, exclusive=True):
             lockfd.unlock(self.probe_fd)
             return False

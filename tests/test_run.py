@@ -1,0 +1,388 @@
+"""``vramlock run`` / ``wait`` / ``who`` end to end, with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, Spawn, kill_group, vramlock, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from vramlock import child
+    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    name = sys.argv[2]
+    def note(what):
+        os.write(log, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    ctl = child.connect()
+    note("start" if ctl else "no-control")
+    want = os.environ.get("WORKER_WANT", "1") == "1"
+    while True:
+        time.sleep(0.005)
+        if ctl and ctl.requested() and os.environ.get("WORKER_DEAF"):
+            continue
+        if ctl:
+            ctl.yield_if_asked(lambda: note("release"), lambda: note("restore"), want=want)
+    """
+)
+
+
+def events(log: Path) -> list[tuple[float, str, str]]:
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        t, name, what = line.split()
+        out.append((float(t), name, what))
+    return out
+
+
+def whats(log: Path, name: str) -> list[str]:
+    return [w for _, n, w in events(log) if n == name]
+
+
+def who(arena: Path) -> list[dict[str, object]]:
+    out = subprocess.run(
+        vramlock("who", "--arena", str(arena), "--json"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    members: list[dict[str, object]] = json.loads(out)["members"]
+    return members
+
+
+def token_free(arena: Path) -> bool:
+    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
+    return probe.returncode == 0
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def test_sleep_serialises_with_another_run(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    stamp = tmp_path / "stamps"
+    job = f"echo start $(date +%s.%N) >> {stamp}; sleep 0.4; echo end $(date +%s.%N) >> {stamp}"
+    a = spawn(vramlock("run", "--arena", str(arena), "--", "sh", "-c", job))
+    wait_until(lambda: stamp.exists())
+    b = spawn(vramlock("run", "--arena", str(arena), "--", "sh", "-c", job))
+    assert a.wait(30) == 0 and b.wait(30) == 0
+    lines = [ln.split() for ln in stamp.read_text().splitlines()]
+    assert [w for w, _ in lines] == ["start", "end", "start", "end"]
+    assert float(lines[1][1]) <= float(lines[2][1])
+
+
+def test_shell_script_and_flock1_contention(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    """`none` (the default for a plain script) holds until exit; flock(1) waits for it."""
+    order = tmp_path / "order"
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\necho working\nsleep 0.5\necho script >> {order}\n")
+    script.chmod(0o755)
+    job = spawn(vramlock("run", "--arena", str(arena), "--name", "script", "--", str(script)))
+    assert job.stdout is not None and job.stdout.readline().strip() == "working"
+    rows = who(arena)
+    assert rows[0]["name"] == "script" and rows[0]["strategy"] == "auto:none"
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", f"echo shell >> {order}"],
+        timeout=30,
+    )  # fmt: skip
+    assert shell.returncode == 0
+    assert job.wait(10) == 0  # the script was never interrupted
+    assert order.read_text().split() == ["script", "shell"]
+
+
+def test_python_child_steps_aside_for_flock1(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
+                 str(worker), str(log), "py")
+    )  # fmt: skip
+    wait_until(lambda: whats(log, "py") == ["start"])
+    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", f"echo $(cat /proc/uptime) >/dev/null; echo shell-got-it"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert shell.stdout.strip() == "shell-got-it"
+    wait_until(lambda: whats(log, "py") == ["start", "release", "restore"])
+    assert job.poll() is None
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(10) == 128 + signal.SIGTERM
+
+
+def test_two_cooperative_runs_take_turns(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    for name in ("a", "b"):
+        spawn(
+            vramlock("run", "--arena", str(arena), "--release", "signal", "--min-hold", "50ms",
+                     "--name", name, "--", sys.executable, str(worker), str(log), name)
+        )  # fmt: skip
+    wait_until(lambda: whats(log, "a").count("restore") >= 3 and whats(log, "b").count("restore") >= 3)
+    # Residency intervals never overlap: start/restore opens one, release closes it.
+    holder = None
+    for _, name, what in events(log):
+        if what in ("start", "restore"):
+            assert holder is None, f"{name} became resident while {holder} was"
+            holder = name
+        elif what == "release":
+            assert holder == name
+            holder = None
+
+
+def test_sigkilled_runner_leaves_token_with_child(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    marker = tmp_path / "child-started"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--", "sh", "-c",
+                 f"touch {marker}; sleep 1.5; echo done")
+    )  # fmt: skip
+    wait_until(marker.exists)
+    job.send_signal(signal.SIGKILL)
+    job.wait(10)
+    # The command is still running and still resident: the token is held.
+    assert not token_free(arena)
+    wait_ = subprocess.run(vramlock("wait", "--arena", str(arena), "-n"), timeout=30)
+    assert wait_.returncode == 1
+    wait_until(lambda: token_free(arena), timeout=10)
+
+
+def test_signals_are_forwarded_to_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    got = tmp_path / "got"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--", "sh", "-c",
+                 f"trap 'echo usr1 >> {got}' USR1; trap 'echo term >> {got}; exit 7' TERM;"
+                 f" echo ready; while :; do sleep 0.01; done")
+    )  # fmt: skip
+    assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+    job.send_signal(signal.SIGUSR1)
+    wait_until(lambda: got.exists() and "usr1" in got.read_text())
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(10) == 7
+    assert got.read_text().split() == ["usr1", "term"]
+    assert token_free(arena)
+
+
+def test_restart_reaps_before_dropping_the_token(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
+                 "--", "sh", "-c", f"echo $$ >> {pids}; exec sleep 60")
+    )  # fmt: skip
+    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 1)
+    first = int(pids.read_text().split()[0])
+    check = (
+        f"import os; p={first}\n"
+        "try:\n    os.kill(p, 0); print('alive')\nexcept ProcessLookupError:\n    print('gone')\n"
+    )
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         sys.executable, "-c", check],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert shell.stdout.strip() == "gone"
+    wait_until(lambda: len(pids.read_text().split()) == 2)
+    assert job.poll() is None
+    assert who(arena)[0]["child_pid"] == int(pids.read_text().split()[1])
+
+
+def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    ticks = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", "sh", "-c", f"while :; do echo x >> {ticks}; sleep 0.01; done")
+    )  # fmt: skip
+    wait_until(lambda: ticks.exists())
+    count = (
+        f"import time; n=len(open({str(ticks)!r}).read()); time.sleep(0.3);"
+        f" print(len(open({str(ticks)!r}).read()) - n)"
+    )
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         sys.executable, "-c", count],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert shell.stdout.strip() == "0"  # no tick while the other one held the GPU
+    size = len(ticks.read_text())
+    wait_until(lambda: len(ticks.read_text()) > size)  # continued afterwards
+    assert job.poll() is None
+
+
+def test_exec_hooks_run_in_order(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    log = tmp_path / "hooks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0",
+                 "--on-release", f"echo release $VRAMLOCK_CHILD_PID >> {log}",
+                 "--on-restore", f"echo restore $VRAMLOCK_CHILD_PID >> {log}",
+                 "--", "sleep", "60")
+    )  # fmt: skip
+    wait_until(lambda: who(arena) and who(arena)[0]["strategy"] == "exec")
+    child = who(arena)[0]["child_pid"]
+    subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "true"],
+        timeout=30, check=True,
+    )  # fmt: skip
+    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2)
+    assert log.read_text().split() == ["release", str(child), "restore", str(child)]
+    assert job.poll() is None
+
+
+def test_failing_release_hook_keeps_the_command_resident(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--on-release", "exit 3",
+                 "--", "sleep", "60")
+    )  # fmt: skip
+    wait_until(lambda: who(arena) and who(arena)[0]["state"] == "resident")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
+    assert waiter.returncode == 1
+    kill_group(job)
+    assert job.stderr is not None
+    err = job.stderr.read()
+    assert "release failed: --on-release command exited with status 3; staying resident" in err
+
+
+def test_demand_child_waits_for_want(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    env = dict(os.environ, WORKER_WANT="0")
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--demand", "child", "--min-hold", "0",
+                 "--", sys.executable, str(worker), str(log), "lazy"),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: whats(log, "lazy") == ["start"])
+    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
+    wait_until(lambda: whats(log, "lazy") == ["start", "release"])
+    wait_until(lambda: who(arena)[0]["state"] == "released")
+    assert token_free(arena)  # it did not come back: the child never said want
+    assert job.poll() is None
+
+
+def test_yield_within_ends_a_deaf_command_and_restarts_it(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    env = dict(os.environ, WORKER_DEAF="1")
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "signal", "--yield-within", "0.3",
+                 "--min-hold", "0", "--", sys.executable, str(worker), str(log), "deaf"),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: whats(log, "deaf") == ["start"])
+    started = time.monotonic()
+    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
+    assert time.monotonic() - started >= 0.3
+    wait_until(lambda: whats(log, "deaf") == ["start", "start"])  # relaunched on its turn
+    assert job.poll() is None
+    assert job.stderr is not None
+    kill_group(job)
+    assert "did not finish within 0.3 s" in job.stderr.read()
+
+
+def test_wait_fd_keeps_the_shell_resident(arena: Path) -> None:
+    script = (
+        f'{sys.executable} -m vramlock arena --arena "{arena}" >/dev/null || exit 9\n'
+        f'exec 9<"{arena}/token.lock"\n'
+        f'{sys.executable} -m vramlock wait --arena "{arena}" --fd 9 || exit 10\n'
+        f'flock -n -x "{arena}/token.lock" true && exit 11\n'
+        "exec 9<&-\n"
+        f'flock -n -x "{arena}/token.lock" true || exit 12\n'
+    )
+    result = subprocess.run(["bash", "-c", script], timeout=30)
+    assert result.returncode == 0
+
+
+def test_wait_free_asks_nobody_to_leave(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
+                 str(worker), str(log), "busy")
+    )  # fmt: skip
+    wait_until(lambda: whats(log, "busy") == ["start"])
+    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    passive = subprocess.run(
+        vramlock("wait", "--arena", str(arena), "--free", "-w", "0.5"), timeout=30
+    )
+    assert passive.returncode == 1
+    assert whats(log, "busy") == ["start"]
+
+
+def test_who_plain_text_and_json(arena: Path, spawn: Spawn) -> None:
+    spawn(vramlock("run", "--arena", str(arena), "--name", "sleeper", "--", "sleep", "30"))
+    wait_until(lambda: who(arena) and who(arena)[0]["state"] == "resident")
+    spawn(vramlock("run", "--arena", str(arena), "--name", "second", "--", "true"))
+    wait_until(lambda: len(who(arena)) == 2)
+    rows = who(arena)
+    assert [(r["name"], r["state"]) for r in rows] == [("sleeper", "resident"), ("second", "waiting")]
+    plain = subprocess.run(
+        vramlock("who", "--arena", str(arena)), capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()
+    assert plain[0] == f"arena {arena}"
+    assert plain[1].split()[:3] == ["STATE", "PID", "NAME"]
+    assert plain[2].split()[0] == "resident" and "sleeper" in plain[2]
+    assert plain[3].split()[0] == "waiting" and "second" in plain[3]
+
+
+def test_who_empty_arena(arena: Path) -> None:
+    out = subprocess.run(
+        vramlock("who", "--arena", str(arena)), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0
+    assert out.stdout.splitlines() == [f"arena {arena}", "no members"]
+
+
+def test_default_arena_follows_xdg_runtime_dir_and_gpu() -> None:
+    runtime = os.environ["XDG_RUNTIME_DIR"]
+    out = subprocess.run(vramlock("arena", "--gpu", "3"), capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    assert out.stdout.strip() == f"{runtime}/vramlock/gpu3"
+    assert os.stat(f"{runtime}/vramlock/gpu3").st_mode & 0o777 == 0o700
+
+
+def test_core_imports_neither_typer_nor_rich() -> None:
+    code = (
+        "import sys\n"
+        "import vramlock, vramlock.member, vramlock.runner, vramlock.child, vramlock.roster\n"
+        "import vramlock.demo, vramlock.strategies\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'click'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, cwd=ROOT)  # fmt: skip
+    assert out.stdout.strip() == "[]"
+
+
+def test_demo_runs_without_a_gpu() -> None:
+    out = subprocess.run(vramlock("demo", "--seconds", "2"), capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "token -> " in out.stdout
+    assert "handoffs in 2 s between 3 programs" in out.stdout
+    assert "median handoff" in out.stdout
