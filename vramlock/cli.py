@@ -20,6 +20,7 @@ from . import __version__
 from .errors import NotObtained, UsageError, VramlockError
 
 if TYPE_CHECKING:
+    from .demo import Demo
     from .roster import Row
 
 app = typer.Typer(
@@ -102,14 +103,11 @@ def _exit_with(err: VramlockError, conflict_code: int) -> None:
     raise err
 
 
-@app.command(
-    context_settings={"allow_interspersed_args": False},
-    no_args_is_help=True,
-)
+@app.command(context_settings={"allow_interspersed_args": False})
 def run(
     command: Annotated[
         list[str],
-        typer.Argument(metavar="-- COMMAND...", help="The command to run and its arguments."),
+        typer.Argument(metavar="COMMAND", help="The command to run and its arguments.", show_default=False),
     ],
     nonblock: NonblockOpt = False,
     wait: TimeoutOpt = None,
@@ -353,33 +351,20 @@ def arena_path(arena: ArenaOpt = None, gpu: GpuOpt = None) -> None:
 
 @app.command()
 def demo(
-    members: Annotated[int, typer.Option(min=2, max=8, help="Simulated GPU programs.")] = 3,
+    members: Annotated[
+        int, typer.Option(min=2, max=8, metavar="N", help="Simulated GPU programs (2-8).")
+    ] = 3,
     seconds: Annotated[str, typer.Option(metavar="SECONDS", help="How long to run.")] = "8",
 ) -> None:
     """Simulated GPU programs share a temporary arena; watch the token move. No GPU needed."""
     from .demo import Demo
 
     show = Demo(members=members, seconds=parse_duration(seconds, "--seconds"))
-    tty = sys.stdout.isatty()
     show.start()
+    interrupted = False
     try:
-        if tty:
-            from rich.console import Group
-            from rich.live import Live
-            from rich.text import Text
-
-            def frame() -> Any:
-                rows, now = show.snapshot(), time.time()
-                strip = Text("token: ")
-                for name in show.timeline(width=60):
-                    strip.append("█" if name else "·", style=show.color(name))
-                legend = Text("  ".join(show.names), style="bold")
-                return Group(_rich_table(show.arena, rows, now), strip, legend)
-
-            with Live(frame(), auto_refresh=False) as live:
-                while show.running():
-                    time.sleep(0.2)
-                    live.update(frame(), refresh=True)
+        if sys.stdout.isatty():
+            _demo_live(show)
         else:
             last = None
             while show.running():
@@ -388,9 +373,32 @@ def demo(
                 if holder != last and holder is not None:
                     print(f"{show.elapsed():6.2f}s  token -> {holder}", flush=True)
                     last = holder
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
-        summary = show.stop()
-    print(summary)
+        print(show.stop())
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _demo_live(show: Demo) -> None:
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    def frame() -> Any:
+        strip = Text("token  ")
+        for name in show.timeline(width=60):
+            strip.append("█" if name else "·", style=show.color(name))
+        legend = Text("       ")
+        for name in show.names:
+            legend.append(f"█ {name}  ", style=show.color(name))
+        return Group(_rich_table(show.arena, show.snapshot(), time.time()), strip, legend)
+
+    with Live(frame(), auto_refresh=False) as live:
+        while show.running():
+            time.sleep(0.2)
+            live.update(frame(), refresh=True)
 
 
 def _version(value: bool) -> None:
@@ -426,6 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         code = err.exit_status
     except click_error as err:
         message = err.format_message()  # type: ignore[attr-defined]
+        if type(err).__name__ == "NoArgsIsHelpError":  # plain `vramlock`: help, not an error
+            print(message)
+            sys.exit(0)
         print(f"vramlock: {message}", file=sys.stderr)
         code = getattr(err, "exit_code", 2)
     except KeyboardInterrupt:

@@ -78,22 +78,33 @@ class LineChannel:
 
 
 class ParentEnd(LineChannel):
-    """vramlock's end; ``child_fd`` is the descriptor the child inherits."""
+    """vramlock's end. The child's end sits at descriptor ``child_fd``, a number that
+    stays the same for every start of the command (``renew``)."""
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         super().__init__(mine)
-        self._theirs = theirs
-
-    @property
-    def child_fd(self) -> int:
-        return self._theirs.fileno()
+        self.child_fd = theirs.detach()
 
     def child_env(self, token_fd: int) -> dict[str, str]:
         return {ENV_CONTROL_FD: str(self.child_fd), ENV_TOKEN_FD: str(token_fd)}
 
+    def started(self) -> None:
+        """The child has its copy: drop ours, or we would never see the child close it."""
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        os.dup2(null, self.child_fd, inheritable=False)  # keeps the number reserved
+        os.close(null)
+
+    def renew(self) -> None:
+        """A fresh channel for a command started again (restart, --yield-within)."""
+        self.sock.close()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock, self._buf, self.closed = mine, b"", False
+        os.dup2(theirs.fileno(), self.child_fd, inheritable=False)
+        theirs.close()
+
     def close(self) -> None:
-        self._theirs.close()
+        os.close(self.child_fd)
         super().close()
 
 

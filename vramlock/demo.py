@@ -41,6 +41,7 @@ def simulated_program(name: str, log_path: str) -> None:
     if ctl is None:
         sys.exit("not run by vramlock")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo ends us with SIGTERM
     _log(log, name, "enter")
 
     # Resident from the first byte loaded to the last byte freed.
@@ -68,6 +69,8 @@ class Demo:
         self.log_path = os.path.join(self.tmp, "events.log")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.started = 0.0
+        self._first: float | None = None
+        self._stopped = 0.0
         self._arena = Arena.open(self.arena)
 
     def start(self) -> None:
@@ -80,13 +83,25 @@ class Demo:
                 "--release", "signal", "--name", name, "--min-hold", "250ms", "--",
                 sys.executable, "-m", "vramlock.demo", name, self.log_path,
             ]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            # A session of their own: Ctrl-C is for the demo, which then ends them.
+            self.procs.append(
+                subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            )
 
     def running(self) -> bool:
         return self.elapsed() < self.seconds and all(p.poll() is None for p in self.procs)
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        """Seconds since the first program became resident (starting Python takes a while)."""
+        first = self._first_enter()
+        if first is None:
+            return 0.0 if time.monotonic() - self.started < 30 else self.seconds
+        return time.monotonic() - first
+
+    def _first_enter(self) -> float | None:
+        if self._first is None:
+            self._first = next((t for t, _, what in self._events() if what == "enter"), None)
+        return self._first
 
     def snapshot(self) -> list[Row]:
         return snapshot(self._arena)
@@ -117,11 +132,12 @@ class Demo:
         events = self._events()
         span = max(self.seconds, 1e-3)
         slots: list[str | None] = [None] * width
-        holder, since = None, self.started
+        origin = self._first_enter() or time.monotonic()
+        holder, since = None, origin
         for t, name, what in [*events, (time.monotonic(), "", "now")]:
             if holder is not None:
-                lo = int((since - self.started) / span * width)
-                hi = int((t - self.started) / span * width)
+                lo = int((since - origin) / span * width)
+                hi = int((t - origin) / span * width)
                 for i in range(max(lo, 0), min(hi + 1, width)):
                     slots[i] = holder
             if what == "enter":
@@ -131,6 +147,7 @@ class Demo:
         return slots
 
     def stop(self) -> str:
+        self._stopped = time.monotonic()
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -154,6 +171,8 @@ class Demo:
             else:
                 resident[name] += t - entered.pop(name, t)
                 last_leave = (t, name)
+        for name, since in entered.items():  # still resident when the demo ended
+            resident[name] += self._stopped - since
         total = sum(resident.values()) or 1.0
         lines = [
             f"{len(gaps)} handoffs in {self.seconds:g} s between {len(self.names)} programs",

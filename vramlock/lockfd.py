@@ -82,6 +82,9 @@ def open_lock_file(dirfd: int, name: str, shown: str, *, allowed_owners: set[int
         try:
             fd = os.open(name, _OPEN_FLAGS | os.O_RDONLY, dir_fd=dirfd)
         except OSError as err2:
+            if err2.errno == errno.ENOENT:
+                why = _describe_open_error(err)
+                raise ArenaError(shown, f"does not exist and cannot be created ({why})") from None
             raise ArenaError(shown, _describe_open_error(err2)) from None
     try:
         st = os.fstat(fd)

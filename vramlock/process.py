@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import select
+import shutil
 import signal
 import time
 
@@ -21,16 +22,90 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _looks_like_text(command: str) -> bool:
+    """A shell runs a file without #! as a script unless it looks binary (a NUL early on)."""
+    path = command if "/" in command else shutil.which(command)
+    try:
+        with open(path or command, "rb") as f:
+            return b"\0" not in f.read(512)
+    except OSError:
+        return False
+
+
+def _tcsetpgrp(fd: int, pgid: int) -> None:
+    # Changing the foreground group from outside it raises SIGTTOU: ignore it meanwhile.
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, pgid)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, old)
+
+
+class Terminal:
+    """The controlling terminal, when vramlock runs in its foreground.
+
+    The command runs in a process group of its own (so strategies can signal its
+    whole tree); like a shell, we make that group the terminal's foreground so the
+    command can read the terminal and gets Ctrl-C and Ctrl-Z itself.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pgid = 0
+
+    @classmethod
+    def if_foreground(cls) -> Terminal | None:
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                return cls(0)
+        except OSError:
+            pass
+        return None
+
+    def _owner(self) -> int:
+        try:
+            return os.tcgetpgrp(self.fd)
+        except OSError:
+            return -1
+
+    def give(self, pgid: int) -> None:
+        """Hand the terminal to ``pgid`` if it is ours or our command's (never the shell's)."""
+        if self._owner() in (os.getpgrp(), self.pgid):
+            _tcsetpgrp(self.fd, pgid)
+        self.pgid = pgid
+
+    def take_back(self) -> None:
+        if self.pgid and self._owner() == self.pgid:
+            _tcsetpgrp(self.fd, os.getpgrp())
+
+    def suspend_like_child(self) -> None:
+        """The command was stopped from the keyboard: stop ourselves too, so the shell
+        sees the job stopped; once continued (fg), give the terminal back."""
+        self.take_back()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self.give(self.pgid)
+
+
 class Child:
     """One run of the command. ``respawn()`` starts it again with the same arguments."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        pass_fds: tuple[int, ...],
+        terminal: Terminal | None = None,
+    ) -> None:
         self.argv = argv
         self.env = env
         self.pass_fds = pass_fds
+        self.terminal = terminal
         self.pid = 0
         self.pidfd: int | None = None
         self.status: int | None = None
+        self.stops: list[int] = []  # stop signals seen by waitpid(WUNTRACED), oldest first
         self.spawn()
 
     def spawn(self) -> None:
@@ -39,21 +114,31 @@ class Child:
         for fd in self.pass_fds:
             os.set_inheritable(fd, True)
         try:
-            self.pid = os.posix_spawnp(
-                self.argv[0], self.argv, self.env, setpgroup=0, setsigdef=_RESET_SIGNALS
-            )
+            self.pid = self._spawn(self.argv)
         except OSError as err:
-            raise self._spawn_error(err) from None
+            if err.errno != errno.ENOEXEC or not _looks_like_text(self.argv[0]):
+                raise self._spawn_error(err) from None
+            # A script without #!: run it with sh, as execvp and shells do.
+            try:
+                self.pid = self._spawn(["/bin/sh", *self.argv])
+            except OSError as err2:
+                raise self._spawn_error(err2) from None
         except ValueError:  # posix_spawnp refuses an empty program name (execvp: ENOENT)
             raise CommandNotFound(repr(self.argv[0]), "command not found") from None
         finally:
             for fd in self.pass_fds:
                 os.set_inheritable(fd, False)
         self.status = None
+        self.stops.clear()
+        if self.terminal is not None:
+            self.terminal.give(self.pid)
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except OSError:
             self.pidfd = None  # kernel < 5.3: poll with a timeout instead
+
+    def _spawn(self, argv: list[str]) -> int:
+        return os.posix_spawnp(argv[0], argv, self.env, setpgroup=0, setsigdef=_RESET_SIGNALS)
 
     def _spawn_error(self, err: OSError) -> Exception:
         cmd = self.argv[0]
@@ -73,10 +158,12 @@ class Child:
         """The wait status once the command has exited (reaping it), else None."""
         if self.status is None and self.pid:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                pid, status = os.waitpid(self.pid, os.WNOHANG | os.WUNTRACED)
             except ChildProcessError:
                 pid, status = self.pid, 0
-            if pid:
+            if pid and os.WIFSTOPPED(status):
+                self.stops.append(os.WSTOPSIG(status))
+            elif pid:
                 self.status = status
                 if self.pidfd is not None:
                     os.close(self.pidfd)
@@ -120,6 +207,8 @@ class Child:
         self.signal_group(signal.SIGKILL)
 
     def close(self) -> None:
+        if self.terminal is not None:
+            self.terminal.take_back()
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None

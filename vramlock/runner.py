@@ -26,7 +26,7 @@ from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint
 from .member import DEFAULT_MIN_HOLD, Member, State
-from .process import Child, exit_code
+from .process import Child, Terminal, exit_code
 from .want import Token, Want, wait_turn
 
 # How often a resident probes want.lock when no inotify hint wakes it sooner.
@@ -35,6 +35,8 @@ PROBE_INTERVAL = 0.05
 RETRY_AFTER_FAILURE = 1.0
 
 DEMANDS = ("always", "child")
+# SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
+WATCHED = (signal.SIGCHLD,)
 FORWARDED = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -95,6 +97,10 @@ class _Terminated(Exception):
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated(signum)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    pass
 
 
 class Runner:
@@ -166,10 +172,13 @@ class Runner:
         # passed on, not kill us with the default action.
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        old_handlers.update({s: signal.signal(s, _ignore) for s in WATCHED})
         hint = Hint(arena.dirfd)
         child: Child | None = None
         try:
-            child = Child(opts.command, env, (control.child_fd, member.token.fd))
+            fds = (control.child_fd, member.token.fd)
+            child = Child(opts.command, env, fds, terminal=Terminal.if_foreground())
+            control.started()
             sup = Supervisor(opts, member, child, control, self._wake_r)
             self._supervisor = sup
             for signum in self._early_signals:
@@ -180,9 +189,15 @@ class Runner:
                 signal.signal(s, h)
             signal.set_wakeup_fd(old_wakeup)
             hint.close()
-            if member.token.held:
-                # Explicitly: the command's descendants may still share this
-                # open file description, and must not keep the token.
+            gone = (
+                child is None
+                or child.status is not None
+                or (self._supervisor is not None and self._supervisor.strategy.killed)
+            )
+            if member.token.held and gone:
+                # Explicitly: the command's descendants may still share this open
+                # file description, and must not keep the token. Never while the
+                # command runs (we are failing): then it keeps the token until it exits.
                 member.token.release()
             control.close()
             if child is not None:
@@ -223,10 +238,27 @@ class Supervisor:
     def on_signal(self, signum: int) -> None:
         if self.child.status is None and not self.strategy.killed:
             self.child.signal_group(signum)
-            if signum in _ENDING:
-                self.child.signal_group(signal.SIGCONT)  # a stopped command must see it
         if signum in _ENDING:
             self.pending_signal = signum
+            # A command stopped by `--release stop` acts on it once it is resumed,
+            # which needs the token: ask for it back.
+            self.ctx.wants = True
+
+    def _job_control(self) -> None:
+        """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
+        stops, self.child.stops[:] = list(self.child.stops), []
+        ours = isinstance(self.strategy, strategies.StopStrategy) and (
+            self.member.state is not State.RESIDENT
+        )
+        terminal = self.child.terminal
+        if not stops or ours or terminal is None:
+            return
+        if stops[-1] in (signal.SIGTTIN, signal.SIGTTOU):
+            # It touched the terminal before we made it the foreground group.
+            terminal.give(self.child.pid)
+        else:
+            terminal.suspend_like_child()
+        self.child.signal_group(signal.SIGCONT)
 
     def _child_gone(self) -> int | None:
         if self.strategy.killed:
@@ -239,6 +271,7 @@ class Supervisor:
             status = self._child_gone()
             if status is not None:
                 return exit_code(status)
+            self._job_control()
             if self.strategy.killed and self.pending_signal is not None:
                 return 128 + self.pending_signal  # nothing is running to pass it to
 
@@ -271,7 +304,8 @@ class Supervisor:
                 if self._retry_at > now:
                     timeout = min(timeout, self._retry_at - now)
             elif member.state is State.RELEASED:
-                if self.opts.demand == "always" or ctx.wants:
+                # A command that was ended cannot say `want`: it comes back on its turn.
+                if self.opts.demand == "always" or ctx.wants or self.strategy.killed:
                     self._start_acquire()
                     continue
             elif member.state is State.WAITING:
@@ -297,12 +331,14 @@ class Supervisor:
         member = self.member
         member.releasing()
         y = self.opts.yield_within
-        deadline = None if y is None else time.monotonic() + y
+        started = time.monotonic()
+        deadline = None if y is None else started + y
         try:
             self.strategy.release(deadline)
         except strategies.ReleaseTimeout:
+            waited = time.monotonic() - started
             self.opts.warn(
-                f"{self.strategy.name} release did not finish within {y:g} s;"
+                f"{self.strategy.name} release did not finish within {waited:.1f} s;"
                 " ending the command (it is started again on its turn)"
             )
             self.strategy.force()

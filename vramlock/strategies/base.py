@@ -35,6 +35,14 @@ class Context:
     wants: bool = False  # the child said `want` since the last restore
     _words: list[str] = field(default_factory=list)
 
+    def start_again(self) -> None:
+        """Start the command anew, with a fresh control channel."""
+        self.control.renew()
+        self.hello = self.wants = False
+        self._words.clear()
+        self.child.spawn()
+        self.control.started()
+
     def take_lines(self, lines: list[str]) -> None:
         for line in lines:
             if line == "hello":
@@ -87,7 +95,7 @@ class Strategy:
     def restore(self) -> None:
         if self.killed:
             self.killed = False
-            self.ctx.child.spawn()
+            self.ctx.start_again()
             return
         self._restore()
 
