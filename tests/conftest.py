@@ -46,7 +46,10 @@ def spawn() -> Iterator[Spawn]:
         kw.setdefault("stderr", subprocess.PIPE)
         kw.setdefault("stdin", subprocess.DEVNULL)
         proc: subprocess.Popen[str] = subprocess.Popen(
-            args, text=True, start_new_session=True, **kw  # type: ignore[call-overload]
+            args,
+            text=True,
+            start_new_session=True,
+            **kw,  # type: ignore[call-overload]
         )
         procs.append(proc)
         return proc

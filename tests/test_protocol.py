@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import Spawn, kill_group, wait_until
+
 from vramlock import lockfd, roster
 from vramlock.arena import Arena
 from vramlock.errors import ArenaError, NotObtained
@@ -121,7 +121,7 @@ def test_timeout_from_another_thread(arena: Path, spawn: Spawn) -> None:
 
 def test_resident_context_manager_times_out(arena: Path, spawn: Spawn) -> None:
     hold(spawn, arena / "token.lock")
-    with pytest.raises(NotObtained, match="within 0.2 s"), resident(str(arena), timeout=0.2):
+    with pytest.raises(NotObtained, match=r"within 0\.2 s"), resident(str(arena), timeout=0.2):
         pass
 
 
