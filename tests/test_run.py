@@ -460,3 +460,37 @@ def test_command_owns_the_terminal(arena: Path) -> None:
     )  # fmt: skip
     assert code == 128 + signal.SIGINT or code == 1, seen  # Python exits 1 after KeyboardInterrupt
     assert b"KeyboardInterrupt" in seen
+
+
+@pytest.mark.parametrize(
+    ("words", "cword", "expected"),
+    [
+        ("vramlock r", 1, ["run"]),
+        ("vramlock run --release ", 3, ["auto", "signal", "none", "restart", "stop", "exec"]),
+        ("vramlock run --demand c", 3, ["child"]),
+    ],
+)
+def test_shell_completion(words: str, cword: int, expected: list[str]) -> None:
+    env = dict(os.environ, _VRAMLOCK_COMPLETE="complete_bash", COMP_WORDS=words,
+               COMP_CWORD=str(cword))  # fmt: skip
+    out = subprocess.run(vramlock(), env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    assert out.stdout.split() == expected
+
+
+def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> None:
+    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"))
+    assert watch.stdout is not None
+    assert watch.stdout.readline().strip() == f"arena {arena}"
+    assert watch.stdout.readline().strip() == "no members"
+    job = spawn(vramlock("run", "--arena", str(arena), "--name", "late", "--", "sleep", "30"))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # a later frame shows the newcomer
+        line = watch.stdout.readline()
+        if "late" in line:
+            break
+    else:
+        raise AssertionError("--watch never showed the new member")
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(10) == 0
+    kill_group(job)

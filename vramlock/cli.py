@@ -97,6 +97,18 @@ ConflictOpt = Annotated[
 ]
 
 
+def _strategy_names() -> list[str]:
+    from .strategies import NAMES
+
+    return list(NAMES)
+
+
+def _demand_names() -> list[str]:
+    from .runner import DEMANDS
+
+    return list(DEMANDS)
+
+
 def _exit_with(err: VramlockError, conflict_code: int) -> None:
     if isinstance(err, NotObtained):
         err.exit_status = conflict_code
@@ -107,7 +119,9 @@ def _exit_with(err: VramlockError, conflict_code: int) -> None:
 def run(
     command: Annotated[
         list[str],
-        typer.Argument(metavar="COMMAND", help="The command to run and its arguments.", show_default=False),
+        typer.Argument(
+            metavar="COMMAND", help="The command to run and its arguments.", show_default=False
+        ),
     ],
     nonblock: NonblockOpt = False,
     wait: TimeoutOpt = None,
@@ -125,6 +139,7 @@ def run(
         typer.Option(
             metavar="STRATEGY",
             help="How the command gives the GPU back: auto, signal, none, restart, stop, exec.",
+            autocompletion=_strategy_names,
         ),
     ] = "auto",
     demand: Annotated[
@@ -132,6 +147,7 @@ def run(
         typer.Option(
             metavar="DEMAND",
             help="When a released command wants the GPU back: always, child.",
+            autocompletion=_demand_names,
         ),
     ] = "always",
     on_release: Annotated[
