@@ -46,6 +46,7 @@ class Control:
         self._pending: list[str] = []
         self._restored = threading.Event()
         self._restored.set()
+        self._asked = False
         self._thread: threading.Thread | None = None
         # serve(): GPU work done while holding this cannot be released under it.
         self.lock = threading.RLock()
@@ -105,11 +106,13 @@ class Control:
             while True:
                 line = self._next(None)
                 if line is None and self.channel.closed:
+                    self._restored.set()  # wake ensure_resident(), which then raises
                     return
                 with self.lock:
                     if line == "release" and not self.released:
                         release()
                         self.released = True
+                        self._asked = False
                         self._restored.clear()
                         self.channel.send("released")
                     elif line == "restore" and self.released:
@@ -122,11 +125,21 @@ class Control:
         self._thread.start()
 
     def ensure_resident(self, timeout: float | None = None) -> bool:
-        """While released, say ``want`` and wait until restored; True when resident."""
-        if self._restored.is_set():
-            return True
-        self.channel.send("want")
-        return self._restored.wait(timeout)
+        """While released, say ``want`` and wait until restored; True when resident,
+        False when ``timeout`` ran out. Raises ControlLost if vramlock went away."""
+        if not self._restored.is_set():
+            if not self._asked:  # once per release: `want` is a level, not a count
+                self._asked = True
+                self.channel.send("want")
+            if not self._restored.wait(timeout):
+                return False
+        if self.released:
+            raise ControlLost("vramlock closed the control channel while we were released")
+        return True
+
+    def close(self) -> None:
+        """Close our end; vramlock then treats the command as one that cannot release."""
+        self.channel.close()
 
 
 def connect() -> Control | None:

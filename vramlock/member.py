@@ -48,10 +48,12 @@ class Member:
         min_hold: float = DEFAULT_MIN_HOLD,
         command: list[str] | None = None,
         strategy: str = "api",
+        token_fd: int | None = None,
     ) -> None:
+        """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``)."""
         self.arena = arena
         self.min_hold = min_hold
-        self.token = Token(arena)
+        self.token = Token(arena, fd=token_fd)
         self.want = Want(arena)
         self.state = State.RELEASED
         self.resident_since = 0.0

@@ -27,7 +27,6 @@ from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint
 from .member import DEFAULT_MIN_HOLD, Member, State
 from .process import Child, Terminal, exit_code
-from .want import Token, Want, wait_turn
 
 # How often a resident probes want.lock when no inotify hint wakes it sooner.
 PROBE_INTERVAL = 0.05
@@ -432,13 +431,20 @@ def wait(
     """
     opened = Arena.open(arena, gpu)
     try:
-        token = Token(opened, fd=fd)
-        want = Want(opened)
+        member = Member(
+            opened,
+            name="vramlock wait",
+            command=sys.argv,
+            strategy="wait --free" if passive else "wait",
+            token_fd=fd,
+        )
         try:
-            if not wait_turn(want, token, timeout, wanting=not passive):
+            if not member.acquire(timeout, wanting=not passive):
                 raise NotObtained(timeout or 0.0)
         finally:
-            want.close()
-            token.close()  # closing our copy of a shell's descriptor keeps its lock
+            if fd is not None:
+                # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
+                member.token.held = False
+            member.close()
     finally:
         opened.close()
