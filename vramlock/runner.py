@@ -195,9 +195,12 @@ class Runner:
             )
             if member.token.held and gone:
                 # Explicitly: the command's descendants may still share this open
-                # file description, and must not keep the token. Never while the
-                # command runs (we are failing): then it keeps the token until it exits.
+                # file description, and must not keep the token.
                 member.token.release()
+            elif member.token.held:
+                # We are failing while the command runs: it keeps the token (the
+                # description it shares with us) until it exits. No LOCK_UN.
+                member.token.held = False
             control.close()
             if child is not None:
                 child.close()
