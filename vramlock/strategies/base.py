@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..control import ParentEnd
-from ..errors import ControlError
+from ..errors import ControlError, StrategyError
 from ..process import Child
 
 # How long a forceful release lets the process group act on SIGTERM before SIGKILL.
@@ -84,7 +84,7 @@ class Strategy:
         self.killed = False  # force() ended the command: restore starts it again
 
     def release(self, deadline: float | None) -> None:
-        raise ReleaseTimeout  # pragma: no cover - every strategy that releases overrides it
+        raise StrategyError(f"the {self.name} strategy never releases")
 
     def force(self) -> None:
         """The forceful path after --yield-within: end the process group; restore relaunches."""
