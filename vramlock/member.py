@@ -119,6 +119,9 @@ class Member:
     def release(self) -> None:
         """Drop the token (the GPU memory must already be free)."""
         self.token.release()
+        # Let the waiter the kernel just woke run before we write our record: on a
+        # small machine it would otherwise wait for our CPU (p50 18 -> 300 us measured).
+        os.sched_yield()
         self._set(State.RELEASED)
 
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
@@ -147,7 +150,8 @@ class Member:
         release()
         self.release()
         self.wait_polite()
-        self.acquire()
+        self.waiting()
+        self.take_token(None)
         self.restoring()
         restore()
         self.resident()

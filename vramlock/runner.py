@@ -228,6 +228,7 @@ class Supervisor:
         self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._acquiring: threading.Thread | None = None
         self._acquire_error: BaseException | None = None
+        self._acquire_done = False
         self._retry_at = 0.0
         self._describe()
 
@@ -366,6 +367,7 @@ class Supervisor:
         _drain(self._acquired_r)
         member.waiting()
         self._acquire_error = None
+        self._acquire_done = False
 
         # Blocking in the kernel's queue from a thread keeps the main loop free to
         # forward signals and notice the command's exit. The thread only locks;
@@ -375,13 +377,14 @@ class Supervisor:
                 member.take_token(None)
             except BaseException as err:  # surfaced by the loop in _restore
                 self._acquire_error = err
+            self._acquire_done = True
             os.write(self._acquired_w, b"!")
 
         self._acquiring = threading.Thread(target=acquire, name="vramlock-acquire", daemon=True)
         self._acquiring.start()
 
     def _acquired(self) -> bool:
-        return self._acquiring is not None and not self._acquiring.is_alive()
+        return self._acquiring is not None and self._acquire_done
 
     def _restore(self) -> int | None:
         member = self.member
