@@ -27,17 +27,22 @@ _MAX_PROC_LOCKS = 4 * 1024 * 1024
 STATES = ("resident", "releasing", "waiting", "released", "restoring")
 
 
-def proc_starttime(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     # comm may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
+    return data[data.rfind(b")") + 2 :].decode(errors="replace").split()
+
+
+def proc_starttime(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    fields = proc_stat(pid)
     try:
-        return int(rest[19])
+        return None if fields is None else int(fields[19])
     except (IndexError, ValueError):
         return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
+from ..roster import proc_stat
 from .base import ChildExited, ReleaseTimeout, Strategy
 
 RESTART_GRACE = 10.0  # SIGTERM to SIGKILL when --yield-within is not given
@@ -46,7 +47,8 @@ class StopStrategy(Strategy):
         while True:
             if not child.alive:
                 raise ChildExited
-            if _proc_state(child.pid) in ("T", "t"):
+            fields = proc_stat(child.pid)
+            if fields and fields[0] in ("T", "t"):
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise ReleaseTimeout
@@ -54,12 +56,3 @@ class StopStrategy(Strategy):
 
     def _restore(self) -> None:
         self.ctx.child.signal_group(signal.SIGCONT)
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return "?"
-    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3].decode() or "?"
