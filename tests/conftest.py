@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from vramlock.roster import proc_stat
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -83,13 +85,21 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     ``vramlock run`` puts its command in a process group of its own, so the
     descendants are found through /proc and killed one by one as well.
     """
-    for pid in [*descendants(proc.pid), proc.pid]:
+    pids = [*descendants(proc.pid), proc.pid]
+    for pid in pids:
         for kill in (os.killpg, os.kill):
             try:
                 kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
     proc.wait(10)
+    # Dead means exited (a zombie at most), and only then are its locks gone.
+    wait_until(lambda: all(_state(pid) in ("Z", "X", None) for pid in pids))
+
+
+def _state(pid: int) -> str | None:
+    fields = proc_stat(pid)
+    return fields[0] if fields else None
 
 
 def vramlock(*args: str) -> list[str]:

@@ -494,3 +494,22 @@ def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> Non
     watch.send_signal(signal.SIGINT)
     assert watch.wait(10) == 0
     kill_group(job)
+
+
+def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn) -> None:
+    code = (
+        "import time\nfrom vramlock import child\n"
+        "ctl = child.connect()\nprint('hello', flush=True)\ntime.sleep(0.3)\nctl.close()\n"
+        "time.sleep(60)\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable, "-c", code)
+    )
+    assert job.stdout is not None and job.stdout.readline().strip() == "hello"
+    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "2"), timeout=30)
+    assert waiter.returncode == 1
+    assert who(arena)[0]["strategy"] == "auto:none"
+    kill_group(job)
+    assert job.stderr is not None
+    assert "closed its control channel" in job.stderr.read()

@@ -349,6 +349,7 @@ class Supervisor:
             return exit_code(self.child.poll() or 0)
         except ControlError as err:
             self.opts.warn(f"{err}; holding the GPU until it exits")
+            self.ctx.hello = False
             self.strategy = strategies.NoneStrategy(self.ctx)
             self._describe()
             member.resident()

@@ -31,7 +31,12 @@ def pick(name: str, ctx: Context) -> Strategy:
 
 def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
     """Under ``auto``, a child that speaks the control protocol gets ``signal``."""
-    if requested == "auto" and ctx.hello and isinstance(current, NoneStrategy):
+    if (
+        requested == "auto"
+        and ctx.hello
+        and not ctx.control.closed
+        and isinstance(current, NoneStrategy)
+    ):
         return SignalStrategy(ctx)
     return current
 

@@ -12,6 +12,8 @@ from ..process import Child
 
 # How long a forceful release lets the process group act on SIGTERM before SIGKILL.
 KILL_GRACE = 2.0
+# A command whose control socket closed is given this long to be seen exiting.
+CLOSE_TO_EXIT = 1.0
 
 
 class ChildExited(Exception):
@@ -61,6 +63,9 @@ class Context:
             if not self.child.alive:
                 raise ChildExited
             if self.control.closed:
+                # Usually the command is exiting: its socket closes just before it dies.
+                if self.child.wait(CLOSE_TO_EXIT) is not None:
+                    raise ChildExited
                 raise ControlError("the command closed its control channel and cannot answer")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
