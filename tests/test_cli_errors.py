@@ -802,3 +802,24 @@ def test_who_missing_arena_from_environment(errcli: ErrCli, tmp_path: Path) -> N
     out = errcli("who")
     expect_error(out, OWN_FAILURE, str(path), "does not exist")
     assert not os.path.lexists(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "fragment"),
+    [
+        (["arena", "--arena", "{missing}"], OWN_FAILURE, "does not exist"),
+        (["arena", "--arena", "{file}"], OWN_FAILURE, "is not a directory"),
+        (["arena", "--gpu", "-1"], USAGE, "--gpu"),
+        (["demo", "--seconds", "abc"], USAGE, "--seconds: bad duration 'abc'"),
+        (["demo", "--members", "1"], USAGE, "--members"),
+        (["demo", "--members", "9"], USAGE, "--members"),
+    ],
+)
+def test_arena_and_demo_errors(
+    errcli: ErrCli, tmp_path: Path, args: list[str], code: int, fragment: str
+) -> None:
+    (tmp_path / "plain-file").write_text("")
+    paths = {"missing": str(tmp_path / "nowhere"), "file": str(tmp_path / "plain-file")}
+    out = errcli(*(a.format(**paths) for a in args))
+    expect_error(out, code, fragment)
+    assert not (tmp_path / "nowhere").exists()
