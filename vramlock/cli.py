@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -109,9 +109,9 @@ def _demand_names() -> list[str]:
     return list(DEMANDS)
 
 
-def _exit_with(err: VramlockError, conflict_code: int) -> None:
-    if isinstance(err, NotObtained):
-        err.exit_status = conflict_code
+def _conflict(err: NotObtained, code: int) -> NoReturn:
+    """``-E CODE``: the exit status when the token was not obtained."""
+    err.exit_status = code
     raise err
 
 
@@ -201,7 +201,7 @@ def run(
     try:
         code = run_command(opts)
     except NotObtained as err:
-        _exit_with(err, conflict_exit_code)
+        _conflict(err, conflict_exit_code)
     raise typer.Exit(code)
 
 
@@ -233,7 +233,7 @@ def wait(
     try:
         wait_for_token(arena, gpu, timeout=_timeout(nonblock, timeout), passive=free, fd=fd)
     except NotObtained as err:
-        _exit_with(err, conflict_exit_code)
+        _conflict(err, conflict_exit_code)
 
 
 def _ago(since: float | None, now: float) -> str:
