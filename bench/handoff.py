@@ -2,7 +2,7 @@
 
 N member processes use ``vramlock.member.Member`` directly (no ``vramlock run``), with
 ``min_hold=0`` and no simulated work. Each loops as a holder does in ``vramlock run``: sleep in
-poll() on the inotify hint descriptor for at most ``PROBE_INTERVAL`` (50 ms), drain it, then
+poll() on the inotify hint descriptor for at most ``PROBE_INTERVAL`` (250 ms), drain it, then
 ``yield_if_wanted``: when somebody waits, release at once, re-queue politely
 (``wait_polite``) and acquire again. Every process logs ``time.monotonic_ns()`` stamps in memory
 and writes them to a file of its own when it ends; the parent pairs them up:

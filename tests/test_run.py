@@ -513,3 +513,29 @@ def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn
     kill_group(job)
     assert job.stderr is not None
     assert "closed its control channel" in job.stderr.read()
+
+
+def test_a_waiter_that_does_not_ring_is_still_noticed(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    """Both files opened before want.lock is taken: no inotify hint, only the probe interval."""
+    log = tmp_path / "log"
+    spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
+                 str(worker), str(log), "holder")
+    )  # fmt: skip
+    wait_until(lambda: who(arena) and who(arena)[0]["strategy"] == "auto:signal")
+    quiet = (
+        "import fcntl, os, time\n"
+        f"w = os.open({str(arena / 'want.lock')!r}, os.O_RDONLY)\n"
+        f"t = os.open({str(arena / 'token.lock')!r}, os.O_RDONLY)\n"
+        "start = time.monotonic()\n"
+        "fcntl.flock(w, fcntl.LOCK_SH)\n"
+        "fcntl.flock(t, fcntl.LOCK_EX)\n"
+        "print(time.monotonic() - start)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", quiet], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert float(out.stdout) < 5.0
+    assert "release" in whats(log, "holder")
