@@ -75,6 +75,26 @@ def worker(tmp_path: Path) -> Path:
     return path
 
 
+def run_worker(
+    spawn: Spawn,
+    arena: Path,
+    worker: Path,
+    log: Path,
+    name: str,
+    *options: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """``vramlock run --min-hold 0 OPTIONS -- python WORKER``, once it is resident and signal."""
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--",
+                 sys.executable, str(worker), str(log), name),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: whats(log, name) == ["start"])
+    wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who(arena)))
+    return job
+
+
 def test_sleep_serialises_with_another_run(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     stamp = tmp_path / "stamps"
     job = f"echo start $(date +%s.%N) >> {stamp}; sleep 0.4; echo end $(date +%s.%N) >> {stamp}"
@@ -111,12 +131,8 @@ def test_python_child_steps_aside_for_flock1(
     arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
 ) -> None:
     log = tmp_path / "log"
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
-                 str(worker), str(log), "py")
-    )  # fmt: skip
-    wait_until(lambda: whats(log, "py") == ["start"])
-    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    job = run_worker(spawn, arena, worker, log, "py")
+    assert who(arena)[0]["strategy"] == "auto:signal"
     shell = subprocess.run(
         ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
          "sh", "-c", "echo $(cat /proc/uptime) >/dev/null; echo shell-got-it"],
@@ -270,13 +286,7 @@ def test_demand_child_waits_for_want(
 ) -> None:
     log = tmp_path / "log"
     env = dict(os.environ, WORKER_WANT="0")
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--demand", "child", "--min-hold", "0",
-                 "--", sys.executable, str(worker), str(log), "lazy"),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: whats(log, "lazy") == ["start"])
-    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    job = run_worker(spawn, arena, worker, log, "lazy", "--demand", "child", env=env)
     subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
     wait_until(lambda: whats(log, "lazy") == ["start", "release"])
     wait_until(lambda: who(arena)[0]["state"] == "released")
@@ -289,12 +299,9 @@ def test_yield_within_ends_a_deaf_command_and_restarts_it(
 ) -> None:
     log = tmp_path / "log"
     env = dict(os.environ, WORKER_DEAF="1")
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--release", "signal", "--yield-within", "0.3",
-                 "--min-hold", "0", "--", sys.executable, str(worker), str(log), "deaf"),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: whats(log, "deaf") == ["start"])
+    job = run_worker(
+        spawn, arena, worker, log, "deaf", "--release", "signal", "--yield-within", "0.3", env=env
+    )
     started = time.monotonic()
     subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
     assert time.monotonic() - started >= 0.3
@@ -322,12 +329,7 @@ def test_wait_free_asks_nobody_to_leave(
     arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
 ) -> None:
     log = tmp_path / "log"
-    spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
-                 str(worker), str(log), "busy")
-    )  # fmt: skip
-    wait_until(lambda: whats(log, "busy") == ["start"])
-    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
+    run_worker(spawn, arena, worker, log, "busy")
     passive = subprocess.run(
         vramlock("wait", "--arena", str(arena), "--free", "-w", "0.5"), timeout=30
     )
@@ -520,11 +522,7 @@ def test_a_waiter_that_does_not_ring_is_still_noticed(
 ) -> None:
     """Both files opened before want.lock is taken: no inotify hint, only the probe interval."""
     log = tmp_path / "log"
-    spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable,
-                 str(worker), str(log), "holder")
-    )  # fmt: skip
-    wait_until(lambda: who(arena) and who(arena)[0]["strategy"] == "auto:signal")
+    run_worker(spawn, arena, worker, log, "holder")
     quiet = (
         "import fcntl, os, time\n"
         f"w = os.open({str(arena / 'want.lock')!r}, os.O_RDONLY)\n"

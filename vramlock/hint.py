@@ -16,6 +16,15 @@ _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 
 
+def drain(fd: int) -> None:
+    """Read a non-blocking descriptor (inotify, a wake-up pipe) until it is empty."""
+    try:
+        while os.read(fd, 65536):
+            pass
+    except BlockingIOError:
+        pass
+
+
 class Hint:
     """A pollable descriptor that becomes readable when a file in the arena is opened."""
 
@@ -38,13 +47,8 @@ class Hint:
         self.fd = fd
 
     def drain(self) -> None:
-        if self.fd is None:
-            return
-        try:
-            while os.read(self.fd, 65536):
-                pass
-        except BlockingIOError:
-            pass
+        if self.fd is not None:
+            drain(self.fd)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -143,6 +143,11 @@ def _flags(exclusive: bool, blocking: bool) -> LockFlags:
     return flags if blocking else flags | LockFlags.NON_BLOCKING
 
 
+def _os_error(exc: plexc.LockException) -> OSError:
+    cause = exc.__cause__
+    return OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}")
+
+
 def try_lock(fd: int, *, exclusive: bool) -> bool:
     """One non-blocking attempt; False when somebody else holds a conflicting lock."""
     try:
@@ -150,10 +155,18 @@ def try_lock(fd: int, *, exclusive: bool) -> bool:
     except plexc.AlreadyLocked:
         return False
     except plexc.LockException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, OSError) and cause.errno in HELD_ERRNOS:
+        err = _os_error(exc)
+        if err.errno in HELD_ERRNOS:
             return False
-        raise OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}") from None
+        raise err from None
+    return True
+
+
+def conflicts(fd: int, *, exclusive: bool) -> bool:
+    """Would a lock through ``fd`` conflict with somebody's? A try, undone at once."""
+    if try_lock(fd, exclusive=exclusive):
+        unlock(fd)
+        return False
     return True
 
 
@@ -162,8 +175,7 @@ def lock(fd: int, *, exclusive: bool) -> None:
     try:
         _LOCKER.lock(fd, _flags(exclusive, blocking=True))
     except plexc.LockException as exc:
-        cause = exc.__cause__
-        raise OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}") from None
+        raise _os_error(exc) from None
 
 
 def unlock(fd: int) -> None:

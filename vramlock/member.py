@@ -57,7 +57,7 @@ class Member:
         self.want = Want(arena)
         self.state = State.RELEASED
         self.resident_since = 0.0
-        cmd = command if command is not None else [sys.argv[0], *sys.argv[1:]]
+        cmd = command if command is not None else list(sys.argv)
         self.records = RecordWriter(
             arena,
             Record(
@@ -80,7 +80,7 @@ class Member:
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
         """Queue for the token; True once resident, False if ``timeout`` ran out."""
-        self._set(State.WAITING)
+        self.waiting()
         if not self.take_token(timeout, wanting=wanting):
             self._set(State.RELEASED)
             return False

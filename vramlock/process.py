@@ -199,8 +199,7 @@ class Child:
 
     def kill(self) -> int | None:
         self.signal_group(signal.SIGKILL)
-        status = self.wait(None)
-        return status
+        return self.wait(None)
 
     def reap_group(self) -> None:
         """Kill what is left of the group after the leader is gone (GPU-holding grandchildren)."""

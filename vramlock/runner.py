@@ -24,7 +24,7 @@ from . import strategies
 from .arena import Arena
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
-from .hint import Hint
+from .hint import Hint, drain
 from .member import DEFAULT_MIN_HOLD, Member, State
 from .process import Child, Terminal, exit_code
 
@@ -230,7 +230,6 @@ class Supervisor:
         self.pending_signal: int | None = None
         self._wake_r = wake_r
         self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._acquiring: threading.Thread | None = None
         self._acquire_error: BaseException | None = None
         self._acquire_done = False
         self._retry_at = 0.0
@@ -320,7 +319,7 @@ class Supervisor:
                     continue
             elif member.state is State.WAITING:
                 watch.append(self._acquired_r)
-                if self._acquired():
+                if self._acquire_done:
                     status = self._restore()
                     if status is not None:
                         return status
@@ -332,7 +331,7 @@ class Supervisor:
     def _wait(self, fds: list[int], timeout: float | None) -> None:
         with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
-        _drain(self._wake_r)
+        drain(self._wake_r)
 
     # -- transitions -------------------------------------------------------------
 
@@ -372,7 +371,7 @@ class Supervisor:
     def _start_acquire(self) -> None:
         member = self.member
         member.wait_polite()
-        _drain(self._acquired_r)
+        drain(self._acquired_r)
         member.waiting()
         self._acquire_error = None
         self._acquire_done = False
@@ -388,15 +387,11 @@ class Supervisor:
             self._acquire_done = True
             os.write(self._acquired_w, b"!")
 
-        self._acquiring = threading.Thread(target=acquire, name="vramlock-acquire", daemon=True)
-        self._acquiring.start()
-
-    def _acquired(self) -> bool:
-        return self._acquiring is not None and self._acquire_done
+        threading.Thread(target=acquire, name="vramlock-acquire", daemon=True).start()
 
     def _restore(self) -> int | None:
         member = self.member
-        self._acquiring = None
+        self._acquire_done = False
         if self._acquire_error is not None:
             raise self._acquire_error
         member.restoring()
@@ -406,22 +401,11 @@ class Supervisor:
             return exit_code(self.child.poll() or 0)
         except (ControlError, StrategyError) as err:
             self.opts.warn(f"restore: {err}")
-        if (
-            self.strategy.name == "restart"
-            or self.child.pid != self.member.records.record.child_pid
-        ):
+        if self.child.pid != member.records.record.child_pid:  # started again
             self._describe()
         member.resident()
         self.ctx.wants = False
         return None
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def run(opts: RunOptions) -> int:

@@ -17,6 +17,12 @@ from .arena import TOKEN, WANT, Arena
 from .errors import UsageError
 
 
+def _open(arena: Arena, name: str) -> int:
+    return lockfd.open_lock_file(
+        arena.dirfd, name, arena.shown(name), allowed_owners=arena.allowed_owners
+    )
+
+
 class Token:
     """``token.lock``: an exclusive flock on it means resident on the GPU."""
 
@@ -25,7 +31,7 @@ class Token:
         (``vramlock wait --fd``: the lock then belongs to the caller's open file description)."""
         self.arena = arena
         shown = arena.shown(TOKEN)
-        own = lockfd.open_lock_file(arena.dirfd, TOKEN, shown, allowed_owners=arena.allowed_owners)
+        own = _open(arena, TOKEN)
         if fd is not None:
             try:
                 if not lockfd.same_file(fd, own):
@@ -54,10 +60,7 @@ class Token:
 
     def held_elsewhere(self) -> bool:
         """True when another open file description holds the token (we must not hold it)."""
-        if lockfd.try_lock(self.fd, exclusive=False):
-            lockfd.unlock(self.fd)
-            return False
-        return True
+        return lockfd.conflicts(self.fd, exclusive=False)
 
     def close(self) -> None:
         lockfd.close(self.fd)
@@ -68,12 +71,10 @@ class Want:
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        owners = arena.allowed_owners
-        shown = arena.shown(WANT)
-        self.fd = lockfd.open_lock_file(arena.dirfd, WANT, shown, allowed_owners=owners)
+        self.fd = _open(arena, WANT)
         # The probe needs an open file description of its own: probing on the
         # waiter's descriptor would convert our own lock instead of seeing others'.
-        self.probe_fd = lockfd.open_lock_file(arena.dirfd, WANT, shown, allowed_owners=owners)
+        self.probe_fd = _open(arena, WANT)
         self.holding = False
 
     def enter(self, timeout: float | None) -> bool:
@@ -91,10 +92,7 @@ class Want:
 
     def probe(self) -> bool:
         """Does anybody wait for the token? (Holders have left want.lock, so it is never us.)"""
-        if lockfd.try_lock(self.probe_fd, exclusive=True):
-            lockfd.unlock(self.probe_fd)
-            return False
-        return True
+        return lockfd.conflicts(self.probe_fd, exclusive=True)
 
     def close(self) -> None:
         self.leave()
