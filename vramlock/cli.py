@@ -310,42 +310,37 @@ def who(
     from .roster import snapshot
 
     opened = Arena.open(arena, gpu)
+    tty = sys.stdout.isatty() and not as_json
+
+    def frame() -> Any:
+        rows, now = snapshot(opened), time.time()
+        if tty:
+            return _rich_table(opened.path, rows, now)
+        if as_json:
+            members = [r.as_json(now) for r in rows]
+            return json.dumps({"arena": opened.path, "members": members}, indent=2)
+        return _plain(opened.path, rows, now)
+
     try:
+        if tty and watch:
+            from rich.live import Live
 
-        def render() -> tuple[list[Row], float]:
-            return snapshot(opened), time.time()
+            with Live(frame(), auto_refresh=False) as live:
+                while True:
+                    time.sleep(1.0)
+                    live.update(frame(), refresh=True)
+        elif tty:
+            from rich.console import Console
 
-        def as_text(rows: list[Row], now: float) -> str:
-            if as_json:
-                return json.dumps(
-                    {"arena": opened.path, "members": [r.as_json(now) for r in rows]}, indent=2
-                )
-            return _plain(opened.path, rows, now)
-
-        tty = sys.stdout.isatty() and not as_json
-        if not watch:
-            rows, now = render()
-            if tty:
-                from rich.console import Console
-
-                Console().print(_rich_table(opened.path, rows, now))
-            else:
-                print(as_text(rows, now))
-            return
-        try:
-            if tty:
-                from rich.live import Live
-
-                with Live(_rich_table(opened.path, *render()), auto_refresh=False) as live:
-                    while True:
-                        time.sleep(1.0)
-                        live.update(_rich_table(opened.path, *render()), refresh=True)
-            while True:
-                print(as_text(*render()), flush=True)
-                print(flush=True)
+            Console().print(frame())
+        else:
+            print(frame(), flush=True)
+            while watch:
                 time.sleep(1.0)
-        except KeyboardInterrupt:
-            return
+                print(flush=True)
+                print(frame(), flush=True)
+    except KeyboardInterrupt:
+        pass  # the end of --watch
     finally:
         opened.close()
 
