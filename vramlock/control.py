@@ -17,8 +17,6 @@ import time
 ENV_CONTROL_FD = "VRAMLOCK_CONTROL_FD"
 ENV_TOKEN_FD = "VRAMLOCK_TOKEN_FD"
 
-TO_CHILD = frozenset({"release", "restore"})
-FROM_CHILD = frozenset({"hello", "released", "restored", "want"})
 _MAX_LINE = 256
 
 

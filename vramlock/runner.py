@@ -222,7 +222,6 @@ class Supervisor:
         self.ctx = strategies.Context(
             child=child,
             control=control,
-            yield_within=opts.yield_within,
             on_release=opts.on_release,
             on_restore=opts.on_restore,
         )

@@ -30,7 +30,6 @@ class Context:
 
     child: Child
     control: ParentEnd
-    yield_within: float | None = None
     on_release: str | None = None
     on_restore: str | None = None
     hello: bool = False  # the child said it speaks the control protocol
