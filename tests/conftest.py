@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vramlock.roster import proc_stat
+from vramlock.procfs import proc_stat
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Spawn, kill_group, wait_until
 
-from vramlock import lockfd, roster
+from vramlock import lockfd, procfs, roster
 from vramlock.arena import Arena
 from vramlock.errors import ArenaError, NotObtained
 from vramlock.member import Member, State, resident
@@ -259,7 +259,7 @@ def test_proc_locks_parsing_matches_exact_fields() -> None:
         "garbage line\n"
     )
     dev = os.makedev(0xFE, 0)
-    entries = roster.parse_proc_locks(text, dev, 2171250)
+    entries = procfs.parse_proc_locks(text, dev, 2171250)
     assert [(e.pid, e.write, e.blocked) for e in entries] == [
         (100, True, False),
         (101, True, True),

@@ -19,43 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .arena import TOKEN, WANT, Arena
+from .procfs import LockEntry, parse_proc_locks, read_proc_locks, starttime, text
 
 RECORD_VERSION = 1
 _MAX_RECORD = 64 * 1024
-_MAX_PROC_LOCKS = 4 * 1024 * 1024
 
 STATES = ("resident", "releasing", "waiting", "released", "restoring")
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first), or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm may contain spaces and parentheses: split after the last ')'.
-    return data[data.rfind(b")") + 2 :].decode(errors="replace").split()
-
-
-def proc_starttime(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    fields = proc_stat(pid)
-    try:
-        return None if fields is None else int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _proc_text(pid: int, what: str) -> str:
-    try:
-        with open(f"/proc/{pid}/{what}", "rb") as f:
-            raw = f.read(4096)
-    except OSError:
-        return ""
-    if what == "cmdline":
-        return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
-    return raw.decode(errors="replace").strip()
 
 
 @dataclass
@@ -98,7 +67,7 @@ class RecordWriter:
 
     def __init__(self, arena: Arena, record: Record) -> None:
         self.record = record
-        self.record.starttime = proc_starttime(record.pid) or 0
+        self.record.starttime = starttime(record.pid) or 0
         self.dirfd = arena.members_dir(create=True)
         self.name = f"{record.pid}-{self.record.starttime}.json"
         if self.dirfd is not None:
@@ -160,7 +129,7 @@ def _read_record(dirfd: int, name: str) -> Record | None:
 
 
 def _alive(rec: Record) -> bool:
-    return proc_starttime(rec.pid) == rec.starttime
+    return starttime(rec.pid) == rec.starttime
 
 
 def _sweep_stale(dirfd: int) -> None:
@@ -171,49 +140,6 @@ def _sweep_stale(dirfd: int) -> None:
                 os.unlink(name, dir_fd=dirfd)
             except OSError:
                 pass  # somebody else's, or already gone
-
-
-@dataclass
-class LockEntry:
-    pid: int
-    write: bool
-    blocked: bool
-
-
-def parse_proc_locks(text: str, dev: int, ino: int) -> list[LockEntry]:
-    """The FLOCK entries on one inode, holders and blocked waiters in kernel order."""
-    want = (os.major(dev), os.minor(dev), ino)
-    out: list[LockEntry] = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) < 6:
-            continue
-        blocked = fields[1] == "->"
-        f = fields[2:] if blocked else fields[1:]
-        if len(f) < 5 or f[0] != "FLOCK":
-            continue
-        try:
-            major, minor, inode = f[4].split(":")
-            key = (int(major, 16), int(minor, 16), int(inode))
-            pid = int(f[3])
-        except ValueError:
-            continue
-        if key == want:
-            out.append(LockEntry(pid=pid, write=f[2] == "WRITE", blocked=blocked))
-    return out
-
-
-def read_proc_locks() -> str:
-    # One read: the listing is regenerated between reads, and a line-by-line
-    # read under churn shows phantom double holders.
-    try:
-        fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        return os.read(fd, _MAX_PROC_LOCKS).decode(errors="replace")
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -236,12 +162,12 @@ class Row:
 
 
 def _foreign_row(pid: int, state: str) -> Row:
-    comm = _proc_text(pid, "comm")
+    comm = text(pid, "comm")
     return Row(
         pid=pid,
         state=state,
         name=comm or "(exited)",
-        command=_proc_text(pid, "cmdline"),
+        command=text(pid, "cmdline"),
         strategy="-",
         since=None,
         child_pid=None,

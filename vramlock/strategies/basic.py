@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
-from ..roster import proc_stat
+from ..procfs import proc_stat
 from .base import ChildExited, ReleaseTimeout, Strategy
 
 RESTART_GRACE = 10.0  # SIGTERM to SIGKILL when --yield-within is not given

@@ -1,0 +1,177 @@
+"""Process facts from /proc: state, start time, owner, process group, the tree, /proc/locks.
+
+Display and supervision helpers only: no lock decision is ever taken from /proc
+(pids in /proc/locks are the locker's, and listings are not snapshots).
+This module must stay cheap to import: ``who`` uses it without the lock layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_MAX_PROC_LOCKS = 4 * 1024 * 1024
+
+# Field indexes in proc_stat()'s list (fields after the command name, state first).
+_STATE, _PPID, _PGRP = 0, 1, 2
+_STARTTIME = 19
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'.
+    return data[data.rfind(b")") + 2 :].decode(errors="replace").split()
+
+
+def _field(pid: int, index: int) -> str | None:
+    fields = proc_stat(pid)
+    if fields is None or len(fields) <= index:
+        return None
+    return fields[index]
+
+
+def _int_field(pid: int, index: int) -> int | None:
+    raw = _field(pid, index)
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None
+
+
+def state(pid: int) -> str | None:
+    """The one-letter state (R, S, D, T, t, Z, X...), or None when the pid is gone."""
+    return _field(pid, _STATE)
+
+
+def starttime(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    return _int_field(pid, _STARTTIME)
+
+
+def pgrp(pid: int) -> int | None:
+    return _int_field(pid, _PGRP)
+
+
+def ppid(pid: int) -> int | None:
+    return _int_field(pid, _PPID)
+
+
+def uid(pid: int) -> int | None:
+    """The real uid of ``pid`` (the owner of its /proc directory), or None if gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def living(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a zombie holds no locks and runs nothing)."""
+    return state(pid) not in (None, "Z", "X")
+
+
+def all_pids() -> list[int]:
+    try:
+        return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every living process whose process group is ``pgid`` (zombies left out)."""
+    out = []
+    for pid in all_pids():
+        fields = proc_stat(pid)
+        if fields is None or len(fields) <= _PGRP or fields[_STATE] in ("Z", "X"):
+            continue
+        if fields[_PGRP] == str(pgid):
+            out.append(pid)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (every thread's), from /proc/PID/task/*/children."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found += [int(k) for k in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Children, grandchildren, ... of ``pid``, parents before their children."""
+    out: list[int] = []
+    todo = children(pid)
+    while todo:
+        kid = todo.pop(0)
+        if kid in out:
+            continue
+        out.append(kid)
+        todo += children(kid)
+    return out
+
+
+def text(pid: int, what: str, limit: int = 4096) -> str:
+    """``comm`` or ``cmdline`` (arguments joined by spaces), at most ``limit`` bytes read."""
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            raw = f.read(limit)
+    except OSError:
+        return ""
+    if what == "cmdline":
+        return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+    return raw.decode(errors="replace").strip()
+
+
+@dataclass
+class LockEntry:
+    pid: int
+    write: bool
+    blocked: bool
+
+
+def parse_proc_locks(listing: str, dev: int, ino: int) -> list[LockEntry]:
+    """The FLOCK entries on one inode, holders and blocked waiters in kernel order."""
+    want = (os.major(dev), os.minor(dev), ino)
+    out: list[LockEntry] = []
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        blocked = fields[1] == "->"
+        f = fields[2:] if blocked else fields[1:]
+        if len(f) < 5 or f[0] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = f[4].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(f[3])
+        except ValueError:
+            continue
+        if key == want:
+            out.append(LockEntry(pid=pid, write=f[2] == "WRITE", blocked=blocked))
+    return out
+
+
+def read_proc_locks() -> str:
+    # One read: the listing is regenerated between reads, and a line-by-line
+    # read under churn shows phantom double holders.
+    try:
+        fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, _MAX_PROC_LOCKS).decode(errors="replace")
+    finally:
+        os.close(fd)
