@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .arena import Arena
     from .errors import ArenaError, NotObtained, VramlockError
-    from .member import Member, State, resident
+    from .member import Member, resident
+    from .records import State
 
 __all__ = ["Arena", "ArenaError", "Member", "NotObtained", "State", "VramlockError", "resident"]
 
@@ -23,7 +24,7 @@ _WHERE = {
     "NotObtained": "errors",
     "VramlockError": "errors",
     "Member": "member",
-    "State": "member",
+    "State": "records",
     "resident": "member",
 }
 

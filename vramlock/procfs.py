@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 _MAX_PROC_LOCKS = 4 * 1024 * 1024
+_READ_ATTEMPTS = 4
 
 # Field indexes in proc_stat()'s list (fields after the command name, state first).
 _STATE, _PPID, _PGRP = 0, 1, 2
@@ -72,6 +73,20 @@ def uid(pid: int) -> int | None:
 def living(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (a zombie holds no locks and runs nothing)."""
     return state(pid) not in (None, "Z", "X")
+
+
+def alive(pid: int, start: int) -> bool:
+    """True while the process ``pid`` that started at ``start`` (see ``starttime``) lives.
+
+    A pid and a start time name one process for ever; a zombie counts as gone.
+    """
+    fields = proc_stat(pid)
+    return (
+        fields is not None
+        and len(fields) > _STARTTIME
+        and fields[_STATE] not in ("Z", "X")
+        and fields[_STARTTIME] == str(start)
+    )
 
 
 def all_pids() -> list[int]:
@@ -164,14 +179,69 @@ def parse_proc_locks(listing: str, dev: int, ino: int) -> list[LockEntry]:
     return out
 
 
-def read_proc_locks() -> str:
-    # One read: the listing is regenerated between reads, and a line-by-line
-    # read under churn shows phantom double holders.
+def _read_proc_locks_once() -> tuple[bytes, bool]:
+    """The listing, and whether it came in one read (one read is one snapshot)."""
     try:
         fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return ""
+        return b"", True
     try:
-        return os.read(fd, _MAX_PROC_LOCKS).decode(errors="replace")
+        chunks = [os.read(fd, _MAX_PROC_LOCKS)]
+        size = len(chunks[0])
+        while chunks[-1] and size < _MAX_PROC_LOCKS:
+            chunks.append(os.read(fd, _MAX_PROC_LOCKS))
+            size += len(chunks[-1])
+        return b"".join(chunks), len(chunks) <= 2
+    except OSError:
+        return b"", True
     finally:
         os.close(fd)
+
+
+def read_proc_locks() -> str:
+    """/proc/locks, as near to one snapshot as the kernel allows.
+
+    One read returns at most about a page (a few dozen locks), and the listing is
+    regenerated between reads: read across pages under churn, it shows phantom
+    double holders or misses some. A listing that takes more than one read is
+    therefore read again, until two readings agree (at most a few times).
+    """
+    previous = None
+    for _ in range(_READ_ATTEMPTS):
+        listing, whole = _read_proc_locks_once()
+        if whole or listing == previous:
+            break
+        previous = listing
+    return listing.decode(errors="replace")
+
+
+def lock_holders(dev: int, ino: int) -> list[int]:
+    """Living processes with a descriptor whose open file description holds a flock on the file.
+
+    /proc/locks names only the process that called flock; this finds everyone who
+    shares the lock, from the ``lock:`` lines of /proc/PID/fdinfo. Only processes
+    whose descriptors we may inspect (our own, or all as root) are found. Slow: a
+    stat of every open descriptor on the machine.
+    """
+    found: list[int] = []
+    for pid in all_pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (st.st_dev, st.st_ino) != (dev, ino):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                    info = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            locks = "\n".join(
+                line[len("lock:") :] for line in info.splitlines() if line.startswith("lock:")
+            )
+            if any(not e.blocked for e in parse_proc_locks(locks, dev, ino)) and living(pid):
+                found.append(pid)
+                break
+    return found

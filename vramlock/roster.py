@@ -1,145 +1,41 @@
-"""Who is in an arena: kernel lock state merged with members' self-description records.
+"""Who is in an arena: the kernel's lock state merged with members' records.
 
-Records live in ``<arena>/members/<pid>-<starttime>.json``; each member rewrites
-its own (write a temporary file, rename it into place) on every change of state.
-They are for display only, as is /proc/locks: nothing in vramlock decides from
-either. Garbage, foreign or stale records are skipped, never fatal.
+/proc/locks says who holds and who waits for the token; records (``records.py``)
+say who those processes are. Where the two disagree the kernel is believed: a
+record's claim to hold the token is shown only when the kernel agrees, and an
+unverified record (written by somebody other than the process's owner) lends a
+row its name only. Everything here is for display; nothing decides from it.
+
+Rows hold printable text only: names and command lines come from records and
+/proc, which anybody can fill with terminal escapes, newlines or megabytes.
 
 This module must stay cheap to import: ``who`` uses it without the lock layer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import stat
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from . import procfs
 from .arena import TOKEN, WANT, Arena
-from .procfs import LockEntry, parse_proc_locks, read_proc_locks, starttime, text
+from .records import HOLDING, Record, State, read_live
 
-RECORD_VERSION = 1
-_MAX_RECORD = 64 * 1024
-
-STATES = ("resident", "releasing", "waiting", "released", "restoring")
-
-
-@dataclass
-class Record:
-    """What a member says about itself."""
-
-    pid: int
-    name: str
-    command: list[str]
-    strategy: str
-    state: str
-    since: float  # wall-clock seconds (time.time()) when the state began
-    starttime: int = 0
-    child_pid: int | None = None
-    uid: int = field(default_factory=os.geteuid)
-    version: int = RECORD_VERSION
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Record | None:
-        try:
-            data = json.loads(raw)
-            rec = cls(
-                pid=int(data["pid"]),
-                name=str(data["name"]),
-                command=[str(c) for c in data["command"]],
-                strategy=str(data["strategy"]),
-                state=str(data["state"]),
-                since=float(data["since"]),
-                starttime=int(data.get("starttime", 0)),
-                child_pid=None if data.get("child_pid") is None else int(data["child_pid"]),
-                uid=int(data.get("uid", -1)),
-            )
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            return None
-        return rec if rec.pid > 0 else None
+NAME_MAX = 64
+STRATEGY_MAX = 32
+COMMAND_MAX = 1024
+_ORDER = [s.value for s in State]
 
 
-class RecordWriter:
-    """Keeps one member's record current; silent when the arena has no usable members/."""
-
-    def __init__(self, arena: Arena, record: Record) -> None:
-        self.record = record
-        self.record.starttime = starttime(record.pid) or 0
-        self.dirfd = arena.members_dir(create=True)
-        self.name = f"{record.pid}-{self.record.starttime}.json"
-        if self.dirfd is not None:
-            _sweep_stale(self.dirfd)
-        self.write()
-
-    def update(self, **changes: Any) -> None:
-        for key, value in changes.items():
-            setattr(self.record, key, value)
-        if "state" in changes and "since" not in changes:
-            self.record.since = time.time()
-        self.write()
-
-    def write(self) -> None:
-        if self.dirfd is None:
-            return
-        tmp = f".{self.name}.tmp"
-        data = json.dumps(asdict(self.record)).encode()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(tmp, flags, 0o644, dir_fd=self.dirfd)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.name, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
-        except OSError:
-            pass  # records are for display; a full disk must not stop the GPU work
-
-    def close(self) -> None:
-        if self.dirfd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.name, dir_fd=self.dirfd)
-        os.close(self.dirfd)
-        self.dirfd = None
-
-
-def _record_files(dirfd: int) -> list[str]:
-    try:
-        return [n for n in os.listdir(dirfd) if n.endswith(".json") and not n.startswith(".")]
-    except OSError:
-        return []
-
-
-def _read_record(dirfd: int, name: str) -> Record | None:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return Record.parse(os.read(fd, _MAX_RECORD))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _alive(rec: Record) -> bool:
-    return starttime(rec.pid) == rec.starttime
-
-
-def _sweep_stale(dirfd: int) -> None:
-    for name in _record_files(dirfd):
-        rec = _read_record(dirfd, name)
-        if rec is None or not _alive(rec):
-            try:
-                os.unlink(name, dir_fd=dirfd)
-            except OSError:
-                pass  # somebody else's, or already gone
+def printable(value: str, limit: int) -> str:
+    """``value`` safe for a terminal: unprintable characters (controls, escapes, newlines,
+    bidi overrides) written as Python escapes (``\\x1b``, ``\\n``, ``\\u202e``), and cut
+    to ``limit`` characters with an ellipsis."""
+    head = value[: limit + 1]
+    if not head.isprintable():
+        head = "".join(c if c.isprintable() else repr(c)[1:-1] for c in head)
+    return head if len(head) <= limit else head[: limit - 1] + "…"
 
 
 @dataclass
@@ -153,7 +49,8 @@ class Row:
     strategy: str
     since: float | None
     child_pid: int | None
-    member: bool  # False: joined without vramlock (flock(1), a C program) or exited
+    member: bool  # False: no verified record (flock(1), a C program, an exited locker)
+    note: str | None = None  # stopped, an unverified record, the locker is gone
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = asdict(self)
@@ -161,75 +58,100 @@ class Row:
         return data
 
 
-def _foreign_row(pid: int, state: str) -> Row:
-    comm = text(pid, "comm")
+def _merged_state(claimed: str, kernel: str | None) -> str:
+    """The state to show: the record's, as far as the kernel's lock state bears it out."""
+    if kernel == State.RESIDENT.value:
+        return claimed if claimed in HOLDING else kernel
+    if kernel is not None:
+        return kernel
+    # No lock: a claim to hold the token is false (or out of date), and unknown words are noise.
+    return claimed if claimed in (State.WAITING.value, State.RELEASED.value) else "?"
+
+
+def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: str | None) -> Row:
+    notes = [note] if note else []
+    if found is not None and found[1]:
+        rec = found[0]
+        state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
+        command, since, child = " ".join(rec.command), rec.since, rec.child_pid
+        left = [p for p in rec.leftovers if procfs.living(p)]
+        if left:
+            notes.append(f"command exited; ending {', '.join(map(str, left))}")
+    else:
+        # No record we can believe: the kernel's state and /proc's facts only.
+        state, strategy, since, child = kernel or "?", "-", None, None
+        command = procfs.text(pid, "cmdline")
+        if found is None:
+            name = procfs.text(pid, "comm") or "(exited)"
+        else:
+            name = found[0].name
+            notes.append("unverified record")
+    if procfs.state(pid) in ("T", "t"):
+        notes.append("stopped")
+    if child is not None and procfs.state(child) in ("T", "t"):
+        notes.append("child stopped")
     return Row(
         pid=pid,
         state=state,
-        name=comm or "(exited)",
-        command=text(pid, "cmdline"),
-        strategy="-",
-        since=None,
-        child_pid=None,
-        member=False,
+        name=printable(name, NAME_MAX),
+        command=printable(command, COMMAND_MAX),
+        strategy=printable(strategy, STRATEGY_MAX),
+        since=since,
+        child_pid=child,
+        member=found is not None and found[1],
+        note="; ".join(notes) or None,
     )
+
+
+def _resident_pids(locker: int, dev: int, ino: int) -> list[tuple[int, str | None]]:
+    """Who is resident for a token lock that /proc/locks says ``locker`` took.
+
+    When the locker is gone (a SIGKILLed ``vramlock run``), the lock lives on in the
+    processes that inherited its open file description: name the topmost of them.
+    """
+    if procfs.living(locker):
+        return [(locker, None)]
+    holders = procfs.lock_holders(dev, ino)
+    top = [pid for pid in holders if procfs.ppid(pid) not in holders]
+    return [(pid, f"locker {locker} gone") for pid in top] or [(locker, None)]
 
 
 def snapshot(arena: Arena) -> list[Row]:
     """Residents first, then waiters in queue order, then the rest."""
-    text = read_proc_locks()
+    listing = procfs.read_proc_locks()
 
-    def entries(name: str) -> list[LockEntry]:
+    def key(name: str) -> tuple[int, int] | None:
         try:
             st = os.stat(name, dir_fd=arena.dirfd, follow_symlinks=False)
         except OSError:
-            return []
-        return parse_proc_locks(text, st.st_dev, st.st_ino)
+            return None
+        return st.st_dev, st.st_ino
 
-    token, want = entries(TOKEN), entries(WANT)
-    holders = [e.pid for e in token if not e.blocked]
-    queued = [e.pid for e in token if e.blocked]
-    wanting = [e.pid for e in want if not e.write]
+    token_key, want_key = key(TOKEN), key(WANT)
+    token = [] if token_key is None else procfs.parse_proc_locks(listing, *token_key)
+    want = [] if want_key is None else procfs.parse_proc_locks(listing, *want_key)
 
-    records: dict[int, Record] = {}
+    kernel: list[tuple[int, str, str | None]] = []
+    for e in token:
+        if not e.blocked and token_key is not None:
+            kernel += [(p, "resident", note) for p, note in _resident_pids(e.pid, *token_key)]
+    kernel += [(e.pid, "waiting", None) for e in token if e.blocked]
+    kernel += [(e.pid, "waiting", None) for e in want if not e.write]
+
+    records: dict[int, tuple[Record, bool]] = {}
     dirfd = arena.members_dir(create=False)
     if dirfd is not None:
         try:
-            for name in _record_files(dirfd):
-                rec = _read_record(dirfd, name)
-                if rec is not None and _alive(rec):
-                    records[rec.pid] = rec
+            records = {found[0].pid: found for found in read_live(dirfd)}
         finally:
             os.close(dirfd)
 
-    def row(pid: int, kernel_state: str | None) -> Row:
-        rec = records.pop(pid, None)
-        if rec is None:
-            return _foreign_row(pid, kernel_state or "?")
-        state = rec.state
-        if kernel_state == "resident" and state not in ("resident", "releasing", "restoring"):
-            state = "resident"
-        elif kernel_state == "waiting" and state != "waiting":
-            state = "waiting"
-        return Row(
-            pid=rec.pid,
-            state=state,
-            name=rec.name,
-            command=" ".join(rec.command),
-            strategy=rec.strategy,
-            since=rec.since,
-            child_pid=rec.child_pid,
-            member=True,
-        )
-
     rows: list[Row] = []
     seen: set[int] = set()
-    for pid, kstate in [(p, "resident") for p in holders] + [
-        (p, "waiting") for p in queued + wanting
-    ]:
+    for pid, state, note in kernel:
         if pid not in seen:
             seen.add(pid)
-            rows.append(row(pid, kstate))
-    rest = sorted(records.values(), key=lambda r: STATES.index(r.state) if r.state in STATES else 9)
-    rows.extend(row(rec.pid, None) for rec in rest)
-    return rows
+            rows.append(_row(pid, state, records.pop(pid, None), note))
+    rest = [_row(pid, None, found, None) for pid, found in records.items()]
+    rest.sort(key=lambda r: _ORDER.index(r.state) if r.state in _ORDER else len(_ORDER))
+    return rows + rest
