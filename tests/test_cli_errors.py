@@ -1,28 +1,25 @@
 """End to end: bad input gets one clear stderr line and the documented exit status.
 
 DESIGN §3 (exit statuses) and §5 (bad input: never a hang, a traceback, or a followed
-link). Every case runs ``python -m vramlock`` as a real subprocess, with XDG_RUNTIME_DIR
-in a temporary directory and VRAMLOCK_ARENA unset, so nothing touches the real machine.
+link), for ``run`` and the command line in general; ``wait`` and the arena have their own
+files, which use the helpers here. Every case runs ``python -m vramlock`` as a real
+subprocess, with XDG_RUNTIME_DIR in a temporary directory and VRAMLOCK_ARENA unset, so
+nothing touches the real machine.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import os
-import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from vramlock import arena as arena_mod
-from vramlock.errors import ArenaError, UnsupportedFilesystem
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,12 +58,14 @@ class ErrCli:
         pass_fds: Collection[int] = (),
         preexec_fn: Callable[[], None] | None = None,
         python_code: str | None = None,
+        stdout: int = subprocess.PIPE,
     ) -> Outcome:
         head = ["-c", python_code] if python_code is not None else ["-m", "vramlock"]
         start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, *head, *args],
-            capture_output=True,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
             text=True,
             env=self.env,
             cwd=self.cwd,
@@ -78,7 +77,7 @@ class ErrCli:
         return Outcome(
             args=args,
             code=proc.returncode,
-            stdout=proc.stdout,
+            stdout=proc.stdout or "",
             stderr=proc.stderr,
             elapsed=time.monotonic() - start,
         )
@@ -113,16 +112,16 @@ def err_arena(tmp_path: Path) -> Path:
     return path
 
 
-def _create_lock_file(path: Path) -> int:
+def create_lock_file(path: Path) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     return fd
 
 
-@pytest.fixture
-def err_held_token(err_arena: Path) -> Iterator[int]:
-    """The test itself holds the arena's token (flock LOCK_EX) for the duration of the test."""
-    fd = _create_lock_file(err_arena / "token.lock")
+@contextmanager
+def holding_token(arena: Path) -> Iterator[int]:
+    """The test itself holds the arena's token (flock LOCK_EX) inside the block."""
+    fd = create_lock_file(arena / "token.lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield fd
@@ -130,7 +129,13 @@ def err_held_token(err_arena: Path) -> Iterator[int]:
         os.close(fd)
 
 
-def _still_held_by_us(token: Path) -> bool:
+@pytest.fixture
+def err_held_token(err_arena: Path) -> Iterator[int]:
+    with holding_token(err_arena) as fd:
+        yield fd
+
+
+def still_held_by_us(token: Path) -> bool:
     """True when another open file description cannot take the token."""
     probe = os.open(token, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -142,312 +147,39 @@ def _still_held_by_us(token: Path) -> bool:
     return False
 
 
-def _needs_root(what: str) -> None:
+def needs_root(what: str) -> None:
     if os.geteuid() != 0:
         pytest.skip(f"{what} needs root (chown to another uid)")
 
 
-# -- the arena directory ---------------------------------------------------------------
+# Runs ``vramlock ARGS`` with fcntl.flock failing with errno $FLOCK_ERRNO, for the first
+# $FLOCK_FAILURES lock requests (all of them when unset); at exit it prints how many failed.
+FAILING_FLOCK = """\
+import atexit, errno, fcntl, os, sys
+
+real = fcntl.flock
+code = getattr(errno, os.environ["FLOCK_ERRNO"])
+limit = int(os.environ.get("FLOCK_FAILURES", "-1"))
 
 
-def _arena_commands(path: Path, marker: Path) -> list[list[str]]:
-    return [
-        ["run", "--arena", str(path), "--", "touch", str(marker)],
-        ["wait", "--arena", str(path)],
-        ["who", "--arena", str(path)],
-    ]
+class Failing:  # an instance, not a function: portalocker keeps flock in a class attribute
+    failed = 0
+
+    def __call__(self, fd, op):
+        if op & (fcntl.LOCK_SH | fcntl.LOCK_EX) and Failing.failed != limit:
+            Failing.failed += 1
+            raise OSError(code, os.strerror(code))
+        return real(fd, op)
 
 
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
-def test_arena_is_a_regular_file(errcli: ErrCli, tmp_path: Path, which: int) -> None:
-    path = tmp_path / "afile"
-    path.write_text("not a directory\n")
-    marker = tmp_path / "ran"
-    out = errcli(*_arena_commands(path, marker)[which])
-    expect_error(out, OWN_FAILURE, str(path), "is not a directory")
-    assert path.read_text() == "not a directory\n"
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
-def test_arena_symlink_to_directory_is_refused_not_followed(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, which: int
-) -> None:
-    link = tmp_path / "alink"
-    link.symlink_to(err_arena, target_is_directory=True)
-    marker = tmp_path / "ran"
-    out = errcli(*_arena_commands(link, marker)[which])
-    expect_error(out, OWN_FAILURE, str(link), "symbolic link")
-    assert list(err_arena.iterdir()) == [], "the link's target was used"
-    assert link.is_symlink()
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
-def test_arena_missing_is_never_created(errcli: ErrCli, tmp_path: Path, which: int) -> None:
-    path = tmp_path / "no-such-arena"
-    marker = tmp_path / "ran"
-    out = errcli(*_arena_commands(path, marker)[which])
-    expect_error(out, OWN_FAILURE, str(path), "does not exist")
-    assert not os.path.lexists(path)
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
-def test_arena_world_writable_is_refused(errcli: ErrCli, tmp_path: Path, which: int) -> None:
-    path = tmp_path / "open-arena"
-    path.mkdir()
-    path.chmod(0o777)
-    marker = tmp_path / "ran"
-    out = errcli(*_arena_commands(path, marker)[which])
-    expect_error(out, OWN_FAILURE, str(path), "world-writable")
-    assert list(path.iterdir()) == []
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
-def test_arena_foreign_owned_is_refused(errcli: ErrCli, tmp_path: Path, which: int) -> None:
-    _needs_root("a foreign-owned arena")
-    path = tmp_path / "their-arena"
-    path.mkdir(mode=0o755)
-    path.chmod(0o755)
-    os.chown(path, FOREIGN_UID, FOREIGN_UID)
-    marker = tmp_path / "ran"
-    out = errcli(*_arena_commands(path, marker)[which])
-    expect_error(out, OWN_FAILURE, str(path), f"owned by uid {FOREIGN_UID}")
-    assert list(path.iterdir()) == []
-    assert not marker.exists()
-
-
-_PR_CAPBSET_DROP = 24
-_CAP_DAC_OVERRIDE = 1
-_CAP_DAC_READ_SEARCH = 2
-
-
-def _without_dac_override() -> Callable[[], None] | None:
-    """A preexec_fn that makes a root child obey file modes; None when we are not root.
-
-    Root ignores directory permissions through CAP_DAC_OVERRIDE. Dropping it (and
-    CAP_DAC_READ_SEARCH) from the bounding set before exec leaves the child uid 0 (so it
-    can still read the root-owned interpreter) but subject to the mode bits.
-    """
-    if os.geteuid() != 0:
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def drop() -> None:
-        for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
-            if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-    return drop
-
-
-@pytest.fixture
-def err_unwritable_arena(errcli: ErrCli, tmp_path: Path) -> tuple[Path, Callable[[], None] | None]:
-    """A mode-0500 arena without lock files, and how to run a child that cannot write it."""
-    path = tmp_path / "readonly-arena"
-    path.mkdir(mode=0o700)
-    path.chmod(0o500)
-    drop = _without_dac_override()
-    probe = (
-        "import sys\ntry:\n    open(sys.argv[1], 'x').close()\nexcept OSError:\n    sys.exit(7)\n"
-    )
-    try:
-        out = errcli(str(path / "probe"), preexec_fn=drop, python_code=probe)
-    except subprocess.SubprocessError as err:
-        pytest.skip(f"cannot drop root's CAP_DAC_OVERRIDE here: {err}")
-    if out.code != 7:
-        path.chmod(0o700)
-        pytest.skip(f"a mode-0500 directory is writable here (probe exit {out.code})")
-    return path, drop
-
-
-@pytest.mark.parametrize("command", ["run", "wait"])
-def test_arena_unwritable_without_lock_files(
-    errcli: ErrCli,
-    err_unwritable_arena: tuple[Path, Callable[[], None] | None],
-    tmp_path: Path,
-    command: str,
-) -> None:
-    path, drop = err_unwritable_arena
-    marker = tmp_path / "ran"
-    args = ["--arena", str(path)]
-    if command == "run":
-        args += ["--", "touch", str(marker)]
-    out = errcli(command, *args, preexec_fn=drop)
-    expect_error(out, OWN_FAILURE, str(path / "token.lock"), "cannot be created")
-    assert list(path.iterdir()) == []
-    assert not marker.exists()
-
-
-# -- NFS and friends (statfs cannot be faked end to end; patch the one probe) ----------------
-
-
-@pytest.mark.parametrize(("magic", "fstype"), sorted(arena_mod._REMOTE_FS.items()))
-def test_check_dir_refuses_remote_filesystems(
-    monkeypatch: pytest.MonkeyPatch, err_arena: Path, magic: int, fstype: str
-) -> None:
-    monkeypatch.setattr(arena_mod, "_fs_type", lambda fd: magic)
-    fd = os.open(err_arena, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        with pytest.raises(UnsupportedFilesystem) as info:
-            arena_mod._check_dir(fd, str(err_arena), private=False)
-    finally:
-        os.close(fd)
-    assert isinstance(info.value, ArenaError)
-    assert info.value.fstype == fstype
-    assert fstype in str(info.value)
-    assert str(err_arena) in str(info.value)
-    assert info.value.exit_status == OWN_FAILURE
-
-
-def test_check_dir_accepts_local_filesystem(
-    monkeypatch: pytest.MonkeyPatch, err_arena: Path
-) -> None:
-    monkeypatch.setattr(arena_mod, "_fs_type", lambda fd: 0xEF53)  # ext4
-    fd = os.open(err_arena, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        st = arena_mod._check_dir(fd, str(err_arena), private=True)
-    finally:
-        os.close(fd)
-    assert st.st_ino == err_arena.stat().st_ino
-
-
-_ON_NFS = """\
-import sys
-import vramlock.arena
-vramlock.arena._fs_type = lambda fd: 0x6969
+fcntl.flock = Failing()
+atexit.register(lambda: print(Failing.failed))
 from vramlock.cli import main
 main(sys.argv[1:])
 """
 
-
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["run", "--arena", "{arena}", "--", "touch", "{marker}"],
-        ["wait", "--arena", "{arena}"],
-        ["wait", "-n", "--arena", "{arena}"],
-        ["who", "--arena", "{arena}"],
-        ["run", "--", "touch", "{marker}"],  # the default arena, created then checked
-        ["wait"],
-    ],
-    ids=["run", "wait", "wait-n", "who", "run-default-arena", "wait-default-arena"],
-)
-def test_arena_on_nfs_end_to_end(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, command: list[str]
-) -> None:
-    marker = tmp_path / "ran"
-    args = [a.format(arena=err_arena, marker=marker) for a in command]
-    out = errcli(*args, python_code=_ON_NFS)
-    expect_error(out, OWN_FAILURE, "is on NFS", "flock is not a local advisory lock")
-    assert list(err_arena.iterdir()) == []
-    assert not marker.exists()
-
-
-# -- the lock files --------------------------------------------------------------------------
-
-LOCK_NAMES = ["token.lock", "want.lock"]
-
-
-def _lock_commands(arena: Path, marker: Path) -> dict[str, list[str]]:
-    return {
-        "run": ["run", "--arena", str(arena), "--", "touch", str(marker)],
-        "run-n": ["run", "-n", "--arena", str(arena), "--", "touch", str(marker)],
-        "wait": ["wait", "--arena", str(arena)],
-        "wait-w": ["wait", "-w", "5", "--arena", str(arena)],
-    }
-
-
-COMMAND_IDS = ["run", "run-n", "wait", "wait-w"]
-
-
-@pytest.mark.parametrize("name", LOCK_NAMES)
-@pytest.mark.parametrize("command", COMMAND_IDS)
-def test_lock_file_is_a_fifo(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, name: str, command: str
-) -> None:
-    fifo = err_arena / name
-    os.mkfifo(fifo, 0o644)
-    marker = tmp_path / "ran"
-    out = errcli(*_lock_commands(err_arena, marker)[command])
-    expect_error(out, OWN_FAILURE, str(fifo), "not a regular file")
-    assert out.elapsed < 10, "opening a FIFO must not block"
-    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("name", LOCK_NAMES)
-@pytest.mark.parametrize("command", COMMAND_IDS)
-def test_lock_file_is_a_directory(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, name: str, command: str
-) -> None:
-    (err_arena / name).mkdir()
-    marker = tmp_path / "ran"
-    out = errcli(*_lock_commands(err_arena, marker)[command])
-    expect_error(out, OWN_FAILURE, str(err_arena / name), "is a directory")
-    assert (err_arena / name).is_dir()
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("name", LOCK_NAMES)
-@pytest.mark.parametrize("command", COMMAND_IDS)
-def test_lock_file_is_a_symlink_never_followed(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, name: str, command: str
-) -> None:
-    target = tmp_path / "precious.txt"
-    target.write_bytes(b"keep me\n")
-    target.chmod(0o600)
-    past = time.time_ns() - 3_600_000_000_000
-    os.utime(target, ns=(past, past))
-    before = target.stat()
-    link = err_arena / name
-    link.symlink_to(target)
-    marker = tmp_path / "ran"
-    out = errcli(*_lock_commands(err_arena, marker)[command])
-    expect_error(out, OWN_FAILURE, str(link), "symbolic link")
-    assert link.is_symlink()
-    assert os.readlink(link) == str(target)
-    after = target.stat()
-    assert target.read_bytes() == b"keep me\n"
-    assert (after.st_mode, after.st_size, after.st_mtime_ns, after.st_uid) == (
-        before.st_mode,
-        before.st_size,
-        before.st_mtime_ns,
-        before.st_uid,
-    )
-    assert not _still_held_by_us(target)
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("name", LOCK_NAMES)
-@pytest.mark.parametrize("command", COMMAND_IDS)
-def test_lock_file_world_writable_is_refused(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, name: str, command: str
-) -> None:
-    os.close(_create_lock_file(err_arena / name))
-    (err_arena / name).chmod(0o666)
-    marker = tmp_path / "ran"
-    out = errcli(*_lock_commands(err_arena, marker)[command])
-    expect_error(out, OWN_FAILURE, str(err_arena / name), "world-writable")
-    assert stat.S_IMODE((err_arena / name).stat().st_mode) == 0o666
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("name", LOCK_NAMES)
-@pytest.mark.parametrize("command", COMMAND_IDS)
-def test_lock_file_foreign_owned_is_refused(
-    errcli: ErrCli, err_arena: Path, tmp_path: Path, name: str, command: str
-) -> None:
-    _needs_root("a foreign-owned lock file")
-    os.close(_create_lock_file(err_arena / name))
-    os.chown(err_arena / name, FOREIGN_UID, FOREIGN_UID)
-    marker = tmp_path / "ran"
-    out = errcli(*_lock_commands(err_arena, marker)[command])
-    expect_error(out, OWN_FAILURE, str(err_arena / name), f"owned by uid {FOREIGN_UID}")
-    assert (err_arena / name).stat().st_uid == FOREIGN_UID
-    assert not marker.exists()
+# Neither "somebody holds it" nor EINTR: each must end in one line and status 125.
+FLOCK_FAILURES = ["ENOLCK", "EIO", "EBADF", "EINVAL"]
 
 
 # -- strategies, demand, option mixes, durations ---------------------------------------------
@@ -528,11 +260,19 @@ def test_run_bad_duration(
     assert not (err_arena / "token.lock").exists()
 
 
-@pytest.mark.parametrize("value", BAD_DURATIONS)
-@pytest.mark.parametrize("option", ["-w", "--timeout"])
-def test_wait_bad_duration(errcli: ErrCli, err_arena: Path, option: str, value: str) -> None:
-    out = errcli("wait", "--arena", str(err_arena), option, value)
-    expect_error(out, USAGE, f"--timeout: bad duration {value!r}")
+# Longer than any timer can be set for (setitimer overflowed): a usage error, not a traceback.
+TOO_LONG = ["9300000000", "2147483648", "600000h", "9" * 400]
+
+
+@pytest.mark.parametrize("value", TOO_LONG, ids=["9.3e9", "2^31", "hours", "inf"])
+@pytest.mark.parametrize("option", ["-w", "--min-hold", "--yield-within"])
+def test_run_too_long_duration(
+    errcli: ErrCli, err_arena: Path, tmp_path: Path, option: str, value: str
+) -> None:
+    marker = tmp_path / "ran"
+    out = errcli("run", "--arena", str(err_arena), option, value, "--", "touch", str(marker))
+    expect_error(out, USAGE, f"{value!r} is too long", "at most 2147483647 s")
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
@@ -585,7 +325,7 @@ def test_usage_errors(errcli: ErrCli, err_arena: Path, args: list[str], fragment
 def test_command_not_found(errcli: ErrCli, err_arena: Path, command: str) -> None:
     out = errcli("run", "--arena", str(err_arena), "--", command, "arg")
     expect_error(out, 127, "command not found", command)
-    assert not _still_held_by_us(err_arena / "token.lock")
+    assert not still_held_by_us(err_arena / "token.lock")
 
 
 def test_command_not_executable(errcli: ErrCli, err_arena: Path, tmp_path: Path) -> None:
@@ -654,7 +394,7 @@ def test_run_nonblock_while_held(
     expect_error(out, code, "token is held")
     assert out.elapsed < 10
     assert not marker.exists()
-    assert _still_held_by_us(err_arena / "token.lock")
+    assert still_held_by_us(err_arena / "token.lock")
 
 
 @pytest.mark.parametrize(("value", "at_least"), [("0.3", 0.25), ("300ms", 0.25), ("1", 1.0)])
@@ -671,7 +411,7 @@ def test_run_timeout_while_held(
     expect_error(out, 1, "token not obtained within")
     assert at_least <= out.elapsed < at_least + 5
     assert not marker.exists()
-    assert _still_held_by_us(err_arena / "token.lock")
+    assert still_held_by_us(err_arena / "token.lock")
 
 
 def test_run_timeout_with_conflict_code(
@@ -682,144 +422,144 @@ def test_run_timeout_with_conflict_code(
     assert 0.15 <= out.elapsed < 5
 
 
-@pytest.mark.parametrize(
-    ("options", "code", "fragment"),
-    [
-        (["-n"], 1, "token is held"),
-        (["-n", "-E", "9"], 9, "token is held"),
-        (["-n", "--free"], 1, "token is held"),
-        (["-w", "0.2"], 1, "token not obtained within 0.2 s"),
-        (["-w", "0.2", "-E", "9"], 9, "token not obtained within 0.2 s"),
-        (["-w", "0.2", "--free"], 1, "token not obtained within 0.2 s"),
-    ],
-    ids=["n", "n-E9", "n-free", "w", "w-E9", "w-free"],
-)
-def test_wait_while_held(
-    errcli: ErrCli,
-    err_arena: Path,
-    err_held_token: int,
-    options: list[str],
-    code: int,
-    fragment: str,
+@pytest.mark.parametrize("failure", FLOCK_FAILURES)
+def test_run_flock_failure_is_one_line(
+    errcli: ErrCli, err_arena: Path, tmp_path: Path, failure: str
 ) -> None:
-    out = errcli("wait", *options, "--arena", str(err_arena))
-    expect_error(out, code, fragment)
-    if "-w" in options:
-        assert 0.15 <= out.elapsed < 5
-    else:
-        assert out.elapsed < 10
-    assert _still_held_by_us(err_arena / "token.lock")
+    errcli.env["FLOCK_ERRNO"] = failure
+    marker = tmp_path / "ran"
+    args = ("run", "--arena", str(err_arena), "--", "touch", str(marker))
+    out = errcli(*args, python_code=FAILING_FLOCK)
+    expect_error(out, OWN_FAILURE, f"cannot lock {err_arena}/", f"({failure})")
+    assert not marker.exists()
 
 
-def test_wait_nonblock_when_free_succeeds(errcli: ErrCli, err_arena: Path) -> None:
-    out = errcli("wait", "-n", "--arena", str(err_arena))
+# -- demo ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--seconds", "abc"], "--seconds: bad duration 'abc'"),
+        (["--seconds", "9300000000"], "--seconds: '9300000000' is too long"),
+        (["--members", "1"], "--members"),
+        (["--members", "9"], "--members"),
+    ],
+)
+def test_demo_errors(errcli: ErrCli, args: list[str], fragment: str) -> None:
+    expect_error(errcli("demo", *args), USAGE, fragment)
+
+
+# -- standard input, output and error: closed, or read by nobody -----------------------------
+
+
+def _closing(fd: int) -> Callable[[], None]:
+    """A preexec_fn that closes ``fd`` in the child, as ``N>&-`` does in a shell."""
+    return lambda: os.close(fd)
+
+
+def _lock_files_untouched(arena: Path) -> None:
+    for name in ("token.lock", "want.lock"):
+        if (arena / name).exists():
+            assert (arena / name).read_bytes() == b"", f"{name} was written to"
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (["who"], 0),
+        (["arena"], 0),
+        (["wait", "-n"], 0),
+        (["run", "--", "sh", "-c", "echo out; echo err >&2; cat; exit 3"], 3),
+    ],
+    ids=["who", "arena", "wait", "run"],
+)
+@pytest.mark.parametrize("closed", [0, 1, 2], ids=["stdin", "stdout", "stderr"])
+def test_closed_standard_descriptor(
+    errcli: ErrCli, err_arena: Path, command: list[str], code: int, closed: int
+) -> None:
+    """A closed 0, 1 or 2 is /dev/null: no lock file takes its number, nothing crashes."""
+    args = [command[0], "--arena", str(err_arena), *command[1:]]
+    out = errcli(*args, preexec_fn=_closing(closed))
+    assert (out.code, "Traceback" in out.stderr) == (code, False), out.stderr
+    _lock_files_untouched(err_arena)
+    if closed == 1:
+        assert out.stderr == ("err\n" if command[0] == "run" else "")
+    if closed == 2:
+        assert out.stderr == ""
+        assert "err" not in out.stdout
+
+
+def test_closed_stderr_error_goes_nowhere(errcli: ErrCli, tmp_path: Path) -> None:
+    """Not onto stdout (Python leaves sys.stderr None when 2 is closed at start)."""
+    out = errcli("wait", "--arena", str(tmp_path / "nowhere"), preexec_fn=_closing(2))
+    assert (out.code, out.stdout, out.stderr) == (OWN_FAILURE, "", "")
+
+
+@pytest.fixture(params=["buffered", "unbuffered"])
+def buffering(request: pytest.FixtureRequest, errcli: ErrCli) -> str:
+    """Both ways Python may write stdout: at exit (buffered) or at once (PYTHONUNBUFFERED)."""
+    errcli.env.pop("PYTHONUNBUFFERED", None)
+    if request.param == "unbuffered":
+        errcli.env["PYTHONUNBUFFERED"] = "1"
+    return str(request.param)
+
+
+def _reader_gone() -> int:
+    """The writing end of a pipe whose reading end is already closed: writes say EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["who", "--arena", "{arena}"], ["arena", "--arena", "{arena}"], ["--version"], ["--help"],
+     ["who", "--help"], []],
+    ids=["who", "arena", "version", "help", "who-help", "no-arguments"],
+)  # fmt: skip
+def test_stdout_reader_gone_is_not_an_error(
+    errcli: ErrCli, err_arena: Path, buffering: str, args: list[str]
+) -> None:
+    """``vramlock who | head -1``: the reader has what it wanted; exit 0, say nothing."""
+    w = _reader_gone()
+    try:
+        out = errcli(*(a.format(arena=err_arena) for a in args), stdout=w)
+    finally:
+        os.close(w)
     assert (out.code, out.stderr) == (0, "")
-    assert not _still_held_by_us(err_arena / "token.lock")
 
 
-# -- wait --fd ------------------------------------------------------------------------------
-
-
-def _free_descriptor() -> int:
-    """A descriptor number that is not open here (and so not in the child either)."""
-    for fd in range(9, 4096):
-        try:
-            os.fstat(fd)
-        except OSError as err:
-            if err.errno == errno.EBADF:
-                return fd
-    raise AssertionError("no free descriptor")
-
-
-def test_wait_fd_not_open(errcli: ErrCli, err_arena: Path) -> None:
-    fd = _free_descriptor()
-    out = errcli("wait", "--fd", str(fd), "--arena", str(err_arena))
-    expect_error(out, USAGE, f"--fd {fd}", "token.lock")
-    assert not _still_held_by_us(err_arena / "token.lock")
-
-
-def test_wait_fd_of_another_file(errcli: ErrCli, err_arena: Path, tmp_path: Path) -> None:
-    fd = _create_lock_file(tmp_path / "other.lock")
+def test_stderr_reader_gone_keeps_the_status(errcli: ErrCli, tmp_path: Path) -> None:
+    """The error line cannot be written: the exit status still says what happened."""
+    w = _reader_gone()
     try:
-        out = errcli("wait", "--fd", str(fd), "--arena", str(err_arena), pass_fds=(fd,))
-        expect_error(out, USAGE, f"--fd {fd}", "token.lock")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody locked it through our fd
+        proc = subprocess.run(
+            [sys.executable, "-m", "vramlock", "wait", "--arena", str(tmp_path / "nowhere")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=w, text=True,
+            env=errcli.env, timeout=SUBPROCESS_TIMEOUT, check=False,
+        )  # fmt: skip
     finally:
-        os.close(fd)
-    assert not _still_held_by_us(err_arena / "token.lock")
+        os.close(w)
+    assert (proc.returncode, proc.stdout) == (OWN_FAILURE, "")
 
 
-def test_wait_fd_of_another_arenas_token(errcli: ErrCli, err_arena: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other-arena"
-    other.mkdir(mode=0o700)
-    fd = _create_lock_file(other / "token.lock")
-    try:
-        out = errcli("wait", "--fd", str(fd), "--arena", str(err_arena), pass_fds=(fd,))
-        expect_error(out, USAGE, f"--fd {fd}", str(err_arena / "token.lock"))
-    finally:
-        os.close(fd)
-    assert not _still_held_by_us(other / "token.lock")
+def test_no_arguments_prints_help_and_succeeds(errcli: ErrCli) -> None:
+    out = errcli()
+    assert (out.code, out.stderr) == (0, "")
+    assert out.stdout.startswith("Usage: vramlock ")
+    assert "run" in out.stdout and "wait" in out.stdout
 
 
-def test_wait_fd_of_the_token_keeps_it_held(errcli: ErrCli, err_arena: Path) -> None:
-    """The control case for the two above: the right descriptor works, and stays locked."""
-    fd = _create_lock_file(err_arena / "token.lock")
-    try:
-        out = errcli("wait", "--fd", str(fd), "--arena", str(err_arena), pass_fds=(fd,))
-        assert (out.code, out.stderr) == (0, "")
-        assert _still_held_by_us(err_arena / "token.lock")
-    finally:
-        os.close(fd)
-    assert not _still_held_by_us(err_arena / "token.lock")
-
-
-def test_wait_fd_while_held_elsewhere(errcli: ErrCli, err_arena: Path, err_held_token: int) -> None:
-    fd = os.open(err_arena / "token.lock", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        out = errcli(
-            "wait", "-n", "-E", "4", "--fd", str(fd), "--arena", str(err_arena), pass_fds=(fd,)
-        )
-        expect_error(out, 4, "token is held")
-    finally:
-        os.close(fd)
-
-
-# -- who ----------------------------------------------------------------------------------------
-
-
-def test_who_missing_arena(errcli: ErrCli, tmp_path: Path) -> None:
-    path = tmp_path / "nowhere"
-    for extra in ([], ["--json"]):
-        out = errcli("who", "--arena", str(path), *extra)
-        expect_error(out, OWN_FAILURE, str(path), "does not exist")
-        assert out.stdout == ""
-    assert not os.path.lexists(path)
-
-
-def test_who_missing_arena_from_environment(errcli: ErrCli, tmp_path: Path) -> None:
-    path = tmp_path / "nowhere"
-    errcli.env["VRAMLOCK_ARENA"] = str(path)
-    out = errcli("who")
-    expect_error(out, OWN_FAILURE, str(path), "does not exist")
-    assert not os.path.lexists(path)
-
-
-@pytest.mark.parametrize(
-    ("args", "code", "fragment"),
-    [
-        (["arena", "--arena", "{missing}"], OWN_FAILURE, "does not exist"),
-        (["arena", "--arena", "{file}"], OWN_FAILURE, "is not a directory"),
-        (["arena", "--gpu", "-1"], USAGE, "--gpu"),
-        (["demo", "--seconds", "abc"], USAGE, "--seconds: bad duration 'abc'"),
-        (["demo", "--members", "1"], USAGE, "--members"),
-        (["demo", "--members", "9"], USAGE, "--members"),
-    ],
-)
-def test_arena_and_demo_errors(
-    errcli: ErrCli, tmp_path: Path, args: list[str], code: int, fragment: str
+@pytest.mark.parametrize("command", ["who", "arena"])
+def test_stdout_on_a_full_disk(
+    errcli: ErrCli, err_arena: Path, buffering: str, command: str
 ) -> None:
-    (tmp_path / "plain-file").write_text("")
-    paths = {"missing": str(tmp_path / "nowhere"), "file": str(tmp_path / "plain-file")}
-    out = errcli(*(a.format(**paths) for a in args))
-    expect_error(out, code, fragment)
-    assert not (tmp_path / "nowhere").exists()
+    """``vramlock who > /dev/full``: one line saying why, vramlock's own status."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        out = errcli(command, "--arena", str(err_arena), stdout=full)
+    finally:
+        os.close(full)
+    assert out.code == OWN_FAILURE
+    assert out.stderr == "vramlock: cannot write the output: No space left on device\n"

@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import sys
 import time
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TextIO
 
 import typer
+from typer.core import TyperGroup
 
 from . import __version__
 from .errors import NotObtained, UsageError, VramlockError
@@ -23,8 +27,40 @@ if TYPE_CHECKING:
     from .demo import Demo
     from .roster import Row
 
+
+class _ReaderGone(Exception):
+    """Standard output's reader has gone (``vramlock who | head -1``): not a failure."""
+
+
+@contextmanager
+def _stdout_reader_may_go() -> Iterator[None]:
+    """Turn EPIPE into _ReaderGone when it is stdout's reader that has gone (another pipe's
+    EPIPE, a child's control channel say, stays an error)."""
+    try:
+        yield
+    except BrokenPipeError as err:
+        poller = select.poll()
+        poller.register(1, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            raise
+        raise _ReaderGone from err
+
+
+class _Group(TyperGroup):
+    """typer turns EPIPE into exit status 1 before main() sees it; here it reaches main()."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:  # --help and --version print here
+        with _stdout_reader_may_go():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _stdout_reader_may_go():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
     name="vramlock",
+    cls=_Group,
     help="Time-share one GPU between always-loaded programs, with kernel file locks only.",
     no_args_is_help=True,
     add_completion=True,
@@ -37,13 +73,18 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
 
 
 def parse_duration(text: str, option: str) -> float:
-    """Seconds from ``2``, ``0.5``, ``250ms``, ``1.5s``, ``2m``, ``1h``."""
+    """Seconds from ``2``, ``0.5``, ``250ms``, ``1.5s``, ``2m``, ``1h``; at most ``MAX_TIMEOUT``."""
+    from .lockfd import MAX_TIMEOUT
+
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|)\s*", text)
     if not m:
         raise UsageError(
             f"{option}: bad duration {text!r} (seconds, or a number followed by ms, s, m or h)"
         )
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not seconds <= MAX_TIMEOUT:  # also inf, from a few hundred digits
+        raise UsageError(f"{option}: {text!r} is too long (at most {MAX_TIMEOUT} s, 68 years)")
+    return seconds
 
 
 def _timeout(nonblock: bool, wait: str | None) -> float | None:
@@ -113,6 +154,14 @@ def _conflict(err: NotObtained, code: int) -> NoReturn:
     """``-E CODE``: the exit status when the token was not obtained."""
     err.exit_status = code
     raise err
+
+
+def _warn(message: str) -> None:
+    """A diagnostic from a running wrapper: one line on stderr, if stderr still takes it."""
+    try:
+        print(f"vramlock: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # stderr closed or broken: the wrapper goes on without it
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -197,6 +246,7 @@ def run(
         else parse_duration(yield_within, "--yield-within"),
         on_release=on_release,
         on_restore=on_restore,
+        warn=_warn,
     )
     try:
         code = run_command(opts)
@@ -221,6 +271,7 @@ def wait(
         typer.Option(
             "--fd",
             min=0,
+            max=2**31 - 1,  # a C int: larger cannot be a descriptor
             metavar="N",
             help="Lock the caller's descriptor N of token.lock, so the caller stays resident.",
             show_default=False,
@@ -228,7 +279,7 @@ def wait(
     ] = None,
 ) -> None:
     """Queue for the GPU (residents step aside) and return once the token is obtained."""
-    from .runner import wait as wait_for_token
+    from .member import wait as wait_for_token
 
     try:
         wait_for_token(arena, gpu, timeout=_timeout(nonblock, timeout), passive=free, fd=fd)
@@ -247,10 +298,11 @@ def _ago(since: float | None, now: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "COMMAND")
+_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "NOTE", "COMMAND")
 
 
 def _cells(row: Row, now: float) -> list[str]:
+    # Row's text is printable already (roster.printable): no escape reaches the terminal.
     return [
         row.state,
         str(row.pid),
@@ -258,12 +310,19 @@ def _cells(row: Row, now: float) -> list[str]:
         row.strategy,
         _ago(row.since, now),
         "-" if row.child_pid is None else str(row.child_pid),
+        row.note or "-",
         row.command,
     ]
 
 
+def _title(path: str) -> str:
+    from .roster import printable
+
+    return f"arena {printable(path, 4096)}"
+
+
 def _plain(path: str, rows: list[Row], now: float) -> str:
-    lines = [f"arena {path}"]
+    lines = [_title(path)]
     if not rows:
         lines.append("no members")
         return "\n".join(lines)
@@ -285,12 +344,14 @@ _STYLE = {
 
 def _rich_table(path: str, rows: list[Row], now: float) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"arena {path}", title_justify="left", expand=False)
+    # Text, not str: rich would read "[...]" in a name or a command as markup.
+    table = Table(title=Text(_title(path)), title_justify="left", expand=False)
     for col in _COLUMNS:
         table.add_column(col, overflow="fold" if col == "COMMAND" else "ellipsis")
     for row in rows:
-        table.add_row(*_cells(row, now), style=_STYLE.get(row.state))
+        table.add_row(*(Text(c) for c in _cells(row, now)), style=_STYLE.get(row.state))
     if not rows:
         table.caption = "no members"
     return table
@@ -318,7 +379,8 @@ def who(
             return _rich_table(opened.path, rows, now)
         if as_json:
             members = [r.as_json(now) for r in rows]
-            return json.dumps({"arena": opened.path, "members": members}, indent=2)
+            document = {"arena": opened.path, "members": members}
+            return json.dumps(document, indent=2, allow_nan=False)
         return _plain(opened.path, rows, now)
 
     try:
@@ -434,27 +496,67 @@ def _click_exception_class() -> type[BaseException]:
     return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, map every error to one stderr line and an exit status."""
+def _reopen_closed_stdio() -> None:
+    # A closed 0, 1 or 2 is the number the next open() returns: token.lock would get it,
+    # and a command writing to its stdout would write into the lock file.
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            os.set_inheritable(null, True)  # a command we start gets it too
+            if getattr(sys, name) is None:  # Python found it closed at start-up
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 (open for good)
+
+
+def _discard(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null: what is still buffered, and the
+    interpreter's flush at exit, then go nowhere instead of failing again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, stream.fileno())
+    except (OSError, ValueError):
+        pass  # not a descriptor of ours (an in-process caller's replacement stream)
+    finally:
+        os.close(null)
+
+
+def _run(argv: list[str] | None) -> int:
     command = typer.main.get_command(app)
     click_error = _click_exception_class()
     try:
         code = command.main(args=argv, prog_name="vramlock", standalone_mode=False)
     except VramlockError as err:
-        print(f"vramlock: {err}", file=sys.stderr)
-        code = err.exit_status
+        _warn(str(err))
+        return err.exit_status
     except click_error as err:
         message = err.format_message()  # type: ignore[attr-defined]
         if type(err).__name__ == "NoArgsIsHelpError":  # plain `vramlock`: help, not an error
             print(message)
-            sys.exit(0)
-        print(f"vramlock: {message}", file=sys.stderr)
-        code = getattr(err, "exit_code", 2)
+            return 0
+        _warn(message)
+        return int(getattr(err, "exit_code", 2))
     except KeyboardInterrupt:
-        code = 130
-    except BrokenPipeError:
-        # `vramlock who | head`: the reader left; say nothing.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Entry point: run the CLI, map every error to one stderr line and an exit status."""
+    _reopen_closed_stdio()
+    try:
+        with _stdout_reader_may_go():
+            code = _run(argv)
+            sys.stdout.flush()
+    except _ReaderGone:
+        _discard(sys.stdout)  # what is still buffered goes nowhere, also at exit
         code = 0
-    sys.stdout.flush()
-    sys.exit(code if isinstance(code, int) else 0)
+    except OSError as err:  # stdout on a full disk (ENOSPC), an I/O error: no traceback
+        _discard(sys.stdout)
+        _warn(f"cannot write the output: {err.strerror or err}")
+        code = 125
+    try:
+        sys.stderr.flush()
+    except OSError:
+        _discard(sys.stderr)  # broken: the exit status still tells
+    sys.exit(code)

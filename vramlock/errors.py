@@ -6,6 +6,7 @@ library never prints and never exits.
     VramlockError                 exit 125: vramlock itself could not do its job
     ├── ArenaError                the arena or a lock file is unusable (path, reason)
     │   └── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
     ├── ControlError              the cooperative control channel broke its protocol
     ├── UsageError                exit 2: a bad value (duration, descriptor, option mix)
@@ -16,6 +17,9 @@ library never prints and never exits.
 """
 
 from __future__ import annotations
+
+import os
+from errno import errorcode
 
 
 class VramlockError(Exception):
@@ -41,6 +45,16 @@ class UnsupportedFilesystem(ArenaError):
             path, f"is on {fstype}, where flock is not a local advisory lock; use a local directory"
         )
         self.fstype = fstype
+
+
+class LockError(VramlockError):
+    """flock(2) failed for another reason than "somebody holds it" (ENOLCK, EIO, ...)."""
+
+    def __init__(self, path: str, errno: int) -> None:
+        name = errorcode.get(errno, str(errno))
+        super().__init__(f"cannot lock {path}: {os.strerror(errno)} ({name})")
+        self.path = path
+        self.errno = errno
 
 
 class StrategyError(VramlockError):

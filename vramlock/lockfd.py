@@ -3,27 +3,32 @@
 Everything here works on descriptors vramlock opened itself. portalocker is the
 lock layer, used only through its ``FlockLocker`` on those descriptors: never its
 module-global locker (another library may switch it to ``lockf``) and never its
-path-opening ``Lock`` class (it follows symlinks and polls).
+path-opening ``Lock`` class (it follows symlinks and polls). portalocker 4 binds
+``fcntl.flock`` in ``FlockLocker`` itself; 3.x looked the module global up.
+
+Every flock result is triaged here, once: granted; held (``EAGAIN``/``EACCES``/
+``EWOULDBLOCK``, non-blocking only); ``EINTR``, retried; anything else, a
+``LockError`` naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 import stat
 import threading
 import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from portalocker import LockFlags
-from portalocker import exceptions as plexc
-from portalocker.portalocker import FlockLocker
+from .errors import ArenaError, LockError
 
-from .errors import ArenaError
-
-_LOCKER = FlockLocker()
+if TYPE_CHECKING:
+    from portalocker.constants import LockFlags
+    from portalocker.portalocker import FlockLocker
 
 # errno values that mean "somebody else holds it"; anything else is a real error.
 HELD_ERRNOS = frozenset({errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK})
@@ -36,10 +41,11 @@ HELD_ERRNOS = frozenset({errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK})
 #   or waiters would split across inodes.
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
-# Descriptors we hold locks through. A forked child closes them without
-# unlocking: LOCK_UN from the child would release the parent's lock, and keeping
-# them open would let the child keep the parent's lock alive after it dies.
-_OWNED: set[int] = set()
+# Descriptors we hold locks through, and the path each is shown as. A forked child
+# closes them without unlocking: LOCK_UN from the child would release the parent's
+# lock, and keeping them open would let the child keep the parent's lock alive
+# after it dies.
+_OWNED: dict[int, str] = {}
 _OWNED_GUARD = threading.Lock()
 
 
@@ -98,21 +104,26 @@ def open_lock_file(dirfd: int, name: str, shown: str, *, allowed_owners: set[int
         os.close(fd)
         raise
     with _OWNED_GUARD:
-        _OWNED.add(fd)
+        _OWNED[fd] = shown
     return fd
 
 
-def adopt(fd: int) -> None:
+def adopt(fd: int, shown: str) -> None:
     """Treat an inherited descriptor (``wait --fd``) as one we lock through."""
     with _OWNED_GUARD:
-        _OWNED.add(fd)
+        _OWNED[fd] = shown
 
 
 def close(fd: int) -> None:
     """Close without unlocking: other copies of the open file description keep the lock."""
     with _OWNED_GUARD:
-        _OWNED.discard(fd)
+        _OWNED.pop(fd, None)
     os.close(fd)
+
+
+def is_path_only(fd: int) -> bool:
+    """An ``O_PATH`` descriptor names a file but cannot be locked (flock says EBADF)."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH)
 
 
 def check_still_linked(dirfd: int, name: str, fd: int, shown: str) -> None:
@@ -138,28 +149,48 @@ def same_file(fd_a: int, fd_b: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+_LOCKER: FlockLocker | None = None
+
+
+def _locker() -> FlockLocker:
+    # Imported at the first lock, not with this module: importing portalocker costs
+    # about 17 ms (its __init__ reads its own version through importlib.metadata).
+    global _LOCKER
+    if _LOCKER is None:
+        from portalocker.portalocker import FlockLocker
+
+        _LOCKER = FlockLocker()
+    return _LOCKER
+
+
 def _flags(exclusive: bool, blocking: bool) -> LockFlags:
+    from portalocker.constants import LockFlags
+
     flags = LockFlags.EXCLUSIVE if exclusive else LockFlags.SHARED
     return flags if blocking else flags | LockFlags.NON_BLOCKING
 
 
-def _os_error(exc: plexc.LockException) -> OSError:
-    cause = exc.__cause__
-    return OSError(getattr(cause, "errno", errno.EIO), f"flock failed: {cause}")
+def _flock(fd: int, *, exclusive: bool, blocking: bool) -> bool:
+    """The one flock call: True when granted, False when held (only when not blocking)."""
+    from portalocker.exceptions import LockException
+
+    locker, flags = _locker(), _flags(exclusive, blocking)
+    while True:
+        try:
+            locker.lock(fd, flags)
+            return True
+        except LockException as exc:
+            code = getattr(exc.__cause__, "errno", None) or errno.EIO
+        if code == errno.EINTR:
+            continue  # a signal whose handler returned: keep our place and wait on
+        if code in HELD_ERRNOS and not blocking:
+            return False
+        raise LockError(_OWNED.get(fd, f"descriptor {fd}"), code)
 
 
 def try_lock(fd: int, *, exclusive: bool) -> bool:
     """One non-blocking attempt; False when somebody else holds a conflicting lock."""
-    try:
-        _LOCKER.lock(fd, _flags(exclusive, blocking=False))
-    except plexc.AlreadyLocked:
-        return False
-    except plexc.LockException as exc:
-        err = _os_error(exc)
-        if err.errno in HELD_ERRNOS:
-            return False
-        raise err from None
-    return True
+    return _flock(fd, exclusive=exclusive, blocking=False)
 
 
 def conflicts(fd: int, *, exclusive: bool) -> bool:
@@ -172,17 +203,16 @@ def conflicts(fd: int, *, exclusive: bool) -> bool:
 
 def lock(fd: int, *, exclusive: bool) -> None:
     """Block in the kernel until granted: kernel queue order, visible in /proc/locks."""
-    try:
-        _LOCKER.lock(fd, _flags(exclusive, blocking=True))
-    except plexc.LockException as exc:
-        raise _os_error(exc) from None
+    _flock(fd, exclusive=exclusive, blocking=True)
 
 
 def unlock(fd: int) -> None:
     """LOCK_UN: releases the lock for every descriptor sharing this open file description."""
+    from portalocker.exceptions import LockException
+
     try:
-        _LOCKER.unlock(fd)
-    except plexc.LockException:
+        _locker().unlock(fd)
+    except (LockException, OSError):  # portalocker before 4.2 raised the OSError itself
         pass  # EBADF after the descriptor went away: nothing is held through it
 
 
@@ -224,14 +254,19 @@ def _lock_with_alarm(fd: int, exclusive: bool, timeout: float) -> bool:
             signal.setitimer(signal.ITIMER_REAL, old_delay, old_interval)
 
 
+# The longest interval timer every platform can set (a 32-bit time_t); longer is forever.
+MAX_TIMEOUT = 2**31 - 1
+
+
 def lock_within(fd: int, *, exclusive: bool, timeout: float | None) -> bool:
     """Lock, waiting at most ``timeout`` seconds (None: forever, 0: one attempt).
 
     In the main thread the wait blocks in the kernel and is cut by SIGALRM, so the
     waiter keeps its place in the kernel's queue. Other threads cannot take
-    signals, so there a finite timeout falls back to polling.
+    signals, so there a finite timeout falls back to polling. A timeout above
+    ``MAX_TIMEOUT`` (68 years) is waiting forever.
     """
-    if timeout is None:
+    if timeout is None or timeout > MAX_TIMEOUT:
         lock(fd, exclusive=exclusive)
         return True
     if timeout <= 0:

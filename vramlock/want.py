@@ -38,7 +38,12 @@ class Token:
                     raise UsageError(f"--fd {fd}: not an open descriptor of {shown}")
             finally:
                 lockfd.close(own)
-            lockfd.adopt(fd)
+            if lockfd.is_path_only(fd):
+                raise UsageError(
+                    f"--fd {fd}: opened with O_PATH, which cannot be locked; "
+                    f"open {shown} for reading (exec {fd}<FILE)"
+                )
+            lockfd.adopt(fd, shown)
             own = fd
         self.fd = own
         self.held = False

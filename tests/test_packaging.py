@@ -1,0 +1,172 @@
+"""What is installed, and what each command loads: dependencies, imports, README, CI.
+
+Start-up time is checked by what gets imported, not by timing: a command that does not
+lock never imports portalocker (its import alone reads package metadata, ~17 ms), the core
+never imports typer or rich, and ``bench/startup.py`` has the figures.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, vramlock
+
+from vramlock import lockfd, procfs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_core_imports_neither_typer_nor_rich() -> None:
+    code = (
+        "import sys\n"
+        "import vramlock, vramlock.member, vramlock.runner, vramlock.child, vramlock.roster\n"
+        "import vramlock.demo, vramlock.strategies\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'click'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, cwd=ROOT)  # fmt: skip
+    assert out.stdout.strip() == "[]"
+
+
+# Runs the CLI in-process, then writes its exit status and every module loaded to argv[1].
+LOADED = """\
+import json, sys
+from vramlock.cli import main
+try:
+    main(sys.argv[2:])
+except SystemExit as end:
+    code = end.code
+with open(sys.argv[1], "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+# Not for this command: the lock layer, the terminal UI, package metadata, GPU bindings.
+NOT_LOADED = {
+    "who": ["portalocker", "rich", "importlib.metadata", "vramlock.runner",
+            "vramlock.strategies", "vramlock.cuda"],
+    "wait": ["rich", "vramlock.cuda"],
+    "run": ["rich"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [("who", []), ("wait", ["-n"]), ("run", ["--release", "none", "--", "true"])],
+    ids=["who", "wait", "run"],
+)
+def test_commands_load_only_what_they_use(
+    arena: Path, tmp_path: Path, command: str, args: list[str]
+) -> None:
+    report = tmp_path / "loaded.json"
+    argv = [command, "--arena", str(arena), *args]
+    subprocess.run([sys.executable, "-c", LOADED, str(report), *argv], stdout=subprocess.DEVNULL,
+                   stdin=subprocess.DEVNULL, timeout=30, check=True)  # fmt: skip
+    loaded = json.loads(report.read_text())
+    assert loaded["code"] == 0
+    modules = set(loaded["modules"])
+    assert [m for m in NOT_LOADED[command] if m in modules] == []
+
+
+# -- the lock layer --------------------------------------------------------------------------
+
+
+def _requirement(name: str) -> tuple[int, int]:
+    """The major-version bounds ``NAME>=A.x,<B`` of a dependency in pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(rf'"{name}>=(\d+)(?:\.\d+)*,<(\d+)"', text)
+    assert m, f"pyproject.toml: no {name}>=A,<B requirement"
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_installed_portalocker_is_the_pinned_major() -> None:
+    low, high = _requirement("portalocker")
+    assert low >= 4, "portalocker 3.x FlockLocker followed the module global (maybe lockf)"
+    assert low <= int(metadata.version("portalocker").split(".")[0]) < high
+
+
+def _lock_kinds(fd: int) -> list[tuple[str, int]]:
+    """(FLOCK or POSIX, pid) of each lock on ``fd``'s inode, from /proc/locks."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    found = []
+    for line in procfs.read_proc_locks().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] != "->" and fields[5] == key:
+            found.append((fields[1], int(fields[4])))
+    return found
+
+
+def test_locks_are_flock_even_when_portalocker_is_switched_to_lockf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another library in the process may set portalocker's module-global LOCKER to lockf
+    (per-process record locks, dropped when any descriptor of the file closes)."""
+    import portalocker
+    import portalocker.portalocker as locker_module
+
+    monkeypatch.setattr(locker_module, "LOCKER", fcntl.lockf)
+    ours = os.open(tmp_path / "ours", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    theirs = os.open(tmp_path / "theirs", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        lockfd.lock(ours, exclusive=True)
+        portalocker.lock(theirs, portalocker.LockFlags.EXCLUSIVE)  # the switch took effect
+        assert _lock_kinds(theirs) == [("POSIX", os.getpid())]
+        assert _lock_kinds(ours) == [("FLOCK", os.getpid())]
+    finally:
+        os.close(ours)
+        os.close(theirs)
+
+
+# -- shell completion -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("words", "cword", "expected"),
+    [
+        ("vramlock r", 1, ["run"]),
+        ("vramlock run --release ", 3, ["auto", "signal", "none", "restart", "stop", "exec"]),
+        ("vramlock run --demand c", 3, ["child"]),
+    ],
+)
+def test_shell_completion(words: str, cword: int, expected: list[str]) -> None:
+    env = dict(os.environ, _VRAMLOCK_COMPLETE="complete_bash", COMP_WORDS=words,
+               COMP_CWORD=str(cword))  # fmt: skip
+    out = subprocess.run(vramlock(), env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    assert out.stdout.split() == expected
+
+
+# -- README and CI --------------------------------------------------------------------------
+
+
+def _readme_commands() -> list[str]:
+    """The commands of the README's first code block, which must open the README."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[0] == "# vramlock"
+    start = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    assert start <= 2, "the README must open with its commands, right under the title"
+    end = lines.index("```", start + 1)
+    return [line.split(" #", 1)[0].strip() for line in lines[start + 1 : end] if line.strip()]
+
+
+def test_readme_opens_with_two_commands() -> None:
+    """One to install and see it work, one to install and run every test."""
+    commands = _readme_commands()
+    assert len(commands) == 2, commands
+    assert commands[0].startswith("pip install ") and commands[0].endswith("vramlock demo")
+    assert commands[1].startswith("pip install ") and "python -m pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    test_command = _readme_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
