@@ -113,3 +113,9 @@ def wait_until(what: Callable[[], object], timeout: float = 10.0, step: float = 
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(step)
+
+
+def queued(pid: int) -> bool:
+    """Is ``pid`` blocked in a flock (a "->" line of /proc/locks)?"""
+    with open("/proc/locks") as f:
+        return any(f" {pid} " in line and "->" in line for line in f)

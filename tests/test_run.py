@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Spawn, kill_group, vramlock, wait_until
+from conftest import Spawn, kill_group, queued, vramlock, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -312,77 +312,6 @@ def test_yield_within_ends_a_deaf_command_and_restarts_it(
     assert "signal release did not finish within 0." in job.stderr.read()
 
 
-def test_wait_fd_keeps_the_shell_resident(arena: Path) -> None:
-    script = (
-        f'{sys.executable} -m vramlock arena --arena "{arena}" >/dev/null || exit 9\n'
-        f'exec 9<"{arena}/token.lock"\n'
-        f'{sys.executable} -m vramlock wait --arena "{arena}" --fd 9 || exit 10\n'
-        f'flock -n -x "{arena}/token.lock" true && exit 11\n'
-        "exec 9<&-\n"
-        f'flock -n -x "{arena}/token.lock" true || exit 12\n'
-    )
-    result = subprocess.run(["bash", "-c", script], timeout=30)
-    assert result.returncode == 0
-
-
-def test_wait_free_asks_nobody_to_leave(
-    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
-) -> None:
-    log = tmp_path / "log"
-    run_worker(spawn, arena, worker, log, "busy")
-    passive = subprocess.run(
-        vramlock("wait", "--arena", str(arena), "--free", "-w", "0.5"), timeout=30
-    )
-    assert passive.returncode == 1
-    assert whats(log, "busy") == ["start"]
-
-
-def test_who_plain_text_and_json(arena: Path, spawn: Spawn) -> None:
-    spawn(vramlock("run", "--arena", str(arena), "--name", "sleeper", "--", "sleep", "30"))
-    wait_until(lambda: who(arena) and who(arena)[0]["state"] == "resident")
-    spawn(vramlock("run", "--arena", str(arena), "--name", "second", "--", "true"))
-    wait_until(lambda: len(who(arena)) == 2)
-    rows = who(arena)
-    states = [(r["name"], r["state"]) for r in rows]
-    assert states == [("sleeper", "resident"), ("second", "waiting")]
-    plain = subprocess.run(
-        vramlock("who", "--arena", str(arena)), capture_output=True, text=True, timeout=30
-    ).stdout.splitlines()
-    assert plain[0] == f"arena {arena}"
-    assert plain[1].split()[:3] == ["STATE", "PID", "NAME"]
-    assert plain[2].split()[0] == "resident" and "sleeper" in plain[2]
-    assert plain[3].split()[0] == "waiting" and "second" in plain[3]
-
-
-def test_who_empty_arena(arena: Path) -> None:
-    out = subprocess.run(
-        vramlock("who", "--arena", str(arena)), capture_output=True, text=True, timeout=30
-    )
-    assert out.returncode == 0
-    assert out.stdout.splitlines() == [f"arena {arena}", "no members"]
-
-
-def test_default_arena_follows_xdg_runtime_dir_and_gpu() -> None:
-    runtime = os.environ["XDG_RUNTIME_DIR"]
-    out = subprocess.run(vramlock("arena", "--gpu", "3"), capture_output=True, text=True,
-                         timeout=30)  # fmt: skip
-    assert out.stdout.strip() == f"{runtime}/vramlock/gpu3"
-    assert os.stat(f"{runtime}/vramlock/gpu3").st_mode & 0o777 == 0o700
-
-
-def test_core_imports_neither_typer_nor_rich() -> None:
-    code = (
-        "import sys\n"
-        "import vramlock, vramlock.member, vramlock.runner, vramlock.child, vramlock.roster\n"
-        "import vramlock.demo, vramlock.strategies\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'click'))\n"
-        "print(bad)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, cwd=ROOT)  # fmt: skip
-    assert out.stdout.strip() == "[]"
-
-
 def test_demo_runs_without_a_gpu() -> None:
     out = subprocess.run(vramlock("demo", "--seconds", "3"), capture_output=True, text=True,
                          timeout=60)  # fmt: skip
@@ -464,40 +393,6 @@ def test_command_owns_the_terminal(arena: Path) -> None:
     assert b"KeyboardInterrupt" in seen
 
 
-@pytest.mark.parametrize(
-    ("words", "cword", "expected"),
-    [
-        ("vramlock r", 1, ["run"]),
-        ("vramlock run --release ", 3, ["auto", "signal", "none", "restart", "stop", "exec"]),
-        ("vramlock run --demand c", 3, ["child"]),
-    ],
-)
-def test_shell_completion(words: str, cword: int, expected: list[str]) -> None:
-    env = dict(os.environ, _VRAMLOCK_COMPLETE="complete_bash", COMP_WORDS=words,
-               COMP_CWORD=str(cword))  # fmt: skip
-    out = subprocess.run(vramlock(), env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0
-    assert out.stdout.split() == expected
-
-
-def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> None:
-    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"))
-    assert watch.stdout is not None
-    assert watch.stdout.readline().strip() == f"arena {arena}"
-    assert watch.stdout.readline().strip() == "no members"
-    job = spawn(vramlock("run", "--arena", str(arena), "--name", "late", "--", "sleep", "30"))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # a later frame shows the newcomer
-        line = watch.stdout.readline()
-        if "late" in line:
-            break
-    else:
-        raise AssertionError("--watch never showed the new member")
-    watch.send_signal(signal.SIGINT)
-    assert watch.wait(10) == 0
-    kill_group(job)
-
-
 def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn) -> None:
     code = (
         "import time\nfrom vramlock import child\n"
@@ -537,3 +432,16 @@ def test_a_waiter_that_does_not_ring_is_still_noticed(
     )
     assert float(out.stdout) < 5.0
     assert "release" in whats(log, "holder")
+
+
+def test_run_survives_forwardable_signals_while_it_waits(arena: Path, spawn: Spawn) -> None:
+    """USR1/USR2/WINCH are for the command: before it starts they must not end the wait."""
+    holder = spawn(["flock", "-x", str(arena / "token.lock"), "sleep", "1"])
+    wait_until(lambda: (arena / "token.lock").exists())
+    job = spawn(vramlock("run", "--arena", str(arena), "--", "true"))
+    wait_until(lambda: queued(job.pid))
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH):
+        os.kill(job.pid, sig)
+    _, err = job.communicate(timeout=30)
+    assert (job.returncode, err) == (0, "")
+    holder.wait(10)

@@ -16,13 +16,16 @@ _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 
 
-def drain(fd: int) -> None:
-    """Read a non-blocking descriptor (inotify, a wake-up pipe) until it is empty."""
+def drain(fd: int) -> bool:
+    """Read a non-blocking descriptor (inotify, a wake-up pipe) until it is empty;
+    True when there was something to read."""
+    got = False
     try:
         while os.read(fd, 65536):
-            pass
+            got = True
     except BlockingIOError:
         pass
+    return got
 
 
 class Hint:

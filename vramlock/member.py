@@ -10,16 +10,18 @@ This is also the Python API for programs that join an arena themselves::
 
 from __future__ import annotations
 
-import enum
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
+from types import FrameType
 
 from .arena import Arena
 from .errors import NotObtained
-from .roster import Record, RecordWriter
+from .records import Record, RecordWriter
+from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
 
 DEFAULT_MIN_HOLD = 0.1
@@ -27,14 +29,6 @@ DEFAULT_MIN_HOLD = 0.1
 # nobody waits any more, or this long has passed (a queued waiter that has not
 # been scheduled yet must not lose the token to us).
 REQUEUE_DELAY_MAX = 0.05
-
-
-class State(enum.Enum):
-    WAITING = "waiting"
-    RESIDENT = "resident"
-    RELEASING = "releasing"
-    RELEASED = "released"
-    RESTORING = "restoring"
 
 
 class Member:
@@ -71,6 +65,7 @@ class Member:
         )
 
     def _set(self, state: State) -> None:
+        # In memory only: the record reaches the disk later, from the writer's thread.
         self.state = state
         self.records.update(state=state.value)
 
@@ -80,12 +75,22 @@ class Member:
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
         """Queue for the token; True once resident, False if ``timeout`` ran out."""
-        self.waiting()
-        if not self.take_token(timeout, wanting=wanting):
-            self._set(State.RELEASED)
+        if not self._queue(timeout, wanting=wanting):
             return False
         self.resident()
         return True
+
+    def _queue(self, timeout: float | None, *, wanting: bool = True) -> bool:
+        """WAITING until the token is ours (True), or RELEASED again when it is not."""
+        self.waiting()
+        try:
+            got = self.take_token(timeout, wanting=wanting)
+        except BaseException:
+            self._set(State.RELEASED)
+            raise
+        if not got:
+            self._set(State.RELEASED)
+        return got
 
     def waiting(self) -> None:
         self._set(State.WAITING)
@@ -118,9 +123,9 @@ class Member:
 
     def release(self) -> None:
         """Drop the token (the GPU memory must already be free)."""
-        self.token.release()
-        # Let the waiter the kernel just woke run before we write our record: on a
-        # small machine it would otherwise wait for our CPU (p50 18 -> 300 us measured).
+        self.token.release()  # first: nothing, not even our record, delays the next holder
+        # Let the waiter the kernel just woke run before we go on (wait_polite probes the
+        # token): on a 2-CPU machine the kernel handoff p50 was 100 us without, 18 with.
         os.sched_yield()
         self._set(State.RELEASED)
 
@@ -143,22 +148,35 @@ class Member:
 
         ``release`` must free this program's GPU memory; ``restore`` brings it back.
         Returns True when it yielded.
+
+        Exceptions from either callback propagate. If ``release`` raises, the member
+        is RESIDENT again and still holds the token (its memory is presumably still in
+        use). If ``restore`` raises, the token is dropped, so that waiters are not
+        starved by a member that cannot use the GPU: the member is RELEASED and must
+        ``acquire()`` again before it touches the GPU.
         """
         if not self.should_release():
             return False
         self.releasing()
-        release()
+        try:
+            release()
+        except BaseException:
+            self._set(State.RESIDENT)
+            raise
         self.release()
         self.wait_polite()
-        self.waiting()
-        self.take_token(None)
+        self._queue(None)
         self.restoring()
-        restore()
+        try:
+            restore()
+        except BaseException:
+            self.release()
+            raise
         self.resident()
         return True
 
     def close(self) -> None:
-        """Leave the arena: drop any lock, remove the record."""
+        """Leave the arena: drop any lock, stop the record's writer, remove the record."""
         if self.token.held:
             self.token.release()
         self.want.close()
@@ -190,3 +208,55 @@ def resident(
             member.close()
     finally:
         opened.close()
+
+
+@contextmanager
+def harmless_signals() -> Iterator[None]:
+    """Ignore SIGUSR1, SIGUSR2 and SIGWINCH while queueing for the token.
+
+    ``vramlock run`` forwards them to its command's process group, where a script's
+    ``vramlock wait`` is: they must not end a wait. Caught (not SIG_IGN), so a blocked
+    flock is interrupted (EINTR) and resumed, keeping its place in the kernel's queue.
+    """
+    old = {s: signal.signal(s, _ignore) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    pass
+
+
+def wait(
+    arena: str | None = None,
+    gpu: int | None = None,
+    *,
+    timeout: float | None = None,
+    passive: bool = False,
+    fd: int | None = None,
+) -> None:
+    """``vramlock wait``: queue as a waiter (residents step aside) until the token is ours.
+
+    Without ``fd`` the token is dropped again when this returns. With ``fd`` the
+    lock is taken on that descriptor's open file description (the calling
+    shell's), so it stays held after we exit. Raises NotObtained.
+    """
+    with harmless_signals(), closing(Arena.open(arena, gpu)) as opened:
+        member = Member(
+            opened,
+            name="vramlock wait",
+            command=sys.argv,
+            strategy="wait --free" if passive else "wait",
+            token_fd=fd,
+        )
+        try:
+            if not member.acquire(timeout, wanting=not passive):
+                raise NotObtained(timeout or 0.0)
+        finally:
+            if fd is not None:
+                # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
+                member.token.held = False
+            member.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import errno
 import os
 import select
@@ -10,10 +10,27 @@ import shutil
 import signal
 import time
 
-from .errors import CommandNotExecutable, CommandNotFound
+from . import procfs
+from .errors import CommandNotExecutable, CommandNotFound, StrategyError
 
 # Python ignores these; an exec'd program must start with the defaults, as under a shell.
 _RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+# How often a wait for processes to be gone re-scans /proc.
+_GONE_POLL = 0.005
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Adopt our orphaned descendants, so a worker whose parent exited (or that left the
+    command's process group with setsid) is still ours to find, wait for and end."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def exit_code(status: int) -> int:
@@ -106,6 +123,7 @@ class Child:
         self.pidfd: int | None = None
         self.status: int | None = None
         self.stops: list[int] = []  # stop signals seen by waitpid(WUNTRACED), oldest first
+        self.ignored: set[int] = set()  # our own helper processes, not the command's
         self.spawn()
 
     def spawn(self) -> None:
@@ -185,25 +203,76 @@ class Child:
         return self.status
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        """Signal the command's process group. StrategyError when we may not (EPERM: a
+        setuid program): a strategy must not believe a command it cannot reach is ending."""
+        try:
             os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass  # nobody left in the group
+        except PermissionError:
+            raise StrategyError(
+                f"cannot signal the command's process group {self.pid}: operation not"
+                " permitted (a setuid program?)"
+            ) from None
 
-    def terminate(self, grace: float) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds, reap the leader."""
-        if self.poll() is None:
-            self.signal_group(signal.SIGTERM)
-            self.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
-            if self.wait(grace) is None:
-                self.kill()
-        return self.status
+    def processes(self) -> list[int]:
+        """Every living process of the command: its process group, and whatever else
+        descends from us (we are a subreaper, so orphans that left the group are ours),
+        less our own helpers in ``ignored``. Zombies run nothing and are left out."""
+        found = set(procfs.group_pids(self.pid)) if self.pid else set()
+        me = os.getpid()
+        found.update(p for p in procfs.descendants(me) if procfs.living(p))
+        found.discard(me)
+        return sorted(found - self.ignored)
 
-    def kill(self) -> int | None:
-        self.signal_group(signal.SIGKILL)
-        return self.wait(None)
+    def reap_orphans(self) -> None:
+        """Reap adopted descendants that have exited (never the command itself: poll() does)."""
+        for pid in procfs.children(os.getpid()):
+            if pid != self.pid and pid not in self.ignored and procfs.state(pid) == "Z":
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
 
-    def reap_group(self) -> None:
-        """Kill what is left of the group after the leader is gone (GPU-holding grandchildren)."""
-        self.signal_group(signal.SIGKILL)
+    def _signal_all(self, sig: int, pids: list[int]) -> None:
+        self.signal_group(sig)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                raise StrategyError(
+                    f"cannot signal process {pid} of the command: operation not permitted"
+                ) from None
+
+    def wait_gone(self, timeout: float) -> list[int]:
+        """Wait up to ``timeout`` seconds until no process of the command lives; the survivors."""
+        end = time.monotonic() + timeout
+        while True:
+            self.poll()
+            self.reap_orphans()
+            left = self.processes()
+            if not left or time.monotonic() >= end:
+                return left
+            time.sleep(_GONE_POLL)
+
+    def end_all(self, grace: float, kill_wait: float = 5.0) -> list[int]:
+        """End every process of the command: SIGTERM (and SIGCONT, so a stopped one can act
+        on it), SIGKILL after ``grace`` seconds, then wait up to ``kill_wait`` seconds. The
+        survivors (a process in uninterruptible sleep); StrategyError when we may not signal.
+        """
+        left = self.processes()
+        if not left:
+            self.poll()
+            return []
+        self._signal_all(signal.SIGTERM, left)
+        self._signal_all(signal.SIGCONT, left)
+        left = self.wait_gone(grace)
+        if left:
+            self._signal_all(signal.SIGKILL, left)
+            left = self.wait_gone(kill_wait)
+        return left
 
     def close(self) -> None:
         if self.terminal is not None:

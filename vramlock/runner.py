@@ -13,20 +13,21 @@ import contextlib
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
+from . import demand as demands
 from . import strategies
 from .arena import Arena
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
-from .member import DEFAULT_MIN_HOLD, Member, State
-from .process import Child, Terminal, exit_code
+from .member import DEFAULT_MIN_HOLD, Member, State, harmless_signals
+from .process import Child, Terminal, become_subreaper, exit_code
+from .strategies.base import KILL_WAIT
 
 # How often a resident probes want.lock when nothing wakes it. Waiters that ring (ours, the
 # nested flock(1) form) wake it at once through the inotify hint, so with the hint this only
@@ -36,8 +37,13 @@ PROBE_INTERVAL = 0.25
 PROBE_INTERVAL_NO_HINT = 0.05  # no inotify: probing is all there is
 # After a failed release (a hook exited non-zero), stay resident this long before retrying.
 RETRY_AFTER_FAILURE = 1.0
+# Processes a command leaves behind when it exits get this long to act on SIGTERM.
+LEFTOVER_GRACE = 2.0
+# Under --release auto, a command that has not said hello this long after it started is
+# taken not to speak the control protocol (for the one warning below).
+HELLO_GRACE = 1.0
 
-DEMANDS = ("always", "child")
+DEMANDS = tuple(demands.DEMANDS)
 # SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
 WATCHED = (signal.SIGCHLD,)
 FORWARDED = (
@@ -52,8 +58,8 @@ FORWARDED = (
 _ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
-def _warn(message: str) -> None:
-    print(f"vramlock: {message}", file=sys.stderr, flush=True)
+def _quiet(message: str) -> None:
+    """The library never prints: the command line passes a ``warn`` that does."""
 
 
 @dataclass
@@ -69,28 +75,18 @@ class RunOptions:
     yield_within: float | None = None
     on_release: str | None = None
     on_restore: str | None = None
-    warn: Callable[[str], None] = field(default=_warn)
+    warn: Callable[[str], None] = field(default=_quiet)
+
+    @property
+    def settings(self) -> strategies.Settings:
+        return strategies.Settings(on_release=self.on_release, on_restore=self.on_restore)
 
     def check(self) -> None:
         """Reject option mixes that cannot work, before anything is locked or started."""
         if not self.command:
             raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
-        hooks = self.on_release is not None or self.on_restore is not None
-        if hooks and self.release == "auto":
-            self.release = "exec"
-        if self.release not in strategies.NAMES:
-            raise StrategyError(
-                f"unknown release strategy {self.release!r}"
-                f" (choose from {', '.join(strategies.NAMES)})"
-            )
-        if self.demand not in DEMANDS:
-            raise StrategyError(
-                f"unknown demand {self.demand!r} (choose from {', '.join(DEMANDS)})"
-            )
-        if hooks and self.release != "exec":
-            raise UsageError("--on-release/--on-restore need --release exec")
-        if self.release == "exec" and self.on_release is None:
-            raise UsageError("--release exec needs --on-release COMMAND")
+        self.release = strategies.check(self.release, self.settings)
+        demands.check(self.demand)
 
 
 class _Terminated(Exception):
@@ -98,8 +94,17 @@ class _Terminated(Exception):
         self.signum = signum
 
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated(signum)
+class _Once:
+    """A handler that raises on the first ending signal only: a second one arriving
+    while we clean up after the first must not interrupt the cleanup."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise _Terminated(signum)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -120,30 +125,37 @@ class Runner:
     def run(self) -> int:
         opts = self.opts
         opts.check()
-        old = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+        once = _Once()
+        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
-            self.arena = Arena.open(opts.arena, opts.gpu)
-            self.member = Member(
-                self.arena,
-                name=opts.name,
-                min_hold=opts.min_hold,
-                command=opts.command,
-                strategy=opts.release,
-            )
-            if not self.member.acquire(opts.timeout):
-                raise NotObtained(opts.timeout or 0.0)
-        except _Terminated as t:
-            self._close()
+            try:
+                with harmless_signals():
+                    self.arena = Arena.open(opts.arena, opts.gpu)
+                    self.member = Member(
+                        self.arena,
+                        name=opts.name,
+                        min_hold=opts.min_hold,
+                        command=opts.command,
+                        strategy=opts.release,
+                    )
+                    if not self.member.acquire(opts.timeout):
+                        raise NotObtained(opts.timeout or 0.0)
+            except (_Terminated, KeyboardInterrupt) as err:
+                self._close()
+                return 128 + (err.signum if isinstance(err, _Terminated) else signal.SIGINT)
+            except BaseException:
+                self._close()
+                raise
+        except _Terminated as t:  # a second signal during the cleanup of the first
             return 128 + t.signum
-        except KeyboardInterrupt:
-            self._close()
-            return 128 + signal.SIGINT
-        except BaseException:
-            self._close()
-            raise
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            if once.signum is None:
+                for s, h in old.items():
+                    signal.signal(s, h)
+            # else: we are ending on that signal; _Once ignores further ones until we exit
+        if once.signum is not None:  # arrived between the lock and here
+            self._close()
+            return 128 + once.signum
         try:
             return self._supervise(self.arena, self.member)
         finally:
@@ -156,8 +168,10 @@ class Runner:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._supervisor is None:
@@ -171,6 +185,8 @@ class Runner:
         env = dict(os.environ)
         env.update(control.child_env(member.token.fd))
         env["VRAMLOCK_ARENA"] = arena.path
+        # Orphans of the command become our children: none can slip away unseen.
+        become_subreaper()
         # Handlers first: a signal that arrives while the command starts must be
         # passed on, not kill us with the default action.
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -192,14 +208,10 @@ class Runner:
                 signal.signal(s, h)
             signal.set_wakeup_fd(old_wakeup)
             hint.close()
-            gone = (
-                child is None
-                or child.status is not None
-                or (self._supervisor is not None and self._supervisor.strategy.killed)
-            )
+            gone = child is None or (self._supervisor is not None and self._supervisor.all_gone)
             if member.token.held and gone:
-                # Explicitly: the command's descendants may still share this open
-                # file description, and must not keep the token.
+                # Explicitly: a descendant that outlived the command while sharing this
+                # open file description must not keep the token.
                 member.token.release()
             elif member.token.held:
                 # We are failing while the command runs: it keeps the token (the
@@ -219,20 +231,32 @@ class Supervisor:
         self.opts = opts
         self.member = member
         self.child = child
-        self.ctx = strategies.Context(
-            child=child,
-            control=control,
-            on_release=opts.on_release,
-            on_restore=opts.on_restore,
-        )
-        self.strategy = strategies.pick(opts.release, self.ctx)
+        self.ctx = strategies.Context(child=child, control=control)
+        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, opts.command)
+        self.demand = demands.make(opts.demand, self.ctx)
         self.pending_signal: int | None = None
+        self.all_gone = False  # every process of the command has ended
         self._wake_r = wake_r
         self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._acquire_error: BaseException | None = None
         self._acquire_done = False
         self._retry_at = 0.0
+        self._started = time.monotonic()
+        self._warned: set[str] = set()
+        self._told = False  # the auto fallback warning was given
+        self._signalled = True  # a signal arrived (through the wakeup fd) since we last looked
         self._describe()
+
+    def warn(self, message: str, *, once: bool = False) -> None:
+        """Pass a diagnostic to the caller; a diagnostic must never end the run."""
+        if once:
+            if message in self._warned:
+                return
+            self._warned.add(message)
+        try:
+            self.opts.warn(message)
+        except Exception:
+            pass  # a closed stderr: the GPU work matters more than the message
 
     def _describe(self) -> None:
         name = self.strategy.name
@@ -242,19 +266,18 @@ class Supervisor:
 
     def on_signal(self, signum: int) -> None:
         if self.child.status is None and not self.strategy.killed:
-            self.child.signal_group(signum)
+            try:
+                self.child.signal_group(signum)
+            except StrategyError:
+                pass  # a setuid command: it keeps the token we share until it exits
         if signum in _ENDING:
             self.pending_signal = signum
-            # A command stopped by `--release stop` acts on it once it is resumed,
-            # which needs the token: ask for it back.
-            self.ctx.wants = True
+            self.ctx.endings += 1
 
     def _job_control(self) -> None:
         """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
         stops, self.child.stops[:] = list(self.child.stops), []
-        ours = isinstance(self.strategy, strategies.StopStrategy) and (
-            self.member.state is not State.RESIDENT
-        )
+        ours = self.strategy.stops and self.member.state is not State.RESIDENT
         terminal = self.child.terminal
         if not stops or ours or terminal is None:
             return
@@ -270,14 +293,60 @@ class Supervisor:
             return None
         return self.child.poll()
 
+    def _finish(self, code: int) -> int:
+        """The command has exited: end what it left running, then give its status.
+
+        The token is kept until every process of the command is gone: a worker left
+        in its group (or adopted by us) would otherwise run while another member is
+        resident. Leftovers get SIGTERM, then SIGKILL; one that cannot be ended keeps
+        us (and the token) waiting for it.
+        """
+        left = self.child.processes()
+        if left:
+            pids = ", ".join(map(str, left))
+            self.warn(
+                f"the command exited and left {len(left)} process(es) running ({pids});"
+                " ending them before the GPU is released"
+            )
+            self.member.describe(leftovers=left)
+            try:
+                left = self.child.end_all(LEFTOVER_GRACE, KILL_WAIT)
+            except StrategyError as err:
+                self.warn(f"{err}; holding the GPU until they exit")
+            while left:
+                self.warn(
+                    f"processes {', '.join(map(str, left))} of the command are still alive;"
+                    " holding the GPU until they are gone",
+                    once=True,
+                )
+                self.member.describe(leftovers=left)
+                left = self.child.wait_gone(1.0)
+            self.member.describe(leftovers=[])
+        self.all_gone = True
+        return code
+
+    def _probe_for_auto(self, now: float) -> None:
+        """Under auto, say once that a waiter will wait: the command cannot release."""
+        if now - self._started >= HELLO_GRACE and self.member.wanted():
+            self._told = True
+            self.warn(
+                "somebody is waiting for the GPU, but this command keeps it until it exits:"
+                " --release auto found no way to release it (it does not speak the control"
+                " protocol); see --release restart, stop or exec"
+            )
+
     def loop(self, hint: Hint) -> int:
         member, ctx = self.member, self.ctx
         while True:
             status = self._child_gone()
             if status is not None:
-                return exit_code(status)
+                return self._finish(exit_code(status))
+            if self._signalled:  # SIGCHLD: an adopted orphan may have exited
+                self._signalled = False
+                self.child.reap_orphans()
             self._job_control()
             if self.strategy.killed and self.pending_signal is not None:
+                self.all_gone = True  # ended by us, every process reaped
                 return 128 + self.pending_signal  # nothing is running to pass it to
 
             ctx.take_lines(ctx.control.read_lines())
@@ -287,7 +356,7 @@ class Supervisor:
                 self._describe()
 
             timeout: float | None = None
-            watch = [self._wake_r]
+            watch = [self._wake_r, *self.demand.fds()]
             if self.child.pidfd is not None and not self.strategy.killed:
                 watch.append(self.child.pidfd)
             elif not self.strategy.killed:
@@ -295,25 +364,31 @@ class Supervisor:
             if not ctx.control.closed:
                 watch.append(ctx.control.fileno())
 
+            now = time.monotonic()
+            interval = PROBE_INTERVAL if hint.fd is not None else PROBE_INTERVAL_NO_HINT
             if member.state is State.RESIDENT and self.strategy.releases:
-                now = time.monotonic()
-                if now >= self._retry_at and member.should_release():
+                if now >= self._retry_at and member.should_release() and not self.demand.busy():
                     status = self._release()
                     if status is not None:
                         return status
                     continue
-                interval = PROBE_INTERVAL_NO_HINT
                 if hint.fd is not None:
                     watch.append(hint.fd)
-                    interval = PROBE_INTERVAL
                 hold_left = member.resident_since + member.min_hold - now
                 interval = interval if hold_left <= 0 else min(interval, hold_left)
                 timeout = interval if timeout is None else min(timeout, interval)
                 if self._retry_at > now:
                     timeout = min(timeout, self._retry_at - now)
+            elif member.state is State.RESIDENT and self.opts.release == "auto" and not self._told:
+                self._probe_for_auto(now)
+                if hint.fd is not None:
+                    watch.append(hint.fd)
+                timeout = interval if timeout is None else min(timeout, interval)
             elif member.state is State.RELEASED:
-                # A command that was ended cannot say `want`: it comes back on its turn.
-                if self.opts.demand == "always" or ctx.wants or self.strategy.killed:
+                # A command that was ended cannot ask: it comes back on its turn; one that
+                # was told to end needs the GPU to act on it.
+                ending = self.pending_signal is not None
+                if self.demand.wants() or ending or self.strategy.killed:
                     self._start_acquire()
                     continue
             elif member.state is State.WAITING:
@@ -330,7 +405,7 @@ class Supervisor:
     def _wait(self, fds: list[int], timeout: float | None) -> None:
         with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
-        drain(self._wake_r)
+        self._signalled = drain(self._wake_r) or self._signalled
 
     # -- transitions -------------------------------------------------------------
 
@@ -342,25 +417,30 @@ class Supervisor:
         started = time.monotonic()
         deadline = None if y is None else started + y
         try:
-            self.strategy.release(deadline)
-        except strategies.ReleaseTimeout:
-            waited = time.monotonic() - started
-            self.opts.warn(
-                f"{self.strategy.name} release did not finish within {waited:.1f} s;"
-                " ending the command (it is started again on its turn)"
-            )
-            self.strategy.force()
+            try:
+                self.strategy.release(deadline)
+            except strategies.ReleaseTimeout:
+                waited = time.monotonic() - started
+                self.warn(
+                    f"{self.strategy.name} release did not finish within {waited:.1f} s;"
+                    " ending the command (it is started again on its turn)"
+                )
+                self.strategy.force()
+            self.strategy.verify(deadline)
         except strategies.ChildExited:
-            return exit_code(self.child.poll() or 0)
+            return self._finish(exit_code(self.child.poll() or 0))
+        except strategies.Interrupted:
+            member.resident()  # told to end: the command has the signal, we stay resident
+            return None
         except ControlError as err:
-            self.opts.warn(f"{err}; holding the GPU until it exits")
+            self.warn(f"{err}; holding the GPU until it exits")
             self.ctx.hello = False
-            self.strategy = strategies.NoneStrategy(self.ctx)
+            self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
             member.resident()
             return None
         except StrategyError as err:
-            self.opts.warn(f"release failed: {err}; staying resident")
+            self.warn(f"release failed: {err}; staying resident", once=True)
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             member.resident()
             return None
@@ -395,53 +475,20 @@ class Supervisor:
             raise self._acquire_error
         member.restoring()
         try:
-            self.strategy.restore()
+            self.strategy.restore()  # tells the command first; bookkeeping after
         except strategies.ChildExited:
-            return exit_code(self.child.poll() or 0)
+            return self._finish(exit_code(self.child.poll() or 0))
+        except strategies.Interrupted:
+            pass  # told to end while restoring: we hold the token, the command has the signal
         except (ControlError, StrategyError) as err:
-            self.opts.warn(f"restore: {err}")
+            self.warn(f"restore: {err}")
+        member.resident()
+        self.demand.restored()
         if self.child.pid != member.records.record.child_pid:  # started again
             self._describe()
-        member.resident()
-        self.ctx.wants = False
         return None
 
 
 def run(opts: RunOptions) -> int:
     """``vramlock run``: the command's exit status (128+N if killed by signal N)."""
     return Runner(opts).run()
-
-
-def wait(
-    arena: str | None = None,
-    gpu: int | None = None,
-    *,
-    timeout: float | None = None,
-    passive: bool = False,
-    fd: int | None = None,
-) -> None:
-    """``vramlock wait``: queue as a waiter (residents step aside) until the token is ours.
-
-    Without ``fd`` the token is dropped again when this returns. With ``fd`` the
-    lock is taken on that descriptor's open file description (the calling
-    shell's), so it stays held after we exit. Raises NotObtained.
-    """
-    opened = Arena.open(arena, gpu)
-    try:
-        member = Member(
-            opened,
-            name="vramlock wait",
-            command=sys.argv,
-            strategy="wait --free" if passive else "wait",
-            token_fd=fd,
-        )
-        try:
-            if not member.acquire(timeout, wanting=not passive):
-                raise NotObtained(timeout or 0.0)
-        finally:
-            if fd is not None:
-                # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
-                member.token.held = False
-            member.close()
-    finally:
-        opened.close()

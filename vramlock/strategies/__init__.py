@@ -1,9 +1,12 @@
-"""Release strategies, by the names ``vramlock run --release`` takes."""
+"""Release strategies, by the names ``vramlock run --release`` takes.
+
+This is the one place that checks strategy names and option mixes.
+"""
 
 from __future__ import annotations
 
-from ..errors import StrategyError
-from .base import ChildExited, Context, ReleaseTimeout, Strategy
+from ..errors import StrategyError, UsageError
+from .base import ChildExited, Context, Interrupted, ReleaseTimeout, Settings, Strategy
 from .basic import NoneStrategy, RestartStrategy, StopStrategy
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
@@ -15,18 +18,33 @@ STRATEGIES: dict[str, type[Strategy]] = {
 NAMES = ("auto", *STRATEGIES)
 
 
-def pick(name: str, ctx: Context) -> Strategy:
-    """The strategy for ``--release NAME``. ``auto`` starts as ``none`` and becomes
-    ``signal`` when the child says hello (see ``upgrade``): it never picks a
-    strategy that throws away a job's work."""
+def check(name: str, settings: Settings) -> str:
+    """Validate ``--release NAME`` with its settings; the name to use (hooks imply exec)."""
+    hooks = settings.on_release is not None or settings.on_restore is not None
+    if hooks and name == "auto":
+        name = "exec"
+    if name not in NAMES:
+        raise StrategyError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
+    if hooks and name != "exec":
+        raise UsageError("--on-release/--on-restore need --release exec")
+    if name == "exec" and settings.on_release is None:
+        raise UsageError("--release exec needs --on-release COMMAND")
+    return name
+
+
+def pick(name: str, ctx: Context, settings: Settings, command: list[str]) -> Strategy:
+    """The strategy for ``--release NAME`` (already checked).
+
+    ``auto`` picks a strategy that recognises the command, else starts as ``none``
+    and becomes ``signal`` when the child says hello (see ``upgrade``): it never
+    picks a strategy that throws away a job's work.
+    """
     if name == "auto":
-        return NoneStrategy(ctx)
-    try:
-        return STRATEGIES[name](ctx)
-    except KeyError:
-        raise StrategyError(
-            f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})"
-        ) from None
+        for cls in STRATEGIES.values():
+            if cls.keeps_state and cls.recognises(command):
+                return cls(ctx, settings)
+        return NoneStrategy(ctx, settings)
+    return STRATEGIES[name](ctx, settings)
 
 
 def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
@@ -37,7 +55,7 @@ def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
         and not ctx.control.closed
         and isinstance(current, NoneStrategy)
     ):
-        return SignalStrategy(ctx)
+        return SignalStrategy(ctx, current.settings)
     return current
 
 
@@ -47,12 +65,15 @@ __all__ = [
     "ChildExited",
     "Context",
     "ExecStrategy",
+    "Interrupted",
     "NoneStrategy",
     "ReleaseTimeout",
     "RestartStrategy",
+    "Settings",
     "SignalStrategy",
     "StopStrategy",
     "Strategy",
+    "check",
     "pick",
     "upgrade",
 ]

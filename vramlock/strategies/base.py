@@ -12,6 +12,8 @@ from ..process import Child
 
 # How long a forceful release lets the process group act on SIGTERM before SIGKILL.
 KILL_GRACE = 2.0
+# After SIGKILL, how long the command's processes get to be gone before that is an error.
+KILL_WAIT = 5.0
 # A command whose control socket closed is given this long to be seen exiting.
 CLOSE_TO_EXIT = 1.0
 
@@ -24,23 +26,42 @@ class ReleaseTimeout(Exception):
     """The graceful release did not finish before --yield-within ran out."""
 
 
+class Interrupted(Exception):
+    """The wrapper was told to end (SIGTERM, Ctrl-C) while a strategy was waiting on
+    the command: the wait is abandoned so the wrapper stays responsive."""
+
+
+@dataclass
+class Settings:
+    """What the user said about the strategy on the command line."""
+
+    on_release: str | None = None  # exec
+    on_restore: str | None = None  # exec
+    restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
+
+
 @dataclass
 class Context:
-    """The wrapped command and its control channel, as the strategies see them."""
+    """The wrapped command and its control channel, as strategies and demands see them.
+
+    Words from the child count only as the answer to the request just sent
+    (``ask``): an unsolicited ``released`` must not satisfy the next release.
+    """
 
     child: Child
     control: ParentEnd
-    on_release: str | None = None
-    on_restore: str | None = None
     hello: bool = False  # the child said it speaks the control protocol
     wants: bool = False  # the child said `want` since the last restore
-    _words: list[str] = field(default_factory=list)
+    endings: int = 0  # ending signals (TERM, INT, HUP, QUIT) the wrapper has had
+    _awaiting: str | None = None
+    _answered: bool = False
+    _log: list[str] = field(default_factory=list)
 
     def start_again(self) -> None:
         """Start the command anew, with a fresh control channel."""
         self.control.renew()
         self.hello = self.wants = False
-        self._words.clear()
+        self._awaiting, self._answered = None, False
         self.child.spawn()
         self.control.started()
 
@@ -50,51 +71,85 @@ class Context:
                 self.hello = True
             elif line == "want":
                 self.wants = True
-            else:
-                self._words.append(line)
+            elif line == self._awaiting:
+                self._answered = True
 
-    def expect(self, word: str, deadline: float | None) -> None:
-        """Wait for ``word`` from the child; ReleaseTimeout at ``deadline``, ChildExited."""
-        while True:
-            if word in self._words:
-                self._words.remove(word)
-                return
-            if not self.child.alive:
-                raise ChildExited
-            if self.control.closed:
-                # Usually the command is exiting: its socket closes just before it dies.
-                if self.child.wait(CLOSE_TO_EXIT) is not None:
+    def ask(self, request: str, answer: str, deadline: float | None) -> None:
+        """Send ``request`` and wait for ``answer``; ReleaseTimeout at ``deadline``,
+        ChildExited, Interrupted, or ControlError when the channel closed under a live child."""
+        self.take_lines(self.control.read_lines())  # words sent before the request don't count
+        self._awaiting, self._answered = answer, False
+        endings = self.endings
+        try:
+            self.control.send(request)
+            while not self._answered:
+                if not self.child.alive:
                     raise ChildExited
-                raise ControlError("the command closed its control channel and cannot answer")
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise ReleaseTimeout
-            self.take_lines(self.control.wait_lines(0.05 if left is None else min(0.05, left)))
+                if self.control.closed:
+                    # Usually the command is exiting: its socket closes just before it dies.
+                    if self.child.wait(CLOSE_TO_EXIT) is not None:
+                        raise ChildExited
+                    raise ControlError("the command closed its control channel and cannot answer")
+                if self.endings != endings:
+                    raise Interrupted
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ReleaseTimeout
+                step = 0.05 if left is None else min(0.05, left)
+                self.take_lines(self.control.wait_lines(step))
+        finally:
+            self._awaiting = None
 
 
 class Strategy:
     """Releases and restores the command's GPU memory.
 
-    ``release`` returns once the memory is free (the token is dropped after it);
-    ``restore`` runs after the token is ours again.
+    ``release`` returns once the memory is free; then ``verify`` confirms it (NVML,
+    where available) and the token is dropped; ``restore`` runs once the token is
+    ours again. Class facts the runner and ``auto`` use:
+
+    - ``releases``: False for ``none``, which holds the token until the command exits;
+    - ``relaunches``: the process is ended on release and started again on restore;
+    - ``stops``: the process is kept but stopped (it must never run without the token).
     """
 
     name: ClassVar[str]
     releases: ClassVar[bool] = True
+    relaunches: ClassVar[bool] = False
+    stops: ClassVar[bool] = False
     keeps_state: ClassVar[bool] = True
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, settings: Settings) -> None:
         self.ctx = ctx
-        self.killed = False  # force() ended the command: restore starts it again
+        self.settings = settings
+        self.killed = False  # the command was ended: restore starts it again
+
+    @classmethod
+    def recognises(cls, command: list[str]) -> bool:
+        """Would ``auto`` pick this strategy for ``command`` before it says anything?"""
+        return False
 
     def release(self, deadline: float | None) -> None:
         raise StrategyError(f"the {self.name} strategy never releases")
 
-    def force(self) -> None:
-        """The forceful path after --yield-within: end the process group; restore relaunches."""
-        self.ctx.child.terminate(KILL_GRACE)
-        self.ctx.child.reap_group()
+    def verify(self, deadline: float | None) -> None:
+        """Confirm the memory is really free before the token is dropped."""
+
+    def end_command(self, grace: float) -> None:
+        """End every process of the command (the leader, its group, adopted orphans);
+        StrategyError, and the token kept, while any of them lives."""
+        survivors = self.ctx.child.end_all(grace, KILL_WAIT)
+        self.ctx.child.poll()
+        if survivors:
+            raise StrategyError(
+                "processes of the command are still alive after SIGKILL"
+                f" ({', '.join(map(str, survivors))}); keeping the GPU until they are gone"
+            )
         self.killed = True
+
+    def force(self) -> None:
+        """The forceful path after --yield-within: end the command; restore relaunches."""
+        self.end_command(KILL_GRACE)
 
     def restore(self) -> None:
         if self.killed:

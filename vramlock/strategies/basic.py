@@ -5,10 +5,9 @@ from __future__ import annotations
 import signal
 import time
 
-from ..procfs import proc_stat
-from .base import ChildExited, ReleaseTimeout, Strategy
-
-RESTART_GRACE = 10.0  # SIGTERM to SIGKILL when --yield-within is not given
+from ..procfs import state
+from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
+from .keeper import Keeper
 
 
 class NoneStrategy(Strategy):
@@ -19,26 +18,41 @@ class NoneStrategy(Strategy):
 
 
 class RestartStrategy(Strategy):
-    """Terminate the process group; start the command again when the token is back."""
+    """End every process of the command; start it again when the token is back."""
 
     name = "restart"
+    relaunches = True
     keeps_state = False
 
     def release(self, deadline: float | None) -> None:
         child = self.ctx.child
         child.signal_group(signal.SIGTERM)
-        grace = RESTART_GRACE if deadline is None else max(0.0, deadline - time.monotonic())
-        if child.wait(grace) is None:
+        child.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
+        grace = self.settings.restart_grace
+        if deadline is not None:
+            grace = max(0.0, deadline - time.monotonic())
+        if child.wait(grace) is None and deadline is not None:
             raise ReleaseTimeout
-        child.reap_group()
-        # The token is dropped only after the old process has been reaped.
-        self.killed = True
+        # The token is dropped only once every process of the command is gone,
+        # workers that ignore SIGTERM or left the group included.
+        self.end_command(0.0)
 
 
 class StopStrategy(Strategy):
-    """SIGSTOP the process group: frees compute, not memory."""
+    """SIGSTOP the command: frees compute, not memory.
+
+    A stopped command must never run without the token. If the wrapper died, the
+    kernel would resume an orphaned stopped group (SIGHUP + SIGCONT) and a command
+    that ignores SIGHUP would compute without the token; a keeper process holds the
+    group un-orphaned meanwhile and kills it should the wrapper die.
+    """
 
     name = "stop"
+    stops = True
+
+    def __init__(self, ctx: Context, settings: Settings) -> None:
+        super().__init__(ctx, settings)
+        self.keeper: Keeper | None = None
 
     def release(self, deadline: float | None) -> None:
         child = self.ctx.child
@@ -47,12 +61,24 @@ class StopStrategy(Strategy):
         while True:
             if not child.alive:
                 raise ChildExited
-            fields = proc_stat(child.pid)
-            if fields and fields[0] in ("T", "t"):
-                return
+            if state(child.pid) in ("T", "t"):
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 raise ReleaseTimeout
             time.sleep(0.001)
+        self.keeper = Keeper.start(child.pid)
+        child.ignored.update(self.keeper.pids)
 
     def _restore(self) -> None:
+        self._disarm()
         self.ctx.child.signal_group(signal.SIGCONT)
+
+    def _disarm(self) -> None:
+        if self.keeper is not None:
+            self.ctx.child.ignored.difference_update(self.keeper.pids)
+            self.keeper.disarm()
+            self.keeper = None
+
+    def force(self) -> None:
+        self._disarm()
+        super().force()

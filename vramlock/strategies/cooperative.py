@@ -12,9 +12,7 @@ class SignalStrategy(Strategy):
 
     def release(self, deadline: float | None) -> None:
         self.ctx.wants = False
-        self.ctx.control.send("release")
-        self.ctx.expect("released", deadline)
+        self.ctx.ask("release", "released", deadline)
 
     def _restore(self) -> None:
-        self.ctx.control.send("restore")
-        self.ctx.expect("restored", None)
+        self.ctx.ask("restore", "restored", None)

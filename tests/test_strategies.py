@@ -1,0 +1,335 @@
+"""Release strategies end to end, each checked against an independent witness.
+
+The witness is a separate process that joins the arena with plain flock calls and
+stamps when it held the token; the wrapped command's processes stamp every tick of
+their "GPU work" in a log of their own. A tick inside the witness's interval is two
+residents at once, whatever vramlock believes about itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Spawn, kill_group, queued, vramlock, wait_until
+
+from vramlock import procfs
+
+pytestmark = pytest.mark.timeout(90)
+
+WITNESS = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    arena, out, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
+    fcntl.flock(want, fcntl.LOCK_SH)
+    token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
+    fcntl.flock(token, fcntl.LOCK_EX)
+    t0 = time.monotonic()
+    fcntl.flock(want, fcntl.LOCK_UN)
+    open(out + ".held", "w").close()
+    time.sleep(hold)
+    t1 = time.monotonic()
+    with open(out, "w") as f:
+        f.write(f"{t0} {t1}")
+    """
+)
+
+# Stands in for GPU work: stamps a tick every 2 ms; ignores the signals named.
+TICKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    for name in sys.argv[2:]:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    while True:
+        os.write(log, f"{time.monotonic():.6f} {os.getpid()}\\n".encode())
+        time.sleep(0.002)
+    """
+)
+
+
+class Witness:
+    def __init__(self, tmp: Path, arena: Path, hold: float, name: str = "witness") -> None:
+        script = tmp / "witness.py"
+        script.write_text(WITNESS)
+        self.out = tmp / name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), str(arena), str(self.out), str(hold)],
+            start_new_session=True,
+        )
+
+    def wait_held(self, timeout: float = 30) -> None:
+        wait_until(lambda: Path(f"{self.out}.held").exists(), timeout=timeout)
+
+    def interval(self, timeout: float = 60) -> tuple[float, float]:
+        self.proc.wait(timeout)
+        t0, t1 = self.out.read_text().split()
+        return float(t0), float(t1)
+
+
+def ticks(log: Path) -> list[tuple[float, int]]:
+    out = []
+    if log.exists():
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:  # a process killed mid-write leaves a partial line
+                out.append((float(parts[0]), int(parts[1])))
+    return out
+
+
+def ticks_inside(log: Path, span: tuple[float, float]) -> list[tuple[float, int]]:
+    return [t for t in ticks(log) if span[0] < t[0] < span[1]]
+
+
+def who_notes(arena: Path) -> list[object]:
+    out = subprocess.run(
+        vramlock("who", "--arena", str(arena), "--json"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    return [m["note"] for m in json.loads(out)["members"]]
+
+
+@pytest.fixture
+def ticker(tmp_path: Path) -> Path:
+    path = tmp_path / "ticker.py"
+    path.write_text(TICKER)
+    return path
+
+
+def test_restart_ends_workers_that_left_the_group(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """A worker that ignores SIGTERM and left the process group (setsid) must be gone
+    before anyone else is resident."""
+    log = tmp_path / "ticks"
+    leader = tmp_path / "leader.py"
+    leader.write_text(
+        textwrap.dedent(
+            f"""
+            import subprocess, sys, time
+            subprocess.Popen([sys.executable, {str(ticker)!r}, {str(log)!r}, "SIGTERM"],
+                             start_new_session=True)
+            time.sleep(600)
+            """
+        )
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
+                 "--", sys.executable, str(leader))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    witness = Witness(tmp_path, arena, hold=0.5)
+    span = witness.interval()
+    assert ticks_inside(log, span) == []
+    assert not procfs.living(worker)
+    assert job.poll() is None  # started again on its turn
+    wait_until(lambda: ticks(log)[-1][1] != worker)
+
+
+def test_command_exit_keeps_the_token_until_its_workers_are_gone(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """The command exits, leaving a worker (that ignores SIGTERM) in its group: the
+    token is not dropped while the worker runs."""
+    log = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--", "sh", "-c",
+                 f"{sys.executable} {ticker} {log} SIGTERM & sleep 0.5; exit 7")
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    witness = Witness(tmp_path, arena, hold=0.3)
+    # While the worker is given its grace after SIGTERM, `who` says what holds the GPU.
+    wait_until(lambda: f"command exited; ending {worker}" in str(who_notes(arena)))
+    span = witness.interval()
+    assert ticks_inside(log, span) == []
+    assert not procfs.living(worker)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 7
+    assert "the command exited and left 1 process(es) running" in err
+
+
+def test_stopped_command_dies_with_its_wrapper(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """--release stop: the wrapper is SIGKILLed while another member holds the token.
+    The kernel resumes an orphaned stopped group (SIGHUP + SIGCONT); a command that
+    ignores SIGHUP must not run again without the token."""
+    log = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(ticker), str(log), "SIGHUP")
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    witness = Witness(tmp_path, arena, hold=1.0)
+    witness.wait_held()
+    os.kill(job.pid, signal.SIGKILL)
+    span = witness.interval()
+    assert ticks_inside(log, span) == []
+    wait_until(lambda: not procfs.living(worker))
+    job.wait(10)
+
+
+def test_stop_keeper_lets_the_command_go_on_after_its_turn(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """The keeper of a stopped command goes away when the command is resumed."""
+    log = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(ticker), str(log))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    for round_ in range(3):
+        span = Witness(tmp_path, arena, hold=0.2, name=f"w{round_}").interval()
+        assert ticks_inside(log, span) == []
+        count = len(ticks(log))
+        wait_until(lambda n=count: len(ticks(log)) > n + 5)  # type: ignore[misc]
+    # Only the command's processes are left: no keeper or sentinel lingers.
+    assert procfs.descendants(job.pid) == [ticks(log)[-1][1]]
+    os.kill(job.pid, signal.SIGTERM)
+    job.communicate(timeout=30)
+    assert job.returncode == 143
+
+
+UNSOLICITED = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    sock = socket.socket(fileno=int(os.environ["VRAMLOCK_CONTROL_FD"]))
+    sock.sendall(b"hello\\nreleased\\nrestored\\n")  # unsolicited: answers to nothing
+    sock.setblocking(False)
+    working, buf = True, b""
+    while True:
+        if working:
+            os.write(log, f"{time.monotonic():.6f} {os.getpid()}\\n".encode())
+        time.sleep(0.002)
+        try:
+            buf += sock.recv(100)
+        except BlockingIOError:
+            continue
+        while b"\\n" in buf:
+            word, buf = buf.split(b"\\n", 1)
+            if word == b"release":
+                end = time.monotonic() + 0.4  # a slow release: still working meanwhile
+                while time.monotonic() < end:
+                    os.write(log, f"{time.monotonic():.6f} {os.getpid()}\\n".encode())
+                    time.sleep(0.002)
+                working = False
+                sock.sendall(b"released\\n")
+            elif word == b"restore":
+                working = True
+                sock.sendall(b"restored\\n")
+    """
+)
+
+
+def test_unsolicited_words_do_not_answer_a_request(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    log = tmp_path / "ticks"
+    script = tmp_path / "child.py"
+    script.write_text(UNSOLICITED)
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "signal", "--min-hold", "0",
+                 "--", sys.executable, str(script), str(log))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    span = Witness(tmp_path, arena, hold=0.3).interval()
+    assert ticks_inside(log, span) == []
+    assert job.poll() is None
+
+
+def test_command_that_cannot_be_signalled_keeps_the_gpu_and_says_so(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """EPERM (a setuid program) under restart: a clear error, no hang, the token kept."""
+    inject = (
+        "import errno, os, sys\n"
+        "def killpg(pgid, sig):\n"
+        "    raise PermissionError(errno.EPERM, 'Operation not permitted')\n"
+        "os.killpg = killpg\n"
+        "from vramlock.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    job = spawn(
+        [sys.executable, "-c", inject, "run", "--arena", str(arena), "--release", "restart",
+         "--min-hold", "0", "--", "sleep", "60"]
+    )  # fmt: skip
+    wait_until(lambda: (arena / "token.lock").exists())
+    time.sleep(0.3)
+    waiter = subprocess.run(
+        vramlock("wait", "--arena", str(arena), "-w", "1.5"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert waiter.returncode == 1  # the GPU was kept: the command could not be ended
+    assert job.poll() is None  # and the wrapper is not stuck in a wait without end
+    kill_group(job)
+    _, err = job.communicate(timeout=10)
+    lines = [ln for ln in err.splitlines() if "cannot signal" in ln]
+    assert len(lines) == 1, err  # said once, not every retry
+    assert lines[0].startswith("vramlock: release failed: cannot signal the command's process")
+
+
+def test_two_quick_sigterms_to_a_waiting_run(arena: Path, spawn: Spawn) -> None:
+    holder = spawn(["flock", "-x", str(arena / "token.lock"), "sleep", "60"])
+    wait_until(lambda: (arena / "token.lock").exists())
+    for gap in range(12):  # the second one lands at a different point of the cleanup
+        job = spawn(vramlock("run", "--arena", str(arena), "--", "true"))
+        wait_until(lambda j=job: queued(j.pid))  # type: ignore[misc]
+        os.kill(job.pid, signal.SIGTERM)
+        time.sleep(gap * 0.0005)
+        os.kill(job.pid, signal.SIGTERM)
+        _, err = job.communicate(timeout=30)
+        # -15: the second one landed as the interpreter was exiting (handlers reset by then);
+        # a shell reports both as 143.
+        assert job.returncode in (143, -signal.SIGTERM), (gap, err)
+        assert "Traceback" not in err
+        assert err == ""
+    assert holder.poll() is None
+
+
+def test_a_diagnostic_never_ends_the_wrapper(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    """A warn callback that raises (a closed stderr) must not kill the wrapper."""
+    code = (
+        "import sys\n"
+        "from vramlock.runner import RunOptions, run\n"
+        "def warn(message):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        f"opts = RunOptions(command=['sleep', '2'], arena={str(arena)!r}, min_hold=0.0,\n"
+        "    on_release='exit 3', warn=warn)\n"
+        "sys.exit(run(opts))\n"
+    )
+    job = spawn([sys.executable, "-c", code])
+    wait_until(lambda: (arena / "token.lock").exists())
+    time.sleep(0.3)
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
+    assert waiter.returncode == 1
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 0, err
+
+
+def test_auto_says_once_that_the_command_cannot_release(arena: Path, spawn: Spawn) -> None:
+    job = spawn(vramlock("run", "--arena", str(arena), "--", "sleep", "3"))
+    wait_until(lambda: (arena / "token.lock").exists())
+    for _ in range(2):
+        waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "1.2"), timeout=30)
+        assert waiter.returncode == 1
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 0
+    assert err.count("--release auto found no way to release it") == 1, err
