@@ -3,13 +3,16 @@ process a test starts is reaped by the end of it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +122,94 @@ def queued(pid: int) -> bool:
     """Is ``pid`` blocked in a flock (a "->" line of /proc/locks)?"""
     with open("/proc/locks") as f:
         return any(f" {pid} " in line and "->" in line for line in f)
+
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from vramlock import child
+    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    name = sys.argv[2]
+    def note(what):
+        os.write(log, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    ctl = child.connect()
+    note("start" if ctl else "no-control")
+    want = os.environ.get("WORKER_WANT", "1") == "1"
+    while True:
+        time.sleep(0.005)
+        if ctl and ctl.requested() and os.environ.get("WORKER_DEAF"):
+            continue
+        if ctl:
+            ctl.yield_if_asked(lambda: note("release"), lambda: note("restore"), want=want)
+    """
+)
+
+
+def events(log: Path) -> list[tuple[float, str, str]]:
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        t, name, what = line.split()
+        out.append((float(t), name, what))
+    return out
+
+
+def whats(log: Path, name: str) -> list[str]:
+    return [w for _, n, w in events(log) if n == name]
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"not strict JSON: {name}")
+
+
+def who_json(arena: Path) -> list[dict[str, Any]]:
+    """``vramlock who --json``'s members, parsed as strict JSON (no NaN or Infinity)."""
+    out = subprocess.run(
+        vramlock("who", "--arena", str(arena), "--json"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    members: list[dict[str, Any]] = json.loads(out, parse_constant=_no_constants)["members"]
+    return members
+
+
+def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
+    """A flock(1) process holding ``path`` until killed; returns once it holds it."""
+    proc = spawn(["flock", mode, str(path), "sh", "-c", "echo held; exec sleep 60"])
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def token_free(arena: Path) -> bool:
+    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
+    return probe.returncode == 0
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def run_worker(
+    spawn: Spawn,
+    arena: Path,
+    worker: Path,
+    log: Path,
+    name: str,
+    *options: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """``vramlock run --min-hold 0 OPTIONS -- python WORKER``, once it is resident and signal."""
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--",
+                 sys.executable, str(worker), str(log), name),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: whats(log, name) == ["start"])
+    wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who_json(arena)))
+    return job

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, kill_group, wait_until
+from conftest import Spawn, hold, kill_group, wait_until
 
 from vramlock import lockfd, procfs
 from vramlock.arena import Arena
@@ -19,14 +19,6 @@ from vramlock.member import Member, State, resident
 from vramlock.want import Token, Want, wait_turn
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
-    """A flock(1) process holding ``path`` until killed; returns once it holds it."""
-    proc = spawn(["flock", mode, str(path), "sh", "-c", "echo held; exec sleep 60"])
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "held"
-    return proc
 
 
 def test_token_excludes_other_processes(arena: Path, spawn: Spawn) -> None:

@@ -2,97 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, kill_group, queued, vramlock, wait_until
-
-pytestmark = pytest.mark.timeout(90)
-
-WORKER = textwrap.dedent(
-    """
-    import os, sys, time
-    from vramlock import child
-    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    name = sys.argv[2]
-    def note(what):
-        os.write(log, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    ctl = child.connect()
-    note("start" if ctl else "no-control")
-    want = os.environ.get("WORKER_WANT", "1") == "1"
-    while True:
-        time.sleep(0.005)
-        if ctl and ctl.requested() and os.environ.get("WORKER_DEAF"):
-            continue
-        if ctl:
-            ctl.yield_if_asked(lambda: note("release"), lambda: note("restore"), want=want)
-    """
+from conftest import (
+    Spawn,
+    events,
+    kill_group,
+    queued,
+    run_worker,
+    token_free,
+    vramlock,
+    wait_until,
+    whats,
+    who_json,
 )
 
-
-def events(log: Path) -> list[tuple[float, str, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        t, name, what = line.split()
-        out.append((float(t), name, what))
-    return out
-
-
-def whats(log: Path, name: str) -> list[str]:
-    return [w for _, n, w in events(log) if n == name]
-
-
-def who(arena: Path) -> list[dict[str, object]]:
-    out = subprocess.run(
-        vramlock("who", "--arena", str(arena), "--json"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    members: list[dict[str, object]] = json.loads(out)["members"]
-    return members
-
-
-def token_free(arena: Path) -> bool:
-    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
-    return probe.returncode == 0
-
-
-@pytest.fixture
-def worker(tmp_path: Path) -> Path:
-    path = tmp_path / "worker.py"
-    path.write_text(WORKER)
-    return path
-
-
-def run_worker(
-    spawn: Spawn,
-    arena: Path,
-    worker: Path,
-    log: Path,
-    name: str,
-    *options: str,
-    env: dict[str, str] | None = None,
-) -> subprocess.Popen[str]:
-    """``vramlock run --min-hold 0 OPTIONS -- python WORKER``, once it is resident and signal."""
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--",
-                 sys.executable, str(worker), str(log), name),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: whats(log, name) == ["start"])
-    wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who(arena)))
-    return job
+pytestmark = pytest.mark.timeout(90)
 
 
 def test_sleep_serialises_with_another_run(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
@@ -115,7 +46,7 @@ def test_shell_script_and_flock1_contention(arena: Path, spawn: Spawn, tmp_path:
     script.chmod(0o755)
     job = spawn(vramlock("run", "--arena", str(arena), "--name", "script", "--", str(script)))
     assert job.stdout is not None and job.stdout.readline().strip() == "working"
-    rows = who(arena)
+    rows = who_json(arena)
     assert rows[0]["name"] == "script" and rows[0]["strategy"] == "auto:none"
     shell = subprocess.run(
         ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
@@ -132,7 +63,7 @@ def test_python_child_steps_aside_for_flock1(
 ) -> None:
     log = tmp_path / "log"
     job = run_worker(spawn, arena, worker, log, "py")
-    assert who(arena)[0]["strategy"] == "auto:signal"
+    assert who_json(arena)[0]["strategy"] == "auto:signal"
     shell = subprocess.run(
         ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
          "sh", "-c", "echo $(cat /proc/uptime) >/dev/null; echo shell-got-it"],
@@ -198,118 +129,6 @@ def test_signals_are_forwarded_to_the_command(arena: Path, spawn: Spawn, tmp_pat
     assert job.wait(10) == 7
     assert got.read_text().split() == ["usr1", "term"]
     assert token_free(arena)
-
-
-def test_restart_reaps_before_dropping_the_token(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
-                 "--", "sh", "-c", f"echo $$ >> {pids}; exec sleep 60")
-    )  # fmt: skip
-    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 1)
-    first = int(pids.read_text().split()[0])
-    check = (
-        f"import os; p={first}\n"
-        "try:\n    os.kill(p, 0); print('alive')\nexcept ProcessLookupError:\n    print('gone')\n"
-    )
-    shell = subprocess.run(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         sys.executable, "-c", check],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert shell.stdout.strip() == "gone"
-    wait_until(lambda: len(pids.read_text().split()) == 2)
-    assert job.poll() is None
-    assert who(arena)[0]["child_pid"] == int(pids.read_text().split()[1])
-
-
-def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
-    ticks = tmp_path / "ticks"
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
-                 "--", "sh", "-c", f"while :; do echo x >> {ticks}; sleep 0.01; done")
-    )  # fmt: skip
-    wait_until(lambda: ticks.exists())
-    count = (
-        f"import time; n=len(open({str(ticks)!r}).read()); time.sleep(0.3);"
-        f" print(len(open({str(ticks)!r}).read()) - n)"
-    )
-    shell = subprocess.run(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         sys.executable, "-c", count],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert shell.stdout.strip() == "0"  # no tick while the other one held the GPU
-    size = len(ticks.read_text())
-    wait_until(lambda: len(ticks.read_text()) > size)  # continued afterwards
-    assert job.poll() is None
-
-
-def test_exec_hooks_run_in_order(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
-    log = tmp_path / "hooks"
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0",
-                 "--on-release", f"echo release $VRAMLOCK_CHILD_PID >> {log}",
-                 "--on-restore", f"echo restore $VRAMLOCK_CHILD_PID >> {log}",
-                 "--", "sleep", "60")
-    )  # fmt: skip
-    wait_until(lambda: who(arena) and who(arena)[0]["strategy"] == "exec")
-    child = who(arena)[0]["child_pid"]
-    subprocess.run(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         "true"],
-        timeout=30, check=True,
-    )  # fmt: skip
-    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2)
-    assert log.read_text().split() == ["release", str(child), "restore", str(child)]
-    assert job.poll() is None
-
-
-def test_failing_release_hook_keeps_the_command_resident(
-    arena: Path, spawn: Spawn, tmp_path: Path
-) -> None:
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--on-release", "exit 3",
-                 "--", "sleep", "60")
-    )  # fmt: skip
-    wait_until(lambda: who(arena) and who(arena)[0]["state"] == "resident")
-    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
-    assert waiter.returncode == 1
-    kill_group(job)
-    assert job.stderr is not None
-    err = job.stderr.read()
-    assert "release failed: --on-release command exited with status 3; staying resident" in err
-
-
-def test_demand_child_waits_for_want(
-    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
-) -> None:
-    log = tmp_path / "log"
-    env = dict(os.environ, WORKER_WANT="0")
-    job = run_worker(spawn, arena, worker, log, "lazy", "--demand", "child", env=env)
-    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
-    wait_until(lambda: whats(log, "lazy") == ["start", "release"])
-    wait_until(lambda: who(arena)[0]["state"] == "released")
-    assert token_free(arena)  # it did not come back: the child never said want
-    assert job.poll() is None
-
-
-def test_yield_within_ends_a_deaf_command_and_restarts_it(
-    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
-) -> None:
-    log = tmp_path / "log"
-    env = dict(os.environ, WORKER_DEAF="1")
-    job = run_worker(
-        spawn, arena, worker, log, "deaf", "--release", "signal", "--yield-within", "0.3", env=env
-    )
-    started = time.monotonic()
-    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
-    assert time.monotonic() - started >= 0.3
-    wait_until(lambda: whats(log, "deaf") == ["start", "start"])  # relaunched on its turn
-    assert job.poll() is None
-    assert job.stderr is not None
-    kill_group(job)
-    assert "signal release did not finish within 0." in job.stderr.read()
 
 
 def test_demo_runs_without_a_gpu() -> None:
@@ -391,25 +210,6 @@ def test_command_owns_the_terminal(arena: Path) -> None:
     )  # fmt: skip
     assert code == 128 + signal.SIGINT or code == 1, seen  # Python exits 1 after KeyboardInterrupt
     assert b"KeyboardInterrupt" in seen
-
-
-def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn) -> None:
-    code = (
-        "import time\nfrom vramlock import child\n"
-        "ctl = child.connect()\nprint('hello', flush=True)\ntime.sleep(0.3)\nctl.close()\n"
-        "time.sleep(60)\n"
-    )
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable, "-c", code)
-    )
-    assert job.stdout is not None and job.stdout.readline().strip() == "hello"
-    wait_until(lambda: who(arena)[0]["strategy"] == "auto:signal")
-    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "2"), timeout=30)
-    assert waiter.returncode == 1
-    assert who(arena)[0]["strategy"] == "auto:none"
-    kill_group(job)
-    assert job.stderr is not None
-    assert "closed its control channel" in job.stderr.read()
 
 
 def test_a_waiter_that_does_not_ring_is_still_noticed(

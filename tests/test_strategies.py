@@ -8,7 +8,6 @@ residents at once, whatever vramlock believes about itself.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, kill_group, queued, vramlock, wait_until
+from conftest import (
+    Spawn,
+    kill_group,
+    queued,
+    run_worker,
+    token_free,
+    vramlock,
+    wait_until,
+    whats,
+    who_json,
+)
 
 from vramlock import procfs
 
@@ -90,14 +99,7 @@ def ticks_inside(log: Path, span: tuple[float, float]) -> list[tuple[float, int]
 
 
 def who_notes(arena: Path) -> list[object]:
-    out = subprocess.run(
-        vramlock("who", "--arena", str(arena), "--json"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    return [m["note"] for m in json.loads(out)["members"]]
+    return [m["note"] for m in who_json(arena)]
 
 
 @pytest.fixture
@@ -333,3 +335,137 @@ def test_auto_says_once_that_the_command_cannot_release(arena: Path, spawn: Spaw
     _, err = job.communicate(timeout=30)
     assert job.returncode == 0
     assert err.count("--release auto found no way to release it") == 1, err
+
+
+# -- each strategy's ordinary behaviour ---------------------------------------------
+
+
+def test_restart_reaps_before_dropping_the_token(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
+                 "--", "sh", "-c", f"echo $$ >> {pids}; exec sleep 60")
+    )  # fmt: skip
+    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 1)
+    first = int(pids.read_text().split()[0])
+    check = (
+        f"import os; p={first}\n"
+        "try:\n    os.kill(p, 0); print('alive')\nexcept ProcessLookupError:\n    print('gone')\n"
+    )
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         sys.executable, "-c", check],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert shell.stdout.strip() == "gone"
+    wait_until(lambda: len(pids.read_text().split()) == 2)
+    assert job.poll() is None
+    assert who_json(arena)[0]["child_pid"] == int(pids.read_text().split()[1])
+
+
+def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    ticks = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", "sh", "-c", f"while :; do echo x >> {ticks}; sleep 0.01; done")
+    )  # fmt: skip
+    wait_until(lambda: ticks.exists())
+    count = (
+        f"import time; n=len(open({str(ticks)!r}).read()); time.sleep(0.3);"
+        f" print(len(open({str(ticks)!r}).read()) - n)"
+    )
+    shell = subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         sys.executable, "-c", count],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert shell.stdout.strip() == "0"  # no tick while the other one held the GPU
+    size = len(ticks.read_text())
+    wait_until(lambda: len(ticks.read_text()) > size)  # continued afterwards
+    assert job.poll() is None
+
+
+def test_exec_hooks_run_in_order(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    log = tmp_path / "hooks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0",
+                 "--on-release", f"echo release $VRAMLOCK_CHILD_PID >> {log}",
+                 "--on-restore", f"echo restore $VRAMLOCK_CHILD_PID >> {log}",
+                 "--", "sleep", "60")
+    )  # fmt: skip
+    wait_until(lambda: who_json(arena) and who_json(arena)[0]["strategy"] == "exec")
+    child = who_json(arena)[0]["child_pid"]
+    subprocess.run(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "true"],
+        timeout=30, check=True,
+    )  # fmt: skip
+    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2)
+    assert log.read_text().split() == ["release", str(child), "restore", str(child)]
+    assert job.poll() is None
+
+
+def test_failing_release_hook_keeps_the_command_resident(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--on-release", "exit 3",
+                 "--", "sleep", "60")
+    )  # fmt: skip
+    wait_until(lambda: who_json(arena) and who_json(arena)[0]["state"] == "resident")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
+    assert waiter.returncode == 1
+    kill_group(job)
+    assert job.stderr is not None
+    err = job.stderr.read()
+    assert "release failed: --on-release command exited with status 3; staying resident" in err
+
+
+def test_demand_child_waits_for_want(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    env = dict(os.environ, WORKER_WANT="0")
+    job = run_worker(spawn, arena, worker, log, "lazy", "--demand", "child", env=env)
+    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
+    wait_until(lambda: whats(log, "lazy") == ["start", "release"])
+    wait_until(lambda: who_json(arena)[0]["state"] == "released")
+    assert token_free(arena)  # it did not come back: the child never said want
+    assert job.poll() is None
+
+
+def test_yield_within_ends_a_deaf_command_and_restarts_it(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    log = tmp_path / "log"
+    env = dict(os.environ, WORKER_DEAF="1")
+    job = run_worker(
+        spawn, arena, worker, log, "deaf", "--release", "signal", "--yield-within", "0.3", env=env
+    )
+    started = time.monotonic()
+    subprocess.run(vramlock("wait", "--arena", str(arena)), timeout=30, check=True)
+    assert time.monotonic() - started >= 0.3
+    wait_until(lambda: whats(log, "deaf") == ["start", "start"])  # relaunched on its turn
+    assert job.poll() is None
+    assert job.stderr is not None
+    kill_group(job)
+    assert "signal release did not finish within 0." in job.stderr.read()
+
+
+def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn) -> None:
+    code = (
+        "import time\nfrom vramlock import child\n"
+        "ctl = child.connect()\nprint('hello', flush=True)\ntime.sleep(0.3)\nctl.close()\n"
+        "time.sleep(60)\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", sys.executable, "-c", code)
+    )
+    assert job.stdout is not None and job.stdout.readline().strip() == "hello"
+    wait_until(lambda: who_json(arena)[0]["strategy"] == "auto:signal")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "2"), timeout=30)
+    assert waiter.returncode == 1
+    assert who_json(arena)[0]["strategy"] == "auto:none"
+    kill_group(job)
+    assert job.stderr is not None
+    assert "closed its control channel" in job.stderr.read()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, kill_group, vramlock, wait_until
+from conftest import ROOT, Spawn, hold, kill_group, token_free, vramlock, wait_until, who_json
 
 from vramlock import procfs, roster
 from vramlock.arena import Arena
@@ -48,23 +48,6 @@ m.records.flush()
 print("ready", flush=True)
 time.sleep(60)
 """
-
-
-def _no_constants(name: str) -> None:
-    raise ValueError(f"not strict JSON: {name}")
-
-
-def who_json(arena: Path) -> list[dict[str, Any]]:
-    """``vramlock who --json``'s members, parsed as strict JSON (no NaN or Infinity)."""
-    out = subprocess.run(
-        vramlock("who", "--arena", str(arena), "--json"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    members: list[dict[str, Any]] = json.loads(out, parse_constant=_no_constants)["members"]
-    return members
 
 
 def who_plain(arena: Path) -> str:
@@ -149,18 +132,6 @@ def sleeper(spawn: Spawn) -> int:
     proc = spawn(["sh", "-c", "echo up; exec sleep 60"])
     assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
     return proc.pid
-
-
-def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
-    """A flock(1) process holding ``path`` until killed; returns once it holds it."""
-    proc = spawn(["flock", mode, str(path), "sh", "-c", "echo held; exec sleep 60"])
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def token_free(arena: Path) -> bool:
-    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
-    return probe.returncode == 0
 
 
 # -- the roster ------------------------------------------------------------------------------
