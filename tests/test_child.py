@@ -106,3 +106,20 @@ def test_ensure_resident_raises_when_vramlock_leaves_while_released(parent: Line
     with pytest.raises(child.ControlLost):
         ctl.ensure_resident(5)
     ctl.close()
+
+
+def test_close_while_serving_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() from the program while the serving thread waits must not blow up that thread."""
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    for _ in range(200):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        monkeypatch.setenv(ENV_CONTROL_FD, str(theirs.detach()))
+        ctl = child.connect()
+        assert ctl is not None
+        ctl.serve(lambda: None, lambda: None)
+        ctl.close()
+        assert ctl._thread is not None
+        ctl._thread.join(5)
+        mine.close()
+    assert errors == []

@@ -27,6 +27,7 @@ pick the cooperative strategy. This module imports nothing heavy.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 
@@ -139,6 +140,14 @@ class Control:
 
     def close(self) -> None:
         """Close our end; vramlock then treats the command as one that cannot release."""
+        # Shut down first: a serving thread blocked on the socket sees the end and stops,
+        # instead of waiting on a descriptor number that may soon name another file.
+        try:
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed at the other end
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         self.channel.close()
 
 

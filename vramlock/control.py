@@ -41,6 +41,8 @@ class LineChannel:
 
     def read_lines(self) -> list[str]:
         """Whatever complete lines have arrived (never blocks)."""
+        if self.sock.fileno() < 0:
+            self.closed = True
         while not self.closed:
             try:
                 data = self.sock.recv(4096, socket.MSG_DONTWAIT)
@@ -60,8 +62,12 @@ class LineChannel:
     def wait_lines(self, timeout: float | None) -> list[str]:
         """Block until at least one line arrives, the peer closes, or ``timeout`` passes."""
         end = None if timeout is None else time.monotonic() + timeout
+        fd = self.sock.fileno()
+        if fd < 0:  # closed by our own side (close() from another thread)
+            self.closed = True
+            return []
         poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        poller.register(fd, select.POLLIN)
         while True:
             lines = self.read_lines()
             if lines or self.closed:
