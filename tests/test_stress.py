@@ -10,8 +10,8 @@ cooperative worker (written into ``tmp_path``). The checks do not use vramlock's
 (b) an ``O_APPEND`` event log, one ``os.write`` per line with ``time.monotonic()``: the
     enter/leave intervals never overlap.
 (c) a monitor thread reads ``/proc/locks`` (one ``os.read``) every ~1 ms and times every
-    stretch where nobody holds the token exclusively while somebody waits for it: the longest
-    must be at most 20 ms (a stranded waiter). A waiter holds ``want.lock`` shared from
+    stretch where nobody holds the token exclusively while somebody waits for it (a stranded
+    waiter). The bound depends on the mode, below. A waiter holds ``want.lock`` shared from
     before it blocks on the token until it owns it, so that is "``want.lock`` has readers (or
     blocked requests), ``token.lock`` has no exclusive holder". Blocked ``->`` lines on the
     token count too, but the kernel lists a blocked request only under the lock it waits for,
@@ -33,6 +33,16 @@ the end, with deadlines.
 ``vramlock.member.Member`` and ``yield_if_wanted`` directly: no wrappers, no kills, thousands of
 handoffs quickly.
 
+Checks (a) and (b), mutual exclusion, are hard assertions in every mode. For (c) the DESIGN.md
+§5 target, no waiter stranded for more than 20 ms, is a timing figure: on a loaded 2-core
+machine the waiter the kernel has just woken can wait longer than that for a CPU, with nothing
+wrong in the protocol. So by default (CI) (c) asserts only what scheduling noise cannot
+produce: no waiter stranded for more than 2 s while the token is free (a lost wake-up, a stuck
+waiter), and stranded stretches short as a rule: their median at most 5 ms, once there are 20
+(a waiter polling ``LOCK_NB`` instead of blocking in the kernel). ``VRAMLOCK_STRESS_STRICT=1``
+asserts the 20 ms target instead of 2 s, for benchmark runs on a quiet machine. Either way the
+figures report the longest stretch seen, the median and the limit in force.
+
 Sizes: by default 300 handoffs and 30 kills per K (~10 s each) and 3,000 Member API handoffs
 per K; about a minute in all on 2 cores. ``VRAMLOCK_STRESS_SCALE`` (float, default 1)
 multiplies all counts; the reliability target of DESIGN.md §5 (≥ 10,000 handoffs and ≥ 1,000
@@ -53,6 +63,7 @@ import os
 import random
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -70,7 +81,13 @@ KS = (2, 4, 8)
 RUN_HANDOFFS = math.ceil(300 * SCALE)  # per K, `vramlock run` members
 RUN_KILLS = math.ceil(30 * SCALE)  # per K
 API_HANDOFFS = math.ceil(3000 * SCALE)  # per K, Member API members
-STRANDED_MAX = 0.020  # DESIGN.md §5: no waiter blocked on a free token for longer
+STRICT = os.environ.get("VRAMLOCK_STRESS_STRICT", "") == "1"
+STRANDED_TARGET = 0.020  # DESIGN.md §5: no waiter blocked on a free token for longer
+STRANDED_WEDGED = 2.0  # longer than any scheduling delay: a waiter that will not be woken
+STRANDED_MAX = STRANDED_TARGET if STRICT else STRANDED_WEDGED
+# Most stranded stretches are a woken waiter being scheduled: well under 1 ms. A waiter that
+# polls instead of blocking in the kernel makes most of them last about half its period.
+STRANDED_MEDIAN_MAX = 0.005
 KILL_PACE = (0.05, 0.5)  # seconds between two kills, uniformly at random
 ORPHAN_EXIT_MAX = 2.0  # a worker whose wrapper died must notice and exit within this
 
@@ -382,8 +399,10 @@ class LocksMonitor(threading.Thread):
             "stranded_stretches": self.stretches,
             "stranded_over_5ms": sum(d > 0.005 for d in top),
             "stranded_top_ms": [round(d * 1000, 2) for d in top[:5]],
+            "stranded_median_ms": round(statistics.median(top) * 1000, 3) if top else 0.0,
             "longest_stranded_ms": round(self.longest * 1000, 3),
             "longest_stranded_bound_ms": round(self.longest_bound * 1000, 3),
+            "stranded_limit_ms": round(STRANDED_MAX * 1000),
             "monitor_max_gap_ms": round(self.max_gap * 1000, 3),
         }
 
@@ -702,6 +721,20 @@ def _check_log(events: list[Event]) -> dict[str, object]:
     }
 
 
+def _check_stranded(monitor: LocksMonitor, figures: dict[str, object]) -> None:
+    """(c): the 20 ms target under VRAMLOCK_STRESS_STRICT=1, else a waiter that is not woken;
+    and in both modes, stranded stretches that are short as a rule."""
+    mode = "VRAMLOCK_STRESS_STRICT=1" if STRICT else "default mode"
+    assert monitor.longest <= STRANDED_MAX, (
+        f"a waiter was stranded for {monitor.longest * 1000:.1f} ms"
+        f" (limit {STRANDED_MAX * 1000:g} ms, {mode}): {figures}"
+    )
+    if len(monitor.durations) >= 20:  # enough for a median that one bad stretch cannot move
+        assert statistics.median(monitor.durations) <= STRANDED_MEDIAN_MAX, (
+            f"most stranded stretches last over {STRANDED_MEDIAN_MAX * 1000:g} ms: {figures}"
+        )
+
+
 # -- the tests ---------------------------------------------------------------------------------
 
 
@@ -794,9 +827,7 @@ def test_run_members_exclusive_under_sigkill(tmp_path: Path, k: int) -> None:
     assert not never_left, f"workers that outlived their wrapper without leaving: {never_left}"
     assert max(orphan_exits, default=0.0) <= ORPHAN_EXIT_MAX, figures
     assert monitor.samples > 100, figures
-    assert monitor.longest <= STRANDED_MAX, (
-        f"a waiter was stranded for {monitor.longest * 1000:.1f} ms: {figures}"
-    )
+    _check_stranded(monitor, figures)
 
 
 def _api_stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -859,6 +890,4 @@ def test_member_api_exclusive(tmp_path: Path, k: int) -> None:
     assert codes == [0] * k, f"members exited with {codes}"
     handoffs = figures["handoffs"]
     assert isinstance(handoffs, int) and handoffs >= API_HANDOFFS, figures
-    assert monitor.longest <= STRANDED_MAX, (
-        f"a waiter was stranded for {monitor.longest * 1000:.1f} ms: {figures}"
-    )
+    _check_stranded(monitor, figures)
