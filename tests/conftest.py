@@ -62,6 +62,8 @@ def spawn() -> Iterator[Spawn]:
     yield start
     for proc in procs:
         kill_group(proc)
+        if proc.stdin is not None and proc.stdin.closed:
+            proc.stdin = None  # closed by the test: communicate() would flush it
         proc.communicate(timeout=10)
 
 

@@ -92,6 +92,10 @@ class Member:
             self._set(State.RELEASED)
         return got
 
+    def released(self) -> None:
+        """RELEASED without touching the token: a wait for it was given up."""
+        self._set(State.RELEASED)
+
     def waiting(self) -> None:
         self._set(State.WAITING)
 

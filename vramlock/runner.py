@@ -13,15 +13,14 @@ import contextlib
 import os
 import select
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
 from . import demand as demands
-from . import strategies
-from .arena import Arena
+from . import lockfd, strategies
+from .arena import Arena, default_gpu
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
@@ -58,6 +57,20 @@ FORWARDED = (
 _ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
+def visible_devices(gpu: int) -> dict[str, str]:
+    """The environment that shows a command GPU ``gpu`` (nvidia-smi's number) alone.
+
+    CUDA numbers GPUs fastest first, nvidia-smi and NVML by PCI bus: name the GPU by
+    its UUID where NVML can tell it, else by number in PCI bus order.
+    """
+    from . import nvml
+
+    try:
+        return {"CUDA_VISIBLE_DEVICES": nvml.gpu(gpu).uuid}
+    except (nvml.NvmlUnavailable, nvml.NvmlError):
+        return {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
 def _quiet(message: str) -> None:
     """The library never prints: the command line passes a ``warn`` that does."""
 
@@ -79,7 +92,8 @@ class RunOptions:
 
     @property
     def settings(self) -> strategies.Settings:
-        return strategies.Settings(on_release=self.on_release, on_restore=self.on_restore)
+        gpu = self.gpu if self.gpu is not None or self.arena else default_gpu()
+        return strategies.Settings(on_release=self.on_release, on_restore=self.on_restore, gpu=gpu)
 
     def check(self) -> None:
         """Reject option mixes that cannot work, before anything is locked or started."""
@@ -107,8 +121,8 @@ class _Once:
             raise _Terminated(signum)
 
 
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    pass
+class _Woken(Exception):
+    """Breaks a blocking wait for the token: the command exited or we were told to end."""
 
 
 class Runner:
@@ -175,7 +189,8 @@ class Runner:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._supervisor is None:
-            self._early_signals.append(signum)  # the command is being started
+            if signum != signal.SIGCHLD:
+                self._early_signals.append(signum)  # the command is being started
         else:
             self._supervisor.on_signal(signum)
 
@@ -185,13 +200,15 @@ class Runner:
         env = dict(os.environ)
         env.update(control.child_env(member.token.fd))
         env["VRAMLOCK_ARENA"] = arena.path
+        if opts.gpu is not None:
+            env.update(visible_devices(opts.gpu))
         # Orphans of the command become our children: none can slip away unseen.
         become_subreaper()
         # Handlers first: a signal that arrives while the command starts must be
         # passed on, not kill us with the default action.
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
-        old_handlers.update({s: signal.signal(s, _ignore) for s in WATCHED})
+        old_handlers.update({s: signal.signal(s, self._on_signal) for s in WATCHED})
         hint = Hint(arena.dirfd)
         child: Child | None = None
         try:
@@ -237,13 +254,13 @@ class Supervisor:
         self.pending_signal: int | None = None
         self.all_gone = False  # every process of the command has ended
         self._wake_r = wake_r
-        self._acquired_r, self._acquired_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._acquire_error: BaseException | None = None
-        self._acquire_done = False
+        self._queued = False  # blocked in the kernel's queue for the token, in this thread
         self._retry_at = 0.0
+        self._requeue_at = 0.0  # a restore found too little free VRAM: queue again then
         self._started = time.monotonic()
         self._warned: set[str] = set()
         self._told = False  # the auto fallback warning was given
+        self._checkpoint_failed = False  # auto tried checkpoint and the driver refused
         self._signalled = True  # a signal arrived (through the wakeup fd) since we last looked
         self._describe()
 
@@ -265,6 +282,10 @@ class Supervisor:
         self.member.describe(strategy=name, child_pid=self.child.pid)
 
     def on_signal(self, signum: int) -> None:
+        if signum == signal.SIGCHLD:
+            if self._queued:
+                raise _Woken  # the command may have exited: look before waiting on
+            return
         if self.child.status is None and not self.strategy.killed:
             try:
                 self.child.signal_group(signum)
@@ -273,6 +294,8 @@ class Supervisor:
         if signum in _ENDING:
             self.pending_signal = signum
             self.ctx.endings += 1
+            if self._queued:
+                raise _Woken
 
     def _job_control(self) -> None:
         """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
@@ -325,15 +348,36 @@ class Supervisor:
         self.all_gone = True
         return code
 
-    def _probe_for_auto(self, now: float) -> None:
-        """Under auto, say once that a waiter will wait: the command cannot release."""
-        if now - self._started >= HELLO_GRACE and self.member.wanted():
-            self._told = True
-            self.warn(
-                "somebody is waiting for the GPU, but this command keeps it until it exits:"
-                " --release auto found no way to release it (it does not speak the control"
-                " protocol); see --release restart, stop or exec"
-            )
+    def _releases_now(self) -> bool:
+        """Resident, able to release, past min_hold and any retry delay, not busy, wanted."""
+        return (
+            self.member.state is State.RESIDENT
+            and self.strategy.releases
+            and time.monotonic() >= self._retry_at
+            and self.member.should_release()
+            and not self.demand.busy()
+        )
+
+    def _probe_for_auto(self, now: float) -> bool:
+        """Under auto, somebody waits and the command has not said hello: checkpoint a
+        CUDA program where the driver can, else say once that the waiter will wait.
+        True when a strategy that releases was found."""
+        if now - self._started < HELLO_GRACE or not self.member.wanted():
+            return False
+        if not self._checkpoint_failed:
+            found = strategies.for_waiter(self.strategy, self.opts.release, self.ctx)
+            if found is not self.strategy:
+                self.strategy = found
+                self._describe()
+                return True
+        self._told = True
+        self.warn(
+            "somebody is waiting for the GPU, but this command keeps it until it exits:"
+            " --release auto found no way to release it (it does not speak the control"
+            " protocol, and is no CUDA program the driver can checkpoint); see --release"
+            " restart, stop or exec"
+        )
+        return False
 
     def loop(self, hint: Hint) -> int:
         member, ctx = self.member, self.ctx
@@ -341,6 +385,12 @@ class Supervisor:
             status = self._child_gone()
             if status is not None:
                 return self._finish(exit_code(status))
+            if self._releases_now():
+                # First, when somebody waits: the bookkeeping below can come after.
+                status = self._release()
+                if status is not None:
+                    return status
+                continue
             if self._signalled:  # SIGCHLD: an adopted orphan may have exited
                 self._signalled = False
                 self.child.reap_orphans()
@@ -367,11 +417,6 @@ class Supervisor:
             now = time.monotonic()
             interval = PROBE_INTERVAL if hint.fd is not None else PROBE_INTERVAL_NO_HINT
             if member.state is State.RESIDENT and self.strategy.releases:
-                if now >= self._retry_at and member.should_release() and not self.demand.busy():
-                    status = self._release()
-                    if status is not None:
-                        return status
-                    continue
                 if hint.fd is not None:
                     watch.append(hint.fd)
                 hold_left = member.resident_since + member.min_hold - now
@@ -380,7 +425,8 @@ class Supervisor:
                 if self._retry_at > now:
                     timeout = min(timeout, self._retry_at - now)
             elif member.state is State.RESIDENT and self.opts.release == "auto" and not self._told:
-                self._probe_for_auto(now)
+                if self._probe_for_auto(now):
+                    continue
                 if hint.fd is not None:
                     watch.append(hint.fd)
                 timeout = interval if timeout is None else min(timeout, interval)
@@ -388,15 +434,13 @@ class Supervisor:
                 # A command that was ended cannot ask: it comes back on its turn; one that
                 # was told to end needs the GPU to act on it.
                 ending = self.pending_signal is not None
-                if self.demand.wants() or ending or self.strategy.killed:
-                    self._start_acquire()
-                    continue
-            elif member.state is State.WAITING:
-                watch.append(self._acquired_r)
-                if self._acquire_done:
-                    status = self._restore()
-                    if status is not None:
-                        return status
+                if now < self._requeue_at:
+                    timeout = self._requeue_at - now
+                elif self.demand.wants() or ending or self.strategy.killed:
+                    if self._acquire():
+                        status = self._restore()
+                        if status is not None:
+                            return status
                     continue
 
             self._wait(watch, timeout)
@@ -432,9 +476,12 @@ class Supervisor:
         except strategies.Interrupted:
             member.resident()  # told to end: the command has the signal, we stay resident
             return None
-        except ControlError as err:
+        except strategies.Unverified as err:
+            self.warn(f"{err}; handing the GPU over anyway")
+        except (ControlError, strategies.NotCheckpointable) as err:
             self.warn(f"{err}; holding the GPU until it exits")
             self.ctx.hello = False
+            self._checkpoint_failed |= isinstance(err, strategies.NotCheckpointable)
             self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
             member.resident()
@@ -447,32 +494,34 @@ class Supervisor:
         member.release()
         return None
 
-    def _start_acquire(self) -> None:
+    def _acquire(self) -> bool:
+        """Queue for the token, blocking in the kernel in this thread; True once it is ours.
+
+        No helper thread: starting one cost a quarter of a millisecond on the handoff
+        path. Signals still run their handlers while we block (forwarding to the
+        command); SIGCHLD and the ending signals break the wait (False), so that the
+        loop sees an exit or an order to end at once.
+        """
         member = self.member
         member.wait_polite()
-        drain(self._acquired_r)
         member.waiting()
-        self._acquire_error = None
-        self._acquire_done = False
-
-        # Blocking in the kernel's queue from a thread keeps the main loop free to
-        # forward signals and notice the command's exit. The thread only locks;
-        # every change of state happens here, in the loop.
-        def acquire() -> None:
-            try:
-                member.take_token(None)
-            except BaseException as err:  # surfaced by the loop in _restore
-                self._acquire_error = err
-            self._acquire_done = True
-            os.write(self._acquired_w, b"!")
-
-        threading.Thread(target=acquire, name="vramlock-acquire", daemon=True).start()
+        self._queued = True
+        try:
+            return member.take_token(None)
+        except _Woken:
+            # The signal may have landed just after the kernel granted the lock: a
+            # non-blocking try on our own description settles whether it is ours.
+            self._queued = False
+            if lockfd.try_lock(member.token.fd, exclusive=True):
+                member.token.held = True
+                return True
+            member.released()
+            return False
+        finally:
+            self._queued = False
 
     def _restore(self) -> int | None:
         member = self.member
-        self._acquire_done = False
-        if self._acquire_error is not None:
-            raise self._acquire_error
         member.restoring()
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
@@ -480,6 +529,12 @@ class Supervisor:
             return self._finish(exit_code(self.child.poll() or 0))
         except strategies.Interrupted:
             pass  # told to end while restoring: we hold the token, the command has the signal
+        except strategies.VramTaken as err:
+            # Restoring now would wedge the command: give the token back, queue again.
+            self.warn(str(err), once=True)
+            member.release()
+            self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
+            return None
         except (ControlError, StrategyError) as err:
             self.warn(f"restore: {err}")
         member.resident()
