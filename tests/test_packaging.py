@@ -133,7 +133,11 @@ def test_locks_are_flock_even_when_portalocker_is_switched_to_lockf(
     ("words", "cword", "expected"),
     [
         ("vramlock r", 1, ["run"]),
-        ("vramlock run --release ", 3, ["auto", "signal", "none", "restart", "stop", "exec"]),
+        (
+            "vramlock run --release ",
+            3,
+            ["auto", "signal", "checkpoint", "none", "restart", "stop", "exec"],
+        ),
         ("vramlock run --demand c", 3, ["child"]),
     ],
 )

@@ -245,3 +245,18 @@ def test_run_survives_forwardable_signals_while_it_waits(arena: Path, spawn: Spa
     _, err = job.communicate(timeout=30)
     assert (job.returncode, err) == (0, "")
     holder.wait(10)
+
+
+def test_gpu_option_shows_the_command_that_gpu_alone(tmp_path: Path) -> None:
+    """--gpu N: the arena of GPU N, and CUDA_VISIBLE_DEVICES for the command (by number in
+    PCI bus order here, where NVML cannot name it by UUID)."""
+    out = subprocess.run(
+        vramlock("run", "--gpu", "3", "--", "sh", "-c",
+                 'echo "$VRAMLOCK_ARENA $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER"'),
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    assert out[0].endswith("/gpu3")
+    if out[1].startswith("GPU-"):  # a machine with NVML names it by UUID
+        assert out[1:] == [out[1]]
+    else:
+        assert out[1:] == ["3", "PCI_BUS_ID"]

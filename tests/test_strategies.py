@@ -469,3 +469,39 @@ def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn
     kill_group(job)
     assert job.stderr is not None
     assert "closed its control channel" in job.stderr.read()
+
+
+def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With NVML, a release is done when the memory is gone: a CUDA context's worth per
+    process may stay; more than that after the timeout is Unverified (the runner warns)."""
+    from typing import Any, cast
+
+    from vramlock import nvml
+    from vramlock.strategies import Settings, SignalStrategy, Unverified
+
+    held = {4242: 3 << 30, 999: 5 << 30}  # 999 is not the command's
+    monkeypatch.setattr(nvml, "available", lambda: True)
+    monkeypatch.setattr(nvml, "processes", lambda which=None: dict(held))
+    strategy = SignalStrategy(cast(Any, None), Settings(gpu=0, verify_timeout=0.2))
+    with pytest.raises(Unverified, match="NVML still shows 3072 MiB held by the command"):
+        strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+    held[4242] = 500 << 20  # only its context left
+    strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+    with pytest.raises(Unverified):  # a checkpoint leaves nothing at all
+        strategy.verify_gone(lambda: [4242], keep_bytes=0)
+
+
+def test_checkpoint_is_refused_where_the_driver_cannot(arena: Path) -> None:
+    from vramlock import cuda
+
+    if cuda.has_checkpoint_api():
+        pytest.skip("this machine's driver has the checkpoint API")
+    out = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--release", "checkpoint", "--", "true"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 125
+    assert out.stderr.startswith("vramlock: --release checkpoint cannot be used here: ")
+    assert out.stderr.count("\n") == 1

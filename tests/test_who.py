@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import pty
@@ -520,8 +521,8 @@ def test_who_plain_text_and_json(arena: Path, spawn: Spawn) -> None:
     assert states == [("sleeper", "resident"), ("second", "waiting")]
     plain = who_plain(arena).splitlines()
     assert plain[0] == f"arena {arena}"
-    assert plain[1].split() == ["STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "NOTE",
-                                "COMMAND"]  # fmt: skip
+    assert plain[1].split() == ["STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "VRAM",
+                                "NOTE", "COMMAND"]  # fmt: skip
     assert plain[2].split()[0] == "resident" and "sleeper" in plain[2]
     assert plain[3].split()[0] == "waiting" and "second" in plain[3]
 
@@ -550,3 +551,41 @@ def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> Non
     watch.send_signal(signal.SIGINT)
     assert watch.wait(10) == 0
     kill_group(job)
+
+
+def test_vram_per_member_and_foreign_gpu_processes(arena: Path, spawn: Spawn) -> None:
+    """NVML's pid -> bytes becomes each member's VRAM (its processes together) and a
+    ``foreign`` row for any GPU process of no member; a pid nobody here can see is said so."""
+    from vramlock.arena import Arena
+    from vramlock.nvml import Gpu
+    from vramlock.roster import GpuView, snapshot, with_vram
+
+    spawn(vramlock("run", "--arena", str(arena), "--name", "job", "--", "sleep", "30"))
+    wait_until(lambda: who_json(arena) and who_json(arena)[0]["child_pid"])
+    child = int(who_json(arena)[0]["child_pid"])
+    stranger = spawn(["sleep", "30"])
+    gone = 4_000_000  # above pid_max: no such process here
+    used = {child: 5 << 30, stranger.pid: 1 << 30, gone: 2 << 30}
+    view = GpuView(gpus=[Gpu(0, "GPU-x", "Test GPU", 8 << 30, 8 << 30, 0)], used=used)
+    opened = Arena.open(str(arena))
+    try:
+        rows = with_vram(snapshot(opened), view)
+    finally:
+        opened.close()
+    assert [(r.state, r.vram) for r in rows] == [
+        ("resident", 5 << 30),
+        ("foreign", 1 << 30),
+        ("foreign", 2 << 30),
+    ]
+    assert (rows[1].pid, rows[1].name, rows[1].note) == (stranger.pid, "sleep", "not a member")
+    assert (rows[2].pid, rows[2].name, rows[2].note) == (gone, "?", "pid not visible here")
+
+
+def test_who_without_nvml_says_so_in_json(arena: Path) -> None:
+    out = subprocess.run(
+        vramlock("who", "--arena", str(arena), "--json"),
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("pynvml is installed here")
+    assert json.loads(out)["gpus"] is None

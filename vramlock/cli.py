@@ -25,7 +25,7 @@ from .errors import NotObtained, UsageError, VramlockError
 
 if TYPE_CHECKING:
     from .demo import Demo
-    from .roster import Row
+    from .roster import GpuView, Row
 
 
 class _ReaderGone(Exception):
@@ -187,7 +187,8 @@ def run(
         str,
         typer.Option(
             metavar="STRATEGY",
-            help="How the command gives the GPU back: auto, signal, none, restart, stop, exec.",
+            help="How the command gives the GPU back: auto, signal, checkpoint, none, restart,"
+            " stop, exec.",
             autocompletion=_strategy_names,
         ),
     ] = "auto",
@@ -298,7 +299,15 @@ def _ago(since: float | None, now: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "NOTE", "COMMAND")
+_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "VRAM", "NOTE", "COMMAND")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.0f} MiB"
 
 
 def _cells(row: Row, now: float) -> list[str]:
@@ -310,6 +319,7 @@ def _cells(row: Row, now: float) -> list[str]:
         row.strategy,
         _ago(row.since, now),
         "-" if row.child_pid is None else str(row.child_pid),
+        _bytes(row.vram),
         row.note or "-",
         row.command,
     ]
@@ -321,8 +331,19 @@ def _title(path: str) -> str:
     return f"arena {printable(path, 4096)}"
 
 
-def _plain(path: str, rows: list[Row], now: float) -> str:
-    lines = [_title(path)]
+def _gpu_lines(view: GpuView | None) -> list[str]:
+    from .roster import printable
+
+    if view is None:
+        return []
+    return [
+        f"GPU {g.index} {printable(g.name, 64)}: {_bytes(g.used)} of {_bytes(g.total)} used"
+        for g in view.gpus
+    ]
+
+
+def _plain(path: str, rows: list[Row], now: float, view: GpuView | None = None) -> str:
+    lines = [_title(path), *_gpu_lines(view)]
     if not rows:
         lines.append("no members")
         return "\n".join(lines)
@@ -342,12 +363,13 @@ _STYLE = {
 }
 
 
-def _rich_table(path: str, rows: list[Row], now: float) -> Any:
+def _rich_table(path: str, rows: list[Row], now: float, view: GpuView | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     # Text, not str: rich would read "[...]" in a name or a command as markup.
-    table = Table(title=Text(_title(path)), title_justify="left", expand=False)
+    title = "\n".join([_title(path), *_gpu_lines(view)])
+    table = Table(title=Text(title), title_justify="left", expand=False)
     for col in _COLUMNS:
         table.add_column(col, overflow="fold" if col == "COMMAND" else "ellipsis")
     for row in rows:
@@ -367,21 +389,28 @@ def who(
     ] = False,
 ) -> None:
     """Show who is resident, who waits and who is released, from kernel lock state."""
-    from .arena import Arena
-    from .roster import snapshot
+    from dataclasses import asdict
+
+    from .arena import Arena, default_gpu, locate
+    from .roster import gpu_view, snapshot, with_vram
 
     opened = Arena.open(arena, gpu)
     tty = sys.stdout.isatty() and not as_json
+    # The GPU whose memory to show: the arena's, where that is known (else every GPU).
+    index = gpu if gpu is not None else (default_gpu() if locate(arena)[1] else None)
 
     def frame() -> Any:
-        rows, now = snapshot(opened), time.time()
+        rows, now, view = snapshot(opened), time.time(), gpu_view(index)
+        if view is not None:
+            rows = with_vram(rows, view)
         if tty:
-            return _rich_table(opened.path, rows, now)
+            return _rich_table(opened.path, rows, now, view)
         if as_json:
             members = [r.as_json(now) for r in rows]
-            document = {"arena": opened.path, "members": members}
+            gpus = None if view is None else [asdict(g) for g in view.gpus]
+            document = {"arena": opened.path, "gpus": gpus, "members": members}
             return json.dumps(document, indent=2, allow_nan=False)
-        return _plain(opened.path, rows, now)
+        return _plain(opened.path, rows, now, view)
 
     try:
         if tty and watch:

@@ -14,13 +14,17 @@ This module must stay cheap to import: ``who`` uses it without the lock layer.
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from . import procfs
 from .arena import TOKEN, WANT, Arena
 from .records import HOLDING, Record, State, read_live
+
+if TYPE_CHECKING:
+    from .nvml import Gpu
 
 NAME_MAX = 64
 STRATEGY_MAX = 32
@@ -51,6 +55,7 @@ class Row:
     child_pid: int | None
     member: bool  # False: no verified record (flock(1), a C program, an exited locker)
     note: str | None = None  # stopped, an unverified record, the locker is gone
+    vram: int | None = None  # bytes on the GPU (NVML), for the member and its processes
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = asdict(self)
@@ -114,6 +119,63 @@ def _resident_pids(locker: int, dev: int, ino: int) -> list[tuple[int, str | Non
     holders = procfs.lock_holders(dev, ino)
     top = [pid for pid in holders if procfs.ppid(pid) not in holders]
     return [(pid, f"locker {locker} gone") for pid in top] or [(locker, None)]
+
+
+@dataclass
+class GpuView:
+    """What NVML says about the arena's GPU(s): ``gpus`` and pid -> bytes."""
+
+    gpus: list[Gpu] = field(default_factory=list)
+    used: dict[int, int] = field(default_factory=dict)
+
+
+def gpu_view(index: int | None) -> GpuView | None:
+    """NVML's view of GPU ``index`` (None: every GPU), or None without NVML.
+
+    pynvml is imported only where the ``nvml`` extra is installed: without it, ``who``
+    pays one module lookup.
+    """
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    from . import nvml
+
+    try:
+        if not nvml.available():
+            return None
+        gpus = nvml.gpus() if index is None else [nvml.gpu(index)]
+        return GpuView(gpus=gpus, used=nvml.processes(index))
+    except nvml.NvmlError:
+        return None
+
+
+def with_vram(rows: list[Row], view: GpuView) -> list[Row]:
+    """Each member's VRAM (its own process and every descendant: the command, its
+    workers), and a ``foreign`` row for each GPU process that belongs to no member."""
+    accounted: set[int] = set()
+    for row in rows:
+        pids = {row.pid, *procfs.descendants(row.pid)}
+        accounted |= pids
+        row.vram = sum(view.used.get(pid, 0) for pid in pids)
+    for pid, used in sorted(view.used.items()):
+        if pid in accounted:
+            continue
+        # NVML's pids are the driver's: in a container they may name nobody here.
+        visible = procfs.living(pid)
+        rows.append(
+            Row(
+                pid=pid,
+                state="foreign",
+                name=printable(procfs.text(pid, "comm"), NAME_MAX) if visible else "?",
+                command=printable(procfs.text(pid, "cmdline"), COMMAND_MAX) if visible else "",
+                strategy="-",
+                since=None,
+                child_pid=None,
+                member=False,
+                note="not a member" if visible else "pid not visible here",
+                vram=used,
+            )
+        )
+    return rows
 
 
 def snapshot(arena: Arena) -> list[Row]:

@@ -6,14 +6,30 @@ This is the one place that checks strategy names and option mixes.
 from __future__ import annotations
 
 from ..errors import StrategyError, UsageError
-from .base import ChildExited, Context, Interrupted, ReleaseTimeout, Settings, Strategy
+from .base import (
+    ChildExited,
+    Context,
+    Interrupted,
+    ReleaseTimeout,
+    Settings,
+    Strategy,
+    Unverified,
+)
 from .basic import NoneStrategy, RestartStrategy, StopStrategy
+from .checkpoint import CheckpointStrategy, NotCheckpointable, VramTaken, usable
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (SignalStrategy, NoneStrategy, RestartStrategy, StopStrategy, ExecStrategy)
+    for cls in (
+        SignalStrategy,
+        CheckpointStrategy,
+        NoneStrategy,
+        RestartStrategy,
+        StopStrategy,
+        ExecStrategy,
+    )
 }
 NAMES = ("auto", *STRATEGIES)
 
@@ -29,6 +45,10 @@ def check(name: str, settings: Settings) -> str:
         raise UsageError("--on-release/--on-restore need --release exec")
     if name == "exec" and settings.on_release is None:
         raise UsageError("--release exec needs --on-release COMMAND")
+    if name == "checkpoint":
+        why = usable()
+        if why is not None:
+            raise StrategyError(f"--release checkpoint cannot be used here: {why}")
     return name
 
 
@@ -47,6 +67,18 @@ def pick(name: str, ctx: Context, settings: Settings, command: list[str]) -> Str
     return STRATEGIES[name](ctx, settings)
 
 
+def for_waiter(current: Strategy, requested: str, ctx: Context) -> Strategy:
+    """Under ``auto``, somebody waits and the command cannot release: a CUDA program
+    gets ``checkpoint`` where the driver can do it, else it keeps ``none``."""
+    if (
+        requested == "auto"
+        and isinstance(current, NoneStrategy)
+        and CheckpointStrategy.finds_work(ctx)
+    ):
+        return CheckpointStrategy(ctx, current.settings)
+    return current
+
+
 def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
     """Under ``auto``, a child that speaks the control protocol gets ``signal``."""
     if (
@@ -62,18 +94,23 @@ def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
 __all__ = [
     "NAMES",
     "STRATEGIES",
+    "CheckpointStrategy",
     "ChildExited",
     "Context",
     "ExecStrategy",
     "Interrupted",
     "NoneStrategy",
+    "NotCheckpointable",
     "ReleaseTimeout",
     "RestartStrategy",
     "Settings",
     "SignalStrategy",
     "StopStrategy",
     "Strategy",
+    "Unverified",
+    "VramTaken",
     "check",
+    "for_waiter",
     "pick",
     "upgrade",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,6 +27,14 @@ class ReleaseTimeout(Exception):
     """The graceful release did not finish before --yield-within ran out."""
 
 
+# What a process that freed its own memory keeps on the GPU: its CUDA context.
+CONTEXT_ALLOWANCE = 768 << 20
+
+
+class Unverified(StrategyError):
+    """The strategy says the memory is free, NVML says it is not (yet)."""
+
+
 class Interrupted(Exception):
     """The wrapper was told to end (SIGTERM, Ctrl-C) while a strategy was waiting on
     the command: the wait is abandoned so the wrapper stays responsive."""
@@ -38,6 +47,8 @@ class Settings:
     on_release: str | None = None  # exec
     on_restore: str | None = None  # exec
     restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
+    gpu: int | None = None  # the GPU's NVML index, for verified releases (None: every GPU)
+    verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
 
 
 @dataclass
@@ -133,7 +144,36 @@ class Strategy:
         raise StrategyError(f"the {self.name} strategy never releases")
 
     def verify(self, deadline: float | None) -> None:
-        """Confirm the memory is really free before the token is dropped."""
+        """Confirm the memory is really free before the token is dropped (NVML, if any).
+
+        A process that freed its tensors itself keeps its CUDA context (about half a
+        GiB): that much per process is allowed.
+        """
+        self.verify_gone(self.ctx.child.processes, keep_bytes=CONTEXT_ALLOWANCE)
+
+    def verify_gone(self, pids_of: Callable[[], list[int]], *, keep_bytes: int) -> None:
+        """Wait until NVML shows the processes ``pids_of()`` names holding at most
+        ``keep_bytes`` each; Unverified after ``verify_timeout``. Nothing to check (and
+        no /proc scan on the handoff path) without NVML."""
+        from .. import nvml
+
+        try:
+            if not nvml.available():
+                return
+            pids = pids_of()
+            per_pid = nvml.processes(self.settings.gpu)
+            on_gpu = [p for p in pids if p in per_pid]
+            allowed = keep_bytes * len(on_gpu)
+            if nvml.wait_released(on_gpu, self.settings.gpu, self.settings.verify_timeout,
+                                  keep_bytes=allowed):  # fmt: skip
+                return
+            held = nvml.used_by(on_gpu, self.settings.gpu)
+        except nvml.NvmlError:
+            return  # NVML cannot say: the release stands as the strategy reported it
+        raise Unverified(
+            f"NVML still shows {held / 2**20:.0f} MiB held by the command"
+            f" {self.settings.verify_timeout:g} s after its release"
+        )
 
     def end_command(self, grace: float) -> None:
         """End every process of the command (the leader, its group, adopted orphans);

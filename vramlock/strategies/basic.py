@@ -69,6 +69,9 @@ class StopStrategy(Strategy):
         self.keeper = Keeper.start(child.pid)
         child.ignored.update(self.keeper.pids)
 
+    def verify(self, deadline: float | None) -> None:
+        pass  # a stopped command keeps its memory: that is what this strategy is
+
     def _restore(self) -> None:
         self._disarm()
         self.ctx.child.signal_group(signal.SIGCONT)

@@ -1,0 +1,127 @@
+"""The checkpoint strategy through ``vramlock run`` beside the bare driver API, in one run.
+
+    python bench/gpu_run.py [--sizes 4,16] [--json PATH]
+
+For each SIZE (GiB), on one NVIDIA GPU:
+
+- **bare**: a PyTorch process holding SIZE GiB (tests/gpu_worker.py) is checkpointed
+  and restored with ``vramlock.cuda`` directly (lock+checkpoint, restore+unlock).
+- **strategy**: the same kind of process under
+  ``vramlock run --release checkpoint --min-hold 0``. This process joins the arena as
+  a member: *release* runs from its arrival (it takes want.lock) to owning the token,
+  so it includes noticing the waiter, finding the CUDA processes, NVML's footprint,
+  the lock and checkpoint, the NVML check that the memory is gone, and the handoff.
+  *restore* runs from dropping the token to the worker answering a checksum request
+  that was queued while it was checkpointed (the check's own time, measured while
+  resident, is subtracted); it includes the wrapper's re-queue, the free-VRAM check,
+  the restore and the unlock.
+
+DESIGN.md §4 target: the strategy within 1.1x of the bare API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from vramlock import cuda, nvml  # noqa: E402
+from vramlock.arena import Arena  # noqa: E402
+from vramlock.member import Member  # noqa: E402
+
+worker: Any = importlib.import_module("gpu_worker")  # tests/gpu_worker.py
+
+
+def bare(gib: float) -> dict[str, float]:
+    proc = subprocess.Popen(
+        [sys.executable, worker.PATH, "--gib", str(gib)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    w = worker.Client(proc)
+    try:
+        t0 = time.perf_counter()
+        cuda.checkpoint_all([w.pid], 30)
+        t1 = time.perf_counter()
+        cuda.restore_all([w.pid])
+        t2 = time.perf_counter()
+        assert w.check() == w.checksum
+        return {"out": t1 - t0, "back": t2 - t1}
+    finally:
+        w.close()
+
+
+def strategy(gib: float, arena: str) -> dict[str, float]:
+    run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", "checkpoint"]
+    proc = subprocess.Popen(
+        [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    w = worker.Client(proc)
+    try:
+        t = time.perf_counter()
+        assert w.check() == w.checksum
+        check_s = time.perf_counter() - t
+        opened = Arena.open(arena)
+        me = Member(opened, name="bench", command=["bench"])
+        try:
+            t0 = time.perf_counter()
+            assert me.acquire(120)
+            t1 = time.perf_counter()
+            assert w.pid not in nvml.processes(0)
+            w.send("check")  # blocks while checkpointed
+            t2 = time.perf_counter()
+            me.token.release()
+            word, value = w.read(120).split()
+            t3 = time.perf_counter()
+            assert (word, int(value)) == ("sum", w.checksum)
+        finally:
+            me.close()
+            opened.close()
+        return {"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s}
+    finally:
+        w.close()
+        proc.wait(60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4,16")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
+    gpu = nvml.gpu(0)
+    print(f"{gpu.name}, driver {nvml.driver_version()}")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as arena:
+        for gib in sizes:
+            rows.append({"gib": gib, "bare": bare(gib), "strategy": strategy(gib, arena)})
+    print("| GiB | bare out s | strategy out s | ratio | bare back s | strategy back s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        b: dict[str, float] = r["bare"]
+        s: dict[str, float] = r["strategy"]
+        print(
+            f"| {r['gib']:g} | {b['out']:.2f} | {s['out']:.2f} | {s['out'] / b['out']:.2f}x"
+            f" | {b['back']:.2f} | {s['back']:.2f} | {s['back'] / b['back']:.2f}x |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

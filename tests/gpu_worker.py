@@ -1,0 +1,143 @@
+"""A PyTorch process with a known amount of VRAM, for the GPU tests and benchmarks.
+
+    python tests/gpu_worker.py --gib 2 [--managed-mib 64]
+    python tests/gpu_worker.py --load FILE
+
+Fills ``--gib`` GiB of device memory with seeded random data and prints
+``ready <pid> <checksum>``; with ``--load`` it reads FILE to the GPU instead, the
+way a server reloads its weights, and prints ``loaded <pid> <seconds>``.
+Then it answers each line on stdin: ``check`` with ``sum <checksum>`` computed on
+the GPU again, ``spin SECONDS`` by queueing a kernel that keeps the GPU busy about
+that long and saying ``spinning``. It exits at end of input.
+``--managed-mib`` also takes that much managed (UVM) memory through the driver,
+which makes the process impossible to checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+torch: Any = importlib.import_module("torch")
+
+PATH = os.path.abspath(__file__)
+CHUNK = 256 << 20  # bytes per tensor
+SPIN_HZ = 2_000_000_000  # GPU clock cycles a second, near enough for a busy kernel
+
+
+def checksum(tensors: list[Any]) -> int:
+    """An exact, order-independent sum of the data as 32-bit integers."""
+    total = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        flat = flat[: flat.numel() // 4 * 4].view(torch.int32)
+        for part in flat.split(CHUNK // 4):
+            total += int(part.to(torch.int64).sum().item())
+    return total
+
+
+def fill(gib: float) -> list[Any]:
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    left = int(gib * (1 << 30))
+    chunks = []
+    while left > 0:
+        n = min(CHUNK, left) // 4
+        chunks.append(torch.rand(n, generator=gen, device="cuda"))
+        left -= n * 4
+    return chunks
+
+
+def load(path: str) -> list[Any]:
+    """Map the file and copy it to the GPU piece by piece (pageable copies)."""
+    size = os.path.getsize(path)
+    mapped = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    chunks = [part.to("cuda") for part in mapped.split(CHUNK)]
+    torch.cuda.synchronize()
+    return chunks
+
+
+def take_managed(mib: int) -> None:
+    """Allocate managed memory in torch's context (its primary context is current)."""
+    driver = importlib.import_module("cuda.bindings.driver")
+    err, ptr = driver.cuMemAllocManaged(mib << 20, driver.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise SystemExit(f"cuMemAllocManaged: {err}")
+    (err,) = driver.cuMemsetD8(ptr, 7, mib << 20)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise SystemExit(f"cuMemsetD8: {err}")
+
+
+class Client:
+    """The other end: talks to a worker started as ``[python, WORKER_PATH, ...]``."""
+
+    def __init__(self, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+        self.proc = proc
+        self.started = time.perf_counter()
+        self.first = self.read(timeout).split()
+        self.ready_s = time.perf_counter() - self.started
+        self.pid = int(self.first[1])
+        self.checksum = int(self.first[2]) if self.first[0] == "ready" else None
+
+    def read(self, timeout: float) -> str:
+        """One line of the worker's, waiting at most ``timeout`` seconds for it."""
+        assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError(f"no answer from worker {self.proc.pid} in {timeout} s")
+        return self.proc.stdout.readline().strip()
+
+    def silent(self, timeout: float) -> bool:
+        """True when the worker says nothing for ``timeout`` seconds."""
+        assert self.proc.stdout is not None
+        return not select.select([self.proc.stdout], [], [], timeout)[0]
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def check(self, timeout: float = 120) -> int:
+        self.send("check")
+        word, value = self.read(timeout).split()
+        assert word == "sum", word
+        return int(value)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--load", metavar="FILE")
+    parser.add_argument("--managed-mib", type=int, default=0)
+    args = parser.parse_args()
+    if args.load:
+        started = time.perf_counter()
+        chunks = load(args.load)
+        print("loaded", os.getpid(), time.perf_counter() - started, flush=True)
+    else:
+        chunks = fill(args.gib)
+        if args.managed_mib:
+            take_managed(args.managed_mib)
+        torch.cuda.synchronize()
+        print("ready", os.getpid(), checksum(chunks), flush=True)
+    for line in sys.stdin:
+        word, *rest = line.split() or [""]
+        if word == "check":
+            print("sum", checksum(chunks), flush=True)
+        elif word == "spin":
+            torch.cuda._sleep(int(float(rest[0]) * SPIN_HZ))
+            print("spinning", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

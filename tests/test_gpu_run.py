@@ -1,0 +1,170 @@
+"""``vramlock run`` on a real NVIDIA GPU: checkpoint, auto, verified release, ``who``.
+
+Skipped without a GPU (torch, NVML and the driver's checkpoint API are all needed).
+The witnesses are the kernel's lock table (who holds token.lock, read by the test),
+NVML (which processes hold GPU memory) and the programs' own checksums.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Spawn, vramlock, wait_until, who_json
+from test_gpu import GIB, TRAINER, gpu
+
+from vramlock import cuda, nvml, procfs
+
+pytestmark = [gpu, pytest.mark.timeout(300)]
+
+
+class TokenWatch(threading.Thread):
+    """Polls /proc/locks: the sequence of processes that held token.lock."""
+
+    def __init__(self, arena: Path) -> None:
+        super().__init__(daemon=True)
+        st = (arena / "token.lock").stat()
+        self.key = (st.st_dev, st.st_ino)
+        self.holders: list[int] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            entries = procfs.parse_proc_locks(procfs.read_proc_locks(), *self.key)
+            held = [e.pid for e in entries if not e.blocked]
+            if held and (not self.holders or self.holders[-1] != held[0]):
+                self.holders.append(held[0])
+            time.sleep(0.01)
+
+
+def run_worker(spawn: Spawn, arena: Path, *options: str, gib: str = "2") -> Any:
+    """``vramlock run OPTIONS -- gpu_worker.py --gib GIB``, talked to over its stdin."""
+    worker = __import__("gpu_worker")
+    argv = vramlock("run", "--arena", str(arena), *options, "--", sys.executable, worker.PATH)
+    return worker.Client(spawn([*argv, "--gib", gib], stdin=subprocess.PIPE))
+
+
+BALLAST = (
+    "import sys, torch\n"
+    "keep = [torch.empty(1 << 30, dtype=torch.uint8, device='cuda')"
+    " for _ in range(int(sys.argv[1]))]\n"
+    "torch.cuda.synchronize()\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def ballast(spawn: Spawn, leave_gib: float) -> subprocess.Popen[str]:
+    """A process that is no member, holding all but ``leave_gib`` GiB of the free VRAM."""
+    gib = int(nvml.free_bytes(0) / GIB - leave_gib)
+    proc = spawn([sys.executable, "-c", BALLAST, str(gib)], stdin=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def end(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(60)
+
+
+def waiter(arena: Path, timeout: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        vramlock("wait", "--arena", str(arena), "-w", timeout),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_checkpointed_trainers_that_do_not_fit_together_take_turns(
+    arena: Path, spawn: Spawn
+) -> None:
+    """Two unmodified training jobs of ~8 GiB with ~12 GiB free: never both on the GPU,
+    and each ends with the same weights as an uninterrupted run would."""
+    (arena / "token.lock").touch()
+    big = ballast(spawn, leave_gib=12)
+    watch = TokenWatch(arena)
+    watch.start()
+    job = [sys.executable, TRAINER, "--plain", "--layers", "2", "--scratch-gib", "7.5",
+           "--steps", "120", "--step-sleep", "0.1"]  # fmt: skip
+    run = vramlock("run", "--arena", str(arena), "--release", "checkpoint", "--min-hold", "3s")
+    procs = [spawn([*run, "--", *job]) for _ in range(2)]
+    sums = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=280)
+        assert proc.returncode == 0, err
+        sums.append(out.split("sum=")[-1].strip())
+    watch.stop.set()
+    print("token holders:", watch.holders)
+    assert sums[0] == sums[1]
+    assert len(watch.holders) >= 4  # they took turns, more than once each
+    end(big)
+
+
+def test_auto_checkpoints_a_cuda_program_and_brings_it_back(arena: Path, spawn: Spawn) -> None:
+    w = run_worker(spawn, arena, gib="2")
+    assert w.pid in nvml.processes(0)
+    time.sleep(1.2)  # auto waits a moment for a hello before it looks for CUDA
+    started = time.monotonic()
+    got = waiter(arena, "60")
+    print(f"auto: waiter got the GPU after {time.monotonic() - started:.2f} s")
+    assert got.returncode == 0, got.stderr
+    wait_until(lambda: cuda.process_state(w.pid) is cuda.ProcessState.RUNNING, timeout=60)
+    assert w.check() == w.checksum
+    rows = [r for r in who_json(arena) if r["child_pid"] == w.pid]
+    assert rows and rows[0]["strategy"] == "auto:checkpoint"
+    assert rows[0]["vram"] >= 2 * GIB
+
+
+@pytest.mark.parametrize("options", [[], ["--release", "checkpoint"]], ids=["auto", "checkpoint"])
+def test_managed_memory_is_refused_unharmed(arena: Path, spawn: Spawn, options: list[str]) -> None:
+    worker = __import__("gpu_worker")
+    argv = vramlock("run", "--arena", str(arena), *options, "--", sys.executable, worker.PATH)
+    proc = spawn([*argv, "--gib", "0.25", "--managed-mib", "64"], stdin=subprocess.PIPE)
+    w = worker.Client(proc)
+    time.sleep(1.2)
+    got = waiter(arena, "4")
+    assert got.returncode == 1  # not handed over: it cannot be checkpointed
+    assert cuda.process_state(w.pid) is cuda.ProcessState.RUNNING
+    assert w.check() == w.checksum  # unharmed
+    w.close()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "cannot be checkpointed" in err, err
+
+
+def test_restore_waits_for_free_vram_instead_of_wedging(arena: Path, spawn: Spawn) -> None:
+    w = run_worker(spawn, arena, "--release", "checkpoint", "--min-hold", "0", gib="4")
+    holder = spawn(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    assert cuda.process_state(w.pid) is cuda.ProcessState.CHECKPOINTED
+    assert w.pid not in nvml.processes(0)  # verified: nothing of it left on the GPU
+    big = ballast(spawn, leave_gib=2.5)  # a process that is no member takes the memory
+    rows = who_json(arena)
+    foreign = {r["pid"]: r for r in rows if r["state"] == "foreign"}
+    assert big.pid in foreign and foreign[big.pid]["vram"] > 10 * GIB
+    assert not {r["pid"] for r in rows if r["member"]} & set(foreign)
+    assert holder.stdin is not None
+    holder.stdin.write("go\n")
+    holder.stdin.close()
+    holder.wait(30)
+    w.send("check")  # blocks while checkpointed
+    assert w.silent(4.0)  # the wrapper got its turn, saw too little VRAM, queued again
+    assert cuda.process_state(w.pid) is cuda.ProcessState.CHECKPOINTED
+    end(big)
+    word, value = w.read(120).split()
+    assert (word, int(value)) == ("sum", w.checksum)
+    rows = [r for r in who_json(arena) if r["child_pid"] == w.pid]
+    assert rows and rows[0]["state"] == "resident" and rows[0]["vram"] >= 4 * GIB
+    w.close()
+    err = w.proc.stderr.read() if w.proc.stderr else ""
+    assert "queueing again" in err, err

@@ -1,0 +1,147 @@
+"""``checkpoint``: the NVIDIA driver moves the command's whole GPU state to host memory.
+
+Every CUDA process of the command (its process group and everything descended
+from it) is locked, then checkpointed: weights, KV cache, CUDA graphs and the
+context itself leave the GPU, and the processes keep running on the CPU, their
+CUDA calls blocking until the restore. No change to the program is needed.
+
+A restore that runs out of VRAM wedges the process for good (driver 580), so the
+restore first checks, with NVML, that the GPU has the footprint plus a margin
+free; when it has not (a process that is not a member holds memory), the member
+gives the token back and queues again instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import cuda, nvml
+from ..errors import StrategyError
+from .base import Context, Interrupted, ReleaseTimeout, Settings, Strategy
+
+# How long a lock waits for submitted GPU work when --yield-within is not given.
+LOCK_TIMEOUT = 30.0
+# Free VRAM needed beyond the footprint NVML reported: the context and allocator slack.
+RESTORE_MARGIN = 512 << 20
+
+
+class NotCheckpointable(StrategyError):
+    """The command cannot be checkpointed (managed memory, MPS, MIG): it was left running."""
+
+
+class VramTaken(StrategyError):
+    """Too little free VRAM to restore: queue again rather than wedge the process."""
+
+    def __init__(self, need: int, free: int) -> None:
+        super().__init__(
+            f"the restore needs {need / 2**30:.1f} GiB of free VRAM and the GPU has"
+            f" {free / 2**30:.1f} GiB (held by a process that is not a member?);"
+            " queueing again until it is there"
+        )
+        self.need = need
+        self.free = free
+
+
+def usable() -> str | None:
+    """Why the checkpoint strategy cannot be used here, or None when it can."""
+    try:
+        cuda.require_checkpoint_api()
+    except cuda.CudaUnavailable as err:
+        return err.reason
+    return None
+
+
+class CheckpointStrategy(Strategy):
+    """Lock and checkpoint every CUDA process of the command; restore and unlock."""
+
+    name = "checkpoint"
+
+    def __init__(self, ctx: Context, settings: Settings) -> None:
+        super().__init__(ctx, settings)
+        self.pids: list[int] = []  # the processes checkpointed by the last release
+        self.footprint = 0  # their VRAM before it, as NVML reported it (0: unknown)
+
+    @classmethod
+    def finds_work(cls, ctx: Context) -> bool:
+        """Does the command run CUDA, and can this driver checkpoint it? (For ``auto``.)"""
+        if usable() is not None:
+            return False
+        try:
+            return bool(cuda.cuda_pids(ctx.child.processes()))
+        except cuda.CudaError:
+            return False
+
+    def release(self, deadline: float | None) -> None:
+        try:
+            pids = cuda.cuda_pids(self.ctx.child.processes())
+        except cuda.CudaError as err:
+            raise StrategyError(str(err)) from None
+        self.pids = []
+        if not pids:
+            # Not on the GPU yet (still starting, say): handing over now would let it
+            # start CUDA later while somebody else is resident. Keep the token until
+            # there is something to checkpoint; the runner tries again.
+            raise StrategyError(
+                "no process of the command uses CUDA yet, so there is nothing to"
+                " checkpoint; it keeps the GPU until there is"
+            )
+        self.footprint = self._used(pids)
+        timeout = LOCK_TIMEOUT if deadline is None else max(0.001, deadline - time.monotonic())
+        try:
+            cuda.checkpoint_all(pids, timeout)
+        except cuda.LockTimeout:
+            if deadline is not None:
+                raise ReleaseTimeout from None
+            raise StrategyError(
+                f"the command's GPU work did not pause within {LOCK_TIMEOUT:g} s"
+            ) from None
+        except cuda.NotCheckpointable as err:
+            raise NotCheckpointable(
+                f"process {err.pid} of the command cannot be checkpointed"
+                " (managed memory, MPS or MIG); it was left running"
+            ) from None
+        except cuda.CudaError as err:
+            raise StrategyError(str(err)) from None
+        self.pids = pids
+
+    def _used(self, pids: list[int]) -> int:
+        try:
+            return nvml.used_by(pids, self.settings.gpu)
+        except nvml.NvmlUnavailable:
+            return 0
+        except nvml.NvmlError:
+            return 0
+
+    def verify(self, deadline: float | None) -> None:
+        # A checkpointed process leaves NVML's list altogether: nothing may remain.
+        self.verify_gone(lambda: self.pids, keep_bytes=0)
+
+    def _restore(self) -> None:
+        if not self.pids:
+            return
+        self._check_free()
+        try:
+            cuda.restore_all(self.pids)
+        except cuda.CudaError as err:
+            raise StrategyError(f"restore: {err}") from None
+
+    def _check_free(self) -> None:
+        if not self.footprint:
+            return
+        need = self.footprint + RESTORE_MARGIN
+        endings = self.ctx.endings
+        end = time.monotonic() + 1.0  # memory being freed by the last holder settles
+        while True:
+            try:
+                free = nvml.free_bytes(self.settings.gpu or 0)
+            except nvml.NvmlUnavailable:
+                return
+            except nvml.NvmlError as err:
+                raise StrategyError(str(err)) from None
+            if free >= need:
+                return
+            if self.ctx.endings != endings:
+                raise Interrupted
+            if time.monotonic() >= end:
+                raise VramTaken(need, free)
+            time.sleep(0.05)
