@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from vramlock.procfs import proc_stat
+from vramlock.procfs import descendants, proc_stat
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,23 +65,6 @@ def spawn() -> Iterator[Spawn]:
         if proc.stdin is not None and proc.stdin.closed:
             proc.stdin = None  # closed by the test: communicate() would flush it
         proc.communicate(timeout=10)
-
-
-def descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            found += [kid, *descendants(kid)]
-    return found
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
