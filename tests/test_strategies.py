@@ -505,3 +505,41 @@ def test_checkpoint_is_refused_where_the_driver_cannot(arena: Path) -> None:
     assert out.returncode == 125
     assert out.stderr.startswith("vramlock: --release checkpoint cannot be used here: ")
     assert out.stderr.count("\n") == 1
+
+
+EXITS_WHILE_RELEASED = textwrap.dedent(
+    """
+    import os, socket, time
+    sock = socket.socket(fileno=int(os.environ["VRAMLOCK_CONTROL_FD"]))
+    sock.sendall(b"hello\\n")
+    buf = b""
+    while b"release\\n" not in buf:
+        buf += sock.recv(100)
+    sock.sendall(b"released\\n")
+    time.sleep(0.5)  # its wrapper is queued for the token again by now
+    os._exit(3)
+    """
+)
+
+
+def test_a_released_command_that_exits_is_seen_while_queued(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """The wrapper blocks in the kernel's queue for the token; the command's exit must end
+    that wait at once, not when the token comes back."""
+    script = tmp_path / "child.py"
+    script.write_text(EXITS_WHILE_RELEASED)
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "signal", "--min-hold", "0",
+                 "--", sys.executable, str(script))
+    )  # fmt: skip
+    wait_until(lambda: who_json(arena) and who_json(arena)[0]["strategy"] == "signal")
+    witness = Witness(tmp_path, arena, hold=20)
+    witness.wait_held()
+    started = time.monotonic()
+    _, err = job.communicate(timeout=15)
+    assert job.returncode == 3, err
+    assert time.monotonic() - started < 5  # not the witness's 20 s
+    assert witness.proc.poll() is None
+    witness.proc.kill()
+    witness.proc.wait(10)
