@@ -9,6 +9,7 @@ library never prints and never exits.
     ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
     ├── ControlError              the cooperative control channel broke its protocol
+    ├── AddressError              --listen or --upstream cannot be used (option, address)
     ├── UsageError                exit 2: a bad value (duration, descriptor, option mix)
     ├── NotObtained               exit 1 (or -E): the token was not obtained in time
     └── CommandError              the command could not be started
@@ -63,6 +64,16 @@ class StrategyError(VramlockError):
 
 class ControlError(VramlockError):
     """The child broke the control-channel protocol."""
+
+
+class AddressError(VramlockError):
+    """An address given to ``--listen`` or ``--upstream`` cannot be resolved or listened on."""
+
+    def __init__(self, option: str, address: str, reason: str) -> None:
+        super().__init__(f"{option} {address}: {reason}")
+        self.option = option
+        self.address = address
+        self.reason = reason
 
 
 class UsageError(VramlockError):

@@ -112,6 +112,9 @@ class Record:
     version: int = RECORD_VERSION
     # Processes the command left running when it exited, being ended before the token goes.
     leftovers: list[int] = field(default_factory=list)
+    # --demand listen: the address clients connect to, and how many connections are open.
+    listen: str | None = None
+    connections: int | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -123,6 +126,7 @@ class Record:
             if not (math.isfinite(since) and 0 <= since < _LATEST_SINCE):
                 return None
             child = data.get("child_pid")
+            listen, connections = data.get("listen"), data.get("connections")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -137,6 +141,8 @@ class Record:
                     _bounded(p, 1, _MAX_PID)
                     for p in _typed(data.get("leftovers", []), list)[:_MAX_LEFTOVERS]
                 ],
+                listen=None if listen is None else _typed(listen, str),
+                connections=None if connections is None else _bounded(connections, 0, 1 << 31),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -146,6 +152,7 @@ class Record:
         data = asdict(self)
         data["name"] = _clip(self.name, _CLIP_NAME)
         data["strategy"] = _clip(self.strategy, _CLIP_NAME)
+        data["listen"] = None if self.listen is None else _clip(self.listen, _CLIP_NAME)
         data["command"] = _clip_command(self.command, _CLIP_COMMAND)
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
         return json.dumps(data, allow_nan=False).encode()

@@ -56,6 +56,8 @@ class Row:
     member: bool  # False: no verified record (flock(1), a C program, an exited locker)
     note: str | None = None  # stopped, an unverified record, the locker is gone
     vram: int | None = None  # bytes on the GPU (NVML), for the member and its processes
+    listen: str | None = None  # --demand listen: where its clients connect
+    connections: int | None = None  # --demand listen: its clients' open connections
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = asdict(self)
@@ -75,6 +77,7 @@ def _merged_state(claimed: str, kernel: str | None) -> str:
 
 def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: str | None) -> Row:
     notes = [note] if note else []
+    listen, connections = None, None
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
@@ -82,6 +85,9 @@ def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: 
         left = [p for p in rec.leftovers if procfs.living(p)]
         if left:
             notes.append(f"command exited; ending {', '.join(map(str, left))}")
+        if rec.listen is not None:
+            listen, connections = printable(rec.listen, NAME_MAX), rec.connections
+            notes.append(f"listen {listen}, {connections or 0} connection(s)")
     else:
         # No record we can believe: the kernel's state and /proc's facts only.
         state, strategy, since, child = kernel or "?", "-", None, None
@@ -105,6 +111,8 @@ def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: 
         child_pid=child,
         member=found is not None and found[1],
         note="; ".join(notes) or None,
+        listen=listen,
+        connections=connections,
     )
 
 
