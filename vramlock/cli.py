@@ -87,10 +87,14 @@ def parse_duration(text: str, option: str) -> float:
     return seconds
 
 
+def _maybe_duration(text: str | None, option: str) -> float | None:
+    return None if text is None else parse_duration(text, option)
+
+
 def _timeout(nonblock: bool, wait: str | None) -> float | None:
     if nonblock:
         return 0.0
-    return None if wait is None else parse_duration(wait, "--timeout")
+    return _maybe_duration(wait, "--timeout")
 
 
 ArenaOpt = Annotated[
@@ -144,6 +148,12 @@ def _strategy_names() -> list[str]:
     return list(NAMES)
 
 
+def _preset_names() -> list[str]:
+    from .strategies import PRESETS
+
+    return list(PRESETS)
+
+
 def _demand_names() -> list[str]:
     from .runner import DEMANDS
 
@@ -187,8 +197,8 @@ def run(
         str,
         typer.Option(
             metavar="STRATEGY",
-            help="How the command gives the GPU back: auto, signal, checkpoint, none, restart,"
-            " stop, exec.",
+            help="How the command gives the GPU back: auto, signal, checkpoint, http, none,"
+            " restart, stop, exec.",
             autocompletion=_strategy_names,
         ),
     ] = "auto",
@@ -196,10 +206,45 @@ def run(
         str,
         typer.Option(
             metavar="DEMAND",
-            help="When a released command wants the GPU back: always, child.",
+            help="When a released command wants the GPU back: always, child, listen.",
             autocompletion=_demand_names,
         ),
     ] = "always",
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDR",
+            help="listen demand: take clients here (HOST:PORT, [IPv6]:PORT, or PORT on"
+            " 127.0.0.1) and pass them on to --upstream.",
+            show_default=False,
+        ),
+    ] = None,
+    upstream: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDR",
+            help="listen demand: the address the command's server listens on.",
+            show_default=False,
+        ),
+    ] = None,
+    idle: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="listen demand: put a release off until connections had no traffic this long"
+            " (default 300ms).",
+            show_default=False,
+        ),
+    ] = None,
+    ready_within: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="listen demand: close waiting clients if the restored server does not accept"
+            " connections this soon (default 2m).",
+            show_default=False,
+        ),
+    ] = None,
     on_release: Annotated[
         str | None,
         typer.Option(
@@ -213,6 +258,31 @@ def run(
         typer.Option(
             metavar="CMD",
             help="exec strategy: shell command that takes it back.",
+            show_default=False,
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME",
+            help="http strategy: the server's API: llama-server, vllm, sglang, comfyui, ollama.",
+            autocompletion=_preset_names,
+            show_default=False,
+        ),
+    ] = None,
+    on_release_url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="http strategy without a preset: POSTed to free the memory (2xx: done).",
+            show_default=False,
+        ),
+    ] = None,
+    on_restore_url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="http strategy without a preset: POSTed to take it back.",
             show_default=False,
         ),
     ] = None,
@@ -242,11 +312,16 @@ def run(
         demand=demand,
         timeout=_timeout(nonblock, wait),
         min_hold=parse_duration(min_hold, "--min-hold"),
-        yield_within=None
-        if yield_within is None
-        else parse_duration(yield_within, "--yield-within"),
+        yield_within=_maybe_duration(yield_within, "--yield-within"),
         on_release=on_release,
         on_restore=on_restore,
+        preset=preset,
+        on_release_url=on_release_url,
+        on_restore_url=on_restore_url,
+        listen=listen,
+        upstream=upstream,
+        idle=_maybe_duration(idle, "--idle"),
+        ready_within=_maybe_duration(ready_within, "--ready-within"),
         warn=_warn,
     )
     try:

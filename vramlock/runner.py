@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from . import demand as demands
 from . import lockfd, strategies
@@ -28,6 +29,9 @@ from .member import DEFAULT_MIN_HOLD, Member, State, harmless_signals
 from .process import Child, Terminal, become_subreaper, exit_code
 from .strategies.base import KILL_WAIT
 
+if TYPE_CHECKING:
+    from .proxy import Proxy
+
 # How often a resident probes want.lock when nothing wakes it. Waiters that ring (ours, the
 # nested flock(1) form) wake it at once through the inotify hint, so with the hint this only
 # bounds how late a peer that does not ring is seen - and sets the idle CPU: 20 wake-ups a
@@ -38,6 +42,10 @@ PROBE_INTERVAL_NO_HINT = 0.05  # no inotify: probing is all there is
 RETRY_AFTER_FAILURE = 1.0
 # Processes a command leaves behind when it exits get this long to act on SIGTERM.
 LEFTOVER_GRACE = 2.0
+# --demand listen: a connection is busy until this long without traffic, and clients wait
+# this long for a restored server to accept connections before they are closed.
+DEFAULT_IDLE = 0.3
+DEFAULT_READY_WITHIN = 120.0
 # Under --release auto, a command that has not said hello this long after it started is
 # taken not to speak the control protocol (for the one warning below).
 HELLO_GRACE = 1.0
@@ -88,19 +96,48 @@ class RunOptions:
     yield_within: float | None = None
     on_release: str | None = None
     on_restore: str | None = None
+    preset: str | None = None  # --release http: the engine
+    on_release_url: str | None = None  # --release http without a preset
+    on_restore_url: str | None = None
+    listen: str | None = None  # --demand listen: where clients connect
+    upstream: str | None = None  # --demand listen: the command's server
+    idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
+    ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
     warn: Callable[[str], None] = field(default=_quiet)
 
     @property
     def settings(self) -> strategies.Settings:
         gpu = self.gpu if self.gpu is not None or self.arena else default_gpu()
-        return strategies.Settings(on_release=self.on_release, on_restore=self.on_restore, gpu=gpu)
+        return strategies.Settings(
+            on_release=self.on_release,
+            on_restore=self.on_restore,
+            gpu=gpu,
+            preset=self.preset,
+            on_release_url=self.on_release_url,
+            on_restore_url=self.on_restore_url,
+            upstream=self.upstream,
+        )
 
     def check(self) -> None:
         """Reject option mixes that cannot work, before anything is locked or started."""
         if not self.command:
             raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
-        self.release = strategies.check(self.release, self.settings)
+        self.release = strategies.check(self.release, self.settings, self.command)
         demands.check(self.demand)
+        self._check_listen()
+
+    def _check_listen(self) -> None:
+        # --upstream alone is the http strategy's business.
+        if self.demand != "listen":
+            if (self.listen, self.idle, self.ready_within) != (None, None, None):
+                raise UsageError("--listen, --idle and --ready-within need --demand listen")
+            return
+        from .proxy import parse_address
+
+        if self.listen is None or self.upstream is None:
+            raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
+        if parse_address(self.listen, "--listen") == parse_address(self.upstream, "--upstream"):
+            raise UsageError("--listen and --upstream are the same address")
 
 
 class _Terminated(Exception):
@@ -132,6 +169,7 @@ class Runner:
         self.opts = opts
         self.arena: Arena | None = None
         self.member: Member | None = None
+        self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._supervisor: Supervisor | None = None
         self._early_signals: list[int] = []
@@ -152,6 +190,7 @@ class Runner:
                         command=opts.command,
                         strategy=opts.release,
                     )
+                    self.proxy = self._listen(self.member)
                     if not self.member.acquire(opts.timeout):
                         raise NotObtained(opts.timeout or 0.0)
             except (_Terminated, KeyboardInterrupt) as err:
@@ -175,7 +214,29 @@ class Runner:
         finally:
             self._close()
 
+    def _listen(self, member: Member) -> Proxy | None:
+        """--demand listen: the proxy, listening before the command starts (and before we
+        wait for the token: clients are held meanwhile, and a busy address fails at once)."""
+        opts = self.opts
+        if opts.listen is None or opts.upstream is None:
+            return None
+        from .proxy import Proxy
+
+        proxy = Proxy(
+            opts.listen,
+            opts.upstream,
+            idle=DEFAULT_IDLE if opts.idle is None else opts.idle,
+            ready_within=DEFAULT_READY_WITHIN if opts.ready_within is None else opts.ready_within,
+            report=lambda count: member.describe(connections=count),
+            warn=opts.warn,
+        )
+        member.describe(listen=proxy.address, connections=0)
+        return proxy
+
     def _close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
         if self.member is not None:
             self.member.close()
             self.member = None
@@ -211,11 +272,13 @@ class Runner:
         old_handlers.update({s: signal.signal(s, self._on_signal) for s in WATCHED})
         hint = Hint(arena.dirfd)
         child: Child | None = None
+        scratch = contextlib.ExitStack()  # what the strategy made for the run
         try:
+            command = strategies.prepare(opts.release, opts.settings, opts.command, env, scratch)
             fds = (control.child_fd, member.token.fd)
-            child = Child(opts.command, env, fds, terminal=Terminal.if_foreground())
+            child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
-            sup = Supervisor(opts, member, child, control, self._wake_r)
+            sup = Supervisor(opts, member, child, control, self._wake_r, self.proxy)
             self._supervisor = sup
             for signum in self._early_signals:
                 sup.on_signal(signum)
@@ -237,26 +300,35 @@ class Runner:
             control.close()
             if child is not None:
                 child.close()
+            scratch.close()
 
 
 class Supervisor:
     """The loop around a running command: probe, release, re-queue, restore."""
 
     def __init__(
-        self, opts: RunOptions, member: Member, child: Child, control: ParentEnd, wake_r: int
+        self,
+        opts: RunOptions,
+        member: Member,
+        child: Child,
+        control: ParentEnd,
+        wake_r: int,
+        proxy: Proxy | None = None,
     ) -> None:
         self.opts = opts
         self.member = member
         self.child = child
         self.ctx = strategies.Context(child=child, control=control)
-        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, opts.command)
-        self.demand = demands.make(opts.demand, self.ctx)
+        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
+        self.demand = demands.make(opts.demand, self.ctx, proxy)
         self.pending_signal: int | None = None
         self.all_gone = False  # every process of the command has ended
         self._wake_r = wake_r
         self._queued = False  # blocked in the kernel's queue for the token, in this thread
         self._retry_at = 0.0
         self._requeue_at = 0.0  # a restore found too little free VRAM: queue again then
+        self._wanted_since: float | None = None  # a waiter was seen while the demand was busy
+        self._busy_left = 0.0  # the demand asked to put the release off this long
         self._started = time.monotonic()
         self._warned: set[str] = set()
         self._told = False  # the auto fallback warning was given
@@ -349,14 +421,29 @@ class Supervisor:
         return code
 
     def _releases_now(self) -> bool:
-        """Resident, able to release, past min_hold and any retry delay, not busy, wanted."""
-        return (
+        """Resident, able to release, past min_hold and any retry delay, wanted, and not
+        busy, or busy for --yield-within since the waiter was seen."""
+        self._busy_left = 0.0
+        if not (
             self.member.state is State.RESIDENT
             and self.strategy.releases
             and time.monotonic() >= self._retry_at
             and self.member.should_release()
-            and not self.demand.busy()
-        )
+        ):
+            self._wanted_since = None
+            return False
+        busy = self.demand.busy_for()
+        if busy > 0:
+            now = time.monotonic()
+            if self._wanted_since is None:
+                self._wanted_since = now
+            y = self.opts.yield_within
+            if y is None or now < self._wanted_since + y:
+                self._busy_left = busy if y is None else min(busy, self._wanted_since + y - now)
+                return False
+            self.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
+        self._wanted_since = None
+        return True
 
     def _probe_for_auto(self, now: float) -> bool:
         """Under auto, somebody waits and the command has not said hello: checkpoint a
@@ -424,6 +511,8 @@ class Supervisor:
                 timeout = interval if timeout is None else min(timeout, interval)
                 if self._retry_at > now:
                     timeout = min(timeout, self._retry_at - now)
+                if self._busy_left > 0:  # wanted, but busy: look again when that may be over
+                    timeout = min(timeout, self._busy_left)
             elif member.state is State.RESIDENT and self.opts.release == "auto" and not self._told:
                 if self._probe_for_auto(now):
                     continue
@@ -436,7 +525,11 @@ class Supervisor:
                 ending = self.pending_signal is not None
                 if now < self._requeue_at:
                     timeout = self._requeue_at - now
-                elif self.demand.wants() or ending or self.strategy.killed:
+                elif (
+                    self.demand.wants()
+                    or ending
+                    or (self.strategy.killed and self.demand.needs_command)
+                ):
                     if self._acquire():
                         status = self._restore()
                         if status is not None:
@@ -450,6 +543,8 @@ class Supervisor:
         with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
         self._signalled = drain(self._wake_r) or self._signalled
+        for fd in self.demand.fds():  # hints only: wants() decides
+            drain(fd)
 
     # -- transitions -------------------------------------------------------------
 
@@ -457,6 +552,7 @@ class Supervisor:
         """RESIDENT -> RELEASED. Returns an exit status if the command ended meanwhile."""
         member = self.member
         member.releasing()
+        self.demand.releasing()
         y = self.opts.yield_within
         started = time.monotonic()
         deadline = None if y is None else started + y
@@ -474,7 +570,7 @@ class Supervisor:
         except strategies.ChildExited:
             return self._finish(exit_code(self.child.poll() or 0))
         except strategies.Interrupted:
-            member.resident()  # told to end: the command has the signal, we stay resident
+            self._resident_again()  # told to end: the command has the signal
             return None
         except strategies.Unverified as err:
             self.warn(f"{err}; handing the GPU over anyway")
@@ -484,15 +580,19 @@ class Supervisor:
             self._checkpoint_failed |= isinstance(err, strategies.NotCheckpointable)
             self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
-            member.resident()
+            self._resident_again()
             return None
         except StrategyError as err:
             self.warn(f"release failed: {err}; staying resident", once=True)
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
-            member.resident()
+            self._resident_again()
             return None
         member.release()
         return None
+
+    def _resident_again(self) -> None:
+        self.member.resident()
+        self.demand.restored()
 
     def _acquire(self) -> bool:
         """Queue for the token, blocking in the kernel in this thread; True once it is ours.
@@ -537,8 +637,7 @@ class Supervisor:
             return None
         except (ControlError, StrategyError) as err:
             self.warn(f"restore: {err}")
-        member.resident()
-        self.demand.restored()
+        self._resident_again()
         if self.child.pid != member.records.record.child_pid:  # started again
             self._describe()
         return None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -49,6 +50,10 @@ class Settings:
     restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
     gpu: int | None = None  # the GPU's NVML index, for verified releases (None: every GPU)
     verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
+    preset: str | None = None  # http: the engine (presets.PRESETS); None: the URLs below
+    on_release_url: str | None = None  # http without a preset: POSTed to release
+    on_restore_url: str | None = None  # http without a preset: POSTed to restore
+    upstream: str | None = None  # the server's address, when given (--upstream)
 
 
 @dataclass
@@ -115,9 +120,10 @@ class Context:
 class Strategy:
     """Releases and restores the command's GPU memory.
 
-    ``release`` returns once the memory is free; then ``verify`` confirms it (NVML,
-    where available) and the token is dropped; ``restore`` runs once the token is
-    ours again. Class facts the runner and ``auto`` use:
+    Before anything is locked, ``fit`` may refuse the command; just before its first
+    start, ``prepare`` may adjust it. ``release`` returns once the memory is free; then
+    ``verify`` confirms it (NVML, where available) and the token is dropped; ``restore``
+    runs once the token is ours again. Class facts the runner and ``auto`` use:
 
     - ``releases``: False for ``none``, which holds the token until the command exits;
     - ``relaunches``: the process is ended on release and started again on restore;
@@ -139,6 +145,18 @@ class Strategy:
     def recognises(cls, command: list[str]) -> bool:
         """Would ``auto`` pick this strategy for ``command`` before it says anything?"""
         return False
+
+    @classmethod
+    def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
+        """StrategyError when this strategy cannot work with ``command`` (run in ``env``):
+        checked before anything is locked or started."""
+
+    @classmethod
+    def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
+        """The command to start, just before its first start: a strategy may add arguments
+        and set variables in ``env``; what it makes for the run goes on ``scratch``, which
+        the runner closes once the command is gone."""
+        return command
 
     def release(self, deadline: float | None) -> None:
         raise StrategyError(f"the {self.name} strategy never releases")

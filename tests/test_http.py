@@ -1,0 +1,493 @@
+"""``--release http``: each preset against a fake of its engine's API, end to end.
+
+The fake (fake_engine.py) runs as the wrapped command and logs every request and every
+change of its pretend GPU memory (``gpu 1``/``gpu 0``, written before the change can be
+seen through the API). An independent witness takes the token with plain flock calls,
+and notes which of the fake's processes were alive at that moment. The witness's turn
+must fall where the log says the memory was free and no process of the server lived on
+(llama-server): whatever vramlock believes about itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Spawn, kill_group, vramlock, wait_until, who_json
+
+from vramlock.strategies import PRESETS, Settings, chosen
+
+pytestmark = pytest.mark.timeout(90)
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+
+WITNESS = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    arena, out, hold, log = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    asked = time.monotonic()
+    want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
+    fcntl.flock(want, fcntl.LOCK_SH)
+    token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
+    fcntl.flock(token, fcntl.LOCK_EX)
+    t0 = time.monotonic()
+    fcntl.flock(want, fcntl.LOCK_UN)
+    alive = []  # the server's processes (logged at start) living now
+    for line in open(log).read().splitlines():
+        parts = line.split()
+        if parts[1:2] == ["start"]:
+            try:
+                with open(f"/proc/{parts[2]}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in ("Z", "X"):
+                alive.append(parts[2])
+    open(out + ".held", "w").close()
+    time.sleep(hold)
+    with open(out, "w") as f:
+        f.write(f"{asked} {t0} {time.monotonic()} {','.join(alive)}")
+    """
+)
+
+
+@dataclass
+class Turn:
+    asked: float
+    start: float
+    end: float
+    alive: list[str]
+
+
+class Witness:
+    def __init__(self, tmp: Path, arena: Path, log: Path, hold: float = 0.3) -> None:
+        script = tmp / "witness.py"
+        script.write_text(WITNESS)
+        self.out = tmp / f"witness-{time.monotonic_ns()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), str(arena), str(self.out), str(hold), str(log)],
+            start_new_session=True,
+        )
+
+    def turn(self, timeout: float = 60) -> Turn:
+        self.proc.wait(timeout)
+        asked, start, end, alive = self.out.read_text().split(" ")
+        return Turn(float(asked), float(start), float(end), [p for p in alive.split(",") if p])
+
+
+@dataclass
+class Engine:
+    """One fake engine: the command that starts it, its port, its log and settings."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def events(self) -> list[tuple[float, str]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [(float(t), e) for t, e in (ln.split(" ", 1) for ln in lines)]
+
+    def requests(self) -> list[str]:
+        """The requests in order, a run of the same one (a poll) counted once."""
+        out: list[str] = []
+        for _, event in self.events():
+            if event.startswith("req ") and (not out or out[-1] != event[4:]):
+                out.append(event[4:])
+        return out
+
+    def when(self, event: str, nth: int = 1) -> float:
+        return [t for t, e in self.events() if e == event][nth - 1]
+
+    def count(self, event: str) -> int:
+        return sum(e == event for _, e in self.events())
+
+    def assert_free_during(self, turn: Turn) -> None:
+        """The pretend GPU memory was free for the whole of the witness's turn."""
+        held = False
+        for t, event in self.events():
+            if event in ("gpu 0", "gpu 1"):
+                if t < turn.start:
+                    held = event == "gpu 1"
+                elif t < turn.end:
+                    assert event != "gpu 1", f"the server took the GPU at {t} in {turn}"
+        assert not held, f"the GPU was still the server's when the witness got it: {turn}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+MakeEngine = Callable[..., Engine]
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> MakeEngine:
+    """A fake engine started the way the real one is (``vllm serve``, ``python -m
+    sglang.launch_server``, ...): programs of those names run fake_engine.main."""
+    bin_dir, modules = tmp_path / "bin", tmp_path / "modules"
+    (modules / "sglang").mkdir(parents=True)
+    bin_dir.mkdir()
+    (modules / "sglang" / "__init__.py").write_text("")
+
+    def body(name: str) -> str:
+        return (
+            f"import sys\nsys.path.insert(0, {str(FAKE.parent)!r})\nimport fake_engine\n"
+            f"fake_engine.main({name!r}, sys.argv[1:])\n"
+        )
+
+    for program, name in (("llama-server", "llama-server"), ("vllm", "vllm"),
+                          ("ollama", "ollama")):  # fmt: skip
+        path = bin_dir / program
+        path.write_text(f"#!{sys.executable}\n{body(name)}")
+        path.chmod(0o755)
+    (modules / "sglang" / "launch_server.py").write_text(body("sglang"))
+    (tmp_path / "main.py").write_text(body("comfyui"))
+
+    def make(name: str, *args: str, **settings: str) -> Engine:
+        port = free_port()
+        log = tmp_path / f"{name}-{port}.log"
+        env = {f"FAKE_{k.upper()}": v for k, v in settings.items()}
+        env["FAKE_LOG"] = str(log)
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{modules}"
+        py = sys.executable
+        argv = {
+            "llama-server": [str(bin_dir / "llama-server"), "--port", str(port)],
+            "vllm": [str(bin_dir / "vllm"), "serve", "some/model", "--port", str(port)],
+            "sglang": [py, "-m", "sglang.launch_server", "--port", str(port)],
+            "comfyui": [py, str(tmp_path / "main.py"), "--listen", "127.0.0.1", "--port",
+                        str(port)],
+            "ollama": [str(bin_dir / "ollama"), "serve"],
+            "generic": [py, str(FAKE), "generic", "--port", str(port)],
+        }[name]  # fmt: skip
+        if name == "ollama":
+            env["OLLAMA_HOST"] = f"127.0.0.1:{port}"
+        return Engine(name, [*argv, *args], port, log, env)
+
+    return make
+
+
+def wrap(spawn: Spawn, arena: Path, eng: Engine, *options: str) -> subprocess.Popen[str]:
+    """``vramlock run OPTIONS -- <the fake>``, returned once the fake holds its GPU."""
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--", *eng.argv),
+        env=dict(os.environ, **eng.env),
+    )
+    wait_until(lambda: eng.count("gpu 1") >= 1 or job.poll() is not None)
+    assert job.poll() is None, job.communicate()
+    return job
+
+
+def resident_again(arena: Path, eng: Engine, gpu: int = 2) -> None:
+    """The wrapper is resident again, the fake holding its GPU for the ``gpu``-th time."""
+    wait_until(lambda: eng.count("gpu 1") >= gpu, timeout=20)
+    wait_until(lambda: who_json(arena)[0]["state"] == "resident", timeout=20)
+
+
+def end(job: subprocess.Popen[str]) -> str:
+    """SIGTERM the wrapper (passed on to the server); its standard error."""
+    os.kill(job.pid, signal.SIGTERM)
+    _, err = job.communicate(timeout=30)
+    return err
+
+
+# -- recognition and addresses (no process) -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "picked"),
+    [
+        (["llama-server", "-m", "m.gguf"], "http:llama-server"),
+        (["/opt/llama/bin/llama-server", "--sleep-idle-seconds", "-1"], "http:llama-server"),
+        (["llama-server", "--sleep-idle-seconds", "60"], "none"),
+        (["llama-server", "--models-dir", "models"], "none"),
+        (["llama-server-wrapper.sh"], "none"),
+        (["vllm", "serve", "m", "--enable-sleep-mode"], "http:vllm"),
+        (["vllm", "serve", "m"], "none"),  # the preset cannot work: auto does not pick it
+        (["vllm", "bench", "--enable-sleep-mode"], "none"),
+        (["python3", "-m", "vllm.entrypoints.openai.api_server", "--enable-sleep-mode"],
+         "http:vllm"),
+        (["python3.11", "-u", "-m", "sglang.launch_server", "--enable-memory-saver"],
+         "http:sglang"),
+        (["python", "-m", "sglang.launch_server"], "none"),
+        (["python", "-c", "pass", "-m", "sglang.launch_server", "--enable-memory-saver"],
+         "none"),
+        (["python", "main.py", "--listen"], "none"),  # ComfyUI says nothing: name the preset
+        (["ollama", "serve"], "http:ollama"),
+        (["ollama", "run", "m"], "none"),
+    ],
+)  # fmt: skip
+def test_auto_recognises_only_what_is_unambiguous(argv: list[str], picked: str) -> None:
+    assert chosen("auto", Settings(), argv).name == picked
+
+
+@pytest.mark.parametrize(
+    ("preset", "argv", "env", "upstream", "address"),
+    [
+        ("llama-server", ["llama-server"], {}, None, "127.0.0.1:8080"),
+        ("llama-server", ["llama-server", "--host", "0.0.0.0,::1", "--port=9000",
+                          "--api-prefix", "/v1/"], {}, None, "127.0.0.1:9000/v1"),
+        ("llama-server", ["llama-server"], {"LLAMA_ARG_HOST": "::", "LLAMA_ARG_PORT": "7000"},
+         None, "[::1]:7000"),
+        ("llama-server", ["llama-server", "--api-prefix", "/p"], {}, "[::1]:7001",
+         "[::1]:7001/p"),
+        ("vllm", ["vllm", "serve", "m"], {}, None, "127.0.0.1:8000"),
+        ("vllm", ["vllm", "serve", "m", "--port", "8001"], {}, "9001", "127.0.0.1:9001"),
+        ("sglang", ["python", "-m", "sglang.launch_server"], {}, None, "127.0.0.1:30000"),
+        ("comfyui", ["python", "main.py", "--listen"], {}, None, "127.0.0.1:8188"),
+        ("comfyui", ["python", "main.py", "--listen", "10.1.2.3,::", "--port", "8200"], {},
+         None, "10.1.2.3:8200"),
+        ("ollama", ["ollama", "serve"], {}, None, "127.0.0.1:11434"),
+        ("ollama", ["ollama", "serve"], {"OLLAMA_HOST": "0.0.0.0:5000"}, None, "127.0.0.1:5000"),
+        ("ollama", ["ollama", "serve"], {"OLLAMA_HOST": "http://[::1]:5001"}, None,
+         "[::1]:5001"),
+    ],
+)  # fmt: skip
+def test_server_address(
+    preset: str, argv: list[str], env: dict[str, str], upstream: str | None, address: str
+) -> None:
+    assert str(PRESETS[preset].locate(argv, env, Settings(upstream=upstream))) == address
+
+
+# -- refusals: before anything starts -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "args", "code", "message"),
+    [
+        (["--preset", "vllm"], ["serve", "m"], 125,
+         "--preset vllm: vLLM needs --enable-sleep-mode on its command line"),
+        (["--release", "http", "--preset", "sglang"], ["--port", "30001"], 125,
+         "--preset sglang: SGLang needs --enable-memory-saver on its command line"),
+        (["--preset", "llama-server"], ["--sleep-idle-seconds", "30"], 125,
+         "--preset llama-server: llama-server's --sleep-idle-seconds cannot be used with it"),
+        (["--preset", "llama-server"], ["--host", "/run/l.sock"], 125,
+         "--preset llama-server: the server listens on a unix socket (/run/l.sock)"),
+        (["--preset", "comfyui"], ["--port", "http"], 125, "comfyui --port: bad port 'http'"),
+        (["--preset", "tgi"], [], 125, "unknown preset 'tgi' (choose from llama-server,"),
+        (["--release", "http"], [], 2,
+         "--release http needs --preset NAME or --on-release-url URL"),
+        (["--release", "restart", "--preset", "vllm"], [], 2,
+         "--preset, --on-release-url and --on-restore-url need --release http"),
+        (["--preset", "ollama", "--on-release-url", "http://h/x"], [], 2,
+         "--preset and --on-release-url/--on-restore-url do not mix"),
+        (["--on-release", "true", "--preset", "ollama"], [], 2,
+         "--on-release/--on-restore (exec) and --preset/--on-release-url/--on-restore-url"),
+        (["--on-release-url", "https://h/x"], [], 2,
+         "--on-release-url: bad URL 'https://h/x' (http://HOST[:PORT]/PATH)"),
+    ],
+)  # fmt: skip
+def test_refusals_say_one_line_before_anything_starts(
+    arena: Path, tmp_path: Path, options: list[str], args: list[str], code: int, message: str
+) -> None:
+    started = tmp_path / "started"
+    script = tmp_path / "server"
+    script.write_text(f"#!/bin/sh\ntouch {started}\n")
+    script.chmod(0o755)
+    done = subprocess.run(vramlock("run", "--arena", str(arena), *options, "--", str(script),
+                                   *args), capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert done.stderr.startswith(f"vramlock: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1
+    assert not started.exists()
+
+
+# -- each preset: the right calls, and the token only once the memory is free --------------
+
+
+def test_vllm_hands_over_once_is_sleeping_says_so(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    # The fake answers /sleep at once and falls asleep 0.5 s later: the worst case.
+    eng = engine("vllm", "--enable-sleep-mode", free_delay="0.5")
+    job = wrap(spawn, arena, eng, "--preset", "vllm")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    eng.assert_free_during(turn)
+    assert turn.start - eng.when("req POST /sleep?level=1") >= 0.5
+    resident_again(arena, eng)
+    # Without VLLM_SERVER_DEV_MODE=1, which the preset sets, these would all be 404s.
+    assert eng.requests() == ["POST /sleep?level=1", "GET /is_sleeping", "POST /wake_up"]
+    assert who_json(arena)[0]["strategy"] == "http:vllm"
+    assert end(job) == ""
+
+
+def test_sglang_releases_and_resumes(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("sglang", "--enable-memory-saver")
+    job = wrap(spawn, arena, eng)  # auto: python -m sglang.launch_server
+    assert who_json(arena)[0]["strategy"] == "auto:http:sglang"
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    eng.assert_free_during(turn)
+    resident_again(arena, eng)
+    assert eng.requests() == ["POST /release_memory_occupation", "POST /resume_memory_occupation"]
+    assert end(job) == ""
+
+
+@pytest.mark.parametrize("keep", [0, 1 << 30], ids=["all", "a-node-keeps-1GiB"])
+def test_comfyui_hands_over_once_the_memory_is_really_free(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine, keep: int
+) -> None:
+    """A prompt runs first; /free answers at once; the worker unloads (ComfyUI's vram_free
+    grows, the device's free memory does not), pauses 0.8 s, then empties the cache."""
+    eng = engine("comfyui", busy="0.6", free_delay="0.8", keep=str(keep))
+    job = wrap(spawn, arena, eng, "--preset", "comfyui")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    eng.assert_free_during(turn)
+    assert eng.when("req POST /free") >= eng.events()[0][0] + 0.6  # once the prompt is done
+    assert eng.requests()[:3] == ["GET /queue", "POST /free", "GET /system_stats"]
+    wait_until(lambda: who_json(arena)[0]["state"] == "resident", timeout=20)
+    assert end(job) == ""
+
+
+def test_ollama_unloads_the_models_on_the_gpu(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("ollama", models="big:5000,on-cpu:0,small:100", free_delay="0.4")
+    job = wrap(spawn, arena, eng)  # auto: ollama serve
+    assert who_json(arena)[0]["strategy"] == "auto:http:ollama"
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    eng.assert_free_during(turn)
+    assert eng.requests() == ["GET /api/ps", "POST /api/generate", "GET /api/ps"]
+    assert eng.count("req POST /api/generate") == 2  # not the model on the CPU
+    wait_until(lambda: who_json(arena)[0]["state"] == "resident", timeout=20)
+    assert end(job) == ""
+
+
+def test_llama_server_saves_slots_ends_the_group_and_restores(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("llama-server", "-np", "2", "--api-key", "k1,k2", loading="0.3")
+    job = wrap(spawn, arena, eng)  # auto: llama-server
+    assert who_json(arena)[0]["strategy"] == "auto:http:llama-server"
+    child = who_json(arena)[0]["child_pid"]
+    argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+    slots = Path(argv[argv.index(b"--slot-save-path") + 1].decode())
+    assert slots.is_dir() and slots.stat().st_mode & 0o777 == 0o700
+    auth = {"Authorization": "Bearer k1"}
+    prompt = {"prompt": "one two three four"}
+    request = urllib.request.Request(f"http://127.0.0.1:{eng.port}/completion",
+                                     json.dumps(prompt).encode(), auth)  # fmt: skip
+    urllib.request.urlopen(request, timeout=10).close()
+
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # the server's process was gone when the witness got the token
+    eng.assert_free_during(turn)
+    resident_again(arena, eng)
+    assert eng.requests() == [
+        "POST /completion",  # the prompt above
+        "GET /props", "GET /slots", "POST /slots/0?action=save", "POST /slots/1?action=save",
+        "GET /health", "POST /slots/0?action=restore",  # slot 1 was empty: not restored
+    ]  # fmt: skip
+    assert eng.count("start " + str(child)) == 1 and eng.count("exit") == 1
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert json.loads(reply.read())["timings"]["cache_n"] == 4  # the restored slot
+    assert list(slots.iterdir()) == []  # restored files are removed
+    end(job)
+    assert not slots.exists()  # the private directory goes with the run
+
+
+def test_generic_urls(arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine) -> None:
+    eng = engine("generic")
+    base = f"http://127.0.0.1:{eng.port}"
+    job = wrap(spawn, arena, eng, "--on-release-url", f"{base}/off", "--on-restore-url",
+               f"{base}/on")  # fmt: skip
+    assert who_json(arena)[0]["strategy"] == "http"
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    eng.assert_free_during(turn)
+    resident_again(arena, eng)
+    assert eng.requests() == ["POST /off", "POST /on"]
+    assert end(job) == ""
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "faults", "message"),
+    [
+        ("vllm", ["--enable-sleep-mode"], {"/sleep": {"status": 500, "body": '{"detail": "boom"}'}},
+         "vllm: POST /sleep?level=1 answered 500: boom"),
+        ("vllm", ["--enable-sleep-mode"], {"/is_sleeping": {"status": 200, "body": "{oops"}},
+         "vllm: GET /is_sleeping answered with malformed JSON"),
+        ("comfyui", [], {"/system_stats": {"status": 503, "body": "<html>busy</html>"}},
+         "comfyui: GET /system_stats answered 503: <html>busy</html>"),
+        ("ollama", [], {"/api/ps": {"status": 200, "body": '{"models": [{"name": "m"}]}'}},
+         "ollama: a model of GET /api/ps has no number 'size_vram'"),
+        ("llama-server", [],
+         {"/slots/0": {"status": 500, "body": '{"error": {"message": "disk full"}}'}},
+         "llama-server: POST /slots/0?action=save answered 500: disk full"),
+        ("generic", [], {"/off": {"status": 302, "body": ""}},
+         "http: POST /off answered 302: (no message)"),
+    ],
+)  # fmt: skip
+def test_a_failed_release_keeps_the_gpu_with_one_line(
+    arena: Path, spawn: Spawn, engine: MakeEngine,
+    name: str, args: list[str], faults: dict[str, object], message: str,
+) -> None:  # fmt: skip
+    eng = engine(name, *args, faults=json.dumps(faults))
+    options = ["--on-release-url", f"http://127.0.0.1:{eng.port}/off"] if name == "generic" else [
+        "--preset", name]  # fmt: skip
+    job = wrap(spawn, arena, eng, *options)
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "2.5"), timeout=30)
+    assert waiter.returncode == 1  # kept: tried again after a second, and failed again
+    assert eng.count(f"req {eng.requests()[0]}") >= 2
+    assert job.poll() is None
+    assert end(job).splitlines() == [f"vramlock: release failed: {message}; staying resident"]
+
+
+def test_a_refused_connection_keeps_the_gpu(arena: Path, spawn: Spawn, engine: MakeEngine) -> None:
+    eng = engine("generic")
+    closed = free_port()
+    job = wrap(spawn, arena, eng, "--on-release-url", f"http://127.0.0.1:{closed}/off")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "1.5"), timeout=30)
+    assert waiter.returncode == 1
+    assert end(job).splitlines() == [
+        f"vramlock: release failed: http: POST /off: connection refused (at 127.0.0.1:{closed});"
+        " staying resident"
+    ]
+
+
+def test_a_slow_release_is_ended_at_yield_within(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("sglang", "--enable-memory-saver",
+                 faults=json.dumps({"/release_memory_occupation": {"delay": 20}}))  # fmt: skip
+    job = wrap(spawn, arena, eng, "--yield-within", "0.5")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # ended: the token went over only once it was gone
+    assert 0.5 <= turn.start - turn.asked < 5.0
+    wait_until(lambda: eng.count("gpu 1") == 2, timeout=20)  # started again on its turn
+    err = end(job)
+    assert "http:sglang release did not finish within 0.5 s; ending the command" in err
+
+
+def test_a_server_that_dies_mid_release_ends_the_run(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("vllm", "--enable-sleep-mode", faults=json.dumps({"/sleep": {"die": True}}))
+    job = wrap(spawn, arena, eng, "--preset", "vllm")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 3  # the server's own status
+    assert err == ""
+    kill_group(job)
