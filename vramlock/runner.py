@@ -320,6 +320,14 @@ class Supervisor:
         self.child = child
         self.ctx = strategies.Context(child=child, control=control)
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
+        if proxy is not None:
+            # Clients held by the proxy go through once the server serves, not merely
+            # accepts connections (llama-server answers 503 while it loads its model).
+            try:
+                self.strategy.wait_ready()
+            except (StrategyError, strategies.ChildExited) as err:
+                with contextlib.suppress(Exception):
+                    opts.warn(f"{err or 'the command exited'}; letting clients through anyway")
         self.demand = demands.make(opts.demand, self.ctx, proxy)
         self.pending_signal: int | None = None
         self.all_gone = False  # every process of the command has ended

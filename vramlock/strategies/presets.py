@@ -169,13 +169,16 @@ class LlamaServer(Preset, RestartStrategy):
             self.ctx.start_again()
         self._restore()
 
-    def take_back(self) -> None:
+    def wait_ready(self) -> None:
         self.until(
             "did not answer GET /health with 200",
             lambda: self.probe("/health", self.address) == 200,
             None,
             READY_TIMEOUT,
         )
+
+    def take_back(self) -> None:
+        self.wait_ready()
         saved, self.saved = self.saved, []
         failed = []
         for slot, filename in saved:

@@ -1,0 +1,168 @@
+"""Two real llama-servers share one arena behind ``--demand listen``: the README recipe.
+
+Each server is wrapped as ``vramlock run --demand listen --listen L --upstream U --release
+http --preset llama-server`` (and with ``--release restart``). Clients only talk to the
+listen ports. The witness is /proc: a thread samples, every few milliseconds, which of the
+two llama-server processes are alive (with that preset a released server has ended), and
+the test fails if it ever sees both. Skips without the llama-server tools/llama_server.py
+caches.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, Spawn, vramlock, wait_until
+from test_http import free_port
+from test_llama_preset import PROMPT, call
+
+from vramlock import procfs
+
+sys.path.insert(0, str(ROOT / "tools"))
+import llama_server
+
+BINARY = llama_server.cached_binary()
+
+pytestmark = [
+    pytest.mark.skipif(BINARY is None, reason="no llama-server built: run tools/llama_server.py"),
+    pytest.mark.timeout(180),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    import tiny_gguf
+
+    path: Path = tiny_gguf.cached_model()
+    return path
+
+
+class BothAlive(threading.Thread):
+    """Samples /proc for the servers listening on ``ports``: times both were alive."""
+
+    def __init__(self, ports: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.ports = [str(p) for p in ports]
+        self.overlaps: list[list[int]] = []
+        self.samples = 0
+        self.stop = threading.Event()
+
+    def servers(self) -> list[int]:
+        alive = []
+        for pid in procfs.all_pids():
+            cmd = procfs.text(pid, "cmdline").split()
+            if cmd and cmd[0] == str(BINARY) and procfs.living(pid):
+                port = cmd[cmd.index("--port") + 1] if "--port" in cmd else ""
+                if port in self.ports:
+                    alive.append(pid)
+        return alive
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            alive = self.servers()
+            self.samples += 1
+            if len(alive) > 1:
+                self.overlaps.append(alive)
+            time.sleep(0.003)
+
+
+def start_pair(
+    spawn: Spawn, arena: Path, model: Path, tmp_path: Path, release: list[str]
+) -> tuple[list[int], list[int]]:
+    """Two wrapped servers; their listen ports and their servers' own ports."""
+    listen, upstreams = [], []
+    for name in ("a", "b"):
+        port, upstream = free_port(), free_port()
+        server = [str(BINARY), "-m", str(model), "--host", "127.0.0.1", "--port", str(upstream),
+                  "-np", "1", "-c", "1024", "-t", "1"]  # fmt: skip
+        with open(tmp_path / f"{name}.log", "w") as log:
+            spawn(
+                vramlock("run", "--arena", str(arena), "--name", name, "--demand", "listen",
+                         "--listen", str(port), "--upstream", str(upstream), "--min-hold", "0",
+                         "--idle", "100ms", *release, "--", *server),
+                stdout=log,
+                stderr=log,
+            )  # fmt: skip
+        listen.append(port)
+        upstreams.append(upstream)
+    for port in listen:  # the wrapper binds its listen address before it queues
+        wait_until(lambda p=port: accepts(p), timeout=30)  # type: ignore[misc]
+    return listen, upstreams
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def complete(port: int, prompt: str = PROMPT, *, loading_ok: bool = False) -> dict[str, Any]:
+    """One completion. ``loading_ok``: retry the 503 a server answers while it loads (all
+    that --release restart can promise: its proxy only knows the port accepts)."""
+    end = time.monotonic() + 60
+    while True:
+        status, reply = call(port, "POST", "/completion", {"prompt": prompt, "n_predict": 4})
+        if not (loading_ok and status == 503 and time.monotonic() < end):
+            break
+        time.sleep(0.05)
+    assert status == 200, reply
+    timings: dict[str, Any] = reply["timings"]
+    return timings
+
+
+@pytest.mark.parametrize(
+    "release",
+    [["--release", "http", "--preset", "llama-server"], ["--release", "restart"]],
+    ids=["preset", "restart"],
+)
+def test_two_servers_answer_every_request_and_are_never_both_resident(
+    arena: Path, spawn: Spawn, model: Path, tmp_path: Path, release: list[str]
+) -> None:
+    ports, upstreams = start_pair(spawn, arena, model, tmp_path, release)
+    witness = BothAlive(upstreams)
+    witness.start()
+    retry = "restart" in release
+    try:
+        first = complete(ports[0], loading_ok=retry)
+        complete(ports[1], loading_ok=retry)
+        for _ in range(3):  # alternating
+            for port in ports:
+                complete(port, loading_ok=retry)
+        with ThreadPoolExecutor(6) as pool:  # concurrent clients on both
+            replies = list(pool.map(lambda i: complete(ports[i % 2], loading_ok=retry), range(12)))
+        assert len(replies) == 12
+        again = complete(ports[0], loading_ok=retry)
+        assert first["cache_n"] == 0
+        if "http" in release:
+            # the repeated prompt after swaps is served from the restored slot
+            assert again["cache_n"] > 0
+        else:
+            assert again["cache_n"] == 0  # restart loses the cache
+    finally:
+        witness.stop.set()
+        witness.join(5)
+    assert witness.samples > 50
+    assert witness.overlaps == []
+
+
+def test_a_request_to_a_released_server_waits_and_is_answered(
+    arena: Path, spawn: Spawn, model: Path, tmp_path: Path
+) -> None:
+    preset = ["--release", "http", "--preset", "llama-server"]
+    ports, _ = start_pair(spawn, arena, model, tmp_path, preset)
+    complete(ports[0])
+    complete(ports[1])  # a is released now
+    wait_until(lambda: call(ports[1], "GET", "/health")[0] == 200)
+    started = time.monotonic()
+    timings = complete(ports[0])
+    assert time.monotonic() - started < 30
+    assert timings["cache_n"] > 0
