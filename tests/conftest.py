@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from vramlock.procfs import descendants, proc_stat
+
+if TYPE_CHECKING:
+    from test_cli_errors import ErrCli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +33,14 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VRAMLOCK_ARENA", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+
+
+@pytest.fixture
+def errcli(tmp_path: Path) -> ErrCli:
+    """Runs ``python -m vramlock ARGS`` isolated from the real machine (test_cli_errors)."""
+    from test_cli_errors import ErrCli
+
+    return ErrCli(tmp_path)
 
 
 @pytest.fixture
@@ -198,3 +210,19 @@ def run_worker(
     wait_until(lambda: whats(log, name) == ["start"])
     wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who_json(arena)))
     return job
+
+
+def free_ports(n: int = 2) -> list[int]:
+    """``n`` distinct loopback ports that were free an instant ago."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]

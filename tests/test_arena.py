@@ -35,11 +35,6 @@ from vramlock.errors import ArenaError, UnsupportedFilesystem
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def errcli(tmp_path: Path) -> ErrCli:
-    return ErrCli(tmp_path)
-
-
 # -- where the arena is ------------------------------------------------------------------------
 
 

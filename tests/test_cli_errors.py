@@ -99,11 +99,6 @@ def expect_error(out: Outcome, code: int, *fragments: str) -> str:
 
 
 @pytest.fixture
-def errcli(tmp_path: Path) -> ErrCli:
-    return ErrCli(tmp_path)
-
-
-@pytest.fixture
 def err_arena(tmp_path: Path) -> Path:
     """An empty, valid arena directory (mode 0700, owned by us)."""
     path = tmp_path / "arena"

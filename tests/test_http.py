@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Spawn, kill_group, vramlock, wait_until, who_json
+from conftest import ROOT, Spawn, free_port, kill_group, vramlock, wait_until, who_json
 
 from vramlock.strategies import PRESETS, Settings, chosen
 
@@ -125,15 +125,6 @@ class Engine:
                 elif t < turn.end:
                     assert event != "gpu 1", f"the server took the GPU at {t} in {turn}"
         assert not held, f"the GPU was still the server's when the witness got it: {turn}"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 MakeEngine = Callable[..., Engine]

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, vramlock, wait_until, who_json
-from test_http import Witness, free_port
+from conftest import ROOT, Spawn, free_port, vramlock, wait_until, who_json
+from test_http import Witness
 
 sys.path.insert(0, str(ROOT / "tools"))
 import llama_server

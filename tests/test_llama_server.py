@@ -12,7 +12,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn
+from conftest import ROOT, Spawn, free_port
 
 sys.path.insert(0, str(ROOT / "tools"))
 import llama_server
@@ -120,13 +119,6 @@ def serve(spawn: Spawn, model: Path, tmp_path: Path) -> Serve:
         return Server(proc, port, log)
 
     return start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_health_then_repeated_prompt_served_from_cache(serve: Serve) -> None:

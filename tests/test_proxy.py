@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, kill_group, token_free, vramlock, wait_until, who_json
+from conftest import Spawn, free_ports, kill_group, token_free, vramlock, wait_until, who_json
 
 from vramlock import procfs
 
@@ -123,18 +123,6 @@ WITNESS = textwrap.dedent(
         f.write(f"{t0} {t1} {server}")
     """
 )
-
-
-def free_ports(n: int = 2) -> list[int]:
-    """``n`` distinct loopback ports that were free an instant ago."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

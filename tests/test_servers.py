@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, vramlock, wait_until
-from test_http import free_port
+from conftest import ROOT, Spawn, free_ports, vramlock, wait_until
 from test_llama_preset import PROMPT, call
 
 from vramlock import procfs
@@ -79,7 +78,7 @@ def start_pair(
     """Two wrapped servers; their listen ports and their servers' own ports."""
     listen, upstreams = [], []
     for name in ("a", "b"):
-        port, upstream = free_port(), free_port()
+        port, upstream = free_ports(2)
         server = [str(BINARY), "-m", str(model), "--host", "127.0.0.1", "--port", str(upstream),
                   "-np", "1", "-c", "1024", "-t", "1"]  # fmt: skip
         with open(tmp_path / f"{name}.log", "w") as log:

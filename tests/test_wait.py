@@ -39,11 +39,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def errcli(tmp_path: Path) -> ErrCli:
-    return ErrCli(tmp_path)
-
-
-@pytest.fixture
 def held_token(arena: Path) -> Iterator[int]:
     with holding_token(arena) as fd:
         yield fd
