@@ -1,9 +1,10 @@
 """A PyTorch process with a known amount of VRAM, for the GPU tests and benchmarks.
 
-    python tests/gpu_worker.py --gib 2 [--managed-mib 64]
+    python tests/gpu_worker.py --gib 2 [--devices 2] [--managed-mib 64]
     python tests/gpu_worker.py --load FILE
 
-Fills ``--gib`` GiB of device memory with seeded random data and prints
+Fills ``--gib`` GiB of device memory (on each of the first ``--devices`` GPUs it
+sees) with seeded random data and prints
 ``ready <pid> <checksum>``; with ``--load`` it reads FILE to the GPU instead, the
 way a server reloads its weights, and prints ``loaded <pid> <seconds>``.
 Then it answers each line on stdin: ``check`` with ``sum <checksum>`` computed on
@@ -42,14 +43,14 @@ def checksum(tensors: list[Any]) -> int:
     return total
 
 
-def fill(gib: float) -> list[Any]:
-    gen = torch.Generator(device="cuda").manual_seed(1234)
-    left = int(gib * (1 << 30))
+def fill(gib: float, device: str = "cuda") -> list[Any]:
+    gen = torch.Generator(device=device).manual_seed(1234)
+    left = int(gib * (1 << 30)) // 4  # float32s
     chunks = []
     while left > 0:
-        n = min(CHUNK, left) // 4
-        chunks.append(torch.rand(n, generator=gen, device="cuda"))
-        left -= n * 4
+        n = min(CHUNK // 4, left)
+        chunks.append(torch.rand(n, generator=gen, device=device))
+        left -= n
     return chunks
 
 
@@ -118,13 +119,14 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--load", metavar="FILE")
     parser.add_argument("--managed-mib", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
     if args.load:
         started = time.perf_counter()
         chunks = load(args.load)
         print("loaded", os.getpid(), time.perf_counter() - started, flush=True)
     else:
-        chunks = fill(args.gib)
+        chunks = [c for d in range(args.devices) for c in fill(args.gib, f"cuda:{d}")]
         if args.managed_mib:
             take_managed(args.managed_mib)
         torch.cuda.synchronize()

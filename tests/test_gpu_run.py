@@ -168,3 +168,34 @@ def test_restore_waits_for_free_vram_instead_of_wedging(arena: Path, spawn: Spaw
     w.close()
     err = w.proc.stderr.read() if w.proc.stderr else ""
     assert "queueing again" in err, err
+
+
+def test_checkpoint_takes_a_two_gpu_program_off_both(spawn: Spawn) -> None:
+    """``--gpu 0,1 --release checkpoint``: a waiter for GPU 1 alone gets it once the
+    program is off both GPUs (NVML); it comes back to both with the same data."""
+    if nvml.count() < 2:
+        pytest.skip("needs two GPUs")
+    worker = __import__("gpu_worker")
+    run = vramlock("run", "--gpu", "0,1", "--release", "checkpoint", "--min-hold", "0")
+    proc = spawn([*run, "--", sys.executable, worker.PATH, "--gib", "1", "--devices", "2"],
+                 stdin=subprocess.PIPE)  # fmt: skip
+    w = worker.Client(proc)
+    assert w.pid in nvml.processes(0) and w.pid in nvml.processes(1)
+    gpu1 = Path(subprocess.run(vramlock("arena", "--gpu", "1"), capture_output=True,
+                               text=True, check=True).stdout.strip())  # fmt: skip
+    holder = spawn(
+        ["flock", "-s", str(gpu1 / "want.lock"), "flock", "-x", str(gpu1 / "token.lock"),
+         "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    assert cuda.process_state(w.pid) is cuda.ProcessState.CHECKPOINTED
+    assert w.pid not in nvml.processes(0) and w.pid not in nvml.processes(1)
+    (me,) = [r for r in who_json(gpu1.parent / "gpu0") if r["child_pid"] == w.pid]
+    assert me["gpus"] == [0, 1] and me["state"] == "released"
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.wait(30)
+    assert w.check() == w.checksum
+    assert w.pid in nvml.processes(0) and w.pid in nvml.processes(1)
+    w.close()

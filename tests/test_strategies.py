@@ -482,7 +482,7 @@ def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.Mon
     held = {4242: 3 << 30, 999: 5 << 30}  # 999 is not the command's
     monkeypatch.setattr(nvml, "available", lambda: True)
     monkeypatch.setattr(nvml, "processes", lambda which=None: dict(held))
-    strategy = SignalStrategy(cast(Any, None), Settings(gpu=0, verify_timeout=0.2))
+    strategy = SignalStrategy(cast(Any, None), Settings(gpus=(0,), verify_timeout=0.2))
     with pytest.raises(Unverified, match="NVML still shows 3072 MiB held by the command"):
         strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
     held[4242] = 500 << 20  # only its context left

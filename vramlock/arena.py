@@ -15,7 +15,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from .errors import ArenaError, UnsupportedFilesystem
+from .errors import ArenaError, UnsupportedFilesystem, UsageError
 
 TOKEN = "token.lock"
 WANT = "want.lock"
@@ -38,6 +38,27 @@ def default_gpu() -> int:
     """The GPU index of the default arena: CUDA_VISIBLE_DEVICES when it names one index, else 0."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return int(visible) if visible.isascii() and visible.isdigit() else 0
+
+
+# More GPUs than any host has: a longer list is a typo, not a machine.
+MAX_GPUS = 64
+
+
+def parse_gpus(text: str, option: str = "--gpu") -> tuple[int, ...]:
+    """GPU numbers from ``N`` or ``N,M,...``, in the order given, duplicates dropped."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()) or len(part) > 6:
+            raise UsageError(
+                f"{option}: expected a GPU number or a comma-separated list of them"
+                f" (0 or 0,1), got {text!r}"
+            )
+        if int(part) not in out:
+            out.append(int(part))
+    if len(out) > MAX_GPUS:
+        raise UsageError(f"{option}: {len(out)} GPUs named; at most {MAX_GPUS}")
+    return tuple(out)
 
 
 def default_base() -> str:

@@ -116,6 +116,16 @@ GpuOpt = Annotated[
         show_default=False,
     ),
 ]
+GpusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        metavar="N[,M...]",
+        help="Use GPU N's default arena (default: CUDA_VISIBLE_DEVICES if one index, else 0);"
+        " with several GPUs, take each one's token, in ascending order.",
+        show_default=False,
+    ),
+]
 NonblockOpt = Annotated[
     bool, typer.Option("-n", "--nonblock", help="Fail at once if the token is not free.")
 ]
@@ -186,7 +196,7 @@ def run(
     wait: TimeoutOpt = None,
     conflict_exit_code: ConflictOpt = 1,
     arena: ArenaOpt = None,
-    gpu: GpuOpt = None,
+    gpu: GpusOpt = None,
     name: Annotated[
         str | None,
         typer.Option(
@@ -300,13 +310,14 @@ def run(
     ] = None,
 ) -> None:
     """Run COMMAND while it holds the GPU; release it whenever someone else waits."""
+    from .arena import parse_gpus
     from .runner import RunOptions
     from .runner import run as run_command
 
     opts = RunOptions(
         command=command,
         arena=arena,
-        gpu=gpu,
+        gpus=() if gpu is None else parse_gpus(gpu),
         name=name,
         release=release,
         demand=demand,
@@ -337,7 +348,7 @@ def wait(
     timeout: TimeoutOpt = None,
     conflict_exit_code: ConflictOpt = 1,
     arena: ArenaOpt = None,
-    gpu: GpuOpt = None,
+    gpu: GpusOpt = None,
     free: Annotated[
         bool,
         typer.Option("--free", help="Wait passively until the GPU is free; ask nobody to leave."),
@@ -355,10 +366,12 @@ def wait(
     ] = None,
 ) -> None:
     """Queue for the GPU (residents step aside) and return once the token is obtained."""
+    from .arena import parse_gpus
     from .member import wait as wait_for_token
 
+    gpus = None if gpu is None else parse_gpus(gpu)
     try:
-        wait_for_token(arena, gpu, timeout=_timeout(nonblock, timeout), passive=free, fd=fd)
+        wait_for_token(arena, gpus, timeout=_timeout(nonblock, timeout), passive=free, fd=fd)
     except NotObtained as err:
         _conflict(err, conflict_exit_code)
 

@@ -29,9 +29,10 @@ def drain(fd: int) -> bool:
 
 
 class Hint:
-    """A pollable descriptor that becomes readable when a file in the arena is opened."""
+    """A pollable descriptor that becomes readable when a file in the arena (any of
+    the arenas, for a member of several) is opened."""
 
-    def __init__(self, dirfd: int) -> None:
+    def __init__(self, *dirfds: int) -> None:
         self.fd: int | None = None
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -43,10 +44,11 @@ class Hint:
         fd = init(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             return
-        # Watch the directory we already opened, not its path, which may have changed.
-        if add(fd, f"/proc/self/fd/{dirfd}".encode(), _IN_OPEN) < 0:
-            os.close(fd)
-            return
+        # Watch the directories we already opened, not their paths, which may have changed.
+        for dirfd in dirfds:
+            if add(fd, f"/proc/self/fd/{dirfd}".encode(), _IN_OPEN) < 0:
+                os.close(fd)
+                return
         self.fd = fd
 
     def drain(self) -> None:

@@ -10,16 +10,18 @@ This is also the Python API for programs that join an arena themselves::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from types import FrameType
 
+from . import lockfd
 from .arena import Arena
-from .errors import NotObtained
+from .errors import NotObtained, UsageError
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
@@ -179,6 +181,33 @@ class Member:
         self.resident()
         return True
 
+    # -- the token as the wrapper of a command handles it ------------------------------
+
+    @property
+    def token_fds(self) -> list[int]:
+        """The descriptors a wrapped command inherits, so that it keeps the token."""
+        return [self.token.fd]
+
+    @property
+    def holds_token(self) -> bool:
+        return self.token.held
+
+    def token_came(self) -> bool:
+        """A blocking wait for the token was broken off by a signal: did the kernel
+        grant it just before? (A non-blocking try on our own description settles it.)"""
+        if lockfd.try_lock(self.token.fd, exclusive=True):
+            self.token.held = True
+        return self.token.held
+
+    def drop_token(self, *, unlock: bool = True) -> None:
+        """Stop holding the token. ``unlock=False`` only forgets it: whoever shares our
+        open file description (the command) keeps the lock until it closes it."""
+        if self.token.held:
+            if unlock:
+                self.token.release()
+            else:
+                self.token.held = False
+
     def close(self) -> None:
         """Leave the arena: drop any lock, stop the record's writer, remove the record."""
         if self.token.held:
@@ -186,6 +215,129 @@ class Member:
         self.want.close()
         self.token.close()
         self.records.close()
+
+
+class Members:
+    """One participant of several arenas (``--gpu 0,1``): it holds every token or none.
+
+    It has Member's interface, as the wrapper of a command uses it. Tokens are taken
+    one at a time in the order of ``members`` - ascending GPU numbers, the same for
+    everybody - so that two jobs wanting overlapping GPUs can never each hold a token
+    the other one waits for. A wait that fails half-way (timeout, signal) drops what
+    it got: a member that is not resident holds no token for long.
+    """
+
+    def __init__(self, members: list[Member]) -> None:
+        if not members:
+            raise ValueError("Members needs at least one member")
+        self.members = members
+        self.state = State.RELEASED
+        self.resident_since = 0.0
+        self.min_hold = members[0].min_hold
+        self.records = members[0].records  # the child pid shown; every record has it
+
+    def _each(self, call: Callable[[Member], object]) -> None:
+        for m in self.members:
+            call(m)
+
+    def describe(self, **changes: object) -> None:
+        self._each(lambda m: m.describe(**changes))
+
+    def waiting(self) -> None:
+        self.state = State.WAITING
+        self._each(Member.waiting)
+
+    def released(self) -> None:
+        self.state = State.RELEASED
+        self._each(Member.released)
+
+    def restoring(self) -> None:
+        self.state = State.RESTORING
+        self._each(Member.restoring)
+
+    def resident(self) -> None:
+        self.state = State.RESIDENT
+        self.resident_since = time.monotonic()
+        self._each(Member.resident)
+
+    def releasing(self) -> None:
+        self.state = State.RELEASING
+        self._each(Member.releasing)
+
+    def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
+        """Queue for every token in order; True once all are ours, False if ``timeout`` ran out."""
+        self.waiting()
+        try:
+            got = self.take_token(timeout, wanting=wanting)
+        except BaseException:
+            self.drop_token()
+            self.released()
+            raise
+        if not got:
+            self.released()
+            return False
+        self.resident()
+        return True
+
+    def take_token(self, timeout: float | None, *, wanting: bool = True) -> bool:
+        """Take the tokens not held yet, in order; on a timeout drop those taken.
+
+        An exception (a signal breaking the wait) leaves what was taken held:
+        ``token_came`` settles it."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for m in self.members:
+            if m.token.held:
+                continue
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not m.take_token(left, wanting=wanting):
+                self.drop_token()
+                return False
+        return True
+
+    def token_came(self) -> bool:
+        """After a broken-off wait: True when every token is ours (the rest are tried
+        without blocking); else those held are dropped."""
+        for m in self.members:
+            if not m.token_came():
+                self.drop_token()
+                return False
+        return True
+
+    def wanted(self) -> bool:
+        return any(m.wanted() for m in self.members)
+
+    def held_long_enough(self) -> bool:
+        return time.monotonic() - self.resident_since >= self.min_hold
+
+    def should_release(self) -> bool:
+        """Resident for ``min_hold`` and somebody waits for any of the GPUs."""
+        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+
+    def release(self) -> None:
+        """Drop every token (the memory must be free on every GPU)."""
+        self.state = State.RELEASED
+        self._each(Member.release)
+
+    def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
+        end = time.monotonic() + max_delay
+        for m in self.members:
+            m.wait_polite(max(0.0, end - time.monotonic()))
+
+    @property
+    def token_fds(self) -> list[int]:
+        return [m.token.fd for m in self.members]
+
+    @property
+    def holds_token(self) -> bool:
+        return any(m.token.held for m in self.members)
+
+    def drop_token(self, *, unlock: bool = True) -> None:
+        for m in reversed(self.members):
+            m.drop_token(unlock=unlock)
+
+    def close(self) -> None:
+        for m in reversed(self.members):
+            m.close()
 
 
 @contextmanager
@@ -236,7 +388,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 def wait(
     arena: str | None = None,
-    gpu: int | None = None,
+    gpu: int | Sequence[int] | None = None,
     *,
     timeout: float | None = None,
     passive: bool = False,
@@ -246,9 +398,20 @@ def wait(
 
     Without ``fd`` the token is dropped again when this returns. With ``fd`` the
     lock is taken on that descriptor's open file description (the calling
-    shell's), so it stays held after we exit. Raises NotObtained.
+    shell's), so it stays held after we exit. Several GPUs: every token, taken in
+    ascending order of GPU number, then dropped. Raises NotObtained.
     """
-    with harmless_signals(), closing(Arena.open(arena, gpu)) as opened:
+    gpus = [gpu] if gpu is None or isinstance(gpu, int) else sorted(gpu)
+    if len(gpus) > 1:
+        if fd is not None:
+            raise UsageError("--fd locks one descriptor of one arena's token: give one GPU")
+        if arena is not None:
+            raise UsageError(
+                "--arena names one arena; --gpu with several GPUs uses each one's default arena"
+            )
+        _wait_all([g for g in gpus if g is not None], timeout=timeout, passive=passive)
+        return
+    with harmless_signals(), closing(Arena.open(arena, gpus[0])) as opened:
         member = Member(
             opened,
             name="vramlock wait",
@@ -264,3 +427,22 @@ def wait(
                 # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
                 member.token.held = False
             member.close()
+
+
+def _wait_all(gpus: list[int], *, timeout: float | None, passive: bool) -> None:
+    """``vramlock wait --gpu 0,1``: every GPU's token in ascending order, then dropped."""
+    with harmless_signals(), contextlib.ExitStack() as stack:
+        joined: list[Member] = []
+        for g in gpus:
+            opened = stack.enter_context(closing(Arena.open(None, g)))
+            member = Member(
+                opened,
+                name="vramlock wait",
+                command=sys.argv,
+                strategy="wait --free" if passive else "wait",
+            )
+            joined.append(member)
+            stack.callback(member.close)
+            member.describe(gpus=gpus)
+        if not Members(joined).acquire(timeout, wanting=not passive):
+            raise NotObtained(timeout or 0.0)

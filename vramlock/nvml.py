@@ -26,13 +26,16 @@ import importlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from .errors import VramlockError
 
 POLL_INTERVAL = 0.05
+
+# Which GPUs a question is about: an index, a UUID, several indices, or None for all.
+Which: TypeAlias = int | str | Sequence[int] | None
 
 
 class NvmlUnavailable(VramlockError):
@@ -171,20 +174,21 @@ def _processes(handle: Any) -> dict[int, int]:
     return out
 
 
-def processes(which: int | str | None = None) -> dict[int, int]:
-    """pid -> bytes of GPU memory, for compute and graphics processes on one GPU
-    (``None``: every GPU, summed per pid)."""
-    if which is not None:
+def processes(which: Which = None) -> dict[int, int]:
+    """pid -> bytes of GPU memory, for compute and graphics processes on one GPU (an
+    index or a UUID), on several (a sequence of indices) or on every GPU (``None``),
+    summed per pid."""
+    if isinstance(which, (int, str)):
         return _processes(_handle(which))
     out: dict[int, int] = {}
-    for index in range(count()):
+    for index in range(count()) if which is None else which:
         for pid, used in _processes(_handle(index)).items():
             out[pid] = out.get(pid, 0) + used
     return out
 
 
-def used_by(pids: Iterable[int], which: int | str | None = None) -> int:
-    """Bytes of GPU memory that ``pids`` hold together on one GPU (``None``: on all)."""
+def used_by(pids: Iterable[int], which: Which = None) -> int:
+    """Bytes of GPU memory that ``pids`` hold together on ``which`` (see ``processes``)."""
     procs = processes(which)
     return sum(procs.get(pid, 0) for pid in set(pids))
 
@@ -200,7 +204,7 @@ def _poll(done: Callable[[], bool], timeout: float | None, interval: float) -> b
 
 def wait_released(
     pids: Iterable[int],
-    which: int | str | None,
+    which: Which,
     timeout: float | None,
     *,
     keep_bytes: int = 0,

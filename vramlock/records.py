@@ -35,7 +35,8 @@ _CLIP_NAME = 256
 _CLIP_COMMAND = 4096  # characters, as much as who reads of a /proc/PID/cmdline
 _LATEST_SINCE = 1e11  # Unix time in the year 5138: anything later is garbage
 _MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
-_MAX_LEFTOVERS = 64  # shown at most; a record stays well under MAX_RECORD
+_MAX_LEFTOVERS = 64
+_MAX_GPU = 1 << 16  # shown at most; a record stays well under MAX_RECORD
 
 # How long the writer lets a burst of changes settle before it writes: the next holder
 # gets the CPU first, a handoff is one write, and a member that changes state thousands
@@ -115,6 +116,8 @@ class Record:
     # --demand listen: the address clients connect to, and how many connections are open.
     listen: str | None = None
     connections: int | None = None
+    # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
+    gpus: list[int] = field(default_factory=list)
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -143,6 +146,7 @@ class Record:
                 ],
                 listen=None if listen is None else _typed(listen, str),
                 connections=None if connections is None else _bounded(connections, 0, 1 << 31),
+                gpus=[_bounded(g, 0, _MAX_GPU) for g in _typed(data.get("gpus", []), list)[:64]],
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -155,6 +159,7 @@ class Record:
         data["listen"] = None if self.listen is None else _clip(self.listen, _CLIP_NAME)
         data["command"] = _clip_command(self.command, _CLIP_COMMAND)
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
+        data["gpus"] = self.gpus[:64]
         return json.dumps(data, allow_nan=False).encode()
 
 

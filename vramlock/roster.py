@@ -58,6 +58,7 @@ class Row:
     vram: int | None = None  # bytes on the GPU (NVML), for the member and its processes
     listen: str | None = None  # --demand listen: where its clients connect
     connections: int | None = None  # --demand listen: its clients' open connections
+    gpus: list[int] | None = None  # a member of several GPUs' arenas: all of them
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = asdict(self)
@@ -77,7 +78,7 @@ def _merged_state(claimed: str, kernel: str | None) -> str:
 
 def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: str | None) -> Row:
     notes = [note] if note else []
-    listen, connections = None, None
+    listen, connections, gpus = None, None, None
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
@@ -88,6 +89,9 @@ def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: 
         if rec.listen is not None:
             listen, connections = printable(rec.listen, NAME_MAX), rec.connections
             notes.append(f"listen {listen}, {connections or 0} connection(s)")
+        if rec.gpus:
+            gpus = rec.gpus
+            notes.append(f"GPUs {','.join(map(str, gpus))} together")
     else:
         # No record we can believe: the kernel's state and /proc's facts only.
         state, strategy, since, child = kernel or "?", "-", None, None
@@ -113,6 +117,7 @@ def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: 
         note="; ".join(notes) or None,
         listen=listen,
         connections=connections,
+        gpus=gpus,
     )
 
 

@@ -20,12 +20,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from . import demand as demands
-from . import lockfd, strategies
+from . import strategies
 from .arena import Arena, default_gpu
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
-from .member import DEFAULT_MIN_HOLD, Member, State, harmless_signals
+from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals
 from .process import Child, Terminal, become_subreaper, exit_code
 from .strategies.base import KILL_WAIT
 
@@ -65,18 +65,22 @@ FORWARDED = (
 _ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
-def visible_devices(gpu: int) -> dict[str, str]:
-    """The environment that shows a command GPU ``gpu`` (nvidia-smi's number) alone.
+def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
+    """The environment that shows a command the GPUs ``gpus`` (nvidia-smi's numbers)
+    alone, in that order (the first is the command's device 0).
 
-    CUDA numbers GPUs fastest first, nvidia-smi and NVML by PCI bus: name the GPU by
-    its UUID where NVML can tell it, else by number in PCI bus order.
+    CUDA numbers GPUs fastest first, nvidia-smi and NVML by PCI bus: name the GPUs by
+    UUID where NVML can tell them, else by number in PCI bus order.
     """
     from . import nvml
 
     try:
-        return {"CUDA_VISIBLE_DEVICES": nvml.gpu(gpu).uuid}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(nvml.gpu(g).uuid for g in gpus)}
     except (nvml.NvmlUnavailable, nvml.NvmlError):
-        return {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        return {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        }
 
 
 def _quiet(message: str) -> None:
@@ -87,7 +91,7 @@ def _quiet(message: str) -> None:
 class RunOptions:
     command: list[str]
     arena: str | None = None
-    gpu: int | None = None
+    gpus: tuple[int, ...] = ()  # --gpu: in the order given; () for --arena or the default
     name: str | None = None
     release: str = "auto"
     demand: str = "always"
@@ -107,11 +111,11 @@ class RunOptions:
 
     @property
     def settings(self) -> strategies.Settings:
-        gpu = self.gpu if self.gpu is not None or self.arena else default_gpu()
+        gpus = self.gpus or (None if self.arena else (default_gpu(),))
         return strategies.Settings(
             on_release=self.on_release,
             on_restore=self.on_restore,
-            gpu=gpu,
+            gpus=gpus,
             preset=self.preset,
             on_release_url=self.on_release_url,
             on_restore_url=self.on_restore_url,
@@ -122,6 +126,10 @@ class RunOptions:
         """Reject option mixes that cannot work, before anything is locked or started."""
         if not self.command:
             raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
+        if self.arena and len(self.gpus) > 1:
+            raise UsageError(
+                "--arena names one arena; --gpu with several GPUs uses each one's default arena"
+            )
         self.release = strategies.check(self.release, self.settings, self.command)
         demands.check(self.demand)
         self._check_listen()
@@ -167,8 +175,8 @@ class Runner:
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
-        self.arena: Arena | None = None
-        self.member: Member | None = None
+        self.arenas: list[Arena] = []
+        self.member: Member | Members | None = None
         self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._supervisor: Supervisor | None = None
@@ -182,14 +190,7 @@ class Runner:
         try:
             try:
                 with harmless_signals():
-                    self.arena = Arena.open(opts.arena, opts.gpu)
-                    self.member = Member(
-                        self.arena,
-                        name=opts.name,
-                        min_hold=opts.min_hold,
-                        command=opts.command,
-                        strategy=opts.release,
-                    )
+                    self.member = self._join()
                     self.proxy = self._listen(self.member)
                     if not self.member.acquire(opts.timeout):
                         raise NotObtained(opts.timeout or 0.0)
@@ -210,11 +211,36 @@ class Runner:
             self._close()
             return 128 + once.signum
         try:
-            return self._supervise(self.arena, self.member)
+            return self._supervise(self.arenas, self.member)
         finally:
             self._close()
 
-    def _listen(self, member: Member) -> Proxy | None:
+    def _join(self) -> Member | Members:
+        """Open the arena(s) and become a member of each; several GPUs' arenas in
+        ascending order of GPU number, the order their tokens are taken in."""
+        opts = self.opts
+        gpus: list[int | None] = [*sorted(opts.gpus)] or [None]
+        joined: list[Member] = []
+        for gpu in gpus:
+            arena = Arena.open(opts.arena, gpu)
+            self.arenas.append(arena)
+            joined.append(
+                Member(
+                    arena,
+                    name=opts.name,
+                    min_hold=opts.min_hold,
+                    command=opts.command,
+                    strategy=opts.release,
+                )
+            )
+            if len(gpus) > 1:
+                joined[-1].describe(gpus=list(opts.gpus))
+            # At each step, so that _close leaves every arena joined so far.
+            self.member = joined[0] if len(joined) == 1 else Members(joined)
+        assert self.member is not None
+        return self.member
+
+    def _listen(self, member: Member | Members) -> Proxy | None:
         """--demand listen: the proxy, listening before the command starts (and before we
         wait for the token: clients are held meanwhile, and a busy address fails at once)."""
         opts = self.opts
@@ -240,9 +266,9 @@ class Runner:
         if self.member is not None:
             self.member.close()
             self.member = None
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -255,14 +281,14 @@ class Runner:
         else:
             self._supervisor.on_signal(signum)
 
-    def _supervise(self, arena: Arena, member: Member) -> int:
+    def _supervise(self, arenas: list[Arena], member: Member | Members) -> int:
         opts = self.opts
         control = ParentEnd()
         env = dict(os.environ)
-        env.update(control.child_env(member.token.fd))
-        env["VRAMLOCK_ARENA"] = arena.path
-        if opts.gpu is not None:
-            env.update(visible_devices(opts.gpu))
+        env.update(control.child_env(member.token_fds[0]))
+        env["VRAMLOCK_ARENA"] = arenas[0].path
+        if opts.gpus:
+            env.update(visible_devices(opts.gpus))
         # Orphans of the command become our children: none can slip away unseen.
         become_subreaper()
         # Handlers first: a signal that arrives while the command starts must be
@@ -270,12 +296,12 @@ class Runner:
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
         old_handlers.update({s: signal.signal(s, self._on_signal) for s in WATCHED})
-        hint = Hint(arena.dirfd)
+        hint = Hint(*(a.dirfd for a in arenas))
         child: Child | None = None
         scratch = contextlib.ExitStack()  # what the strategy made for the run
         try:
             command = strategies.prepare(opts.release, opts.settings, opts.command, env, scratch)
-            fds = (control.child_fd, member.token.fd)
+            fds = (control.child_fd, *member.token_fds)
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
             sup = Supervisor(opts, member, child, control, self._wake_r, self.proxy)
@@ -289,14 +315,11 @@ class Runner:
             signal.set_wakeup_fd(old_wakeup)
             hint.close()
             gone = child is None or (self._supervisor is not None and self._supervisor.all_gone)
-            if member.token.held and gone:
-                # Explicitly: a descendant that outlived the command while sharing this
-                # open file description must not keep the token.
-                member.token.release()
-            elif member.token.held:
-                # We are failing while the command runs: it keeps the token (the
-                # description it shares with us) until it exits. No LOCK_UN.
-                member.token.held = False
+            # Gone: explicitly, so that a descendant that outlived the command while
+            # sharing this open file description does not keep the token. Else we are
+            # failing while the command runs: it keeps the token (the description it
+            # shares with us) until it exits - no LOCK_UN.
+            member.drop_token(unlock=gone)
             control.close()
             if child is not None:
                 child.close()
@@ -309,7 +332,7 @@ class Supervisor:
     def __init__(
         self,
         opts: RunOptions,
-        member: Member,
+        member: Member | Members,
         child: Child,
         control: ParentEnd,
         wake_r: int,
@@ -617,11 +640,9 @@ class Supervisor:
         try:
             return member.take_token(None)
         except _Woken:
-            # The signal may have landed just after the kernel granted the lock: a
-            # non-blocking try on our own description settles whether it is ours.
+            # The signal may have landed just after the kernel granted the lock.
             self._queued = False
-            if lockfd.try_lock(member.token.fd, exclusive=True):
-                member.token.held = True
+            if member.token_came():
                 return True
             member.released()
             return False

@@ -48,7 +48,8 @@ class Settings:
     on_release: str | None = None  # exec
     on_restore: str | None = None  # exec
     restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
-    gpu: int | None = None  # the GPU's NVML index, for verified releases (None: every GPU)
+    # The GPUs' NVML indices, for verified releases and free-VRAM checks (None: every GPU).
+    gpus: tuple[int, ...] | None = None
     verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
     preset: str | None = None  # http: the engine (presets.PRESETS); None: the URLs below
     on_release_url: str | None = None  # http without a preset: POSTed to release
@@ -184,13 +185,15 @@ class Strategy:
             if not nvml.available():
                 return
             pids = pids_of()
-            per_pid = nvml.processes(self.settings.gpu)
+            gpus = self.settings.gpus
+            per_pid = nvml.processes(gpus)
             on_gpu = [p for p in pids if p in per_pid]
-            allowed = keep_bytes * len(on_gpu)
-            if nvml.wait_released(on_gpu, self.settings.gpu, self.settings.verify_timeout,
+            # Per process and GPU: a context on each GPU the process uses.
+            allowed = keep_bytes * len(on_gpu) * (1 if gpus is None else len(gpus))
+            if nvml.wait_released(on_gpu, gpus, self.settings.verify_timeout,
                                   keep_bytes=allowed):  # fmt: skip
                 return
-            held = nvml.used_by(on_gpu, self.settings.gpu)
+            held = nvml.used_by(on_gpu, gpus)
         except nvml.NvmlError:
             return  # NVML cannot say: the release stands as the strategy reported it
         raise Unverified(

@@ -6,9 +6,9 @@ context itself leave the GPU, and the processes keep running on the CPU, their
 CUDA calls blocking until the restore. No change to the program is needed.
 
 A restore that runs out of VRAM wedges the process for good (driver 580), so the
-restore first checks, with NVML, that the GPU has the footprint plus a margin
-free; when it has not (a process that is not a member holds memory), the member
-gives the token back and queues again instead.
+restore first checks, with NVML, that each GPU the command used has its footprint
+there plus a margin free; when one has not (a process that is not a member holds
+memory), the member gives the token back and queues again instead.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ class NotCheckpointable(StrategyError):
 class VramTaken(StrategyError):
     """Too little free VRAM to restore: queue again rather than wedge the process."""
 
-    def __init__(self, need: int, free: int) -> None:
+    def __init__(self, need: int, free: int, gpu: int = 0) -> None:
         super().__init__(
-            f"the restore needs {need / 2**30:.1f} GiB of free VRAM and the GPU has"
+            f"the restore needs {need / 2**30:.1f} GiB of free VRAM on GPU {gpu} and it has"
             f" {free / 2**30:.1f} GiB (held by a process that is not a member?);"
             " queueing again until it is there"
         )
         self.need = need
         self.free = free
+        self.gpu = gpu
 
 
 def usable() -> str | None:
@@ -59,7 +60,12 @@ class CheckpointStrategy(Strategy):
     def __init__(self, ctx: Context, settings: Settings) -> None:
         super().__init__(ctx, settings)
         self.pids: list[int] = []  # the processes checkpointed by the last release
-        self.footprint = 0  # their VRAM before it, as NVML reported it (0: unknown)
+        # Their VRAM before it, per GPU index, as NVML reported it (empty: unknown).
+        self.footprint: dict[int, int] = {}
+        # Initialise NVML and load libcuda now, not on the handoff path: nvmlInit alone
+        # takes a good part of a second on a big machine.
+        nvml.available()
+        usable()
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
@@ -104,13 +110,15 @@ class CheckpointStrategy(Strategy):
             raise StrategyError(str(err)) from None
         self.pids = pids
 
-    def _used(self, pids: list[int]) -> int:
+    def _used(self, pids: list[int]) -> dict[int, int]:
         try:
-            return nvml.used_by(pids, self.settings.gpu)
-        except nvml.NvmlUnavailable:
-            return 0
-        except nvml.NvmlError:
-            return 0
+            gpus = self.settings.gpus
+            used = {
+                g: nvml.used_by(pids, g) for g in (range(nvml.count()) if gpus is None else gpus)
+            }
+        except (nvml.NvmlUnavailable, nvml.NvmlError):
+            return {}
+        return {g: n for g, n in used.items() if n}
 
     def verify(self, deadline: float | None) -> None:
         # A checkpointed process leaves NVML's list altogether: nothing may remain.
@@ -126,22 +134,28 @@ class CheckpointStrategy(Strategy):
             raise StrategyError(f"restore: {err}") from None
 
     def _check_free(self) -> None:
-        if not self.footprint:
-            return
-        need = self.footprint + RESTORE_MARGIN
         endings = self.ctx.endings
         end = time.monotonic() + 1.0  # memory being freed by the last holder settles
         while True:
-            try:
-                free = nvml.free_bytes(self.settings.gpu or 0)
-            except nvml.NvmlUnavailable:
-                return
-            except nvml.NvmlError as err:
-                raise StrategyError(str(err)) from None
-            if free >= need:
+            short = self._short()
+            if short is None:
                 return
             if self.ctx.endings != endings:
                 raise Interrupted
             if time.monotonic() >= end:
-                raise VramTaken(need, free)
+                raise VramTaken(*short)
             time.sleep(0.05)
+
+    def _short(self) -> tuple[int, int, int] | None:
+        """(need, free, GPU) for a GPU without room for its footprint plus the margin."""
+        for gpu, used in self.footprint.items():
+            need = used + RESTORE_MARGIN
+            try:
+                free = nvml.free_bytes(gpu)
+            except nvml.NvmlUnavailable:
+                return None
+            except nvml.NvmlError as err:
+                raise StrategyError(str(err)) from None
+            if free < need:
+                return need, free, gpu
+        return None
