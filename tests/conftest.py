@@ -32,7 +32,9 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("VRAMLOCK_ARENA", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    # The tree under test first; what the caller put on the path (pinned wheels) after.
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + (os.pathsep + path if path else ""))
 
 
 @pytest.fixture
@@ -132,8 +134,16 @@ WORKER = textwrap.dedent(
     ctl = child.connect()
     note("start" if ctl else "no-control")
     want = os.environ.get("WORKER_WANT", "1") == "1"
+    # WORKER_LINGER=S: on SIGTERM, go on (obeying requests) for S seconds, then exit 0.
+    linger, ending = float(os.environ.get("WORKER_LINGER", "0")), []
+    if linger:
+        import signal
+        signal.signal(signal.SIGTERM, lambda *a: ending.append(time.monotonic() + linger))
     while True:
         time.sleep(0.005)
+        if ending and time.monotonic() > ending[0]:
+            note("exit")
+            sys.exit(0)
         if ctl and ctl.requested() and os.environ.get("WORKER_DEAF"):
             continue
         if ctl:

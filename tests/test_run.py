@@ -97,6 +97,52 @@ def test_two_cooperative_runs_take_turns(
             holder = None
 
 
+def test_members_told_to_end_together_do_not_pass_the_gpu_back_and_forth(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    """Both wrappers get SIGTERM; each command takes 1.5 s to exit, obeying requests
+    meanwhile. The resident one keeps the GPU for its exit, then the other is restored
+    to act on the signal: no release after the signal, where there used to be one per
+    --min-hold."""
+    log = tmp_path / "log"
+    env = dict(os.environ, WORKER_LINGER="1.5")
+    run = vramlock("run", "--arena", str(arena), "--release", "signal", "--min-hold", "0.3")
+    jobs = [
+        spawn([*run, "--name", name, "--", sys.executable, str(worker), str(log), name], env=env)
+        for name in "ab"
+    ]
+    wait_until(lambda: min(whats(log, n).count("restore") for n in "ab") >= 1)
+    signalled = time.monotonic()
+    for job in jobs:
+        job.send_signal(signal.SIGTERM)
+    for job in jobs:
+        assert job.wait(30) == 0
+    after = [(n, w) for t, n, w in events(log) if t > signalled + 0.05]
+    assert [w for _, w in after if w == "release"] == [], after
+    assert sorted(n for n, w in after if w == "exit") == ["a", "b"]
+
+
+def test_a_command_slow_to_end_still_yields_within_its_bound(
+    arena: Path, spawn: Spawn, tmp_path: Path, worker: Path
+) -> None:
+    """Told to end, a command keeps the GPU for its exit - but no longer than
+    --yield-within, as a busy one."""
+    log = tmp_path / "log"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "signal", "--min-hold", "0",
+                 "--yield-within", "0.5", "--", sys.executable, str(worker), str(log), "a"),
+        env=dict(os.environ, WORKER_LINGER="60"),
+    )  # fmt: skip
+    wait_until(lambda: whats(log, "a") == ["start"])
+    job.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    started = time.monotonic()
+    got = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "10"), timeout=30)
+    assert got.returncode == 0
+    assert 0.3 < time.monotonic() - started < 5
+    assert whats(log, "a")[:2] == ["start", "release"]
+
+
 def test_sigkilled_runner_leaves_token_with_child(
     arena: Path, spawn: Spawn, tmp_path: Path
 ) -> None:

@@ -326,6 +326,44 @@ def test_a_diagnostic_never_ends_the_wrapper(arena: Path, spawn: Spawn, tmp_path
     assert job.returncode == 0, err
 
 
+def test_signals_wait_for_the_restore_where_the_strategy_defers_them(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """A checkpointed process that runs its exit path fails its CUDA calls and cannot be
+    restored (seen with a CUDA llama-server), so checkpoint keeps signals until the
+    restore. Here the mechanism alone, with exec marked as deferring: the command's
+    SIGTERM trap does not run while the test holds the token, and runs after on_restore."""
+    log = tmp_path / "log"
+    script = (
+        f"trap 'echo term >> {log}; exit 0' TERM; echo start >> {log}; while :; do sleep 0.05; done"
+    )
+    code = (
+        "import sys\n"
+        "from vramlock.strategies.hooks import ExecStrategy\n"
+        "ExecStrategy.defers_signals = True\n"
+        "from vramlock.runner import RunOptions, run\n"
+        f"opts = RunOptions(command=['sh', '-c', {script!r}], arena={str(arena)!r},\n"
+        f"    min_hold=0.0, release='exec', on_release='echo release >> {log}',\n"
+        f"    on_restore='echo restore >> {log}')\n"
+        "sys.exit(run(opts))\n"
+    )
+    job = spawn([sys.executable, "-c", code])
+    wait_until(lambda: log.exists() and log.read_text() == "start\n")
+    holder = spawn(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    job.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert log.read_text() == "start\nrelease\n"  # the trap has not run without the token
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert job.wait(30) == 0
+    assert log.read_text() == "start\nrelease\nrestore\nterm\n"
+
+
 def test_auto_says_once_that_the_command_cannot_release(arena: Path, spawn: Spawn) -> None:
     job = spawn(vramlock("run", "--arena", str(arena), "--", "sleep", "3"))
     wait_until(lambda: (arena / "token.lock").exists())

@@ -46,6 +46,10 @@ LEFTOVER_GRACE = 2.0
 # this long for a restored server to accept connections before they are closed.
 DEFAULT_IDLE = 0.3
 DEFAULT_READY_WITHIN = 120.0
+# A command told to end (SIGTERM, Ctrl-C) keeps the GPU this long for its exit, as a busy
+# one would (--yield-within still bounds it): two members told to end at once would
+# otherwise hand the token back and forth, each getting only as far as the next request.
+ENDING_GRACE = 10.0
 # Under --release auto, a command that has not said hello this long after it started is
 # taken not to speak the control protocol (for the one warning below).
 HELLO_GRACE = 1.0
@@ -353,6 +357,8 @@ class Supervisor:
                     opts.warn(f"{err or 'the command exited'}; letting clients through anyway")
         self.demand = demands.make(opts.demand, self.ctx, proxy)
         self.pending_signal: int | None = None
+        self._ending_since: float | None = None  # when the first ending signal came
+        self._deferred: list[int] = []  # signals kept from a checkpointed command
         self.all_gone = False  # every process of the command has ended
         self._wake_r = wake_r
         self._queued = False  # blocked in the kernel's queue for the token, in this thread
@@ -390,15 +396,23 @@ class Supervisor:
                 raise _Woken  # the command may have exited: look before waiting on
             return
         if self.child.status is None and not self.strategy.killed:
-            try:
-                self.child.signal_group(signum)
-            except StrategyError:
-                pass  # a setuid command: it keeps the token we share until it exits
+            if self.strategy.defers_signals and self.member.state is not State.RESIDENT:
+                self._deferred.append(signum)  # passed on once it is restored
+            else:
+                self._pass_on(signum)
         if signum in _ENDING:
             self.pending_signal = signum
+            if self._ending_since is None:
+                self._ending_since = time.monotonic()
             self.ctx.endings += 1
             if self._queued:
                 raise _Woken
+
+    def _pass_on(self, signum: int) -> None:
+        try:
+            self.child.signal_group(signum)
+        except StrategyError:
+            pass  # a setuid command: it keeps the token we share until it exits
 
     def _job_control(self) -> None:
         """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
@@ -464,6 +478,8 @@ class Supervisor:
             self._wanted_since = None
             return False
         busy = self.demand.busy_for()
+        if self._ending_since is not None and self.child.status is None:
+            busy = max(busy, self._ending_since + ENDING_GRACE - time.monotonic())
         if busy > 0:
             now = time.monotonic()
             if self._wanted_since is None:
@@ -624,6 +640,8 @@ class Supervisor:
     def _resident_again(self) -> None:
         self.member.resident()
         self.demand.restored()
+        while self._deferred:
+            self._pass_on(self._deferred.pop(0))
 
     def _acquire(self) -> bool:
         """Queue for the token, blocking in the kernel in this thread; True once it is ours.

@@ -128,13 +128,17 @@ class Strategy:
 
     - ``releases``: False for ``none``, which holds the token until the command exits;
     - ``relaunches``: the process is ended on release and started again on restore;
-    - ``stops``: the process is kept but stopped (it must never run without the token).
+    - ``stops``: the process is kept but stopped (it must never run without the token);
+    - ``defers_signals``: signals for the command wait until it is restored (a
+      checkpointed process that runs its exit path fails its CUDA calls, and then
+      cannot be restored).
     """
 
     name: ClassVar[str]
     releases: ClassVar[bool] = True
     relaunches: ClassVar[bool] = False
     stops: ClassVar[bool] = False
+    defers_signals: ClassVar[bool] = False
     keeps_state: ClassVar[bool] = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:

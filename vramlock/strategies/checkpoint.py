@@ -17,7 +17,7 @@ import time
 
 from .. import cuda, nvml
 from ..errors import StrategyError
-from .base import Context, Interrupted, ReleaseTimeout, Settings, Strategy
+from .base import Context, ReleaseTimeout, Settings, Strategy
 
 # How long a lock waits for submitted GPU work when --yield-within is not given.
 LOCK_TIMEOUT = 30.0
@@ -56,6 +56,7 @@ class CheckpointStrategy(Strategy):
     """Lock and checkpoint every CUDA process of the command; restore and unlock."""
 
     name = "checkpoint"
+    defers_signals = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
         super().__init__(ctx, settings)
@@ -134,14 +135,13 @@ class CheckpointStrategy(Strategy):
             raise StrategyError(f"restore: {err}") from None
 
     def _check_free(self) -> None:
-        endings = self.ctx.endings
+        # Not cut short by an order to end: the command gets it once restored (a
+        # checkpointed process must not run its exit path), so restoring is the way out.
         end = time.monotonic() + 1.0  # memory being freed by the last holder settles
         while True:
             short = self._short()
             if short is None:
                 return
-            if self.ctx.endings != endings:
-                raise Interrupted
             if time.monotonic() >= end:
                 raise VramTaken(*short)
             time.sleep(0.05)
