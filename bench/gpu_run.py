@@ -1,6 +1,6 @@
 """The checkpoint strategy through ``vramlock run`` beside the bare driver API, in one run.
 
-    python bench/gpu_run.py [--sizes 4,16] [--json PATH]
+    python bench/gpu_run.py [--sizes 4,16] [--repeat 3] [--json PATH]
 
 For each SIZE (GiB), on one NVIDIA GPU:
 
@@ -16,6 +16,9 @@ For each SIZE (GiB), on one NVIDIA GPU:
   resident, is subtracted); it includes the wrapper's re-queue, the free-VRAM check,
   the restore and the unlock.
 
+Each size is measured ``--repeat`` times, bare and strategy alternating, each time on a
+fresh worker; the table gives medians (single runs vary by 10-20 % on this machine).
+
 DESIGN.md §4 target: the strategy within 1.1x of the bare API.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,9 +101,14 @@ def strategy(gib: float, arena: str) -> dict[str, float]:
         proc.wait(60)
 
 
+def median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,16")
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -108,7 +117,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as arena:
         for gib in sizes:
-            rows.append({"gib": gib, "bare": bare(gib), "strategy": strategy(gib, arena)})
+            runs = [(bare(gib), strategy(gib, arena)) for _ in range(args.repeat)]
+            rows.append({
+                "gib": gib,
+                "bare": median([b for b, _ in runs]),
+                "strategy": median([s for _, s in runs]),
+                "runs": runs,
+            })  # fmt: skip
+    print(f"medians of {args.repeat}")
     print("| GiB | bare out s | strategy out s | ratio | bare back s | strategy back s | ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -118,6 +134,10 @@ def main() -> int:
             f"| {r['gib']:g} | {b['out']:.2f} | {s['out']:.2f} | {s['out'] / b['out']:.2f}x"
             f" | {b['back']:.2f} | {s['back']:.2f} | {s['back'] / b['back']:.2f}x |"
         )
+    for r in rows:
+        for b, s in r["runs"]:
+            print(f"  {r['gib']:g} GiB run: bare {b['out']:.2f}/{b['back']:.2f} s,"
+                  f" strategy {s['out']:.2f}/{s['back']:.2f} s")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

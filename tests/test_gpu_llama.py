@@ -1,0 +1,237 @@
+"""Two unmodified CUDA llama-servers share one GPU behind ``--demand listen`` with
+``--release checkpoint``, and keep their weights and KV caches across every swap.
+
+Each llama-server (all layers on the GPU, one slot) is wrapped as ``vramlock run
+--release checkpoint --demand listen --listen L --upstream U``; clients only talk to the
+listen ports. Nothing in llama.cpp knows: the driver's checkpoint moves the server's
+whole GPU memory (weights, KV cache) to host memory and back. Skipped without a GPU
+(see tests/test_gpu.py) or without ``VRAMLOCK_LLAMA_CUDA``, the path of a llama-server
+built with CUDA; the model is ``VRAMLOCK_TINY_GGUF`` or tools/tiny_gguf.py's.
+
+The witnesses are independent of vramlock's own account: llama-server's answers (the
+same text and the same token log-probabilities as before the first swap, with the
+prompt's prefix taken from the KV cache its slot kept: ``timings.cache_n``), NVML
+(sampled every 20 ms: never both servers on the GPU; after each answer, only the server
+that answered) and the kernel's lock table (who held token.lock, in turn).
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, Spawn, free_ports, vramlock, wait_until, who_json
+from test_gpu import GIB, gpu
+from test_gpu_run import TokenWatch
+from test_gpu_server import REQUEST_TIMEOUT, BothOnGpu, accepts, call, on_gpu
+
+LLAMA = os.environ.get("VRAMLOCK_LLAMA_CUDA", "")
+
+
+def _llama_missing() -> str | None:
+    """Why there is no CUDA llama-server to run, or None."""
+    if not LLAMA:
+        return "set VRAMLOCK_LLAMA_CUDA to the path of a llama-server built with CUDA"
+    if not (os.path.isfile(LLAMA) and os.access(LLAMA, os.X_OK)):
+        return f"VRAMLOCK_LLAMA_CUDA={LLAMA!r} is not an executable file"
+    return None
+
+
+_NO_LLAMA = _llama_missing()
+
+pytestmark = [
+    gpu,
+    pytest.mark.skipif(_NO_LLAMA is not None, reason=f"needs a CUDA llama-server: {_NO_LLAMA}"),
+    pytest.mark.timeout(300),
+]
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+ROUNDS = 3
+# Several hundred tokens each, and different, so a reused prefix is unmistakable.
+PROMPT_A = "The quick brown fox jumps over the lazy dog. " * 40
+PROMPT_B = "Pack my box with five dozen liquor jugs. " * 40
+# Greedy and seeded: the same prompt gives the same answer.
+REQUEST = {"n_predict": 8, "temperature": 0, "seed": 42, "cache_prompt": True, "n_probs": 5}
+# The same computation on the same KV cache gives the same numbers; far below what a
+# changed cache or weights would move a log-probability by.
+TOLERANCE = 1e-4
+READY_TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    given = os.environ.get("VRAMLOCK_TINY_GGUF")
+    if given:
+        return Path(given)
+    # numpy and gguf load only when a server will run; imported by name, as tools/ is
+    # not a package (mypy checks it along with the tests, or not at all).
+    tiny_gguf = importlib.import_module("tiny_gguf")
+    path: Path = tiny_gguf.cached_model()
+    return path
+
+
+def start(
+    spawn: Spawn, arena: Path, tmp_path: Path, model: Path, name: str, listen: int, upstream: int
+) -> subprocess.Popen[str]:
+    """``vramlock run --release checkpoint --demand listen -- llama-server``, its output in
+    ``tmp_path/NAME.log``; returns once its wrapper takes clients."""
+    server = [LLAMA, "-m", str(model), "--host", "127.0.0.1", "--port", str(upstream),
+              "-ngl", "99", "-c", "4096", "--parallel", "1", "--no-warmup"]  # fmt: skip
+    with open(tmp_path / f"{name}.log", "w") as log:
+        wrapper = spawn(
+            vramlock("run", "--arena", str(arena), "--name", name, "--release", "checkpoint",
+                     "--min-hold", "0", "--demand", "listen", "--listen", f"127.0.0.1:{listen}",
+                     "--upstream", f"127.0.0.1:{upstream}", "--", *server),
+            stdout=log,
+            stderr=log,
+        )  # fmt: skip
+    # The wrapper binds its listen address before it queues for the token; a client
+    # that connects while it waits is held until the server accepts.
+    wait_until(lambda: accepts(listen), timeout=30)
+    return wrapper
+
+
+def healthy(port: int) -> None:
+    """GET /health through the listen port until 200: llama-server accepts connections
+    while it loads the model, and answers 503 until it has."""
+    end = time.monotonic() + READY_TIMEOUT
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
+        try:
+            conn.request("GET", "/health")
+            reply = conn.getresponse()
+            text = reply.read()
+        finally:
+            conn.close()
+        if reply.status == 200:
+            return
+        assert reply.status == 503 and time.monotonic() < end, (reply.status, text)
+        time.sleep(0.05)
+
+
+def numbers(value: object) -> list[float]:
+    """Every number in a JSON value, in order (token ids, log-probabilities, bytes)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for key in sorted(value) for n in numbers(value[key])]
+    if isinstance(value, list):
+        return [n for item in value for n in numbers(item)]
+    return []
+
+
+def deviation(got: dict[str, Any], ref: dict[str, Any]) -> float:
+    """The largest difference between two answers' token probabilities."""
+    mine = numbers(got["completion_probabilities"])
+    theirs = numbers(ref["completion_probabilities"])
+    assert mine and len(mine) == len(theirs), (got, ref)
+    return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
+
+
+def test_cuda_llama_servers_keep_weights_and_kv_cache_across_checkpoints(
+    arena: Path, spawn: Spawn, tmp_path: Path, model: Path
+) -> None:
+    (arena / "token.lock").touch()
+    tokens = TokenWatch(arena)
+    tokens.start()
+    sampler = BothOnGpu()
+    sampler.start()
+    listen_a, upstream_a, listen_b, upstream_b = free_ports(4)
+    try:
+        run_a = start(spawn, arena, tmp_path, model, "la", listen_a, upstream_a)
+        healthy(listen_a)  # loaded, resident
+        run_b = start(spawn, arena, tmp_path, model, "lb", listen_b, upstream_b)  # a checkpointed
+        healthy(listen_b)
+
+        rows = {r["name"]: r for r in who_json(arena) if r["member"]}
+        assert set(rows) == {"la", "lb"}, rows
+        for row in rows.values():
+            assert row["strategy"] == "checkpoint"
+            assert row["listen"] is not None
+        assert (rows["la"]["state"], rows["lb"]["state"]) == ("released", "resident")
+        a, b = rows["la"]["child_pid"], rows["lb"]["child_pid"]  # the llama-servers themselves
+        wrappers = rows["la"]["pid"], rows["lb"]["pid"]
+        seen = on_gpu()
+        assert b in seen and a not in seen, (a, b, seen)
+        assert rows["lb"]["vram"] > 0
+        print(f"llama-server b holds {rows['lb']['vram'] / GIB:.2f} GiB")
+
+        def ask(turn: int, port: int, me: int, other: int, prompt: str) -> dict[str, Any]:
+            started = time.monotonic()
+            got = call(port, "POST", "/completion", {"prompt": prompt, **REQUEST})
+            took = time.monotonic() - started
+            seen = on_gpu()  # right after the answer: this server alone is resident
+            t = got["timings"]
+            print(f"turn {turn} pid {me}: answered in {took:.3f} s, cache_n={t['cache_n']}"
+                  f" prompt_n={t['prompt_n']} prompt_ms={t['prompt_ms']:.1f}"
+                  f" content={got['content']!r}")  # fmt: skip
+            assert me in seen and other not in seen, (me, other, seen)
+            return got
+
+        def from_cache(got: dict[str, Any], prompt_n: int) -> None:
+            """The prompt's prefix came from the slot's KV cache: only its last token or
+            so was evaluated again (for its logits)."""
+            t = got["timings"]
+            assert 0 < t["prompt_n"] <= 4, t
+            assert t["cache_n"] == prompt_n - t["prompt_n"], t
+
+        servers = [(listen_a, a, b, PROMPT_A), (listen_b, b, a, PROMPT_B)]
+        cold: dict[int, dict[str, Any]] = {}  # the first answer: the prompt evaluated
+        ref: dict[int, dict[str, Any]] = {}  # the same again at once, before any swap
+        for turn in range(1 + ROUNDS):
+            for port, me, other, prompt in servers:
+                got = ask(turn, port, me, other, prompt)
+                if turn == 0:
+                    assert got["timings"]["cache_n"] == 0
+                    assert got["timings"]["prompt_n"] > 200
+                    cold[me] = got
+                    # Resident still (no one else asked): the reference for later turns,
+                    # computed the way they are, from the cached prefix.
+                    ref[me] = got = ask(turn, port, me, other, prompt)
+                # Weights and KV cache went to host memory and came back intact (the
+                # cache as the slot left it, in the same process): the same text, and the
+                # same token probabilities as the same computation before any swap.
+                from_cache(got, cold[me]["timings"]["prompt_n"])
+                assert got["content"] == cold[me]["content"]
+                off = deviation(got, ref[me])
+                print(f"  largest log-probability difference from the reference: {off:g}")
+                assert off <= TOLERANCE
+
+        rows = {r["name"]: r for r in who_json(arena) if r["member"]}
+        assert (rows["la"]["child_pid"], rows["lb"]["child_pid"]) == (a, b)  # never restarted
+        assert all(r["strategy"] == "checkpoint" for r in rows.values())
+        swaps = list(tokens.holders)
+
+        # Told to end, each ends cleanly: b (resident) at once, then a, which is restored
+        # first (its CUDA calls, those of its exit too, wait while it is checkpointed).
+        # One at a time: two members told to end at once hand the token back and forth.
+        run_b.send_signal(signal.SIGTERM)
+        assert run_b.wait(60) == 0
+        run_a.send_signal(signal.SIGTERM)
+        assert run_a.wait(120) == 0
+    finally:
+        tokens.stop.set()
+        sampler.stop.set()
+        tokens.join(5)
+        sampler.join(5)
+        for name in ("la", "lb"):
+            log = tmp_path / f"{name}.log"
+            if log.exists():
+                print(f"--- {name}:\n{log.read_text(errors='replace')}")
+    print("token holders:", tokens.holders, "NVML samples:", sampler.samples)
+    # a loaded, b started (a out), then a and b in turn for every round.
+    assert swaps == list(wrappers) * (2 + ROUNDS)
+    assert sampler.errors == []
+    assert sampler.samples > 50  # a second of sampling at least: CUDA's start alone takes more
+    assert sampler.overlaps(a, b) == []
