@@ -190,6 +190,27 @@ def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
     return proc
 
 
+def waiting_holder(spawn: Spawn, arena: Path) -> subprocess.Popen[str]:
+    """flock(1) as a waiter (want.lock shared, then token.lock), holding the token until its
+    stdin is closed; returns once it holds it. Residents see it waiting, as any member."""
+    proc = spawn(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def accepts(port: int) -> bool:
+    """Does something accept connections on the loopback port?"""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def token_free(arena: Path) -> bool:
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     return probe.returncode == 0

@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any, cast
 
-from gpu_worker import CHUNK, checksum, torch
+from gpu_worker import checksum, fill, torch
 
 STARTED = time.monotonic_ns()
 # Weights read for one cache entry, as 32-bit integers; the entry holds them as 64-bit
@@ -98,18 +98,6 @@ class Model:
             entries = len(self.cache)
             weights = checksum(self.weights)
         return {"pid": os.getpid(), "entries": entries, "weights": weights}
-
-
-def fill(gib: float, device: str, seed: int) -> list[Any]:
-    """``gib`` GiB of seeded random floats on ``device``, in tensors of CHUNK bytes."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    left = max(1, int(gib * (1 << 30)) // 4)  # floats
-    chunks = []
-    while left > 0:
-        n = min(CHUNK // 4, left)
-        chunks.append(torch.rand(n, generator=gen, device=device))
-        left -= n
-    return chunks
 
 
 class Server(ThreadingHTTPServer):

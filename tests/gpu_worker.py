@@ -43,8 +43,9 @@ def checksum(tensors: list[Any]) -> int:
     return total
 
 
-def fill(gib: float, device: str = "cuda") -> list[Any]:
-    gen = torch.Generator(device=device).manual_seed(1234)
+def fill(gib: float, device: str = "cuda", seed: int = 1234) -> list[Any]:
+    """``gib`` GiB of seeded random floats on ``device``, in tensors of CHUNK bytes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     left = int(gib * (1 << 30)) // 4  # float32s
     chunks = []
     while left > 0:

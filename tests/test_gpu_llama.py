@@ -20,7 +20,6 @@ from __future__ import annotations
 import http.client
 import importlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, free_ports, vramlock, wait_until, who_json
+from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who_json
 from test_gpu import GIB, gpu
-from test_gpu_run import TokenWatch
-from test_gpu_server import REQUEST_TIMEOUT, BothOnGpu, accepts, call, on_gpu
+from test_gpu_server import REQUEST_TIMEOUT, call, end_in_turn, on_gpu, watched
 
 LLAMA = os.environ.get("VRAMLOCK_LLAMA_CUDA", "")
 
@@ -143,12 +141,8 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_checkpoints(
     arena: Path, spawn: Spawn, tmp_path: Path, model: Path
 ) -> None:
     (arena / "token.lock").touch()
-    tokens = TokenWatch(arena)
-    tokens.start()
-    sampler = BothOnGpu()
-    sampler.start()
     listen_a, upstream_a, listen_b, upstream_b = free_ports(4)
-    try:
+    with watched(arena, tmp_path, ("la", "lb")) as (tokens, sampler):
         run_a = start(spawn, arena, tmp_path, model, "la", listen_a, upstream_a)
         healthy(listen_a)  # loaded, resident
         run_b = start(spawn, arena, tmp_path, model, "lb", listen_b, upstream_b)  # a checkpointed
@@ -212,24 +206,7 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_checkpoints(
         assert (rows["la"]["child_pid"], rows["lb"]["child_pid"]) == (a, b)  # never restarted
         assert all(r["strategy"] == "checkpoint" for r in rows.values())
         swaps = list(tokens.holders)
-
-        # Told to end, each ends cleanly: b (resident) at once, then a, which is restored
-        # first (its CUDA calls, those of its exit too, wait while it is checkpointed).
-        # One at a time: two members told to end at once hand the token back and forth.
-        run_b.send_signal(signal.SIGTERM)
-        assert run_b.wait(60) == 0
-        run_a.send_signal(signal.SIGTERM)
-        assert run_a.wait(120) == 0
-    finally:
-        tokens.stop.set()
-        sampler.stop.set()
-        tokens.join(5)
-        sampler.join(5)
-        for name in ("la", "lb"):
-            log = tmp_path / f"{name}.log"
-            if log.exists():
-                print(f"--- {name}:\n{log.read_text(errors='replace')}")
-    print("token holders:", tokens.holders, "NVML samples:", sampler.samples)
+        end_in_turn(run_b, run_a)
     # a loaded, b started (a out), then a and b in turn for every round.
     assert swaps == list(wrappers) * (2 + ROUNDS)
     assert sampler.errors == []

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, vramlock, wait_until, who_json
+from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
 from test_gpu import GIB, TRAINER, gpu
 
 from vramlock import cuda, nvml, procfs
@@ -140,12 +140,7 @@ def test_managed_memory_is_refused_unharmed(arena: Path, spawn: Spawn, options: 
 
 def test_restore_waits_for_free_vram_instead_of_wedging(arena: Path, spawn: Spawn) -> None:
     w = run_worker(spawn, arena, "--release", "checkpoint", "--min-hold", "0", gib="4")
-    holder = spawn(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    holder = waiting_holder(spawn, arena)
     assert cuda.process_state(w.pid) is cuda.ProcessState.CHECKPOINTED
     assert w.pid not in nvml.processes(0)  # verified: nothing of it left on the GPU
     big = ballast(spawn, leave_gib=2.5)  # a process that is no member takes the memory
@@ -183,12 +178,7 @@ def test_checkpoint_takes_a_two_gpu_program_off_both(spawn: Spawn) -> None:
     assert w.pid in nvml.processes(0) and w.pid in nvml.processes(1)
     gpu1 = Path(subprocess.run(vramlock("arena", "--gpu", "1"), capture_output=True,
                                text=True, check=True).stdout.strip())  # fmt: skip
-    holder = spawn(
-        ["flock", "-s", str(gpu1 / "want.lock"), "flock", "-x", str(gpu1 / "token.lock"),
-         "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    holder = waiting_holder(spawn, gpu1)
     assert cuda.process_state(w.pid) is cuda.ProcessState.CHECKPOINTED
     assert w.pid not in nvml.processes(0) and w.pid not in nvml.processes(1)
     (me,) = [r for r in who_json(gpu1.parent / "gpu0") if r["child_pid"] == w.pid]

@@ -16,16 +16,17 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, free_ports, vramlock, wait_until, who_json
+from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who_json
 from test_gpu import GIB, gpu
 from test_gpu_run import TokenWatch
 
@@ -80,12 +81,38 @@ def call(port: int, method: str, path: str, body: object = None) -> dict[str, An
     return answer
 
 
-def accepts(port: int) -> bool:
+@contextmanager
+def watched(
+    arena: Path, tmp_path: Path, names: tuple[str, str]
+) -> Iterator[tuple[TokenWatch, BothOnGpu]]:
+    """The token's holders (/proc/locks) and NVML, sampled while the body runs; then the
+    wrappers' logs (``tmp_path/NAME.log``) and what the witnesses saw are printed."""
+    tokens, sampler = TokenWatch(arena), BothOnGpu()
+    tokens.start()
+    sampler.start()
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
+        yield tokens, sampler
+    finally:
+        tokens.stop.set()
+        sampler.stop.set()
+        tokens.join(5)
+        sampler.join(5)
+        for name in names:
+            log = tmp_path / f"{name}.log"
+            if log.exists():
+                print(f"--- {name}:\n{log.read_text(errors='replace')}")
+        print("token holders:", tokens.holders, "NVML samples:", sampler.samples)
+
+
+def end_in_turn(resident: subprocess.Popen[str], released: subprocess.Popen[str]) -> None:
+    """Told to end, each wrapper ends cleanly: the resident one at once, then the
+    checkpointed one, which is restored first and only then gets the signal (its exit
+    path runs CUDA calls). One at a time here; both at once is tested without a GPU
+    (test_run.py)."""
+    resident.send_signal(signal.SIGTERM)
+    assert resident.wait(60) == 0
+    released.send_signal(signal.SIGTERM)
+    assert released.wait(120) == 0
 
 
 def start(
@@ -117,12 +144,8 @@ def test_two_checkpointed_servers_keep_weights_and_cache_across_swaps(
     arena: Path, spawn: Spawn, tmp_path: Path
 ) -> None:
     (arena / "token.lock").touch()
-    tokens = TokenWatch(arena)
-    tokens.start()
-    sampler = BothOnGpu()
-    sampler.start()
     listen_a, upstream_a, listen_b, upstream_b = free_ports(4)
-    try:
+    with watched(arena, tmp_path, ("sa", "sb")) as (tokens, sampler):
         run_a = start(spawn, arena, tmp_path, "sa", listen_a, upstream_a)
         assert call(listen_a, "GET", "/health") == {"status": "ok"}  # loaded, resident
         run_b = start(spawn, arena, tmp_path, "sb", listen_b, upstream_b)  # a is checkpointed
@@ -165,24 +188,7 @@ def test_two_checkpointed_servers_keep_weights_and_cache_across_swaps(
         assert (rows["sa"]["child_pid"], rows["sb"]["child_pid"]) == (a, b)  # never restarted
         assert all(r["strategy"] == "checkpoint" for r in rows.values())
         swaps = list(tokens.holders)
-
-        # Told to end, each ends cleanly: b (resident) at once, then a, which is restored
-        # first (its CUDA calls, those of its exit too, wait while it is checkpointed).
-        # One at a time: two members told to end at once hand the token back and forth.
-        run_b.send_signal(signal.SIGTERM)
-        assert run_b.wait(60) == 0
-        run_a.send_signal(signal.SIGTERM)
-        assert run_a.wait(120) == 0
-    finally:
-        tokens.stop.set()
-        sampler.stop.set()
-        tokens.join(5)
-        sampler.join(5)
-        for name in ("sa", "sb"):
-            log = tmp_path / f"{name}.log"
-            if log.exists():
-                print(f"--- {name}:\n{log.read_text()}")
-    print("token holders:", tokens.holders, "NVML samples:", sampler.samples)
+        end_in_turn(run_b, run_a)
     # a loaded, b started (a out), then a and b in turn for every round.
     assert swaps == list(wrappers) * (2 + ROUNDS)
     assert sampler.errors == []

@@ -10,7 +10,6 @@ caches.
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, free_ports, vramlock, wait_until
+from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until
 from test_llama_preset import PROMPT, call
 
 from vramlock import procfs
@@ -94,14 +93,6 @@ def start_pair(
     for port in listen:  # the wrapper binds its listen address before it queues
         wait_until(lambda p=port: accepts(p), timeout=30)  # type: ignore[misc]
     return listen, upstreams
-
-
-def accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def complete(port: int, prompt: str = PROMPT, *, loading_ok: bool = False) -> dict[str, Any]:

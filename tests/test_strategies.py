@@ -25,6 +25,7 @@ from conftest import (
     token_free,
     vramlock,
     wait_until,
+    waiting_holder,
     whats,
     who_json,
 )
@@ -349,12 +350,7 @@ def test_signals_wait_for_the_restore_where_the_strategy_defers_them(
     )
     job = spawn([sys.executable, "-c", code])
     wait_until(lambda: log.exists() and log.read_text() == "start\n")
-    holder = spawn(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    holder = waiting_holder(spawn, arena)
     job.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert log.read_text() == "start\nrelease\n"  # the trap has not run without the token
