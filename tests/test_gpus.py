@@ -159,6 +159,10 @@ def test_wait_takes_every_token_and_gives_them_back(spawn: Spawn) -> None:
         (["run", "--arena", "ARENA", "--gpu", "0,1", "--", "true"], "--arena names one arena"),
         (["wait", "--arena", "ARENA", "--gpu", "0,1"], "--arena names one arena"),
         (["wait", "--gpu", "0,1", "--fd", "0"], "--fd locks one descriptor"),
+        (["who", "--gpu", "0;1"], "--gpu: expected a GPU number"),
+        (["arena", "--gpu", "1,-2"], "--gpu: expected a GPU number"),
+        (["who", "--arena", "ARENA", "--gpu", "1,0"], "--arena names one arena"),
+        (["arena", "--arena", "ARENA", "--gpu", "0,1"], "--arena names one arena"),
     ],
 )
 def test_bad_gpu_lists_are_refused(tmp_path: Path, args: list[str], message: str) -> None:
@@ -182,3 +186,24 @@ def test_one_gpu_in_a_list_is_that_gpu(spawn: Spawn) -> None:
         vramlock("who", "--gpu", "1", "--json"), capture_output=True, text=True, timeout=30
     )
     assert json.loads(out.stdout)["members"][0]["pid"] == job.pid
+
+
+def test_who_and_arena_show_every_gpu_named(spawn: Spawn) -> None:
+    job = spawn(vramlock("run", "--gpu", "1,0", "--release", "none", "--", "sleep", "60"))
+    paths = subprocess.run(
+        vramlock("arena", "--gpu", "1,0"), capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert paths == [str(arena_of(0)), str(arena_of(1))]  # ascending, a line each
+    wait_until(lambda: locks(arena_of(1))[0] == [job.pid])
+    shown = subprocess.run(
+        vramlock("who", "--gpu", "1,0", "--json"), capture_output=True, text=True, check=True
+    ).stdout
+    documents = json.loads(shown)
+    assert [d["arena"] for d in documents] == paths
+    assert [[m["pid"] for m in d["members"]] for d in documents] == [[job.pid], [job.pid]]
+    plain = subprocess.run(
+        vramlock("who", "--gpu", "0,1"), capture_output=True, text=True, check=True
+    ).stdout
+    blocks = plain.split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == [f"arena {p}" for p in paths]
+    assert all("GPUs 1,0 together" in b for b in blocks)

@@ -24,6 +24,7 @@ from . import __version__
 from .errors import NotObtained, UsageError, VramlockError
 
 if TYPE_CHECKING:
+    from .arena import Arena
     from .demo import Demo
     from .roster import GpuView, Row
 
@@ -106,23 +107,13 @@ ArenaOpt = Annotated[
         show_default=False,
     ),
 ]
-GpuOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu",
-        min=0,
-        metavar="N",
-        help="Use GPU N's default arena (default: CUDA_VISIBLE_DEVICES if one index, else 0).",
-        show_default=False,
-    ),
-]
 GpusOpt = Annotated[
     str | None,
     typer.Option(
         "--gpu",
         metavar="N[,M...]",
         help="Use GPU N's default arena (default: CUDA_VISIBLE_DEVICES if one index, else 0);"
-        " with several GPUs, take each one's token, in ascending order.",
+        " N,M...: each of those GPUs' arenas, taken in ascending order.",
         show_default=False,
     ),
 ]
@@ -467,10 +458,32 @@ def _rich_table(path: str, rows: list[Row], now: float, view: GpuView | None = N
     return table
 
 
+def _arenas(arena: str | None, gpu: str | None) -> list[tuple[Arena, int | None]]:
+    """The arenas ``--arena``/``--gpu`` name (several GPUs: each one's, ascending), each with
+    the GPU whose memory to show: the arena's where that is known, else None (every GPU)."""
+    from .arena import Arena, default_gpu, locate, parse_gpus
+
+    gpus: list[int | None] = [*sorted(parse_gpus(gpu))] if gpu is not None else []
+    if arena and len(gpus) > 1:
+        raise UsageError(
+            "--arena names one arena; --gpu with several GPUs uses each one's default arena"
+        )
+    opened: list[tuple[Arena, int | None]] = []
+    try:
+        for g in gpus or [None]:
+            index = g if g is not None else (default_gpu() if locate(arena)[1] else None)
+            opened.append((Arena.open(arena, g), index))
+    except BaseException:
+        for a, _ in opened:
+            a.close()
+        raise
+    return opened
+
+
 @app.command()
 def who(
     arena: ArenaOpt = None,
-    gpu: GpuOpt = None,
+    gpu: GpusOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     watch: Annotated[
         bool, typer.Option("--watch", help="Refresh every second until Ctrl-C.")
@@ -479,15 +492,12 @@ def who(
     """Show who is resident, who waits and who is released, from kernel lock state."""
     from dataclasses import asdict
 
-    from .arena import Arena, default_gpu, locate
     from .roster import gpu_view, snapshot, with_vram
 
-    opened = Arena.open(arena, gpu)
+    arenas = _arenas(arena, gpu)
     tty = sys.stdout.isatty() and not as_json
-    # The GPU whose memory to show: the arena's, where that is known (else every GPU).
-    index = gpu if gpu is not None else (default_gpu() if locate(arena)[1] else None)
 
-    def frame() -> Any:
+    def one(opened: Arena, index: int | None) -> Any:
         rows, now, view = snapshot(opened), time.time(), gpu_view(index)
         if view is not None:
             rows = with_vram(rows, view)
@@ -496,9 +506,19 @@ def who(
         if as_json:
             members = [r.as_json(now) for r in rows]
             gpus = None if view is None else [asdict(g) for g in view.gpus]
-            document = {"arena": opened.path, "gpus": gpus, "members": members}
-            return json.dumps(document, indent=2, allow_nan=False)
+            return {"arena": opened.path, "gpus": gpus, "members": members}
         return _plain(opened.path, rows, now, view)
+
+    def frame() -> Any:
+        parts = [one(opened, index) for opened, index in arenas]
+        if tty:
+            from rich.console import Group
+
+            return parts[0] if len(parts) == 1 else Group(*parts)
+        if as_json:
+            # Several GPUs: an array of the one-arena documents, in GPU order.
+            return json.dumps(parts[0] if len(parts) == 1 else parts, indent=2, allow_nan=False)
+        return "\n\n".join(parts)
 
     try:
         if tty and watch:
@@ -521,22 +541,25 @@ def who(
     except KeyboardInterrupt:
         pass  # the end of --watch
     finally:
-        opened.close()
+        for opened, _ in arenas:
+            opened.close()
 
 
 @app.command("arena")
-def arena_path(arena: ArenaOpt = None, gpu: GpuOpt = None) -> None:
-    """Print the arena's directory, with its lock files created, for shell scripts."""
-    from .arena import Arena
+def arena_path(arena: ArenaOpt = None, gpu: GpusOpt = None) -> None:
+    """Print the arena's directory, with its lock files created, for shell scripts
+    (several GPUs: each one's, a line each)."""
     from .want import Token, Want
 
-    opened = Arena.open(arena, gpu)
+    arenas = _arenas(arena, gpu)
     try:
-        Token(opened).close()
-        Want(opened).close()
-        print(opened.path)
+        for opened, _ in arenas:
+            Token(opened).close()
+            Want(opened).close()
+            print(opened.path)
     finally:
-        opened.close()
+        for opened, _ in arenas:
+            opened.close()
 
 
 @app.command()
