@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import ArenaError, UnsupportedFilesystem, UsageError
@@ -59,6 +60,14 @@ def parse_gpus(text: str, option: str = "--gpu") -> tuple[int, ...]:
     if len(out) > MAX_GPUS:
         raise UsageError(f"{option}: {len(out)} GPUs named; at most {MAX_GPUS}")
     return tuple(out)
+
+
+def one_arena_or_gpus(arena: str | None, gpus: Sequence[int | None]) -> None:
+    """``--arena`` names one arena: it cannot stand for several GPUs."""
+    if arena and len(gpus) > 1:
+        raise UsageError(
+            "--arena names one arena; --gpu with several GPUs uses each one's default arena"
+        )
 
 
 def default_base() -> str:

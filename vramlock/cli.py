@@ -461,13 +461,10 @@ def _rich_table(path: str, rows: list[Row], now: float, view: GpuView | None = N
 def _arenas(arena: str | None, gpu: str | None) -> list[tuple[Arena, int | None]]:
     """The arenas ``--arena``/``--gpu`` name (several GPUs: each one's, ascending), each with
     the GPU whose memory to show: the arena's where that is known, else None (every GPU)."""
-    from .arena import Arena, default_gpu, locate, parse_gpus
+    from .arena import Arena, default_gpu, locate, one_arena_or_gpus, parse_gpus
 
     gpus: list[int | None] = [*sorted(parse_gpus(gpu))] if gpu is not None else []
-    if arena and len(gpus) > 1:
-        raise UsageError(
-            "--arena names one arena; --gpu with several GPUs uses each one's default arena"
-        )
+    one_arena_or_gpus(arena, gpus)
     opened: list[tuple[Arena, int | None]] = []
     try:
         for g in gpus or [None]:

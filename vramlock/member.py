@@ -20,7 +20,7 @@ from contextlib import closing, contextmanager
 from types import FrameType
 
 from . import lockfd
-from .arena import Arena
+from .arena import Arena, one_arena_or_gpus
 from .errors import NotObtained, UsageError
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
@@ -405,10 +405,7 @@ def wait(
     if len(gpus) > 1:
         if fd is not None:
             raise UsageError("--fd locks one descriptor of one arena's token: give one GPU")
-        if arena is not None:
-            raise UsageError(
-                "--arena names one arena; --gpu with several GPUs uses each one's default arena"
-            )
+        one_arena_or_gpus(arena, gpus)
         _wait_all([g for g in gpus if g is not None], timeout=timeout, passive=passive)
         return
     with harmless_signals(), closing(Arena.open(arena, gpus[0])) as opened:

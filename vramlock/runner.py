@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from . import demand as demands
 from . import strategies
-from .arena import Arena, default_gpu
+from .arena import Arena, default_gpu, one_arena_or_gpus
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
@@ -130,10 +130,7 @@ class RunOptions:
         """Reject option mixes that cannot work, before anything is locked or started."""
         if not self.command:
             raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
-        if self.arena and len(self.gpus) > 1:
-            raise UsageError(
-                "--arena names one arena; --gpu with several GPUs uses each one's default arena"
-            )
+        one_arena_or_gpus(self.arena, self.gpus)
         self.release = strategies.check(self.release, self.settings, self.command)
         demands.check(self.demand)
         self._check_listen()
