@@ -31,6 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from netutil import accepts, free_ports  # noqa: E402
+
 REQUEST = b"GET /x HTTP/1.1\r\nHost: bench\r\n\r\n"
 
 
@@ -110,25 +114,6 @@ def wait_for(what: Callable[[], bool], timeout: float) -> None:
         if time.monotonic() > end:
             raise SystemExit("the wrapped server did not come up")
         time.sleep(0.05)
-
-
-def accepts(port: int) -> bool:
-    try:
-        connect(port).close()
-        return True
-    except OSError:
-        return False
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def main() -> int:

@@ -38,8 +38,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
+from netutil import accepts  # noqa: E402
 
 MODES = {
     "restart": ["--release", "restart"],
@@ -71,14 +73,6 @@ def request(port: int, prompt: str) -> dict[str, Any]:
         if status != 503 or time.monotonic() > end:
             raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
         time.sleep(0.02)  # loading its model: what a client of restart has to do
-
-
-def accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def run_mode(mode: str, binary: str, model: str, ctx: int, n: int) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from netutil import accepts as accepts
+from netutil import free_port as free_port
+from netutil import free_ports as free_ports
 
 from vramlock.procfs import descendants, proc_stat
 
@@ -202,13 +204,38 @@ def waiting_holder(spawn: Spawn, arena: Path) -> subprocess.Popen[str]:
     return proc
 
 
-def accepts(port: int) -> bool:
-    """Does something accept connections on the loopback port?"""
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
+# -- the real llama-server (CPU) that tools/llama_server.py builds and caches ----------
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def llama_binary() -> Path | None:
+    """The cached llama-server, or None; built first (minutes) with VRAMLOCK_BUILD_LLAMA=1."""
+    import llama_server
+
+    found: Path | None = llama_server.cached_binary()
+    if found is None and os.environ.get("VRAMLOCK_BUILD_LLAMA") == "1":
+        found = llama_server.ensure()
+    return found
+
+
+def needs_llama(binary: Path | None) -> pytest.MarkDecorator:
+    import llama_server
+
+    return pytest.mark.skipif(
+        binary is None,
+        reason=f"no llama-server built in {llama_server.cache_dir()}: run "
+        "`python tools/llama_server.py` or set VRAMLOCK_BUILD_LLAMA=1",
+    )
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    """The tiny random-weight model the llama-server tests load (tools/tiny_gguf.py)."""
+    import tiny_gguf  # numpy and gguf load only when a server will run
+
+    path: Path = tiny_gguf.cached_model()
+    return path
 
 
 def token_free(arena: Path) -> bool:
@@ -241,19 +268,3 @@ def run_worker(
     wait_until(lambda: whats(log, name) == ["start"])
     wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who_json(arena)))
     return job
-
-
-def free_ports(n: int = 2) -> list[int]:
-    """``n`` distinct loopback ports that were free an instant ago."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]

@@ -21,13 +21,12 @@ import http.client
 import importlib
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who_json
+from conftest import Spawn, accepts, free_ports, vramlock, wait_until, who_json
 from test_gpu import GIB, gpu
 from test_gpu_server import REQUEST_TIMEOUT, call, end_in_turn, on_gpu, watched
 
@@ -50,8 +49,6 @@ pytestmark = [
     pytest.mark.skipif(_NO_LLAMA is not None, reason=f"needs a CUDA llama-server: {_NO_LLAMA}"),
     pytest.mark.timeout(300),
 ]
-
-sys.path.insert(0, str(ROOT / "tools"))
 
 ROUNDS = 3
 # Several hundred tokens each, and different, so a reused prefix is unmistakable.

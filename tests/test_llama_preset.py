@@ -13,36 +13,26 @@ import http.client
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, free_port, vramlock, wait_until, who_json
+from conftest import (
+    Spawn,
+    free_port,
+    llama_binary,
+    needs_llama,
+    vramlock,
+    wait_until,
+    who_json,
+)
 from test_http import Witness
 
-sys.path.insert(0, str(ROOT / "tools"))
-import llama_server
+BINARY = llama_binary()
 
-BINARY = llama_server.cached_binary()
-
-pytestmark = [
-    pytest.mark.skipif(
-        BINARY is None,
-        reason=f"no llama-server built in {llama_server.cache_dir()}: run "
-        "`python tools/llama_server.py` or set VRAMLOCK_BUILD_LLAMA=1 for test_llama_server.py",
-    ),
-    pytest.mark.timeout(120),
-]
+pytestmark = [needs_llama(BINARY), pytest.mark.timeout(120)]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    import tiny_gguf  # numpy and gguf load only when a server will run
-
-    return tiny_gguf.cached_model()
 
 
 def call(port: int, method: str, path: str, body: object = None) -> tuple[int, Any]:

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,34 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, free_port
+from conftest import Spawn, free_port, llama_binary, needs_llama
 
-sys.path.insert(0, str(ROOT / "tools"))
-import llama_server
+BINARY = llama_binary()
 
-BINARY = llama_server.cached_binary()
-if BINARY is None and os.environ.get("VRAMLOCK_BUILD_LLAMA") == "1":
-    BINARY = llama_server.ensure()
-
-pytestmark = [
-    pytest.mark.skipif(
-        BINARY is None,
-        reason=f"no llama-server built in {llama_server.cache_dir()}: run "
-        "`python tools/llama_server.py` or set VRAMLOCK_BUILD_LLAMA=1",
-    ),
-    pytest.mark.timeout(60),
-]
+pytestmark = [needs_llama(BINARY), pytest.mark.timeout(60)]
 
 # Long enough that a reused prefix is unmistakable, short enough for a 1024-token context.
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 READY_TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="session")
-def model() -> Path:
-    import tiny_gguf  # numpy and gguf load only when a server will run
-
-    return tiny_gguf.cached_model()
 
 
 @dataclass

@@ -10,7 +10,6 @@ caches.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,28 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until
+from conftest import (
+    Spawn,
+    accepts,
+    free_ports,
+    llama_binary,
+    needs_llama,
+    vramlock,
+    wait_until,
+)
 from test_llama_preset import PROMPT, call
 
 from vramlock import procfs
 
-sys.path.insert(0, str(ROOT / "tools"))
-import llama_server
+BINARY = llama_binary()
 
-BINARY = llama_server.cached_binary()
-
-pytestmark = [
-    pytest.mark.skipif(BINARY is None, reason="no llama-server built: run tools/llama_server.py"),
-    pytest.mark.timeout(180),
-]
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    import tiny_gguf
-
-    path: Path = tiny_gguf.cached_model()
-    return path
+pytestmark = [needs_llama(BINARY), pytest.mark.timeout(180)]
 
 
 class BothAlive(threading.Thread):
