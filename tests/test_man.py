@@ -1,7 +1,9 @@
-"""The man pages in man/ must match the command line: every command and option, nothing stale.
+"""The man pages in man/ must match the command line: every command and option, every
+default, nothing stale.
 
 The command tree comes from the CLI itself (``typer.main.get_command``), so adding, renaming
-or removing a command or an option fails here until man/ says the same.
+or removing a command or an option, or changing a default, fails here until man/ says the
+same. man/ is laid out as a manual tree (man1/, man7/), as it is installed.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ import typer.main
 from typer.core import TyperGroup
 
 import vramlock.cli
+from vramlock import runner
+from vramlock.cli import parse_duration
 
 MAN = Path(__file__).resolve().parent.parent / "man"
-OVERVIEW = MAN / "vramlock.1"
+OVERVIEW = MAN / "man1" / "vramlock.1"
+# How strategies and demands work, out of vramlock-run(1) to keep that page to its options.
+STRATEGIES = MAN / "man7" / "vramlock-strategies.7"
 
 # Added by click/typer to every command; documented, but not required.
 HELP_OPTS = frozenset({"-h", "--help"})
@@ -66,7 +72,7 @@ def _options(name: str | None) -> list[str]:
 
 
 def _page(name: str | None) -> Path:
-    return OVERVIEW if name is None else MAN / f"vramlock-{name}.1"
+    return OVERVIEW if name is None else MAN / "man1" / f"vramlock-{name}.1"
 
 
 def _normalise(line: str) -> str:
@@ -152,9 +158,25 @@ def test_overview_lists_every_command(name: str) -> None:
 
 
 def test_no_stale_pages() -> None:
-    expected = {OVERVIEW.name} | {_page(name).name for name in COMMANDS}
-    pages = {p.name for p in MAN.glob("*.1")}
+    expected = {OVERVIEW, STRATEGIES} | {_page(name) for name in COMMANDS}
+    pages = {p for p in MAN.rglob("*") if p.is_file()}
     assert not pages - expected, f"man pages for no command: {sorted(pages - expected)}"
+
+
+_REFERENCE = re.compile(r"^\.BR (vramlock[\w-]*) \((\d)\)")
+
+
+@pytest.mark.parametrize("page", [OVERVIEW, STRATEGIES, *map(_page, COMMANDS)], ids=str)
+def test_references_name_pages_that_exist(page: Path) -> None:
+    """Every vramlock page a page refers to (``.BR vramlock-run (1)``) is in man/."""
+    refs = [m.groups() for m in map(_REFERENCE.match, _lines(page)) if m]
+    missing = [f"{n}({s})" for n, s in refs if not (MAN / f"man{s}" / f"{n}.{s}").is_file()]
+    assert not missing, f"{page.name} refers to pages that do not exist: {missing}"
+
+
+def test_run_page_refers_to_the_strategies_page() -> None:
+    see_also = _text(_sections(_page("run"))["SEE ALSO"])
+    assert _mentions(see_also, "vramlock-strategies"), "vramlock-run.1: SEE ALSO lacks it"
 
 
 @pytest.mark.parametrize("name", [None, *COMMANDS], ids=["vramlock", *COMMANDS])
@@ -171,10 +193,19 @@ def test_page_structure(name: str | None) -> None:
     assert name_line.startswith(f"{page.stem} - "), f"{page.name}: NAME is {name_line!r}"
 
 
+def test_strategies_page_structure() -> None:
+    title = next((ln.split() for ln in _lines(STRATEGIES) if ln.startswith(".TH")), [])
+    assert title[1:3] == [STRATEGIES.stem.upper(), "7"], f"bad .TH line {title}"
+    sections = _sections(STRATEGIES)
+    assert {"NAME", "DESCRIPTION", "SEE ALSO"} <= set(sections), sorted(sections)
+    assert _text(sections["NAME"]).strip().startswith(f"{STRATEGIES.stem} - ")
+
+
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
-@pytest.mark.parametrize("name", [None, *COMMANDS], ids=["vramlock", *COMMANDS])
-def test_page_renders_without_warnings(name: str | None) -> None:
-    page = _page(name)
+@pytest.mark.parametrize(
+    "page", [OVERVIEW, STRATEGIES, *map(_page, COMMANDS)], ids=lambda p: p.name
+)
+def test_page_renders_without_warnings(page: Path) -> None:
     if not page.is_file():
         pytest.skip(f"missing man page {page} (reported by another test)")
     done = subprocess.run(
@@ -185,3 +216,97 @@ def test_page_renders_without_warnings(name: str | None) -> None:
         check=False,
     )
     assert done.returncode == 0 and not done.stderr, f"{page.name}: {done.stderr}"
+
+
+# -- defaults: the page states what the code does --------------------------------------------
+
+# Options whose parameter default is None because the real one is applied further in; their
+# help text says "(default X)", and X must be the code's value.
+APPLIED_DEFAULTS = {
+    ("run", "--idle"): runner.DEFAULT_IDLE,
+    ("run", "--ready-within"): runner.DEFAULT_READY_WITHIN,
+}
+_HELP_DEFAULT = re.compile(r"\(default (\S+?)\)")
+
+
+def _entry(name: str | None, option: str) -> str:
+    """The OPTIONS entry of ``option``: its .TP tag to the next option's tag, as one line."""
+    lines = _sections(_page(name)).get("OPTIONS", [])
+    start = None
+    for i, line in enumerate(lines[:-1]):
+        if line.split()[:1] != [".TP"]:
+            continue
+        tag_options = _OPTION_TOKEN.findall(lines[i + 1])
+        if start is not None and tag_options:
+            return " ".join(lines[start:i])
+        if start is None and option in tag_options:
+            start = i
+    assert start is not None, f"{_page(name).name}: no entry for {option}"
+    return " ".join(lines[start:])
+
+
+def _stated_defaults() -> list[tuple[str | None, str, str]]:
+    """(command, option, default) for every option with a default: the parameter's, or
+    the one its help text states."""
+    found = []
+    for name in [None, *COMMANDS]:
+        command = _root() if name is None else _root().commands[name]
+        for param in command.params:
+            if param.param_type_name != "option" or getattr(param, "is_flag", False):
+                continue
+            if param.default is not None:
+                found.append((name, param.opts[-1], str(param.default)))
+            elif m := _HELP_DEFAULT.search(getattr(param, "help", None) or ""):
+                found.append((name, param.opts[-1], m.group(1)))
+    return found
+
+
+DEFAULTS = _stated_defaults()
+
+
+def test_defaults_are_found() -> None:
+    assert ("run", "--min-hold", "100ms") in DEFAULTS  # the walk sees parameter defaults
+    assert ("run", "--idle", "300ms") in DEFAULTS  # and the ones help states
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "default"), DEFAULTS, ids=[f"{n} {o}" for n, o, _ in DEFAULTS]
+)
+def test_every_default_is_stated(name: str | None, option: str, default: str) -> None:
+    entry = _entry(name, option)
+    assert f"The default is {default}." in entry, (
+        f"{_page(name).name}: {option} does not say 'The default is {default}.'"
+    )
+
+
+@pytest.mark.parametrize(("key", "value"), APPLIED_DEFAULTS.items(), ids=str)
+def test_help_defaults_are_the_code_s(key: tuple[str, str], value: float) -> None:
+    stated = {(n, o): d for n, o, d in DEFAULTS}
+    assert key in stated, f"{key}: the help text states no default"
+    assert parse_duration(stated[key], key[1]) == value
+
+
+def test_every_help_default_is_pinned() -> None:
+    """A default that help states but the parameter does not hold must be in APPLIED_DEFAULTS."""
+    root = _root()
+    unpinned = [
+        (name, param.opts[-1])
+        for name in COMMANDS
+        for param in root.commands[name].params
+        if param.default is None
+        and _HELP_DEFAULT.search(getattr(param, "help", None) or "")
+        and (name, param.opts[-1]) not in APPLIED_DEFAULTS
+    ]
+    assert not unpinned, f"help states defaults the tests do not check: {unpinned}"
+
+
+def test_overview_states_the_probe_interval() -> None:
+    text = " ".join(_lines(OVERVIEW))
+    assert f"at least every {runner.PROBE_INTERVAL * 1000:g}\\ ms" in text
+    assert f"({runner.PROBE_INTERVAL_NO_HINT * 1000:g}\\ ms without inotify)" in text
+
+
+def test_who_example_has_every_column() -> None:
+    example = _sections(_page("who"))["EXAMPLES"]
+    header = next(line for line in example if line.startswith("STATE "))
+    assert tuple(header.split()) == vramlock.cli._COLUMNS
