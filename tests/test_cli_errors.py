@@ -558,3 +558,49 @@ def test_stdout_on_a_full_disk(
         os.close(full)
     assert out.code == OWN_FAILURE
     assert out.stderr == "vramlock: cannot write the output: No space left on device\n"
+
+
+# A name that would recolour the terminal, start a line of its own, ring the bell and turn
+# the rest of the line around, were it written as it is.
+HOSTILE = "x\x1b[31m\nEVIL\x07\u202e"
+
+
+def _no_raw_controls(line: str) -> bool:
+    return all(c.isprintable() for c in line)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["who", "--arena", f"/nonexistent/{HOSTILE}"],
+        ["wait", "-n", "--arena", f"/nonexistent/{HOSTILE}"],
+        ["run", "--arena", "{arena}", "--", f"/no/such/{HOSTILE}"],
+        ["run", "--arena", "{arena}", "--", HOSTILE],
+        ["run", "--arena", "{arena}", "--release", HOSTILE, "--", "true"],
+        ["run", "--arena", "{arena}", "--demand", HOSTILE, "--", "true"],
+        ["run", "--arena", "{arena}", "--min-hold", HOSTILE, "--", "true"],
+        ["run", f"--bogus{HOSTILE}"],
+        [f"bogus{HOSTILE}"],
+    ],
+    ids=[
+        "who-arena",
+        "wait-arena",
+        "command-path",
+        "command",
+        "release",
+        "demand",
+        "duration",
+        "option",
+        "subcommand",
+    ],
+)
+def test_hostile_names_are_escaped(errcli: ErrCli, err_arena: Path, args: list[str]) -> None:
+    """What the user gave (a path, a command, a name) reaches stderr escaped: one line, no
+    raw control character, escape sequence or bidi override."""
+    out = errcli(*(a.replace("{arena}", str(err_arena)) for a in args))
+    detail = f"args={out.args!r} code={out.code} stderr={out.stderr!r}"
+    assert out.code not in (0, 1) and "Traceback" not in out.stderr, detail
+    lines = out.stderr.split("\n")
+    assert len(lines) == 2 and lines[1] == "", detail  # one line, ended by its newline
+    assert lines[0].startswith("vramlock: ") and "EVIL" in lines[0], detail
+    assert _no_raw_controls(lines[0]), detail

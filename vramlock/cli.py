@@ -167,10 +167,17 @@ def _conflict(err: NotObtained, code: int) -> NoReturn:
     raise err
 
 
+# A message names paths, commands and values as the user gave them: room for a long path.
+_MESSAGE_MAX = 8192
+
+
 def _warn(message: str) -> None:
-    """A diagnostic from a running wrapper: one line on stderr, if stderr still takes it."""
+    """A diagnostic or an error: one line on stderr, if stderr still takes it. What the
+    user typed (a path, a command) may hold escapes or newlines: they are written escaped."""
+    from .roster import printable
+
     try:
-        print(f"vramlock: {message}", file=sys.stderr, flush=True)
+        print(f"vramlock: {printable(message, _MESSAGE_MAX)}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass  # stderr closed or broken: the wrapper goes on without it
 
