@@ -11,8 +11,11 @@ import fcntl
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -147,6 +150,89 @@ def test_shell_completion(words: str, cword: int, expected: list[str]) -> None:
     out = subprocess.run(vramlock(), env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0
     assert out.stdout.split() == expected
+
+
+@pytest.mark.parametrize(
+    ("shell", "mark"),
+    [("zsh", "#compdef vramlock"), ("fish", "complete --command vramlock"),
+     ("bash", "complete -o default -F _vramlock_completion vramlock")],
+)  # fmt: skip
+def test_show_completion_for_the_shell_named(shell: str, mark: str) -> None:
+    """Run from bash, which typer would detect: the shell named wins."""
+    line = shlex.join(vramlock("--show-completion", shell)) + "; exit $?"  # bash stays the parent
+    out = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (0, "")
+    assert mark in out.stdout
+
+
+def test_install_completion_for_the_shell_named(tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path))
+    line = shlex.join(vramlock("--install-completion", "fish")) + "; exit $?"
+    out = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    script = tmp_path / ".config" / "fish" / "completions" / "vramlock.fish"
+    assert "complete --command vramlock" in script.read_text()
+    assert not (tmp_path / ".bashrc").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(["--show-completion", "tcsh"], "unknown shell 'tcsh'"),
+     (["--show-completion", "zsh", "x"], "unexpected argument 'x'")],
+)  # fmt: skip
+def test_completion_for_a_bad_shell_is_a_usage_error(args: list[str], fragment: str) -> None:
+    out = subprocess.run(vramlock(*args), capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.startswith("vramlock: ") and fragment in out.stderr
+
+
+# -- what the wheel installs ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from this tree, checked, then installed under a prefix of its own,
+    laid out as a virtual environment (or uv's tool environment) is."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
+                    str(ROOT)], check=True, timeout=300, stdout=subprocess.DEVNULL)  # fmt: skip
+    (wheel,) = out.glob("vramlock-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert "vramlock/py.typed" in names  # a typed library: mypy reads its annotations
+    data = "-".join(wheel.name.split("-")[:2]) + ".data/data/share/man"
+    pages = {n.removeprefix(data + "/") for n in names if n.startswith(data + "/")}
+    in_tree = {str(p.relative_to(ROOT / "man")) for p in (ROOT / "man").rglob("*.[0-9]")}
+    assert pages == in_tree, "the wheel must install man/ as a manual tree, section by section"
+    root = out / "prefix"
+    # --ignore-installed: without it pip would first uninstall the vramlock under test.
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--ignore-installed", "--prefix", str(root), str(wheel)], check=True,
+                   timeout=300, stdout=subprocess.DEVNULL)  # fmt: skip
+    return root
+
+
+def _man_path(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(["man", "-w", *args], env=env, capture_output=True, text=True,
+                          timeout=30, check=False)  # fmt: skip
+    return done.stdout.strip()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
+@pytest.mark.parametrize("page", ["vramlock", "vramlock-run", "vramlock-strategies"])
+def test_man_finds_the_installed_pages(prefix: Path, page: str) -> None:
+    """An activated environment: man finds its pages from PATH. Elsewhere (uv tool
+    install links only the executable): the README's MANPATH line."""
+    env = {k: v for k, v in os.environ.items() if k != "MANPATH"}
+    section = "7" if page == "vramlock-strategies" else "1"
+    want = str(prefix / "share" / "man" / f"man{section}" / f"{page}.{section}")
+    activated = dict(env, PATH=f"{prefix / 'bin'}{os.pathsep}{env['PATH']}")
+    assert _man_path(activated, page) == want
+    readme = (ROOT / "README.md").read_text()
+    assert 'export MANPATH="$(uv tool dir)/vramlock/share/man:"' in readme
+    assert _man_path(dict(env, MANPATH=f"{prefix / 'share' / 'man'}:"), page) == want
 
 
 # -- README and CI --------------------------------------------------------------------------

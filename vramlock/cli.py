@@ -665,10 +665,46 @@ def _discard(stream: TextIO) -> None:
         os.close(null)
 
 
+# typer's, for --show-completion and --install-completion.
+_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _completion_for_named_shell(command: Any, argv: list[str]) -> int | None:
+    """``vramlock --show-completion zsh`` (or ``--install-completion``, or ``=zsh``).
+
+    typer's options take no value and detect the shell that started us, so from bash the
+    word ``zsh`` was ignored and bash's script printed; a shell named here wins."""
+    option, _, shell = (argv[0] if argv else "").partition("=")
+    if option not in ("--show-completion", "--install-completion"):
+        return None
+    rest = argv[1:]
+    if not shell:
+        if not rest:
+            return None  # the option alone: typer detects the shell
+        shell, rest = rest[0], rest[1:]
+    if rest:
+        raise UsageError(f"{option}: unexpected argument {rest[0]!r} after the shell")
+    if shell not in _SHELLS:
+        raise UsageError(f"{option}: unknown shell {shell!r} (one of {', '.join(_SHELLS)})")
+    from typer.completion import install_callback, show_callback
+
+    callback = show_callback if option == "--show-completion" else install_callback
+    param = next(p for p in command.params if option in p.opts)
+    with typer.Context(command, info_name="vramlock") as ctx:
+        try:
+            callback(ctx, param, shell)
+        except SystemExit as end:  # how typer's callbacks finish
+            return int(end.code or 0)
+    return 0
+
+
 def _run(argv: list[str] | None) -> int:
     command = typer.main.get_command(app)
     click_error = _click_exception_class()
     try:
+        named = _completion_for_named_shell(command, sys.argv[1:] if argv is None else argv)
+        if named is not None:
+            return named
         code = command.main(args=argv, prog_name="vramlock", standalone_mode=False)
     except VramlockError as err:
         _warn(str(err))
