@@ -598,21 +598,68 @@ def demo(
         raise typer.Exit(130)
 
 
-def _demo_live(show: Demo) -> None:
-    from rich.console import Group
-    from rich.live import Live
+# The demo's table leaves out what a simulated program has not (VRAM) or what tells a
+# newcomer nothing (NOTE), and each path in a command line shows as its base name, so
+# that a member is one row at 80 columns.
+_DEMO_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "COMMAND")
+_TIMELINE = 60
+
+
+def _short_command(command: str) -> str:
+    return " ".join(os.path.basename(w) if "/" in w else w for w in command.split(" "))
+
+
+def _demo_table(path: str, rows: list[Row], now: float) -> Any:
+    from rich.table import Table
     from rich.text import Text
 
-    def frame() -> Any:
-        strip = Text("token  ")
-        for name in show.timeline(width=60):
-            strip.append("█" if name else "·", style=show.color(name))
-        legend = Text("       ")
-        for name in show.names:
-            legend.append(f"█ {name}  ", style=show.color(name))
-        return Group(_rich_table(show.arena, show.snapshot(), time.time()), strip, legend)
+    from .demo import WIDTH
 
-    with Live(frame(), auto_refresh=False) as live:
+    picked = [_COLUMNS.index(c) for c in _DEMO_COLUMNS[:-1]]
+    cells = [[_cells(row, now)[i] for i in picked] for row in rows]
+    columns = zip(_DEMO_COLUMNS[:-1], *cells, strict=True)
+    widths = [max(len(c) for c in column) for column in columns]
+    # Each column takes its text and 3 cells of rule and padding, plus the closing rule:
+    # the command gets the rest, and is cut, not wrapped.
+    rest = WIDTH - sum(widths) - 3 * len(_DEMO_COLUMNS) - 1
+    table = Table(title=Text(_title(path)), title_justify="left", expand=False)
+    for col in _DEMO_COLUMNS[:-1]:
+        table.add_column(col, no_wrap=True)
+    table.add_column(_DEMO_COLUMNS[-1], no_wrap=True, overflow="ellipsis", max_width=rest)
+    for row, texts in zip(rows, cells, strict=True):
+        table.add_row(
+            *(Text(c) for c in [*texts, _short_command(row.command)]),
+            style=_STYLE.get(row.state),
+        )
+    return table
+
+
+def demo_frame(show: Demo, rows: list[Row], now: float) -> Any:
+    """What the demo shows on a terminal: the members, who held the token when, a legend."""
+    from rich.console import Group
+    from rich.text import Text
+
+    strip = Text("token  ")
+    for name in show.timeline(width=_TIMELINE):
+        strip.append("█" if name else "·", style=show.color(name))
+    legend = Text("       ")
+    for name in show.names:
+        legend.append(f"█ {name} ", style=show.color(name))
+    return Group(_demo_table(show.arena, rows, now), strip, legend)
+
+
+def _demo_live(show: Demo) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from .demo import WIDTH
+
+    def frame() -> Any:
+        return demo_frame(show, show.snapshot(), time.time())
+
+    # Never wider than the layout: on a wide terminal the table stays as it is designed.
+    console = Console(width=min(Console().width, WIDTH))
+    with Live(frame(), console=console, auto_refresh=False) as live:
         while show.running():
             time.sleep(0.2)
             live.update(frame(), refresh=True)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 from .arena import Arena
@@ -25,6 +26,7 @@ NAMES = ("llama", "comfy", "trainer", "vllm", "whisper", "sglang", "ollama", "to
 COLORS = ("green", "magenta", "cyan", "yellow", "blue", "red", "white", "bright_green")
 STEP = 0.02  # one simulated kernel launch
 OFFLOAD = 0.03  # simulated copy of the program's memory to the host, and back
+WIDTH = 80  # the demo's output fits a plain terminal
 
 
 def _log(fd: int, name: str, what: str) -> None:
@@ -147,17 +149,19 @@ class Demo:
         return slots
 
     def stop(self) -> str:
+        """End the programs and sum up the time run (shorter than asked when interrupted)."""
         self._stopped = time.monotonic()
+        ran = min(self.elapsed(), self.seconds)
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         codes = [p.wait() for p in self.procs]
         self._arena.close()
-        summary = self.summary(codes)
+        summary = self.summary(codes, ran)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return summary
 
-    def summary(self, codes: list[int]) -> str:
+    def summary(self, codes: list[int], ran: float) -> str:
         events = self._events()
         gaps, resident = [], dict.fromkeys(self.names, 0.0)
         last_leave: tuple[float, str] | None = None
@@ -174,17 +178,14 @@ class Demo:
         for name, since in entered.items():  # still resident when the demo ended
             resident[name] += self._stopped - since
         total = sum(resident.values()) or 1.0
-        lines = [
-            f"{len(gaps)} handoffs in {self.seconds:g} s between {len(self.names)} programs",
-        ]
+        lines = [f"{len(gaps)} handoffs in {round(ran, 1):g} s between {len(self.names)} programs"]
         if gaps:
             lines.append(
                 f"median handoff {statistics.median(gaps) * 1000:.1f} ms"
-                " (one program's memory freed -> the next one starts loading)"
+                " (memory freed -> the next program starts loading)"
             )
-        lines.append(
-            "GPU share: " + ", ".join(f"{n} {resident[n] / total:.0%}" for n in self.names)
-        )
+        share = ", ".join(f"{n} {resident[n] / total:.0%}" for n in self.names)
+        lines.append(textwrap.fill(f"GPU share: {share}", WIDTH, subsequent_indent=" " * 11))
         bad = [c for c in codes if c not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         if bad:
             lines.append(f"warning: members exited with {bad}")
