@@ -9,6 +9,7 @@ residents at once, whatever vramlock believes about itself.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -360,15 +361,27 @@ def test_signals_wait_for_the_restore_where_the_strategy_defers_them(
     assert log.read_text() == "start\nrelease\nrestore\nterm\n"
 
 
-def test_auto_says_once_that_the_command_cannot_release(arena: Path, spawn: Spawn) -> None:
-    job = spawn(vramlock("run", "--arena", str(arena), "--", "sleep", "3"))
-    wait_until(lambda: (arena / "token.lock").exists())
-    for _ in range(2):
-        waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "1.2"), timeout=30)
-        assert waiter.returncode == 1
-    _, err = job.communicate(timeout=30)
-    assert job.returncode == 0
-    assert err.count("--release auto found no way to release it") == 1, err
+def test_auto_says_once_that_the_command_cannot_release(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Events, not clocks: the command holds the GPU until the test ends it, the first
+    waiter stays until the warning has come, and a second one is given a second of probes
+    in which no other warning may come."""
+    up = tmp_path / "up"
+    command = ["sh", "-c", f"echo > {up}; exec cat > /dev/null"]  # ends when stdin does
+    job = spawn(vramlock("run", "--arena", str(arena), "--", *command), stdin=subprocess.PIPE)
+    wait_until(up.exists)  # the command runs, so its wrapper holds the token
+    first = spawn(vramlock("wait", "--arena", str(arena)))
+    assert job.stderr is not None and job.stdin is not None
+    ready, _, _ = select.select([job.stderr], [], [], 30)
+    assert ready, "no warning within 30 s of somebody waiting"
+    assert "--release auto found no way to release it" in job.stderr.readline()
+    kill_group(first)
+    again = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "1"), timeout=30)
+    assert again.returncode == 1  # the command still holds the GPU: it was asked, not ended
+    job.stdin.close()
+    assert job.wait(30) == 0
+    assert job.stderr.read() == ""  # and no second warning
 
 
 # -- each strategy's ordinary behaviour ---------------------------------------------
