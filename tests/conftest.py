@@ -3,6 +3,7 @@ process a test starts is reaped by the end of it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,15 +29,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    # What the test's processes make in TMPDIR (llama-server's slot directories) stays in
+    # the test's own directory, where it is checked for below.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(scratch))
     monkeypatch.delenv("VRAMLOCK_ARENA", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # The tree under test first; what the caller put on the path (pinned wheels) after.
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + (os.pathsep + path if path else ""))
+    yield
+    # After every process the test started is reaped: a run that ended, even by a signal,
+    # took its private slot directory with it.
+    left = sorted(p.name for p in scratch.glob("vramlock-slots-*"))
+    assert not left, f"slot directories left behind: {left}"
 
 
 @pytest.fixture
@@ -59,10 +70,12 @@ Spawn = Callable[..., "subprocess.Popen[str]"]
 
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
-    """Start a process in its own session; SIGKILL and reap whatever is left at the end."""
+    """Start a process in its own session; SIGKILL and reap whatever is left at the end
+    (``graceful=True``: SIGTERM first, so that a ``vramlock run`` can clean up)."""
     procs: list[subprocess.Popen[str]] = []
+    to_end: list[subprocess.Popen[str]] = []  # graceful=True: SIGTERM first
 
-    def start(args: list[str], **kw: object) -> subprocess.Popen[str]:
+    def start(args: list[str], *, graceful: bool = False, **kw: object) -> subprocess.Popen[str]:
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.PIPE)
         kw.setdefault("stdin", subprocess.DEVNULL)
@@ -73,9 +86,16 @@ def spawn() -> Iterator[Spawn]:
             **kw,  # type: ignore[call-overload]
         )
         procs.append(proc)
+        if graceful:
+            to_end.append(proc)
         return proc
 
     yield start
+    for proc in to_end:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
     for proc in procs:
         kill_group(proc)
         if proc.stdin is not None and proc.stdin.closed:

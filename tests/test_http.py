@@ -482,3 +482,23 @@ def test_a_server_that_dies_mid_release_ends_the_run(
     assert job.returncode == 3  # the server's own status
     assert err == ""
     kill_group(job)
+
+
+@pytest.mark.parametrize("ending", ["SIGTERM", "exit"])
+def test_the_private_slot_directory_goes_with_the_run(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine, ending: str
+) -> None:
+    """The llama-server preset adds a --slot-save-path of its own, in TMPDIR; it is gone
+    when the run ends, by a signal or by its command's exit."""
+    eng = engine("llama-server")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o700)
+    eng.env["TMPDIR"] = str(scratch)
+    job = wrap(spawn, arena, eng, "--release", "http", "--preset", "llama-server")
+    assert len(list(scratch.glob("vramlock-slots-*"))) == 1
+    if ending == "exit":
+        os.kill(who_json(arena)[0]["child_pid"], signal.SIGTERM)
+    else:
+        os.kill(job.pid, getattr(signal, ending))
+    job.communicate(timeout=30)
+    assert list(scratch.glob("vramlock-slots-*")) == []

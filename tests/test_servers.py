@@ -80,6 +80,7 @@ def start_pair(
                          "--idle", "100ms", *release, "--", *server),
                 stdout=log,
                 stderr=log,
+                graceful=True,  # SIGKILLed, a wrapper would leave its slot directory
             )  # fmt: skip
         listen.append(port)
         upstreams.append(upstream)
