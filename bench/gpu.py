@@ -1,4 +1,4 @@
-"""Releasing and restoring real VRAM on one NVIDIA GPU, every way, in one run (DESIGN.md §4).
+"""Releasing and restoring real VRAM on one NVIDIA GPU, every way, in one run (docs/benchmarks.md).
 
     python bench/gpu.py [--sizes 4,16,64] [--json PATH] [--files /dev/shm]
 

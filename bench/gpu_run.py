@@ -19,7 +19,7 @@ For each SIZE (GiB), on one NVIDIA GPU:
 Each size is measured ``--repeat`` times, bare and strategy alternating, each time on a
 fresh worker; the table gives medians (single runs vary by 10-20 % on this machine).
 
-DESIGN.md §4 target: the strategy within 1.1x of the bare API.
+Target (docs/benchmarks.md): the strategy within 1.1x of the bare API.
 """
 
 from __future__ import annotations

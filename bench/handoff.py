@@ -1,4 +1,4 @@
-"""Handoff benchmarks (DESIGN.md §4), each with its floor measured in the same run.
+"""Handoff benchmarks (targets: docs/benchmarks.md), each with its floor measured in the same run.
 
 Two modes (``--mode``, default both): ``protocol``, the overhead of the want/token protocol
 between ``Member`` objects, against a bare flock ping-pong; and ``e2e``, what a program feels

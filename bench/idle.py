@@ -1,6 +1,6 @@
 """CPU of an idle resident ``vramlock run`` that probes, beside a bare Python select() loop.
 
-DESIGN.md §4: an idle resident's probing costs at most 0.2 % of a core. The resident wraps a
+The target: an idle resident's probing costs at most 0.2 % of a core. The resident wraps a
 child that speaks the control protocol (so ``--release auto`` picks ``signal`` and the wrapper
 probes want.lock); nobody waits. CPU is utime + stime from /proc/PID/stat (clock ticks).
 

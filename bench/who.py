@@ -1,6 +1,6 @@
 """Wall time of ``vramlock who`` with N members, beside ``python -c pass`` in the same run.
 
-DESIGN.md §4: ``who`` with 64 members in at most 150 ms. One member holds the token, the
+The target: ``who`` with 64 members in at most 150 ms. One member holds the token, the
 others wait for it (each a process using ``vramlock.member.Member``, so each has a record),
 and both commands are run alternately ``--runs`` times; the medians are reported.
 

@@ -1,6 +1,6 @@
 """The arena and its lock files: where they are, and bad ones refused with one clear line.
 
-DESIGN §5: an arena that is a file, a symlink, missing, unwritable, world-writable,
+An arena that is a file, a symlink, missing, unwritable, world-writable,
 foreign-owned or on NFS, and a lock file that is a FIFO, a directory, a symlink or
 foreign-owned, each get one stderr line and exit status 125 - never a hang, a
 traceback, or a followed link. ``python -m vramlock`` runs as a real subprocess.

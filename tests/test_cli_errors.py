@@ -1,6 +1,6 @@
 """End to end: bad input gets one clear stderr line and the documented exit status.
 
-DESIGN §3 (exit statuses) and §5 (bad input: never a hang, a traceback, or a followed
+Exit statuses as flock(1) has them, and bad input (never a hang, a traceback, or a followed
 link), for ``run`` and the command line in general; ``wait`` and the arena have their own
 files, which use the helpers here. Every case runs ``python -m vramlock`` as a real
 subprocess, with XDG_RUNTIME_DIR in a temporary directory and VRAMLOCK_ARENA unset, so

@@ -157,8 +157,11 @@ def test_overview_lists_every_command(name: str) -> None:
     )
 
 
+PAGES = [OVERVIEW, STRATEGIES, *map(_page, COMMANDS)]
+
+
 def test_no_stale_pages() -> None:
-    expected = {OVERVIEW, STRATEGIES} | {_page(name) for name in COMMANDS}
+    expected = set(PAGES)
     pages = {p for p in MAN.rglob("*") if p.is_file()}
     assert not pages - expected, f"man pages for no command: {sorted(pages - expected)}"
 
@@ -166,7 +169,7 @@ def test_no_stale_pages() -> None:
 _REFERENCE = re.compile(r"^\.BR (vramlock[\w-]*) \((\d)\)")
 
 
-@pytest.mark.parametrize("page", [OVERVIEW, STRATEGIES, *map(_page, COMMANDS)], ids=str)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_references_name_pages_that_exist(page: Path) -> None:
     """Every vramlock page a page refers to (``.BR vramlock-run (1)``) is in man/."""
     refs = [m.groups() for m in map(_REFERENCE.match, _lines(page)) if m]
@@ -202,9 +205,7 @@ def test_strategies_page_structure() -> None:
 
 
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
-@pytest.mark.parametrize(
-    "page", [OVERVIEW, STRATEGIES, *map(_page, COMMANDS)], ids=lambda p: p.name
-)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_page_renders_without_warnings(page: Path) -> None:
     if not page.is_file():
         pytest.skip(f"missing man page {page} (reported by another test)")

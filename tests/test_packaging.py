@@ -260,3 +260,24 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
+
+
+def test_every_document_cited_is_in_the_repository() -> None:
+    """A docstring, page or document that names a Markdown file names one that is here."""
+    texts = [ROOT / "README.md", ROOT / "pyproject.toml"] + [
+        p
+        for top in ("vramlock", "tests", "bench", "tools", "docs", "man")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and p.suffix in (".py", ".md", ".1", ".7", ".c", ".toml")
+    ]
+    cited = {
+        (path.relative_to(ROOT), name)
+        for path in texts
+        for name in re.findall(r"[\w./-]+\.md\b", path.read_text(encoding="utf-8"))
+    }
+    missing = sorted(
+        (str(path), name)
+        for path, name in cited
+        if not (ROOT / name).is_file() and not (ROOT / path.parent / name).is_file()
+    )
+    assert not missing, f"documents cited but not in the repository: {missing}"

@@ -33,8 +33,8 @@ the end, with deadlines.
 ``vramlock.member.Member`` and ``yield_if_wanted`` directly: no wrappers, no kills, thousands of
 handoffs quickly.
 
-Checks (a) and (b), mutual exclusion, are hard assertions in every mode. For (c) the DESIGN.md
-§5 target, no waiter stranded for more than 20 ms, is a timing figure: on a loaded 2-core
+Checks (a) and (b), mutual exclusion, are hard assertions in every mode. For (c) the
+reliability target, no waiter stranded for more than 20 ms, is a timing figure: on a loaded 2-core
 machine the waiter the kernel has just woken can wait longer than that for a CPU, with nothing
 wrong in the protocol. So by default (CI) (c) asserts only what scheduling noise cannot
 produce: no waiter stranded for more than 2 s while the token is free (a lost wake-up, a stuck
@@ -45,7 +45,7 @@ figures report the longest stretch seen, the median and the limit in force.
 
 Sizes: by default 300 handoffs and 30 kills per K (~10 s each) and 3,000 Member API handoffs
 per K; about a minute in all on 2 cores. ``VRAMLOCK_STRESS_SCALE`` (float, default 1)
-multiplies all counts; the reliability target of DESIGN.md §5 (≥ 10,000 handoffs and ≥ 1,000
+multiplies all counts; the reliability target (≥ 10,000 handoffs and ≥ 1,000
 SIGKILLs in all) is ``VRAMLOCK_STRESS_SCALE=12`` (~10 minutes). With ``VRAMLOCK_STRESS_REPORT``
 set to a path, each case appends its figures there as one JSON line (they are printed too).
 """
@@ -82,7 +82,7 @@ RUN_HANDOFFS = math.ceil(300 * SCALE)  # per K, `vramlock run` members
 RUN_KILLS = math.ceil(30 * SCALE)  # per K
 API_HANDOFFS = math.ceil(3000 * SCALE)  # per K, Member API members
 STRICT = os.environ.get("VRAMLOCK_STRESS_STRICT", "") == "1"
-STRANDED_TARGET = 0.020  # DESIGN.md §5: no waiter blocked on a free token for longer
+STRANDED_TARGET = 0.020  # the target: no waiter blocked on a free token for longer
 STRANDED_WEDGED = 2.0  # longer than any scheduling delay: a waiter that will not be woken
 STRANDED_MAX = STRANDED_TARGET if STRICT else STRANDED_WEDGED
 # Most stranded stretches are a woken waiter being scheduled: well under 1 ms. A waiter that

@@ -1,10 +1,10 @@
-"""NVML, through ``pynvml`` (the optional extra ``vramlock[nvml]``): the one module that uses it.
+"""NVML, through ``pynvml`` (the optional extra ``nvml``): the one module that uses it.
 
 What the GPUs are and what they hold: used to confirm a release (the member's memory
-is really gone, DESIGN.md "Verified release"), to check free VRAM before a checkpoint
-restore, and for ``who``. Importing this module imports nothing; ``pynvml`` is imported,
-and NVML initialised, on first use. Without it, ``available()`` is False and the other
-functions raise NvmlUnavailable.
+is really gone: "Verified release" in vramlock-strategies(7)), to check free VRAM
+before a checkpoint restore, and for ``who``. Importing this module imports nothing;
+``pynvml`` is imported, and NVML initialised, on first use. Without it, ``available()``
+is False and the other functions raise NvmlUnavailable.
 
 A GPU is named by its NVML index or its UUID (``GPU-…``). NVML's indexes follow the
 PCI bus order, which is not CUDA's default order: pass UUIDs between processes, or
@@ -86,7 +86,7 @@ def _nvml() -> Any:
                 warnings.simplefilter("ignore")
                 pynvml = importlib.import_module("pynvml")
         except ImportError:
-            _missing = "pynvml is not installed (pip install 'vramlock[nvml]')"
+            _missing = "pynvml is not installed (the nvml extra: pip install nvidia-ml-py)"
             raise NvmlUnavailable(_missing) from None
         try:
             pynvml.nvmlInit()
