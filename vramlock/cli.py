@@ -599,9 +599,9 @@ def demo(
 
 
 # The demo's table leaves out what a simulated program has not (VRAM) or what tells a
-# newcomer nothing (NOTE), and each path in a command line shows as its base name, so
-# that a member is one row at 80 columns.
-_DEMO_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "COMMAND")
+# newcomer little (CHILD, NOTE), and each path in a command line shows as its base name,
+# so that a member is one row at 80 columns.
+_DEMO_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "COMMAND")
 _TIMELINE = 60
 
 
