@@ -19,6 +19,7 @@ import fcntl
 import os
 import signal
 import stat
+import struct
 import threading
 import time
 from types import FrameType
@@ -124,6 +125,11 @@ def close(fd: int) -> None:
 def is_path_only(fd: int) -> bool:
     """An ``O_PATH`` descriptor names a file but cannot be locked (flock says EBADF)."""
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH)
+
+
+def is_read_only(fd: int) -> bool:
+    """Opened ``O_RDONLY`` (a team arena's files): flock works, write byte locks do not."""
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
 
 
 def check_still_linked(dirfd: int, name: str, fd: int, shown: str) -> None:
@@ -292,3 +298,51 @@ def ring(dirfd: int, name: str) -> None:
     """
     with contextlib.suppress(OSError):
         os.close(os.open(name, _OPEN_FLAGS | os.O_RDONLY, dir_fd=dirfd))
+
+
+# -- open-file-description byte-range locks (a budget arena's units) -----------------
+#
+# F_OFD_SETLK locks belong to the open file description, as flock's do: closing
+# another descriptor of the file does not drop them (fcntl/lockf record locks would
+# be), and the kernel frees them when the last copy closes, SIGKILL included. On
+# Linux they never interact with flock locks on the same file, so a byte lock on
+# want.lock is invisible to every flock-only participant.
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+
+
+def _range(kind: int, start: int, length: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)  # l_pid must be 0 for OFD locks
+
+
+def _fcntl_lock(fd: int, cmd: int, kind: int, start: int, length: int) -> bytes | None:
+    """One fcntl lock call; the returned struct, or None when held (F_OFD_SETLK only)."""
+    while True:
+        try:
+            result: bytes = fcntl.fcntl(fd, cmd, _range(kind, start, length))
+            return result
+        except OSError as err:
+            if err.errno == errno.EINTR:
+                continue
+            if err.errno in HELD_ERRNOS and cmd == fcntl.F_OFD_SETLK:
+                return None
+            raise LockError(_OWNED.get(fd, f"descriptor {fd}"), err.errno or errno.EIO) from None
+
+
+def try_lock_bytes(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+    """Lock bytes [start, start+length) of ``fd``'s file for its open file description;
+    False when another description holds a conflicting lock. Never blocks."""
+    kind = fcntl.F_WRLCK if write else fcntl.F_RDLCK
+    return _fcntl_lock(fd, fcntl.F_OFD_SETLK, kind, start, length) is not None
+
+
+def unlock_bytes(fd: int, start: int, length: int = 1) -> None:
+    _fcntl_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, start, length)
+
+
+def bytes_locked_elsewhere(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+    """Would locking these bytes (a write lock: conflicts with any lock; a read lock:
+    with write locks) conflict with another open file description? Locks nothing."""
+    kind = fcntl.F_WRLCK if write else fcntl.F_RDLCK
+    found = _fcntl_lock(fd, fcntl.F_OFD_GETLK, kind, start, length)
+    return found is not None and _FLOCK.unpack(found)[0] != fcntl.F_UNLCK
