@@ -550,16 +550,46 @@ def who(
 
 
 @app.command("arena")
-def arena_path(arena: ArenaOpt = None, gpu: GpusOpt = None) -> None:
+def arena_path(
+    arena: ArenaOpt = None,
+    gpu: GpusOpt = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            "--budget",
+            metavar="SIZE|auto",
+            help="Set the arena's VRAM budget (6G, 40G; auto: the GPU's total less 5%, at"
+            " least 1G): members that declare a footprint are resident together while they"
+            " fit. Only the arena's owner may.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
     """Print the arena's directory, with its lock files created, for shell scripts
     (several GPUs: each one's, a line each)."""
+    from .arena import default_gpu
     from .want import Token, Want
 
+    size = None
+    if budget is not None and budget.strip() != "auto":
+        from .budget import parse_size
+
+        size = parse_size(budget, "--budget")
     arenas = _arenas(arena, gpu)
     try:
-        for opened, _ in arenas:
+        for opened, index in arenas:
             Token(opened).close()
             Want(opened).close()
+            if budget is not None:
+                from .budget import auto_size, store_budget
+
+                chosen = store_budget(
+                    opened,
+                    size
+                    if size is not None
+                    else auto_size(default_gpu() if index is None else index),
+                )
+                print(f"vramlock: {opened.path}: budget {chosen}", file=sys.stderr)
             print(opened.path)
     finally:
         for opened, _ in arenas:

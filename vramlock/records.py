@@ -37,6 +37,7 @@ _LATEST_SINCE = 1e11  # Unix time in the year 5138: anything later is garbage
 _MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
 _MAX_LEFTOVERS = 64
 _MAX_GPU = 1 << 16  # shown at most; a record stays well under MAX_RECORD
+_MAX_UNIT = 4096  # a budget's units at most: its record stays well under MAX_RECORD
 
 # How long the writer lets a burst of changes settle before it writes: the next holder
 # gets the CPU first, a handoff is one write, and a member that changes state thousands
@@ -71,6 +72,12 @@ def _reject_constant(name: str) -> float:
 def _typed(value: Any, kind: type[Any] | tuple[type[Any], ...]) -> Any:
     # bool is an int to isinstance, and never what a record means.
     if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError("wrong type")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
         raise TypeError("wrong type")
     return value
 
@@ -118,6 +125,14 @@ class Record:
     connections: int | None = None
     # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
     gpus: list[int] = field(default_factory=list)
+    # A budget arena: the capacity units it holds while resident, its footprint in
+    # bytes, whether it is working now, and when it last worked (Unix time). Budget
+    # waiters choose whom to ask to step aside from these; a false value can only
+    # make that choice worse, never put two members on one unit.
+    units: list[int] = field(default_factory=list)
+    vram: int | None = None
+    busy: bool = False
+    used: float | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -130,6 +145,11 @@ class Record:
                 return None
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
+            vram, used = data.get("vram"), data.get("used")
+            if used is not None:
+                used = float(_typed(used, (int, float)))
+                if not (math.isfinite(used) and 0 <= used < _LATEST_SINCE):
+                    return None
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -147,6 +167,13 @@ class Record:
                 listen=None if listen is None else _typed(listen, str),
                 connections=None if connections is None else _bounded(connections, 0, 1 << 31),
                 gpus=[_bounded(g, 0, _MAX_GPU) for g in _typed(data.get("gpus", []), list)[:64]],
+                units=[
+                    _bounded(u, 0, _MAX_UNIT)
+                    for u in _typed(data.get("units", []), list)[:_MAX_UNIT]
+                ],
+                vram=None if vram is None else _bounded(vram, 0, 1 << 62),
+                busy=_flag(data.get("busy", False)),
+                used=used,
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -160,6 +187,7 @@ class Record:
         data["command"] = _clip_command(self.command, _CLIP_COMMAND)
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
         data["gpus"] = self.gpus[:64]
+        data["units"] = self.units[:_MAX_UNIT]
         return json.dumps(data, allow_nan=False).encode()
 
 

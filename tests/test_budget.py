@@ -1,0 +1,554 @@
+"""A VRAM budget in kernel locks: the byte-lock primitives, the budget file, and budget
+residency with real processes.
+
+The witness is the test's own file: each member, once resident, takes as many free
+bytes of it (OFD write locks) as it has units, and an exclusive member takes all of
+them. Two members over budget at once cannot both get their bytes, and say "OVER".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Spawn, events, vramlock, wait_until
+from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
+
+from vramlock import lockfd
+from vramlock.arena import Arena
+from vramlock.budget import Budget, Candidate, choose, read_budget
+from vramlock.errors import ArenaError
+
+DEADLINE = 20.0
+
+# A budget member: ``ARENA NAME UNITS WITNESS LOG MODE``. MODE idle: steps aside when
+# asked, and leaves; busy: the same, saying it works; cycle: resident $HOLD s whether
+# asked or not (a holder between safe points), then steps aside and queues again;
+# deaf: never steps aside; liar: like idle, but its record claims units it does not
+# hold and that it has been idle the longest.
+MEMBER = textwrap.dedent(
+    """
+    import fcntl, os, struct, sys, time
+    from vramlock.arena import Arena
+    from vramlock.budget import Share, read_budget
+    from vramlock.records import Record, RecordWriter
+    path, name, need, witness, log, mode = sys.argv[1:7]
+    need = int(need)
+    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    def note(what):
+        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    arena = Arena.open(path)
+    budget = read_budget(arena)
+    record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
+                                        strategy="test", state="released", since=time.time()))
+    share = Share(arena, budget, need, records=record)
+    wfd = os.open(witness, os.O_RDWR)
+    def witness(kind, start, length):
+        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+    hold = float(os.environ.get("HOLD", "0"))
+    note("waiting")
+    while True:
+        share.acquire()
+        got = 0
+        for unit in range(budget.units):
+            if got < need:
+                try:
+                    witness(fcntl.F_WRLCK, unit, 1)
+                    got += 1
+                except OSError:
+                    pass
+        note("resident" if got == need else "OVER")
+        if mode == "liar":
+            others = [u for u in range(budget.units) if u not in share.units]
+            record.update(units=others[:need], used=1.0, busy=False)
+        else:
+            share.touch(busy=mode == "busy")
+        start = time.monotonic()
+        while True:
+            time.sleep(0.002)
+            if mode == "busy":
+                share.touch(busy=True)
+            if mode == "cycle":
+                if time.monotonic() - start > hold:
+                    break
+            elif mode != "deaf" and share.wanted():
+                break
+        witness(fcntl.F_UNLCK, 0, 0)
+        note("release")
+        share.release()
+        if mode != "cycle":
+            break
+        share.wait_polite()
+    """
+)
+
+# An exclusive member (knows nothing of budgets): ``ARENA NAME UNITS WITNESS LOG``; takes
+# every byte of the witness while resident, steps aside when somebody waits.
+EXCLUSIVE = textwrap.dedent(
+    """
+    import fcntl, os, struct, sys, time
+    from vramlock.arena import Arena
+    from vramlock.member import Member
+    path, name, units, witness, log = sys.argv[1:6]
+    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    def note(what):
+        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    member = Member(Arena.open(path), name=name)
+    wfd = os.open(witness, os.O_RDWR)
+    def witness(kind):
+        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, 0, int(units), 0))
+    note("waiting")
+    while True:
+        member.acquire()
+        try:
+            witness(fcntl.F_WRLCK)
+            note("resident")
+        except OSError:
+            note("OVER")
+        while not member.should_release():
+            time.sleep(0.002)
+        witness(fcntl.F_UNLCK)
+        note("release")
+        member.release()
+        member.wait_polite()
+    """
+)
+
+
+def set_budget(arena: Path, size: str) -> None:
+    subprocess.run(
+        vramlock("arena", "--arena", str(arena), "--budget", size),
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+class Budgeted:
+    """A budget arena with its witness file and event log; starts members."""
+
+    def __init__(self, spawn: Spawn, arena: Path, tmp_path: Path, size: str) -> None:
+        set_budget(arena, size)
+        self.spawn, self.arena = spawn, arena
+        opened = Arena.open(str(arena))
+        found = read_budget(opened)
+        opened.close()
+        assert found is not None
+        self.units = found.units
+        self.witness = tmp_path / "witness"
+        self.witness.write_bytes(b"")
+        self.log = tmp_path / "events.log"
+
+    def member(self, name: str, units: int, mode: str = "idle", hold: float = 0.0) -> Member:
+        proc = self.spawn(
+            [sys.executable, "-c", MEMBER, str(self.arena), name, str(units),
+             str(self.witness), str(self.log), mode],
+            env={**os.environ, "HOLD": str(hold)},
+        )  # fmt: skip
+        return Member(self, name, proc)
+
+    def exclusive(self, name: str) -> Member:
+        proc = self.spawn(
+            [sys.executable, "-c", EXCLUSIVE, str(self.arena), name, str(self.units),
+             str(self.witness), str(self.log)]
+        )  # fmt: skip
+        return Member(self, name, proc)
+
+    def count(self, name: str, what: str) -> int:
+        return sum(1 for _, n, w in events(self.log) if n == name and w == what)
+
+    def over(self) -> list[str]:
+        return [n for _, n, w in events(self.log) if w == "OVER"]
+
+    def resident(self) -> set[str]:
+        """Who is resident now, by the log: resident and not released since."""
+        now: set[str] = set()
+        for _, n, w in events(self.log):
+            if w == "resident":
+                now.add(n)
+            elif w == "release":
+                now.discard(n)
+        return now
+
+    def capacity_bytes_held(self) -> int:
+        """Units held, by /proc/locks (OFD locks on capacity.lock)."""
+        st = os.stat(self.arena / "capacity.lock")
+        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        total = 0
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if "->" not in fields and "OFDLCK" in fields and inode in fields:
+                    start, end = fields[-2:]
+                    total += int(end) - int(start) + 1
+        return total
+
+
+class Member:
+    def __init__(self, room: Budgeted, name: str, proc: subprocess.Popen[str]) -> None:
+        self.room, self.name, self.proc = room, name, proc
+
+    def wait_for(self, what: str, times: int = 1, timeout: float = DEADLINE) -> None:
+        wait_until(lambda: self.room.count(self.name, what) >= times, timeout=timeout)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+# -- primitives --------------------------------------------------------------------------
+
+
+def _ofd_child(path: Path) -> subprocess.Popen[str]:
+    code = (
+        "import os, sys\n"
+        "from vramlock import lockfd\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "assert lockfd.try_lock_bytes(fd, 3, write=True)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_byte_locks_belong_to_the_open_file_description(tmp_path: Path) -> None:
+    path = tmp_path / "units.lock"
+    path.write_bytes(b"")
+    a, b = os.open(path, os.O_RDWR), os.open(path, os.O_RDWR)
+    try:
+        assert lockfd.try_lock_bytes(a, 3, write=True)
+        assert not lockfd.try_lock_bytes(b, 3, write=True)  # another OFD of one process
+        assert lockfd.try_lock_bytes(b, 4, write=True)  # a byte is a unit
+        assert lockfd.bytes_locked_elsewhere(b, 0, 4, write=True)
+        assert not lockfd.bytes_locked_elsewhere(a, 3, 1, write=True)  # our own lock
+        # flock and byte locks on one file never interact (Linux).
+        fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(os.open(path, os.O_RDONLY))  # closing another descriptor keeps OFD locks
+        assert lockfd.bytes_locked_elsewhere(b, 3, 1, write=True)
+        lockfd.unlock_bytes(a, 0, 0)
+        assert not lockfd.bytes_locked_elsewhere(b, 3, 1, write=True)
+        assert lockfd.try_lock_bytes(a, 3, write=False) and lockfd.try_lock_bytes(b, 3, write=False)
+        assert lockfd.bytes_locked_elsewhere(b, 3, 1, write=True)  # a reader asks a writer
+        assert not lockfd.bytes_locked_elsewhere(b, 3, 1, write=False)
+    finally:
+        os.close(a)
+        os.close(b)
+
+
+def test_byte_lock_of_a_killed_process_is_freed_and_shown_in_proc_locks(tmp_path: Path) -> None:
+    path = tmp_path / "units.lock"
+    path.write_bytes(b"")
+    child = _ofd_child(path)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        ino = str(os.stat(path).st_ino)
+        with open("/proc/locks") as f:
+            mine = [ln.split() for ln in f if any(p.endswith(":" + ino) for p in ln.split())]
+        assert [(m[1], m[3], m[-2], m[-1]) for m in mine] == [("OFDLCK", "WRITE", "3", "3")]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            assert not lockfd.try_lock_bytes(fd, 3, write=True)
+            child.kill()
+            child.wait(10)
+            wait_until(lambda: lockfd.try_lock_bytes(fd, 3, write=True))
+        finally:
+            os.close(fd)
+    finally:
+        child.kill()
+        child.communicate(timeout=10)
+
+
+def test_choose_asks_idle_then_least_recently_used_then_unknown() -> None:
+    busy_old = Candidate(units=[0, 1], busy=True, used=1.0)
+    idle_new = Candidate(units=[2, 3], busy=False, used=30.0)
+    idle_old = Candidate(units=[4], busy=False, used=20.0)
+    unknown = Candidate(units=[5], busy=True, used=0.0, known=False)
+    cands = [busy_old, unknown, idle_new, idle_old]
+    assert choose(cands, 1) == {4}
+    assert choose(cands, 2) == {2, 3, 4}
+    assert choose(cands, 5) == {0, 1, 2, 3, 4}
+    assert choose(cands, 6) == {0, 1, 2, 3, 4, 5}
+    assert choose([], 3) == set()
+
+
+# -- the budget file ---------------------------------------------------------------------
+
+
+def test_arena_budget_is_stored_in_whole_units(arena: Path) -> None:
+    out = subprocess.run(
+        vramlock("arena", "--arena", str(arena), "--budget", "3.1G"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(arena)
+    assert "budget 3G (12 units of 256M)" in out.stderr
+    assert (arena / "budget").read_text() == f"unit {256 << 20}\nunits 12\n"
+    assert (arena / "budget").stat().st_mode & 0o777 == 0o644
+    assert (arena / "capacity.lock").exists() and (arena / "queue.lock").exists()
+    set_budget(arena, "40G")
+    opened = Arena.open(str(arena))
+    try:
+        assert read_budget(opened) == Budget(unit=256 << 20, units=160)
+    finally:
+        opened.close()
+
+
+def test_arena_without_budget_has_none(arena: Path) -> None:
+    subprocess.run(vramlock("arena", "--arena", str(arena)), check=True, timeout=30)
+    opened = Arena.open(str(arena))
+    try:
+        assert read_budget(opened) is None
+    finally:
+        opened.close()
+    assert sorted(p.name for p in arena.iterdir()) == ["token.lock", "want.lock"]
+
+
+@pytest.mark.parametrize(
+    ("size", "fragment"),
+    [
+        ("3X", "bad size '3X'"),
+        ("-1G", "bad size '-1G'"),
+        ("0G", "'0G' is out of range"),
+        ("100M", "100M is less than one unit (256M)"),
+        ("2000T", "'2000T' is out of range"),
+    ],
+)
+def test_arena_bad_budget_is_a_usage_error(
+    errcli: ErrCli, arena: Path, size: str, fragment: str
+) -> None:
+    out = errcli("arena", "--arena", str(arena), "--budget", size)
+    expect_error(out, USAGE, "--budget", fragment)
+    assert not (arena / "budget").exists()
+
+
+def test_arena_budget_auto_without_nvml_says_so(errcli: ErrCli, arena: Path) -> None:
+    pytest.importorskip("vramlock.nvml")
+    from vramlock import nvml
+
+    if nvml.available():
+        pytest.skip("NVML is available here")
+    out = errcli("arena", "--arena", str(arena), "--budget", "auto")
+    expect_error(out, OWN_FAILURE, "NVML")
+    assert not (arena / "budget").exists()
+
+
+def test_only_the_owner_may_set_the_budget() -> None:
+    needs_root("another uid")
+    # Somewhere the other user can reach (a test's own directory is private).
+    arena = Path(tempfile.mkdtemp(prefix="vramlock-budget-"))
+    try:
+        arena.chmod(0o755)
+        set_budget(arena, "2G")
+        before = (arena / "budget").read_text()
+
+        other = [f"--reuid={FOREIGN_UID}", f"--regid={FOREIGN_UID}", "--clear-groups"]
+        out = subprocess.run(
+            ["setpriv", *other, *vramlock("arena", "--arena", str(arena), "--budget", "4G")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=arena,
+        )
+        assert out.returncode == OWN_FAILURE, out.stderr
+        assert out.stderr == (
+            f"vramlock: arena {arena / 'budget'}: only the arena's owner (uid 0)"
+            " may set the budget\n"
+        )
+        assert (arena / "budget").read_text() == before
+    finally:
+        shutil.rmtree(arena)
+
+
+@pytest.mark.parametrize("how", ["foreign", "group-writable", "garbage"])
+def test_budget_file_not_from_the_owner_is_refused(arena: Path, how: str) -> None:
+    set_budget(arena, "2G")
+    budget = arena / "budget"
+    if how == "foreign":
+        needs_root("a foreign-owned budget")
+        os.chown(budget, FOREIGN_UID, FOREIGN_UID)
+        fragment = f"owned by uid {FOREIGN_UID}"
+    elif how == "group-writable":
+        budget.chmod(0o664)
+        fragment = "writable by others"
+    else:
+        budget.write_text("units many\n")
+        fragment = "is not a budget"
+    opened = Arena.open(str(arena))
+    try:
+        with pytest.raises(ArenaError, match=fragment):
+            read_budget(opened)
+    finally:
+        opened.close()
+
+
+def test_budget_is_not_lowered_below_held_units(errcli: ErrCli, arena: Path) -> None:
+    set_budget(arena, "3G")
+    fd = os.open(arena / "capacity.lock", os.O_RDWR)
+    try:
+        assert lockfd.try_lock_bytes(fd, 9, write=True)  # a resident on unit 9
+        out = errcli("arena", "--arena", str(arena), "--budget", "2G")
+        expect_error(out, OWN_FAILURE, "units above 8 are held")
+        assert "units 12\n" in (arena / "budget").read_text()
+        set_budget(arena, "4G")  # raising is always safe
+        lockfd.unlock_bytes(fd, 0, 0)
+        set_budget(arena, "2G")
+        assert "units 8\n" in (arena / "budget").read_text()
+    finally:
+        os.close(fd)
+
+
+# -- budget residency with real processes ------------------------------------------------
+
+
+@pytest.fixture
+def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
+    return Budgeted(spawn, arena, tmp_path, "3G")  # 12 units
+
+
+def _token_readers(arena: Path) -> int:
+    st = os.stat(arena / "token.lock")
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return sum(
+            1
+            for ln in f
+            if "->" not in ln.split() and inode in ln.split() and " READ " in f" {ln} "
+        )
+
+
+def _queue_head(arena: Path) -> int | None:
+    """The pid holding queue.lock, by /proc/locks."""
+    st = os.stat(arena / "queue.lock")
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        for ln in f:
+            fields = ln.split()
+            if "->" not in fields and inode in fields:
+                return int(fields[4])
+    return None
+
+
+def test_members_that_fit_are_resident_together(room: Budgeted) -> None:
+    members = [room.member(n, 4) for n in ("a", "b", "c")]
+    for m in members:
+        m.wait_for("resident")
+    assert room.resident() == {"a", "b", "c"}
+    assert _token_readers(room.arena) == 3  # the kernel's view: three shared holders
+    assert room.capacity_bytes_held() == 12
+    time.sleep(0.3)  # nobody is asked to step aside by a member that fit
+    assert all(room.count(n, "release") == 0 for n in ("a", "b", "c"))
+    assert room.over() == []
+
+
+def test_waiter_asks_the_least_recently_used_idle_resident(room: Budgeted) -> None:
+    busy = room.member("busy", 4, "busy")
+    busy.wait_for("resident")
+    old = room.member("old", 4)
+    old.wait_for("resident")
+    new = room.member("new", 4)
+    new.wait_for("resident")
+    late = room.member("late", 4)
+    late.wait_for("resident")
+    old.wait_for("release")
+    time.sleep(0.3)
+    assert room.count("new", "release") == 0 and room.count("busy", "release") == 0
+    assert room.resident() >= {"busy", "new", "late"}
+    assert room.over() == []
+
+
+def test_big_member_is_not_starved_by_a_stream_of_small_ones(room: Budgeted) -> None:
+    smalls = [room.member(f"s{i}", 3, "cycle", hold=0.03) for i in range(5)]
+    for s in smalls:
+        s.wait_for("resident", 3)
+    big = room.member("big", 12)
+    wait_until(lambda: _queue_head(room.arena) == big.proc.pid)  # the big one is gathering
+    arrived = time.monotonic()
+    big.wait_for("resident", timeout=DEADLINE)
+    came = [t for t, n, w in events(room.log) if w == "resident" and n != "big"]
+    gathered = next(t for t, n, w in events(room.log) if n == "big" and w == "resident")
+    # Nobody comes in while the big one gathers: the others queue behind it.
+    assert [t for t in came if arrived < t < gathered] == []
+    assert room.over() == []
+
+
+def test_two_waiters_that_do_not_fit_together_take_turns(room: Budgeted) -> None:
+    smalls = [room.member(f"s{i}", 3, "cycle", hold=0.03) for i in range(4)]
+    for s in smalls:
+        s.wait_for("resident", 2)
+    one, two = room.member("one", 8, "cycle", hold=0.1), room.member("two", 8, "cycle", hold=0.1)
+    one.wait_for("resident", 2)
+    two.wait_for("resident", 2)
+    assert room.over() == []
+
+
+def test_exclusive_waiter_is_not_starved_by_budget_members(room: Budgeted) -> None:
+    smalls = [room.member(f"s{i}", 4, "cycle", hold=0.05) for i in range(4)]
+    for s in smalls:
+        s.wait_for("resident", 3)
+    whole = room.exclusive("whole")
+    whole.wait_for("resident", 2, timeout=DEADLINE)
+    assert room.over() == []
+
+
+def test_exclusive_holder_steps_aside_for_a_budget_waiter(room: Budgeted) -> None:
+    whole = room.exclusive("whole")
+    whole.wait_for("resident")
+    small = room.member("small", 2)
+    small.wait_for("resident")
+    whole.wait_for("release")
+    assert room.over() == []
+
+
+def test_killed_resident_frees_its_units(room: Budgeted) -> None:
+    deaf = room.member("deaf", 12, "deaf")
+    deaf.wait_for("resident")
+    waiter = room.member("waiter", 4)
+    waiter.wait_for("waiting")
+    wait_until(lambda: room.capacity_bytes_held() == 12)
+    time.sleep(0.2)
+    assert room.count("waiter", "resident") == 0
+    deaf.kill()
+    waiter.wait_for("resident")
+    assert room.capacity_bytes_held() == 4
+    assert room.over() == []
+
+
+def test_killed_head_waiter_frees_the_units_it_gathered(room: Budgeted) -> None:
+    deaf = room.member("deaf", 8, "deaf")
+    deaf.wait_for("resident")
+    head = room.member("head", 12)
+    wait_until(lambda: room.capacity_bytes_held() == 12)  # the head holds the 4 free units
+    behind = room.member("behind", 4)
+    behind.wait_for("waiting")
+    time.sleep(0.2)
+    assert room.count("behind", "resident") == 0  # queued behind the head, no barging
+    head.kill()
+    behind.wait_for("resident")
+    assert room.count("head", "resident") == 0
+    assert room.over() == []
+
+
+def test_a_lying_record_never_puts_two_members_on_one_unit(room: Budgeted) -> None:
+    liar = room.member("liar", 4, "liar")
+    liar.wait_for("resident")
+    honest = room.member("honest", 8)
+    honest.wait_for("resident")
+    for i in range(3):
+        room.member(f"w{i}", 6).wait_for("resident")
+    assert room.over() == []
