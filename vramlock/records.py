@@ -1,8 +1,10 @@
 """Members' self-description records: ``<arena>/members/<pid>-<starttime>.json``.
 
 A record says who a member is (name, command, strategy, child) and which state it
-believes it is in. Records are for display only, like /proc/locks: nothing in
-vramlock decides from them, and no state change waits for one. A member changes
+believes it is in. Records are for display, like /proc/locks: nothing in
+vramlock's safety decides from them, and no state change waits for one. The one
+use beyond display: a budget waiter picks whom to ask to step aside from them,
+where a false record makes a worse choice and nothing else. A member changes
 state in memory; a daemon thread writes the latest state a few milliseconds later,
 so a burst of changes (a handoff) costs one write, after the token has moved.
 
