@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until
+from conftest import Spawn, events, vramlock, wait_until, waiting_holder
 from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
 
 from vramlock import lockfd
@@ -551,4 +551,24 @@ def test_a_lying_record_never_puts_two_members_on_one_unit(room: Budgeted) -> No
     honest.wait_for("resident")
     for i in range(3):
         room.member(f"w{i}", 6).wait_for("resident")
+    assert room.over() == []
+
+
+def test_a_shell_waiter_takes_the_whole_gpu_from_budget_residents(
+    room: Budgeted, spawn: Spawn
+) -> None:
+    members = [room.member(n, 4) for n in ("a", "b")]
+    for m in members:
+        m.wait_for("resident")
+    shell = waiting_holder(spawn, room.arena)  # flock -s want.lock flock -x token.lock
+    for m in members:
+        m.wait_for("release")
+    assert room.capacity_bytes_held() == 0 and _token_readers(room.arena) == 0
+    late = room.member("late", 2)
+    late.wait_for("waiting")
+    time.sleep(0.2)
+    assert room.count("late", "resident") == 0  # the shell is resident: the whole GPU
+    assert shell.stdin is not None
+    shell.stdin.close()
+    late.wait_for("resident")
     assert room.over() == []
