@@ -25,8 +25,9 @@ from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_erro
 
 from vramlock import lockfd
 from vramlock.arena import Arena
-from vramlock.budget import Budget, Candidate, choose, read_budget
+from vramlock.budget import Budget, read_budget
 from vramlock.errors import ArenaError
+from vramlock.share import Candidate, choose
 
 DEADLINE = 20.0
 
@@ -39,7 +40,8 @@ MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
     from vramlock.arena import Arena
-    from vramlock.budget import Share, read_budget
+    from vramlock.budget import read_budget
+    from vramlock.share import Share
     from vramlock.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
     need = int(need)

@@ -581,7 +581,7 @@ def arena_path(
             Token(opened).close()
             Want(opened).close()
             if budget is not None:
-                from .budget import auto_size, store_budget
+                from .share import auto_size, store_budget
 
                 chosen = store_budget(
                     opened,

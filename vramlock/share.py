@@ -1,0 +1,357 @@
+"""Budget residency: ``token.lock`` shared plus units of ``capacity.lock`` (budget.py
+says what the files are; docs/protocol.md, "The budget", is the contract).
+
+Also setting the budget, which takes ``queue.lock`` so that nobody is admitted under
+the old one meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from . import lockfd
+from .arena import TOKEN, WANT, Arena
+from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, show_size
+from .errors import ArenaError, UsageError
+from .records import RecordWriter, read_live
+
+# ``--budget auto``: what NVML calls total, less this much for the driver and for
+# processes outside the arena.
+AUTO_MARGIN_FRACTION = 0.05
+AUTO_MARGIN_MIN = 1 << 30
+
+# A failed flock probe of want.lock is confirmed this much later: with several
+# residents probing, one may see another's probe (an exclusive lock held for
+# microseconds), while a waiter holds want.lock for as long as it waits.
+CONFIRM = 0.002
+POLL_MAX = 0.01  # a budget waiter looks at the units at least this often
+REQUEUE_DELAY_MAX = 0.05
+
+
+def _open(arena: Arena, name: str) -> int:
+    return lockfd.open_lock_file(
+        arena.dirfd, name, arena.shown(name), allowed_owners=arena.allowed_owners
+    )
+
+
+def _open_capacity(arena: Arena) -> int:
+    fd = _open(arena, CAPACITY)
+    # Units are write locks, which need a descriptor open for writing.
+    if lockfd.is_read_only(fd):
+        lockfd.close(fd)
+        raise ArenaError(
+            arena.shown(CAPACITY),
+            "is not writable by you; a team arena makes it mode 0660, group of its members",
+        )
+    return fd
+
+
+def _held_from(capacity: int, first: int) -> bool:
+    """Is any unit from ``first`` on held by somebody?"""
+    return lockfd.bytes_locked_elsewhere(capacity, first, 0, write=True)
+
+
+def store_budget(arena: Arena, size: int) -> Budget:
+    """Set the arena's budget to ``size`` bytes (rounded down to whole units).
+
+    Only the arena's owner may. It is done while holding ``queue.lock``, so that no
+    budget waiter is admitted under the old budget meanwhile; a budget that would
+    leave units held above its end is refused.
+    """
+    shown = arena.shown(BUDGET)
+    if os.geteuid() not in (arena.owner, 0):
+        raise ArenaError(shown, f"only the arena's owner (uid {arena.owner}) may set the budget")
+    budget = Budget(unit=UNIT, units=size // UNIT)
+    if budget.units < 1:
+        raise UsageError(f"--budget: {show_size(size)} is less than one unit ({show_size(UNIT)})")
+    queue, capacity = _open(arena, QUEUE), _open_capacity(arena)
+    try:
+        lockfd.lock(queue, exclusive=True)
+        if _held_from(capacity, budget.units):
+            raise ArenaError(
+                shown,
+                f"units above {budget.units} are held by residents; "
+                "lower the budget when they have stepped aside",
+            )
+        tmp = f".{BUDGET}.{os.urandom(6).hex()}.tmp"
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=arena.dirfd
+        )
+        try:
+            os.write(fd, budget.dump())
+        finally:
+            os.close(fd)
+        # A rename replaces the file in one step: a reader sees the old budget or the new.
+        os.rename(tmp, BUDGET, src_dir_fd=arena.dirfd, dst_dir_fd=arena.dirfd)
+    except OSError as err:
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp, dir_fd=arena.dirfd)
+        raise ArenaError(shown, f"cannot be written: {err.strerror or err}") from None
+    finally:
+        lockfd.unlock(queue)
+        lockfd.close(queue)
+        lockfd.close(capacity)
+    return budget
+
+
+def auto_size(gpu: int) -> int:
+    """``--budget auto``: the GPU's total memory as NVML reports it, less a margin."""
+    from . import nvml
+
+    total = nvml.gpu(gpu).total
+    return total - max(AUTO_MARGIN_MIN, int(total * AUTO_MARGIN_FRACTION))
+
+
+@dataclass
+class Candidate:
+    """A resident a budget waiter may ask to step aside, as its record describes it."""
+
+    units: list[int]
+    busy: bool
+    used: float  # Unix time it last worked; 0 when unknown
+    known: bool = True  # False: units held by somebody without a record
+
+
+def choose(candidates: Iterable[Candidate], missing: int) -> set[int]:
+    """The units to ask for: idle before busy, least recently used first, residents
+    without a record last, until ``missing`` units would be freed."""
+    asked: set[int] = set()
+    for c in sorted(candidates, key=lambda c: (not c.known, c.busy, c.used)):
+        if len(asked) >= missing:
+            break
+        asked.update(c.units)
+    return asked
+
+
+def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted units as (start, length) runs: one fcntl call per run."""
+    out: list[tuple[int, int]] = []
+    for u in sorted(units):
+        if out and out[-1][0] + out[-1][1] == u:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((u, 1))
+    return out
+
+
+class Share:
+    """Budget residency: ``token.lock`` shared plus ``need`` units of ``capacity.lock``.
+
+    ``records``: this member's record, where its units, footprint and activity are
+    published for waiters choosing whom to ask.
+    """
+
+    def __init__(
+        self, arena: Arena, budget: Budget, need: int, records: RecordWriter | None = None
+    ) -> None:
+        self.arena = arena
+        self.budget = budget
+        self.need = need
+        self.records = records
+        self.units: list[int] = []
+        self.resident = False
+        self._asked: set[int] = set()
+        fds: list[int] = []
+        try:
+            for name in (TOKEN, WANT, WANT, WANT, QUEUE):
+                fds.append(_open(arena, name))
+            fds.append(_open_capacity(arena))
+        except BaseException:
+            for fd in fds:
+                lockfd.close(fd)
+            raise
+        # want: our flock while we wait for an exclusive holder; probe: its own open
+        # file description, to see others'; asks: the byte locks we ask with, and
+        # through which residents look for asks (an OFD sees only others' locks).
+        self.token, self.want, self.probe, self.asks, self.queue, self.capacity = fds
+        if records is not None:
+            records.update(vram=need * budget.unit)
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Queue for a share; True once resident, False when ``timeout`` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if end is None else max(0.0, end - time.monotonic())
+
+        if not lockfd.lock_within(self.queue, exclusive=True, timeout=left()):
+            return False
+        try:
+            while True:
+                if not self._share_token(left):
+                    return False
+                got = self._gather(left)
+                if got:
+                    self.resident = True
+                    self._publish()
+                    return True
+                self._drop()
+                if got is False:
+                    return False
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            self._ask(set())
+            lockfd.unlock(self.queue)
+
+    def exclusive_waiting(self) -> bool:
+        """Does a waiter hold want.lock (which only exclusive waiters hold while residents
+        are on the GPU)? A failed probe is confirmed ``CONFIRM`` later."""
+        if not lockfd.conflicts(self.probe, exclusive=True):
+            return False
+        time.sleep(CONFIRM)
+        return lockfd.conflicts(self.probe, exclusive=True)
+
+    def _pause(self, pause: float, left: Callable[[], float | None]) -> float | None:
+        """Sleep ``pause`` (less near the deadline); the next pause, or None at the deadline."""
+        remaining = left()
+        if remaining is not None and remaining <= 0:
+            return None
+        time.sleep(pause if remaining is None else min(pause, remaining))
+        return min(pause * 2, POLL_MAX)
+
+    def _share_token(self, left: Callable[[], float | None]) -> bool:
+        """token.lock shared, queued behind any exclusive waiter; False at the deadline."""
+        pause: float | None = 0.0005
+        while True:
+            if lockfd.try_lock(self.token, exclusive=False):
+                if not self.exclusive_waiting():
+                    break
+                # The kernel grants shared locks past a queued exclusive one: a stream
+                # of budget members would starve it. Let it in first.
+                lockfd.unlock(self.token)
+                pause = self._pause(pause or POLL_MAX, left)
+                if pause is None:
+                    return False
+                continue
+            # An exclusive holder: wait as any waiter does, so that it steps aside.
+            if not lockfd.lock_within(self.want, exclusive=False, timeout=left()):
+                return False
+            try:
+                lockfd.ring(self.arena.dirfd, TOKEN)
+                if not lockfd.lock_within(self.token, exclusive=False, timeout=left()):
+                    return False
+            finally:
+                lockfd.unlock(self.want)
+            break
+        try:
+            lockfd.check_still_linked(self.arena.dirfd, TOKEN, self.token, self.arena.shown(TOKEN))
+        except BaseException:
+            lockfd.unlock(self.token)
+            raise
+        return True
+
+    def _gather(self, left: Callable[[], float | None]) -> bool | None:
+        """Take free units until we have ``need``, asking residents to step aside for the
+        rest. True: we have them; None: an exclusive waiter came (everything is to be
+        dropped, and the token taken again behind it); False: the deadline."""
+        pause: float | None = 0.0005
+        while True:
+            for unit in range(self.budget.units):
+                if len(self.units) >= self.need:
+                    break
+                if unit not in self.units and lockfd.try_lock_bytes(
+                    self.capacity, unit, write=True
+                ):
+                    self.units.append(unit)
+            if len(self.units) >= self.need:
+                return True
+            if self.exclusive_waiting():
+                return None
+            self._ask(choose(self._candidates(), self.need - len(self.units)))
+            pause = self._pause(pause or POLL_MAX, left)
+            if pause is None:
+                return False
+
+    def _candidates(self) -> list[Candidate]:
+        """Residents by their records (advisory), then units nobody's record claims."""
+        held = {
+            u
+            for u in range(self.budget.units)
+            if u not in self.units and lockfd.bytes_locked_elsewhere(self.capacity, u, write=True)
+        }
+        out: list[Candidate] = []
+        dirfd = self.arena.members_dir(create=False)
+        if dirfd is not None:
+            try:
+                for rec, _ in read_live(dirfd):
+                    units = [u for u in rec.units if u in held]
+                    if units and rec.pid != os.getpid():
+                        out.append(Candidate(units=units, busy=rec.busy, used=rec.used or 0.0))
+                        held -= set(units)
+            finally:
+                os.close(dirfd)
+        out += [Candidate(units=[u], busy=True, used=0.0, known=False) for u in sorted(held)]
+        return out
+
+    def _ask(self, units: set[int]) -> None:
+        """Hold read locks on want.lock at exactly ``units`` (the kernel never refuses a
+        read lock there: nobody write-locks want.lock's bytes)."""
+        for start, length in _runs(self._asked - units):
+            lockfd.unlock_bytes(self.asks, start, length)
+        new = units - self._asked
+        for start, length in _runs(new):
+            lockfd.try_lock_bytes(self.asks, start, length, write=False)
+        self._asked = set(units)
+        if new:
+            lockfd.ring(self.arena.dirfd, TOKEN)
+
+    def _drop(self) -> None:
+        self.resident = False
+        lockfd.unlock_bytes(self.capacity, 0, 0)  # length 0: every unit we hold
+        self.units = []
+        lockfd.unlock(self.token)
+
+    def _publish(self) -> None:
+        if self.records is not None:
+            self.records.update(units=sorted(self.units), used=time.time())
+
+    # -- resident -----------------------------------------------------------------------
+
+    def wanted(self) -> bool:
+        """Asked to step aside: a budget waiter asks for one of our units, or an
+        exclusive waiter waits."""
+        for start, length in _runs(self.units):
+            if lockfd.bytes_locked_elsewhere(self.asks, start, length, write=True):
+                return True
+        return self.exclusive_waiting()
+
+    def touch(self, busy: bool) -> None:
+        """Say whether we are working now (waiters ask idle residents first)."""
+        if self.records is not None:
+            self.records.update(busy=busy, used=time.time())
+
+    def release(self) -> None:
+        """Drop the units and the token (the GPU memory must already be free)."""
+        self._drop()
+        os.sched_yield()  # let the waiter that gets our units run first
+        if self.records is not None:
+            self.records.update(units=[], busy=False)
+
+    def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
+        """After a release, wait until queueing again cannot barge past the waiter that
+        asked: until somebody holds queue.lock, or nobody has for a millisecond."""
+        end = time.monotonic() + max_delay
+        free_since: float | None = None
+        while time.monotonic() < end:
+            if lockfd.conflicts(self.queue, exclusive=True):
+                return
+            now = time.monotonic()
+            if free_since is None:
+                free_since = now
+            elif now - free_since >= 0.001:
+                return
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        if self.resident or self.units:
+            self._drop()
+        for fd in (self.token, self.want, self.probe, self.asks, self.queue, self.capacity):
+            lockfd.close(fd)
