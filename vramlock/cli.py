@@ -611,6 +611,28 @@ def _demo_live(show: Demo) -> None:
             live.update(frame(), refresh=True)
 
 
+@app.command()
+def serve(
+    config: Annotated[
+        str,
+        typer.Argument(
+            metavar="CONFIG", help="llama-swap's YAML configuration file.", show_default=False
+        ),
+    ],
+    listen: Annotated[
+        str,
+        typer.Option(
+            metavar="ADDR",
+            help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1).",
+        ),
+    ] = "127.0.0.1:8080",
+) -> None:
+    """Serve every model of CONFIG at one address; each model is a member of the arena."""
+    from .serve import serve as serve_models
+
+    raise typer.Exit(serve_models(config, listen, duration=parse_duration, warn=_warn))
+
+
 def _version(value: bool) -> None:
     if value:
         print(f"vramlock {__version__}")
