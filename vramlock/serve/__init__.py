@@ -9,6 +9,7 @@ one address and passes each request to its model's wrapper. Needs the ``serve`` 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -98,7 +99,9 @@ async def _main(
         await site.start()
     except OSError as err:
         await runner.cleanup()
-        raise AddressError("--listen", listen, err.strerror or str(err)) from None
+        # aiohttp rewords the error: the errno says it in the usual words.
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise AddressError("--listen", listen, reason) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

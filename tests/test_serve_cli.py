@@ -1,0 +1,81 @@
+"""``vramlock serve``'s errors end to end: one stderr line, the documented exit status.
+
+A bad configuration or --listen value is a usage error (2) naming the file and line;
+an address in use is vramlock's own failure (125); warnings do not stop it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import Spawn, free_port, vramlock
+from test_cli_errors import ErrCli, expect_error
+
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD = "models:\n  m:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
+
+
+def config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("models:\n  m:\n    cmd: [x\n", [":4: not valid YAML"]),
+        ("models:\n  m:\n    proxy: http://127.0.0.1:9\n", [":2: model 'm': no cmd"]),
+        ("models:\n  m:\n    cmd: sleep ${PORT}\n    release: bogus\n",
+         [":2: model 'm': unknown release strategy 'bogus'"]),
+    ],
+    ids=["bad-yaml", "missing-cmd", "bad-release"],
+)  # fmt: skip
+def test_bad_configuration(errcli: ErrCli, tmp_path: Path, text: str, fragments: list[str]) -> None:
+    path = config(tmp_path, text)
+    expect_error(errcli("serve", str(path)), 2, str(path), *fragments)
+
+
+def test_missing_file(errcli: ErrCli, tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    expect_error(errcli("serve", str(path)), 2, f"{path}: cannot read it")
+
+
+def test_bad_listen_address(errcli: ErrCli, tmp_path: Path) -> None:
+    out = errcli("serve", str(config(tmp_path, GOOD)), "--listen", "nowhere")
+    expect_error(out, 2, "--listen: bad address 'nowhere'")
+
+
+def test_listen_address_in_use(errcli: ErrCli, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = errcli("serve", str(config(tmp_path, GOOD)), "--listen", str(port))
+    expect_error(out, 125, f"--listen {port}: Address already in use")
+
+
+def test_unknown_key_warns_and_serve_runs(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = config(tmp_path, GOOD + "    colour: blue\n")
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == f"vramlock: {path}:5: model 'm': unknown key colour ignored\n"
+    assert proc.stderr.readline() == f"vramlock: serving m at http://127.0.0.1:{port}\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: Path) -> None:
+    # aiohttp made unimportable, as where the serve extra is not installed
+    code = "import sys; sys.modules['aiohttp'] = None; from vramlock.cli import main; main()"
+    out = errcli("serve", str(config(tmp_path, GOOD)), python_code=code)
+    expect_error(out, 125, "vramlock serve needs aiohttp: pip install 'vramlock[serve]'")
