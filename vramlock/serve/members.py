@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from ..arena import Arena, parse_gpus
+from ..records import HOLDING
 from ..roster import snapshot
 from .config import Config, Model
 
@@ -132,20 +133,25 @@ class Wrapper:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
         return Arena.open(self.model.arena, min(gpus) if gpus else None)
 
+    def member_state(self) -> str | None:
+        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+        assert self.proc is not None
+        with contextlib.closing(self.arena()) as opened:
+            row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+        return None if row is None else row.state
+
     def state(self) -> str:
         """resident, released, waiting, loading (starting or restoring) or exited."""
         if not self.alive():
             return "exited"
-        assert self.proc is not None
-        with contextlib.closing(self.arena()) as opened:
-            row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
-        return "loading" if row is None else _SHOWN.get(row.state, "loading")
+        found = self.member_state()
+        return "loading" if found is None else _SHOWN.get(found, "loading")
 
     async def unload(self, timeout: float) -> bool:
         """Release the model now, if it is resident: take the token once as a waiter
         (``vramlock wait``) and drop it; the model releases at its next safe point and
-        stays released until a request comes. True if it was resident."""
-        if self.state() != "resident":
+        stays released until a request comes. True if it held the token."""
+        if not self.alive() or self.member_state() not in HOLDING:
             return False
         waiter = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",

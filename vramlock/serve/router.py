@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import web
 
 from .config import Config
 from .members import Wrapper
+from .upstream import Pool
 
 # Once a request for another model has waited this long, new requests for the model
 # being served queue behind it: grouping never starves a model for longer.
@@ -28,6 +28,9 @@ GROUP_WAIT = 2.0
 # When the model being served has no request left, its turn lasts this much longer, for
 # a client's next request (within the wrappers' 300 ms --idle, so it costs no time).
 LINGER = 0.1
+# A response of known length up to this size is read whole and sent in one write;
+# others (streams, chunked, large) are passed on chunk by chunk as they come.
+WHOLE = 1 << 20
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -124,7 +127,7 @@ class Router:
         self.config = config
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
-        self.session: ClientSession | None = None
+        self.pools: dict[str, Pool] = {}
         self.app = web.Application(client_max_size=1 << 30)
         r = self.app.router
         r.add_get("/health", self.health)
@@ -134,19 +137,11 @@ class Router:
         r.add_post("/models/unload/{model}", self.unload_one)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         r.add_post("/{path:.*}", self.by_model)
-        self.app.cleanup_ctx.append(self._client)
+        self.app.on_cleanup.append(self._close)
 
-    async def _client(self, app: web.Application) -> AsyncIterator[None]:
-        # No limit on connections (the model's server queues), no timeout (a request
-        # for a released model waits while it comes back), bodies passed as they are.
-        self.session = ClientSession(
-            connector=TCPConnector(limit=0, force_close=False),
-            timeout=ClientTimeout(total=None),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-        yield
-        await self.session.close()
+    async def _close(self, app: web.Application) -> None:
+        for pool in self.pools.values():
+            pool.close()
 
     def _wrapper(self, name: str) -> Wrapper | web.Response:
         model = self.config.find(name)
@@ -200,33 +195,37 @@ class Router:
     async def _pass(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
     ) -> web.StreamResponse:
-        assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        data: Any = body if body is not None else request.content
-        url = f"http://127.0.0.1:{w.port}{path}"
-        out: web.StreamResponse | None = None
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+        if body is None:
+            body = await request.read()
+        pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
-            async with self.session.request(
-                request.method, url, headers=headers, data=data, allow_redirects=False
-            ) as up:
-                out = web.StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers.items():
-                    if k.lower() not in _HOP:
-                        out.headers.add(k, v)
-                if up.content_length is not None:
-                    out.content_length = up.content_length
-                await out.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
-        except (ClientError, ConnectionError) as err:
-            if out is None or not out.prepared:
+            up = await pool.request(request.method, path, headers, body)
+        except OSError as err:
+            return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+        headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
+        if up.length is not None and up.length <= WHOLE:
+            try:
+                whole = b"".join([chunk async for chunk in up.body])
+            except OSError as err:
                 return _error(502, f"model {w.model.name}: its server did not answer: {err}")
-            # Headers sent: cut the connection, so that the client sees the answer end early.
+            return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
+        out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        if up.length is not None:
+            out.content_length = up.length
+        try:
+            await out.prepare(request)
+            async for chunk in up.body:
+                await out.write(chunk)
+            await out.write_eof()
+        except OSError:
+            # Cut in the middle: cut the client's connection too, so that it sees the
+            # answer end early rather than wait for the rest.
             if request.transport is not None:
                 request.transport.abort()
-            return out
+        finally:
+            await up.body.aclose()
+        return out
 
     # -- ttl and unload ------------------------------------------------------------
 
