@@ -1,7 +1,8 @@
-"""``vramlock serve``'s errors end to end: one stderr line, the documented exit status.
+"""``vramlock serve`` end to end without a llama-server: errors, warnings, streaming.
 
 A bad configuration or --listen value is a usage error (2) naming the file and line;
-an address in use is vramlock's own failure (125); warnings do not stop it.
+an address in use is vramlock's own failure (125); warnings do not stop it. A streamed
+answer reaches the client chunk by chunk, not when it is complete.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,47 @@ def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: 
     code = "import sys; sys.modules['aiohttp'] = None; from vramlock.cli import main; main()"
     out = errcli("serve", str(config(tmp_path, GOOD)), python_code=code)
     expect_error(out, 125, "vramlock serve needs aiohttp: pip install 'vramlock[serve]'")
+
+
+# A server that streams two chunks a second apart (what a slow model's SSE looks like).
+SLOW_STREAM = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i, line in enumerate((b"data: first\\n\\n", b"data: last\\n\\n")):
+            if i:
+                time.sleep(1)
+            self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(line), line))
+            self.wfile.flush()
+        self.wfile.write(b"0\\r\\n\\r\\n")
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_stream_is_passed_on_as_it_comes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STREAM)
+    path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            f"    checkEndpoint: none\nstartPort: {free_port()}\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        body = b'{"model": "m", "stream": true}'
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))  # fmt: skip
+        got, first = b"", None
+        while b"data: last" not in got:
+            got += s.recv(65536)
+            if first is None and b"data: first" in got:
+                first = time.monotonic()
+        assert first is not None and time.monotonic() - first > 0.8
+    assert b"200 OK" in got and b"text/event-stream" in got
