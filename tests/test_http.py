@@ -284,6 +284,10 @@ def test_server_address(
          "--on-release/--on-restore (exec) and --preset/--on-release-url/--on-restore-url"),
         (["--on-release-url", "https://h/x"], [], 2,
          "--on-release-url: bad URL 'https://h/x' (http://HOST[:PORT]/PATH)"),
+        (["--on-release-url", "http://127.0.0.1:0/off"], [], 2,  # not port 80
+         "--on-release-url: bad URL 'http://127.0.0.1:0/off' (http://HOST[:PORT]/PATH)"),
+        (["--on-release-url", "http://h/x", "--on-restore-url", "http://h:0/"], [], 2,
+         "--on-restore-url: bad URL 'http://h:0/'"),
     ],
 )  # fmt: skip
 def test_refusals_say_one_line_before_anything_starts(

@@ -28,6 +28,7 @@ import pytest
 from conftest import Spawn, free_ports, kill_group, token_free, vramlock, wait_until, who_json
 
 from vramlock import procfs
+from vramlock.address import same_socket
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -509,11 +510,58 @@ def test_listen_usage_errors(arena: Path, args: list[str], fragment: str) -> Non
     assert out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
 
 
-def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
-    """``[::1]:PORT`` listens on IPv6; the upstream may be IPv4."""
+def has_ipv6() -> bool:
     try:
         socket.create_server(("::1", 0), family=socket.AF_INET6).close()
     except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("listen", "upstream"),
+    [
+        ("18115", "localhost:18115"),
+        ("18115", "127.0.0.1:18115"),
+        ("0.0.0.0:18115", "127.0.0.1:18115"),
+        ("127.0.0.1:18115", "0.0.0.0:18115"),  # a server's wildcard is reached on loopback
+        ("0.0.0.0:18115", "localhost:18115"),
+        ("[::]:18115", "[::1]:18115"),
+        ("[::]:18115", "127.0.0.1:18115"),  # IPv6's wildcard takes IPv4 too
+        ("[::1]:18115", "[::]:18115"),
+        ("[::1]:18115", "[0:0:0:0:0:0:0:1]:18115"),
+    ],
+)
+def test_a_proxy_to_itself_is_refused(arena: Path, listen: str, upstream: str) -> None:
+    if "[" in listen + upstream and not has_ipv6():
+        pytest.skip("no IPv6 loopback here")
+    out = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--demand", "listen", "--listen", listen,
+                 "--upstream", upstream, "--", "true"),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"vramlock: --listen {listen} and --upstream {upstream} are the same socket:"
+        " the proxy would forward to itself\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("listen", "upstream"),
+    [
+        ("18115", "18116"),
+        ("127.0.0.2:18115", "127.0.0.1:18115"),  # another loopback address, another socket
+        ("127.0.0.1:18115", "192.0.2.1:18115"),  # not an address of this host
+    ],
+)
+def test_other_sockets_are_not_the_proxy(listen: str, upstream: str) -> None:
+    assert not same_socket(listen, upstream)
+
+
+def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    """``[::1]:PORT`` listens on IPv6; the upstream may be IPv4."""
+    if not has_ipv6():
         pytest.skip("no IPv6 loopback here")
     script = tmp_path / "server.py"
     script.write_text(SERVER)

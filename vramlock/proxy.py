@@ -21,16 +21,15 @@ from __future__ import annotations
 import enum
 import errno
 import os
-import re
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
-from .errors import AddressError, UsageError
+from .address import Target, resolve, show
+from .errors import AddressError
 from .hint import drain
 
 # How often the upstream is probed while a restored server is starting.
@@ -41,38 +40,6 @@ REPORT_EVERY = 0.25
 ACCEPT_PAUSE = 0.1
 _CHUNK = 256 * 1024
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-_ADDRESS = re.compile(r"(?:(?P<host>[^\[\]:]*)|\[(?P<v6>[^\[\]]+)\]):(?P<port>[0-9]+)")
-
-
-def parse_address(text: str, option: str) -> tuple[str, int]:
-    """(host, port) from ``HOST:PORT``, ``[IPv6]:PORT`` or ``PORT`` (127.0.0.1); UsageError."""
-    text = text.strip()
-    m = _ADDRESS.fullmatch(f"127.0.0.1:{text}" if text.isascii() and text.isdigit() else text)
-    host = (m.group("host") or m.group("v6")) if m else ""
-    if not m or not host or not 0 < int(m.group("port")) < 65536:
-        raise UsageError(
-            f"{option}: bad address {text!r} (HOST:PORT, [IPv6]:PORT, or PORT for 127.0.0.1:PORT)"
-        )
-    return host, int(m.group("port"))
-
-
-Target = tuple[int, tuple[Any, ...]]  # (address family, socket address)
-
-
-def show(sockaddr: tuple[Any, ...]) -> str:
-    """``host:port``, or ``[host]:port`` for IPv6."""
-    host, port = sockaddr[0], sockaddr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _resolve(text: str, option: str) -> list[Target]:
-    """Every (family, sockaddr) that ``text`` names; AddressError when it names none."""
-    host, port = parse_address(text, option)
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise AddressError(option, text, err.strerror or str(err)) from None
-    return [(family, sockaddr) for family, _, _, _, sockaddr in found]
 
 
 def _connect_to(target: Target) -> tuple[socket.socket, int]:
@@ -149,8 +116,8 @@ class Proxy:
         self.idle = idle
         self.ready_within = ready_within
         self._report, self._warn = report, warn
-        self._upstreams = _resolve(upstream, "--upstream")
-        family, where = _resolve(listen, "--listen")[0]
+        self._upstreams = resolve(upstream, "--upstream", connect=True)
+        family, where = resolve(listen, "--listen")[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             # A restarted wrapper must not wait out the TIME_WAIT of its last clients.

@@ -141,12 +141,15 @@ class RunOptions:
             if (self.listen, self.idle, self.ready_within) != (None, None, None):
                 raise UsageError("--listen, --idle and --ready-within need --demand listen")
             return
-        from .proxy import parse_address
+        from .address import same_socket
 
         if self.listen is None or self.upstream is None:
             raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
-        if parse_address(self.listen, "--listen") == parse_address(self.upstream, "--upstream"):
-            raise UsageError("--listen and --upstream are the same address")
+        if same_socket(self.listen, self.upstream):
+            raise UsageError(
+                f"--listen {self.listen} and --upstream {self.upstream} are the same socket:"
+                " the proxy would forward to itself"
+            )
 
 
 class _Terminated(Exception):

@@ -18,15 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..address import Address, connect_host
 from ..errors import StrategyError
 from .base import Context, Settings
 from .basic import RestartStrategy
 from .webapi import (
     QUERY_TIMEOUT,
     SETTLE_TIMEOUT,
-    Address,
     Preset,
-    connect_host,
     flag,
     option,
     program,
