@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import signal
 import socket
 import struct
@@ -576,3 +577,33 @@ def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     conn.request("GET", "/hello")
     assert conn.getresponse().read().startswith(b"hello ")
     conn.close()
+
+
+def test_out_of_descriptors_clients_wait_and_are_served(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    served = serve(spawn, arena, tmp_path)
+    pid = served.job.pid
+    kept = []
+    for _ in range(4):  # keep-alive connections, each two descriptors of the wrapper
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        conn.request("GET", "/hello")
+        assert conn.getresponse().read().startswith(b"hello ")
+        kept.append(conn)
+    # Room for one more client, not for its connection to the server.
+    used = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 1, used + 1))
+    waiting = [in_thread(served.get) for _ in range(4)]  # room enough for them once they go
+    time.sleep(1.0)  # a negative: ten pauses' worth of failed attempts
+    for conn in kept:
+        conn.close()
+    assert [join() for join in waiting] == [f"hello {served.starts()[0][1]}\n"] * 4
+    assert served.get().startswith("hello ")  # and it goes on accepting
+    kill_group(served.job)
+    assert served.job.stderr is not None
+    err = served.job.stderr.read()
+    warning = (
+        f"vramlock: cannot accept a connection on 127.0.0.1:{served.port}: Too many open"
+        " files; clients wait until descriptors are free"
+    )
+    assert err.splitlines() == [warning], err

@@ -138,6 +138,7 @@ class Proxy:
         self._probe: socket.socket | None = None  # a probe's connection in progress
         self._target = self._upstreams[0]  # the upstream address that accepted last
         self._accept_at: float | None = None  # accepting paused (EMFILE) until then
+        self._starved = False  # out of descriptors, and clients not all in since
         self._reported, self._last_report = 0, 0.0
         self._report_at: float | None = None
         self._handlers: dict[socket.socket, Callable[[int], None]] = {}
@@ -272,6 +273,8 @@ class Proxy:
         if self._accept_at is not None and now >= self._accept_at:
             self._accept_at = None
             self._arm(self._listener, _READ)
+            for conn in self._stuck():
+                self._forward(conn)
         with self._lock:
             opening = self._gate is Gate.OPENING
             due = self._probe_at is not None and now >= self._probe_at
@@ -287,13 +290,13 @@ class Proxy:
             try:
                 client, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                if self._starved and not self._stuck():
+                    self._starved = False  # every client is in: the shortage is over
                 return
             except ConnectionAbortedError:
                 continue  # gone before we took it
             except OSError as err:  # EMFILE, ENFILE, ENOBUFS: pause rather than spin
-                self._say(f"cannot accept a connection on {self.address}: {err.strerror}")
-                self._arm(self._listener, 0)
-                self._accept_at = time.monotonic() + ACCEPT_PAUSE
+                self._starve(err)
                 return
             client.setblocking(False)
             # Small writes go out at once: the client's timing is the server's.
@@ -313,6 +316,24 @@ class Proxy:
                 self._hold(conn, gate)
             self._count_changed()
 
+    def _starve(self, err: OSError) -> None:
+        """Out of descriptors (or buffers): stop accepting for ``ACCEPT_PAUSE`` rather than
+        spin, then accept, and forward the clients held meanwhile. Said once an episode."""
+        if not self._starved:
+            self._starved = True
+            self._say(
+                f"cannot accept a connection on {self.address}: {err.strerror}; clients wait"
+                " until descriptors are free"
+            )
+        self._arm(self._listener, 0)
+        if self._accept_at is None:
+            self._accept_at = time.monotonic() + ACCEPT_PAUSE
+
+    def _stuck(self) -> list[_Conn]:
+        """Clients accepted through an open gate, and not forwarded for want of a socket."""
+        with self._lock:
+            return [c for c in self._conns if c.upstream is None and self._gate is Gate.OPEN]
+
     def _hold(self, conn: _Conn, gate: Gate) -> None:
         # Watched only to see a client that hangs up while it waits (see _on_client).
         self._arm(conn.client, _READ)
@@ -322,7 +343,12 @@ class Proxy:
     def _forward(self, conn: _Conn, sock: socket.socket | None = None) -> None:
         """Connect ``conn`` to the upstream: through ``sock`` (connected already) or anew."""
         if sock is None:
-            sock, code = _connect_to(self._target)
+            try:
+                sock, code = _connect_to(self._target)
+            except OSError as err:  # no socket to be had (EMFILE): it waits, held
+                self._starve(err)
+                self._hold(conn, Gate.OPEN)
+                return
             if code not in (0, *_PENDING):
                 sock.close()
                 self._refused(conn)
@@ -487,7 +513,12 @@ class Proxy:
     def _start_probe(self) -> None:
         with self._lock:
             self._probe_at = None
-        sock, code = _connect_to(self._target)
+        try:
+            sock, code = _connect_to(self._target)
+        except OSError as err:  # EMFILE: try again once some are free
+            self._starve(err)
+            self._probe_again()
+            return
         if code == 0:
             self._ready(sock)
         elif code in _PENDING:
