@@ -8,10 +8,14 @@ does: at once, later (vLLM's sleep as a worst case, ComfyUI's worker, Ollama's
 scheduler), or by exiting (llama-server). It appends to ``$FAKE_LOG`` one line per
 event, ``<CLOCK_MONOTONIC> <event>``:
 
-    start PID | req METHOD PATH | gpu 1 | gpu 0 | exit
+    start PID | req METHOD PATH | gpu 1 | gpu 0 | chunk N | aborted | exit
 
 ``gpu 0`` is written *before* the freed state can be seen through the API, so a
 token handed over after the API said "free" comes after it in the log.
+
+Every engine streams ``GET /stream?n=N&gap=S``: N chunked server-sent events S seconds
+apart, each logged (``chunk I``) before it is written; a client that went away ends
+the stream (``aborted``), as engines stop generating for one.
 
 Scripted by the environment:
   FAKE_FAULTS      JSON {"PATH-PREFIX": {"status": N, "delay": S, "die": true,
@@ -31,7 +35,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -349,6 +355,8 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                     os._exit(3)
                 if "status" in fault:
                     return self.answer(fault["status"], fault.get("body", "fault").encode())
+            if (method, url.path) == ("GET", "/stream"):
+                return self.stream(parse_qs(url.query))
             route = engine.routes.get((method, url.path))
             if route is None:
                 return self.answer(404, b'{"detail": "Not Found"}')
@@ -356,6 +364,25 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                 return self.answer(401, b'{"error": {"message": "Invalid API Key"}}')
             status, data = route(parse_qs(url.query), json.loads(raw) if raw else None)
             self.answer(status, b"" if data is None else json.dumps(data).encode())
+
+        def stream(self, query: dict[str, list[str]]) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(int(query.get("n", ["1"])[0])):
+                if i:
+                    time.sleep(float(query.get("gap", ["0"])[0]))
+                conn = self.connection
+                if select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
+                    log("aborted")
+                    self.close_connection = True
+                    return
+                log(f"chunk {i}")
+                data = f"data: {i}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def answer(self, status: int, body: bytes) -> None:
             self.send_response(status)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -411,6 +413,66 @@ def test_generic_urls(arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEng
     resident_again(arena, eng)
     assert eng.requests() == ["POST /off", "POST /on"]
     assert end(job) == ""
+
+
+# -- behind --demand listen -----------------------------------------------------------------
+
+
+def read_stream(port: int, path: str) -> tuple[int, str]:
+    """The events a streamed response brought, and "complete" or how it ended."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            data = s.recv(65536)
+            if not data:
+                return got.count(b"data:"), "closed"
+            got += data
+        return got.count(b"data:"), "complete"
+
+
+def stream_while_waited_for(
+    spawn: Spawn, arena: Path, tmp_path: Path, eng: Engine, events: int, *options: str
+) -> tuple[tuple[int, str], Turn]:
+    """Behind the proxy, under the generic URLs: a stream of ``events`` events 1 s
+    apart, and a witness that queues once the first one has come."""
+    base, port = f"http://127.0.0.1:{eng.port}", free_port()
+    urls = ["--on-release-url", f"{base}/off", "--on-restore-url", f"{base}/on"]
+    listen = ["--demand", "listen", "--listen", str(port), "--upstream", str(eng.port)]
+    wrap(spawn, arena, eng, *urls, *listen, *options)
+    wait_until(lambda: who_json(arena)[0].get("listen") is not None)
+    got: list[tuple[int, str]] = []
+    reader = threading.Thread(
+        target=lambda: got.append(read_stream(port, f"/stream?n={events}&gap=1")), daemon=True
+    )
+    reader.start()
+    wait_until(lambda: eng.count("chunk 0") == 1)
+    turn = Witness(tmp_path, arena, eng.log, hold=0.5).turn()
+    reader.join(30)
+    return got[0], turn
+
+
+def test_a_response_in_progress_keeps_the_server_resident(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    (events, how), turn = stream_while_waited_for(spawn, arena, tmp_path, eng, 3)
+    assert (events, how) == (3, "complete")
+    chunks = [t for t, e in eng.events() if e.startswith("chunk ")]
+    assert turn.start > chunks[-1]  # the engine produced none while the witness held the GPU
+    eng.assert_free_during(turn)
+
+
+def test_yield_within_cuts_a_response_before_the_release(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    (events, how), turn = stream_while_waited_for(
+        spawn, arena, tmp_path, eng, 20, "--yield-within", "0.5"
+    )
+    assert events < 20 and how == "closed"
+    assert not [t for t, e in eng.events() if e.startswith("chunk ") and t > turn.start]
+    eng.assert_free_during(turn)
 
 
 # -- failures ------------------------------------------------------------------------------

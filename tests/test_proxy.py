@@ -58,6 +58,13 @@ SERVER = textwrap.dedent(
         def do_GET(self):
             url = urlsplit(self.path)
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            if url.path == "/big":  # one body of `size` bytes
+                size = int(query["size"])
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                self.wfile.write(b"x" * size)
+                return
             if url.path == "/hello":
                 body = f"hello {os.getpid()}\\n".encode()
                 self.send_response(200)
@@ -408,11 +415,11 @@ def test_held_clients_are_closed_when_the_upstream_never_gets_ready(
 
 
 def stream_and_witness(
-    served: Served, arena: Path, tmp: Path, events: int
+    served: Served, arena: Path, tmp: Path, events: int, gap: float = 0.1
 ) -> tuple[int, str, float, float]:
-    """A stream of ``events`` events 0.1 s apart; a witness queues after the first one.
+    """A stream of ``events`` events ``gap`` s apart; a witness queues after the first one.
     The events, how the stream ended, when it ended, when the witness got the token."""
-    stream = in_thread(lambda: read_stream(served.port, f"/stream?n={events}&gap=0.1"))
+    stream = in_thread(lambda: read_stream(served.port, f"/stream?n={events}&gap={gap}"))
     wait_until(lambda: who_json(arena)[0]["connections"] == 1)
     witness = Witness.start(tmp, arena, hold=0.0, port=served.upstream)
     got, end = stream()
@@ -428,6 +435,53 @@ def test_traffic_in_flight_puts_the_release_off(arena: Path, spawn: Spawn, tmp_p
     got, end, ended, t0 = stream_and_witness(served, arena, tmp_path, events=10)
     assert (got, end) == (10, "complete")  # not cut by the waiter
     assert t0 > ended  # the witness had to wait for the stream, then --idle
+
+
+def test_a_stream_with_gaps_longer_than_idle_keeps_the_server(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    # Events 1 s apart, --idle 0.3 s (the default): a gap is no end of the response.
+    served = serve(spawn, arena, tmp_path)
+    got, end, ended, t0 = stream_and_witness(served, arena, tmp_path, events=3, gap=1.0)
+    assert (got, end) == (3, "complete")
+    assert t0 > ended
+    assert len(served.starts()) == 1
+
+
+def test_a_slow_reader_gets_the_whole_download(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    served = serve(spawn, arena, tmp_path)
+    size = 64 << 20
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
+        s.sendall(f"GET /big?size={size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536)
+        received = len(got.split(b"\r\n\r\n", 1)[1])
+        witness = Witness.start(tmp_path, arena, hold=0.0, port=served.upstream)
+        time.sleep(1.0)  # the reader stalls (the proxy has had no traffic for a while)
+        while received < size:
+            data = s.recv(1 << 20)
+            assert data, f"cut after {received} of {size} bytes"
+            received += len(data)
+        done = time.monotonic()
+    t0, _, server = witness.result()
+    assert server == "gone" and t0 > done
+    assert len(served.starts()) == 1
+
+
+def test_an_idle_keep_alive_connection_does_not_put_the_release_off(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    served = serve(spawn, arena, tmp_path, "--idle", "0.2")
+    kept = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    for path in ("/hello", "/stream?n=3", "/hello"):  # keep-alive: open after its answers
+        kept.request("GET", path)
+        assert kept.getresponse().read()
+    time.sleep(0.3)  # past --idle
+    asked = time.monotonic()
+    t0, _, server = Witness.start(tmp_path, arena, hold=0.0, port=served.upstream).result()
+    assert server == "gone" and t0 - asked < 1.5
+    kept.close()
 
 
 def test_yield_within_cuts_traffic_in_flight(arena: Path, spawn: Spawn, tmp_path: Path) -> None:

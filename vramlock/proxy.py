@@ -1,8 +1,10 @@
 """``--demand listen``: a TCP proxy in front of the command's server.
 
 Bytes pass through untouched (HTTP, streamed responses, websockets): this is TCP
-splicing, nothing is parsed. One daemon thread runs a selector over every socket;
-the runner's loop talks to it through a few methods and a wake-up pipe.
+splicing. HTTP/1.x framing is followed as the bytes pass (framing.py), only to tell
+a response in progress from an idle keep-alive connection. One daemon thread runs a
+selector over every socket; the runner's loop talks to it through a few methods and
+a wake-up pipe.
 
 The gate says what happens to clients:
 
@@ -25,11 +27,13 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 
 from .address import Target, resolve, show
 from .errors import AddressError
+from .framing import Framing
 from .hint import drain
 
 # How often the upstream is probed while a restored server is starting.
@@ -38,6 +42,8 @@ PROBE_EVERY = 0.05
 REPORT_EVERY = 0.25
 # After running out of descriptors (EMFILE), stop accepting for this long.
 ACCEPT_PAUSE = 0.1
+# How long a release waits for the proxy's thread to cut the exchanges in progress.
+CUT_WITHIN = 1.0
 _CHUNK = 256 * 1024
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
@@ -77,7 +83,18 @@ class _Flow:
 class _Conn:
     """A client and, once forwarded, its connection to the upstream."""
 
-    __slots__ = ("client", "connecting", "down", "last_down", "last_up", "parked", "up", "upstream")
+    __slots__ = (
+        "client",
+        "connecting",
+        "down",
+        "last_down",
+        "last_up",
+        "parked",
+        "requests",
+        "responses",
+        "up",
+        "upstream",
+    )
 
     def __init__(self, client: socket.socket, now: float) -> None:
         self.client = client
@@ -88,11 +105,24 @@ class _Conn:
         self.down: _Flow | None = None  # upstream -> client
         # Accepting counts as traffic (for --idle): a new client is about to speak.
         self.last_up = self.last_down = now
+        methods: deque[bytes] = deque()
+        self.requests = Framing(responses=False, methods=methods)
+        self.responses = Framing(responses=True, methods=methods)
 
     @property
     def waiting(self) -> bool:
         """Waits for the gate: held, or parked."""
         return self.upstream is None or self.parked
+
+    def in_progress(self) -> bool:
+        """Forwarded, and in the middle of an exchange: a request has begun and its
+        response has not ended, or bytes wait for either side. Where the traffic is not
+        HTTP/1.x, the client spoke last (an answer is awaited)."""
+        if self.up.buf or (self.down is not None and self.down.buf):
+            return True
+        if self.requests.opaque or self.responses.opaque:
+            return self.last_up > self.last_down
+        return self.requests.started > self.responses.done
 
 
 class Proxy:
@@ -139,6 +169,8 @@ class Proxy:
         self._target = self._upstreams[0]  # the upstream address that accepted last
         self._accept_at: float | None = None  # accepting paused (EMFILE) until then
         self._starved = False  # out of descriptors, and clients not all in since
+        self._awaited = False  # the runner waits for the exchanges in progress to end
+        self._cutting: threading.Event | None = None  # set once busy connections are cut
         self._reported, self._last_report = 0, 0.0
         self._report_at: float | None = None
         self._handlers: dict[socket.socket, Callable[[int], None]] = {}
@@ -162,24 +194,35 @@ class Proxy:
     def busy_for(self) -> float:
         """Seconds until no connection is busy, if nothing more happens; 0.0: not busy.
 
-        Busy: a client waits for the gate, or spoke last (an answer is awaited), or
-        there was traffic within ``idle``.
+        Busy: a client waits for the gate, or an exchange is in progress (see
+        ``_Conn.in_progress``), or there was traffic within ``idle``. The runner's
+        loop is woken when the exchanges it waits for are over.
         """
         now = time.monotonic()
         with self._lock:
             conns = list(self._conns)
         left = 0.0
         for c in conns:
-            if c.waiting or c.connecting or c.last_up > c.last_down:
+            if c.waiting or c.connecting or c.in_progress():
+                self._awaited = True
                 return max(self.idle, PROBE_EVERY)  # no end in sight: ask again then
-            left = max(left, c.last_down + self.idle - now)
+            left = max(left, max(c.last_up, c.last_down) + self.idle - now)
         return left
 
     def close_gate(self) -> None:
-        """The server is about to be released: hold what comes from now on."""
+        """The server is about to be released: hold what comes from now on, and end the
+        exchanges still in progress (--yield-within ran out): a server that stays up
+        while released must not go on answering them, and one that is ended would
+        cut them anyway. Returns once they are cut."""
         with self._lock:
             self._gate = Gate.CLOSED
             self._probe_at = None
+            if any(c.upstream is not None and c.in_progress() for c in self._conns):
+                self._cutting = cut = threading.Event()
+            else:
+                return
+        self._poke(self._wake_w)
+        cut.wait(CUT_WITHIN)
 
     def open_gate(self) -> None:
         """The server is resident again: forward once it accepts a connection."""
@@ -227,11 +270,22 @@ class Proxy:
                     else:
                         key.data(events)
                 self._timers()
+                if self._cutting is not None:
+                    self._cut()
         except Exception as err:  # a bug: say so, and leave no client hanging
             self._say(f"the proxy on {self.address} failed: {err!r}; closing its connections")
             for c in list(self._conns):
                 self._drop(c)
             self._forget(self._listener)
+
+    def _cut(self) -> None:
+        with self._lock:
+            done, self._cutting = self._cutting, None
+            busy = [c for c in self._conns if c.upstream is not None and c.in_progress()]
+        for conn in busy:
+            self._drop(conn)
+        if done is not None:
+            done.set()
 
     def _watch(self, sock: socket.socket, handler: Callable[[int], None], mask: int = 0) -> None:
         """Call ``handler(events)`` for ``sock``'s events in ``mask`` (see ``_arm``)."""
@@ -438,10 +492,14 @@ class Proxy:
             return
         if flow is conn.up:
             conn.last_up = time.monotonic()
+            conn.requests.feed(data)
         else:
             conn.last_down = time.monotonic()
+            conn.responses.feed(data)
         if not data:
             flow.eof = True
+            if flow is conn.down:
+                conn.responses.end()
         else:
             sent = self._send(conn, flow, data)
             if sent is None:
@@ -449,14 +507,23 @@ class Proxy:
             if sent < len(data):
                 flow.buf += data[sent:]
             elif not flow.buf:
+                self._over(conn)
                 return  # all of it went through: nothing to watch differently
         self._settle(conn, flow)
+        self._over(conn)
 
     def _flush(self, conn: _Conn, flow: _Flow) -> None:
         sent = self._send(conn, flow, flow.buf)
         if sent is not None:
             del flow.buf[:sent]
             self._settle(conn, flow)
+            self._over(conn)
+
+    def _over(self, conn: _Conn) -> None:
+        """Wake the runner once an exchange it waits for has ended."""
+        if self._awaited and not conn.in_progress():
+            self._awaited = False
+            self._poke(self._wake_runner)
 
     def _send(self, conn: _Conn, flow: _Flow, data: bytes | bytearray) -> int | None:
         """Bytes sent (0 when ``dst`` is full); None when the connection was dropped."""
@@ -486,6 +553,9 @@ class Proxy:
             if conn not in self._conns:
                 return  # dropped already
             del self._conns[conn]
+        if self._awaited:
+            self._awaited = False
+            self._poke(self._wake_runner)
         self._forget(conn.client)
         if conn.upstream is not None:
             self._forget(conn.upstream)
