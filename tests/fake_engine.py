@@ -23,7 +23,9 @@ Scripted by the environment:
                    PATH-PREFIX is delayed, answered N with TEXT, or kills the server;
                    ``times`` limits how many requests the fault hits
   FAKE_FREE_DELAY  how long an asynchronous free takes (seconds; default 0.3)
-  FAKE_LOADING     llama-server: /health answers 503 this long after start (default 0.2)
+  FAKE_LOADING     every request answers 503 (as a loading server does: GET /health
+                   too, 200 otherwise) this long after start, and for generic after
+                   POST /on (default 0.2 for llama-server, else 0)
   FAKE_EXIT_DELAY  llama-server: how long it takes to exit after SIGTERM (default 0.2)
   FAKE_BUSY        comfyui: a prompt runs this long after start (default 0)
   FAKE_KEEP        comfyui: bytes a custom node keeps reserved after /free (default 0)
@@ -82,8 +84,13 @@ FREE_DELAY = float(os.environ.get("FAKE_FREE_DELAY", "0.3"))
 class Engine:
     """The pretend GPU memory and the routes; subclasses are the engines."""
 
+    LOADING = "0"
+    unaffected: frozenset[str] = frozenset()  # paths that answer while it loads
+
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
+        self.loading_for = float(os.environ.get("FAKE_LOADING", self.LOADING))
+        self.ready_at = time.monotonic() + self.loading_for
         self.gpu = False
         self.lock = threading.Lock()
         self.routes: dict[tuple[str, str], Callable[[dict[str, list[str]], Any], Reply]] = {}
@@ -105,14 +112,14 @@ class Engine:
 
 
 class LlamaServer(Engine):
+    LOADING = "0.2"
+
     def __init__(self, argv: list[str]) -> None:
         super().__init__(argv)
         self.slot_dir = option(argv, "--slot-save-path")
         self.slots: dict[int, str] = {i: "" for i in range(int(option(argv, "-np", "1") or 1))}
         self.keys = (option(argv, "--api-key") or "").split(",")
-        self.ready_at = time.monotonic() + float(os.environ.get("FAKE_LOADING", "0.2"))
         self.routes = {
-            ("GET", "/health"): self.health,
             ("GET", "/props"): lambda q, b: (200, {"is_sleeping": False,
                                                    "total_slots": len(self.slots)}),
             ("GET", "/slots"): lambda q, b: (200, [{"id": i, "is_processing": False}
@@ -128,11 +135,6 @@ class LlamaServer(Engine):
     def authorised(self, path: str, header: str | None) -> bool:
         keys = [f"Bearer {k}" for k in self.keys]
         return self.keys == [""] or path == "/health" or header in keys
-
-    def health(self, query: dict[str, list[str]], body: Any) -> Reply:
-        if time.monotonic() < self.ready_at:
-            return 503, {"error": {"code": 503, "message": "Loading model"}}
-        return 200, {"status": "ok"}
 
     def completion(self, query: dict[str, list[str]], body: Any) -> Reply:
         words = str(body["prompt"]).split()
@@ -299,6 +301,8 @@ class Ollama(Engine):
 
 
 class Generic(Engine):
+    unaffected = frozenset({"/off", "/on"})
+
     def __init__(self, argv: list[str]) -> None:
         super().__init__(argv)
         self.routes = {("POST", "/off"): self.off, ("POST", "/on"): self.on}
@@ -309,6 +313,7 @@ class Generic(Engine):
 
     def on(self, query: dict[str, list[str]], body: Any) -> Reply:
         self.hold(True)
+        self.ready_at = time.monotonic() + self.loading_for  # loads its model again
         return 204, None
 
 
@@ -355,8 +360,13 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                     os._exit(3)
                 if "status" in fault:
                     return self.answer(fault["status"], fault.get("body", "fault").encode())
+            if time.monotonic() < engine.ready_at and url.path not in engine.unaffected:
+                log(f"503 {self.path}")
+                return self.answer(503, b'{"error": {"code": 503, "message": "Loading model"}}')
             if (method, url.path) == ("GET", "/stream"):
                 return self.stream(parse_qs(url.query))
+            if (method, url.path) == ("GET", "/health"):
+                return self.answer(200, b'{"status": "ok"}')
             route = engine.routes.get((method, url.path))
             if route is None:
                 return self.answer(404, b'{"detail": "Not Found"}')

@@ -548,6 +548,11 @@ def test_a_listen_address_in_use_is_one_line_and_125(
         (["--demand", "listen", "--listen", "8080"], "--demand listen needs --listen ADDR and"),
         (["--listen", "8080", "--upstream", "8081"], "need --demand listen"),
         (["--idle", "1s"], "need --demand listen"),
+        (["--ready-url", "/health"], "need --demand listen"),
+        (
+            ["--demand", "listen", "--listen", "80", "--upstream", "81", "--ready-url", "health"],
+            "--ready-url: a path is wanted (/health), not 'health'",
+        ),
         (["--demand", "listen", "--listen", "::1:80", "--upstream", "81"], "bad address '::1:80'"),
         (["--demand", "listen", "--listen", "70000", "--upstream", "81"], "bad address '70000'"),
         (["--demand", "listen", "--listen", "81", "--upstream", "127.0.0.1:81"], "the same"),

@@ -10,12 +10,14 @@ The gate says what happens to clients:
 
 - ``CLOSED`` (released): new connections are accepted and held, bytes a client sends
   on an open connection wait; either one is demand, and wakes the runner's loop;
-- ``OPENING`` (restored): the same, while the upstream is probed until it accepts a
-  TCP connection (``ready_within`` at most: then the waiting clients are closed);
+- ``OPENING`` (started, or restored): the same, while the upstream is probed until it
+  is ready (``ready_within`` at most: then the waiting clients are closed): until
+  ``GET ready_url`` answers 2xx, or without one, until it accepts a TCP connection;
 - ``OPEN``: connections are forwarded.
 
 Nothing here blocks and nothing polls: with no traffic the thread sleeps in the
-selector. The per-byte path is one ``recv``, one ``send`` and a clock read.
+selector. The per-byte path is one ``recv``, one ``send``, a clock read and the
+framing's arithmetic.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from .errors import AddressError
 from .framing import Framing
 from .hint import drain
 
-# How often the upstream is probed while a restored server is starting.
+# How often the upstream is probed while a restored server is starting, and how long
+# one probe may take (a server that accepts and does not answer yet).
 PROBE_EVERY = 0.05
+PROBE_TIMEOUT = 1.0
 # `who` learns the number of open connections at most this often.
 REPORT_EVERY = 0.25
 # After running out of descriptors (EMFILE), stop accepting for this long.
@@ -128,9 +132,11 @@ class _Conn:
 class Proxy:
     """Listens on ``listen`` (bound at once) and forwards to ``upstream`` through the gate.
 
-    The gate starts closed. ``report(n)`` is told the number of open client connections
-    when it changes (at most every ``REPORT_EVERY``), from the proxy's thread; ``warn``
-    gets diagnostics. Raises AddressError when an address cannot be resolved or bound.
+    The gate starts closed; ``ready_url`` is the path that answers 2xx once the upstream
+    serves (None: accepting a connection is ready). ``report(n)`` is told the number of
+    open client connections when it changes (at most every ``REPORT_EVERY``), from the
+    proxy's thread; ``warn`` gets diagnostics. Raises AddressError when an address cannot
+    be resolved or bound.
     """
 
     def __init__(
@@ -140,11 +146,13 @@ class Proxy:
         *,
         idle: float,
         ready_within: float,
+        ready_url: str | None = None,
         report: Callable[[int], None],
         warn: Callable[[str], None],
     ) -> None:
         self.idle = idle
         self.ready_within = ready_within
+        self.ready_url = ready_url
         self._report, self._warn = report, warn
         self._upstreams = resolve(upstream, "--upstream", connect=True)
         family, where = resolve(listen, "--listen")[0]
@@ -166,6 +174,9 @@ class Proxy:
         self._probe_at: float | None = None  # when to probe the upstream next
         self._ready_by = 0.0  # held clients are closed when it does not accept by then
         self._probe: socket.socket | None = None  # a probe's connection in progress
+        self._probe_until = 0.0  # when a probe that has no answer yet fails
+        self._probe_reply: bytearray | None = None  # None: the probe is connecting
+        self._answer = ""  # what the last probe got, for the warning
         self._target = self._upstreams[0]  # the upstream address that accepted last
         self._accept_at: float | None = None  # accepting paused (EMFILE) until then
         self._starved = False  # out of descriptors, and clients not all in since
@@ -315,7 +326,7 @@ class Proxy:
     def _timeout(self) -> float | None:
         due = [t for t in (self._probe_at, self._report_at, self._accept_at) if t is not None]
         if self._probe is not None:
-            due.append(self._ready_by)
+            due += (self._ready_by, self._probe_until)
         return None if not due else max(0.0, min(due) - time.monotonic())
 
     def _timers(self) -> None:
@@ -336,6 +347,9 @@ class Proxy:
             self._stop_probe()
         elif now >= self._ready_by and (due or self._probe is not None):
             self._not_ready()
+        elif self._probe is not None and now >= self._probe_until:
+            self._answer = self._answer or "no answer"
+            self._probe_failed()
         elif due and self._probe is None:
             self._start_probe()
 
@@ -589,29 +603,79 @@ class Proxy:
             self._starve(err)
             self._probe_again()
             return
-        if code == 0:
-            self._ready(sock)
-        elif code in _PENDING:
-            self._probe = sock
-            self._watch(sock, self._on_probe, _WRITE)
-        else:
+        if code not in (0, *_PENDING):
             sock.close()
+            self._answer = "connection refused"
             self._probe_again()
+            return
+        self._probe, self._probe_until = sock, time.monotonic() + PROBE_TIMEOUT
+        self._probe_reply = None
+        self._watch(sock, self._on_probe, _WRITE)
 
     def _on_probe(self, events: int) -> None:
         sock = self._probe
         assert sock is not None
-        self._arm(sock, 0)
-        del self._handlers[sock]
-        self._probe = None
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-            sock.close()
-            self._probe_again()
+        if self._probe_reply is None:  # connecting
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._answer = "connection refused"
+                self._probe_failed()
+            elif self.ready_url is None:
+                self._forget_probe()
+                self._ready(sock)  # its connection serves the first client
+            else:
+                self._ask(sock)
+            return
+        try:
+            data = sock.recv(4096)
+        except OSError as err:
+            data, self._answer = b"", (err.strerror or str(err)).lower()
+        if not data:
+            self._answer = self._answer or "the connection was closed without an answer"
+            self._probe_failed()
+            return
+        self._probe_reply += data
+        line, crlf, _ = bytes(self._probe_reply).partition(b"\r\n")
+        if not crlf and len(self._probe_reply) < 4096:
+            return  # more to come
+        parts = line.split()
+        status = parts[1].decode(errors="replace") if len(parts) > 1 else "no status"
+        if len(parts) > 1 and parts[0].startswith(b"HTTP/") and status[:1] == "2":
+            self._stop_probe()
+            self._ready(None)
         else:
-            self._ready(sock)
+            self._answer = f"GET {self.ready_url} answered {status[:20]}"
+            self._probe_failed()
+
+    def _ask(self, sock: socket.socket) -> None:
+        """Send the readiness request (small: a fresh connection takes it at once)."""
+        host = show(self._target[1])
+        request = (
+            f"GET {self.ready_url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            sent = sock.send(request)
+        except OSError as err:
+            sent, self._answer = 0, (err.strerror or str(err)).lower()
+        if sent != len(request):
+            self._probe_failed()
+            return
+        self._answer = ""
+        self._probe_reply = bytearray()
+        self._arm(sock, _READ)
+
+    def _probe_failed(self) -> None:
+        self._stop_probe()
+        self._probe_again()
+
+    def _forget_probe(self) -> None:
+        """The probe's socket, no longer watched, and no longer the probe's."""
+        assert self._probe is not None
+        self._arm(self._probe, 0)
+        del self._handlers[self._probe]
+        self._probe = None
 
     def _probe_again(self) -> None:
-        """Refused: the next address the upstream resolves to, a little later."""
+        """Not ready: the next address the upstream resolves to, a little later."""
         i = self._upstreams.index(self._target)
         self._target = self._upstreams[(i + 1) % len(self._upstreams)]
         with self._lock:
@@ -623,11 +687,13 @@ class Proxy:
             self._forget(self._probe)
             self._probe = None
 
-    def _ready(self, sock: socket.socket) -> None:
-        """The upstream accepts: open the gate; the probe's connection serves the first client."""
+    def _ready(self, sock: socket.socket | None) -> None:
+        """The upstream is ready: open the gate; ``sock``, a connection to it, serves the
+        first client."""
         with self._lock:
             if self._gate is not Gate.OPENING:
-                sock.close()  # closed again meanwhile: the server is being released
+                if sock is not None:
+                    sock.close()  # closed again meanwhile: the server is being released
                 return
             self._gate = Gate.OPEN
             waiting = [c for c in self._conns if c.waiting]
@@ -637,12 +703,12 @@ class Proxy:
         for conn in waiting:
             if conn.upstream is not None:
                 self._rearm(conn)
-        if held:
-            self._forward(held[0], sock)
-            for conn in held[1:]:
-                self._forward(conn)
-        else:
+        if held and sock is not None:
+            self._forward(held.pop(0), sock)
+        elif sock is not None:
             sock.close()
+        for conn in held:
+            self._forward(conn)
 
     def _not_ready(self) -> None:
         self._stop_probe()
@@ -651,8 +717,12 @@ class Proxy:
             waiting = [c for c in self._conns if c.waiting]
         if not waiting:
             return  # nobody to tell: the next client starts another wait
+        if self.ready_url is None:
+            ready = "accept a connection"
+        else:
+            ready = f"answer GET {self.ready_url} with 2xx ({self._answer or 'no answer'})"
         self._say(
-            f"the upstream {show(self._target[1])} did not accept a connection within"
+            f"the upstream {show(self._target[1])} did not {ready} within"
             f" {self.ready_within:g} s; closing {len(waiting)} waiting connection(s)"
         )
         for conn in waiting:

@@ -275,6 +275,8 @@ class Preset(HttpStrategy):
 
     engine: ClassVar[str]  # the --preset name
     default_port: ClassVar[int]
+    # What answers 2xx once the server serves (--demand listen forwards from then on).
+    ready_path: ClassVar[str] = "/health"
     keeps_state = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
