@@ -30,6 +30,8 @@ Scripted by the environment:
   FAKE_BUSY        comfyui: a prompt runs this long after start (default 0)
   FAKE_KEEP        comfyui: bytes a custom node keeps reserved after /free (default 0)
   FAKE_MODELS      ollama: NAME:SIZE_VRAM,... loaded at start (default m1:1000)
+  FAKE_COOPERATIVE generic: "1" to release and restore through vramlock's control
+                   channel (--release signal) as well; a restore loads again
 """
 
 from __future__ import annotations
@@ -311,10 +313,19 @@ class Generic(Engine):
         self.hold(False)
         return 200, None
 
-    def on(self, query: dict[str, list[str]], body: Any) -> Reply:
+    def on(self, query: dict[str, list[str]] | None = None, body: Any = None) -> Reply:
         self.hold(True)
         self.ready_at = time.monotonic() + self.loading_for  # loads its model again
         return 204, None
+
+    def start(self) -> None:
+        super().start()
+        if os.environ.get("FAKE_COOPERATIVE") == "1":
+            from vramlock import child
+
+            ctl = child.connect()
+            assert ctl is not None, "not run by vramlock"
+            ctl.serve(release=lambda: self.hold(False), restore=self.on)
 
 
 ENGINES: dict[str, type[Engine]] = {

@@ -522,13 +522,15 @@ def listening(
     [
         ("llama-server", ["--release", "restart"]),  # its /health, known without a preset
         ("generic", ["--ready-url", "/health"]),  # loads again after each POST /on
+        ("generic", ["--ready-url", "/health", "--release", "signal"]),  # ... and restore
     ],
 )
 def test_no_client_sees_a_loading_server(
     arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine, name: str, options: list[str]
 ) -> None:
-    eng = engine(name, loading="1.0")
-    if name == "generic":
+    signal_strategy = "signal" in options
+    eng = engine(name, loading="1.0", cooperative="1" if signal_strategy else "0")
+    if name == "generic" and not signal_strategy:
         base = f"http://127.0.0.1:{eng.port}"
         options += ["--on-release-url", f"{base}/off", "--on-restore-url", f"{base}/on"]
     job, port = listening(spawn, arena, eng, *options)
