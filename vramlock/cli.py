@@ -241,8 +241,18 @@ def run(
         str | None,
         typer.Option(
             metavar="SECONDS",
-            help="listen demand: close waiting clients if the restored server does not accept"
-            " connections this soon (default 2m).",
+            help="listen demand: close waiting clients if the started or restored server is"
+            " not ready this soon (default 2m).",
+            show_default=False,
+        ),
+    ] = None,
+    ready_url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="listen demand: forward clients once GET PATH answers 2xx after each start"
+            " or restore (default /health, or the API's own, for the engines presets know;"
+            " else once the server accepts connections).",
             show_default=False,
         ),
     ] = None,
@@ -324,6 +334,7 @@ def run(
         upstream=upstream,
         idle=_maybe_duration(idle, "--idle"),
         ready_within=_maybe_duration(ready_within, "--ready-within"),
+        ready_url=ready_url,
         warn=_warn,
     )
     try:
