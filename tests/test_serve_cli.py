@@ -2,11 +2,14 @@
 
 A bad configuration or --listen value is a usage error (2) naming the file and line;
 an address in use is vramlock's own failure (125); warnings do not stop it. A streamed
-answer reaches the client chunk by chunk, not when it is complete.
+answer reaches the client chunk by chunk, not when it is complete; a server that never
+answers its checkEndpoint never has a request forwarded.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -126,3 +129,40 @@ def test_a_stream_is_passed_on_as_it_comes(spawn: Spawn, tmp_path: Path, arena: 
                 first = time.monotonic()
         assert first is not None and time.monotonic() - first > 0.8
     assert b"200 OK" in got and b"text/event-stream" in got
+
+
+# A server that answers 503 to everything, as llama-server does while it loads.
+LOADING = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_POST = answer
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_model_that_never_gets_healthy_fails_without_its_503(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING)
+    path = config(tmp_path, f"healthCheckTimeout: 1\nstartPort: {free_port()}\nmodels:\n"
+                            f"  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=b'{"model": "m"}')
+    reply = conn.getresponse()
+    body = json.loads(reply.read())
+    conn.close()
+    # held while /health said 503, then serve's own answer: the engine's 503 never
+    assert reply.status == 502, body
+    assert body["error"]["message"].startswith("model m: its server did not answer")
+    assert time.monotonic() - started < 10

@@ -35,14 +35,14 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
         raise VramlockError(
             f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
         ) from None
-    from ..proxy import parse_address
+    from ..address import parse
     from .config import load
     from .members import Wrapper
 
     config = load(path, duration)
     for message in config.warnings:
         warn(message)
-    host, port = parse_address(listen, "--listen")
+    host, port = parse(listen, "--listen")
     wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
@@ -66,6 +66,8 @@ def _check(config: Config, w: Wrapper) -> None:
         demand="listen",
         listen=f"127.0.0.1:{w.port}",
         upstream=m.upstream,
+        ready_url=w.ready_url,
+        ready_within=config.health_timeout,
     )
     try:
         opts.check()
@@ -84,7 +86,7 @@ async def _main(
 ) -> int:
     from aiohttp import web
 
-    from ..proxy import show
+    from ..address import show
     from .members import stop_all
     from .router import Router
 

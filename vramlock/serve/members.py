@@ -84,12 +84,21 @@ class Wrapper:
             return ["--arena", self.model.arena]
         return ["--gpu", self.model.gpu] if self.model.gpu is not None else []
 
+    @property
+    def ready_url(self) -> str | None:
+        """checkEndpoint under the proxy URL's path; None ("none"): what ``run`` checks
+        by itself (the engine's path where it knows the engine, else that it accepts)."""
+        m = self.model
+        return None if m.check_endpoint is None else m.prefix + m.check_endpoint
+
     def argv(self) -> list[str]:
         m = self.model
         args = [sys.executable, "-m", "vramlock", "run", "--name", m.name,
                 "--demand", "listen", "--listen", f"127.0.0.1:{self.port}",
                 "--upstream", m.upstream,
                 "--ready-within", f"{self.config.health_timeout:.3f}"]  # fmt: skip
+        if self.ready_url is not None:
+            args += ["--ready-url", self.ready_url]
         return [*args, *m.run_options, *self.where, "--", *m.command]
 
     def start(self) -> None:
