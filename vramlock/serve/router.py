@@ -44,9 +44,11 @@ class Turns:
     Requests for the model being served are admitted at once, unless a request for
     another model has waited ``GROUP_WAIT``; others queue. When no admitted request is
     left (and none came within ``LINGER``, or somebody waited too long), every queued
-    request of the model waiting longest is admitted. A B A B arriving together are
-    served A A B B; clients that never pause take turns of about ``GROUP_WAIT``, so a
-    request waits at most that long for each other model's turn (and its swap).
+    request of the model waiting longest is admitted. With nothing in progress, a model
+    other than the last one served waits ``LINGER`` first, so that a burst starts with
+    the model that is likely resident. A B A B arriving together are served A A B B;
+    clients that never pause take turns of about ``GROUP_WAIT``, so a request waits at
+    most that long for each other model's turn (and its swap).
     """
 
     def __init__(self) -> None:
@@ -55,6 +57,7 @@ class Turns:
         self._queued: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
         self._switch: asyncio.TimerHandle | None = None
         self._turn_began = 0.0
+        self._last: str | None = None  # the model of the last turn: likely resident
 
     def _overdue(self) -> bool:
         """Has the current turn lasted GROUP_WAIT since it began and since somebody
@@ -65,17 +68,22 @@ class Turns:
         return time.monotonic() - max(oldest, self._turn_began) > GROUP_WAIT
 
     async def enter(self, model: str) -> None:
-        if self.current is None or (self.current == model and not self._overdue()):
+        idle = self.current is None and self._last in (None, model)
+        if idle or (self.current == model and not self._overdue()):
             if self._switch is not None:
                 self._switch.cancel()
                 self._switch = None
             if self.current is None:
-                self.current, self._turn_began = model, time.monotonic()
+                self._begin(model)
             self.active += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._queued.setdefault(model, [])
         queue.append((time.monotonic(), fut))
+        if self.current is None and self._switch is None:
+            # Nothing in progress, but this model is likely not resident: a request for
+            # the one that is, arriving within LINGER (a burst), goes first.
+            self._switch = asyncio.get_running_loop().call_later(LINGER, self._next)
         try:
             await fut
         except asyncio.CancelledError:
@@ -88,6 +96,10 @@ class Turns:
                     if self.active == 0 and not any(self._queued.values()):
                         self.current = None
             raise
+
+    def _begin(self, model: str) -> None:
+        self.current = self._last = model
+        self._turn_began = time.monotonic()
 
     def leave(self) -> None:
         self.active -= 1
@@ -109,7 +121,7 @@ class Turns:
             self.current = None
             return
         model = min(waiting, key=lambda m: waiting[m][0][0])
-        self.current, self._turn_began = model, time.monotonic()
+        self._begin(model)
         for _, fut in self._queued.pop(model):
             self.active += 1
             fut.set_result(None)
