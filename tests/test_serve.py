@@ -387,9 +387,19 @@ def test_sigkilled_serve_leaves_nothing_running_without_the_token(
     assert servers_alive(served.upstreams) == []
 
 
-def test_serve_ends_its_wrappers_on_sigterm(start: Any, tmp_path: Path, models: list[Path]) -> None:
-    served = start(serve_config(tmp_path, models))
-    served.complete("a")
+def test_start_up_holds_clients_wait_takes_turns_sigterm_ends_all(
+    start: Any, tmp_path: Path, models: list[Path], arena: Path
+) -> None:
+    served = start(serve_config(tmp_path, models), settle=False)
+    # at once, while the wrappers start and queue: held, then answered (no 502, no 503)
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(served.complete, NAMES))
+    assert [r["model"][-6:-5] for r in replies] == ["0", "1", "2"]
+    # vramlock wait takes its turn: the resident model releases, and stays released
+    waited = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "30"), timeout=60)
+    assert waited.returncode == 0
+    assert servers_alive(served.upstreams) == []
+    served.complete("b")
     wrappers = [r["pid"] for r in who_json(served.arena)]
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(25) == 0
