@@ -44,10 +44,11 @@ _SHOWN = {
 def _die_with_parent(parent: int) -> Callable[[], None]:
     """preexec_fn: SIGTERM when serve dies (even SIGKILLed), so the wrapper ends its
     command as on any ending signal; if serve is already gone, do not start at all."""
+    # Looked up before the fork: the child of a threaded process must not dlopen.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
 
@@ -72,7 +73,6 @@ class Wrapper:
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.in_flight = 0
-        self.last_done = time.monotonic()
         self.ttl_timer: asyncio.TimerHandle | None = None
         self.unloading: asyncio.Task[bool] | None = None
         self.listening = False  # its listen address accepted since it was started

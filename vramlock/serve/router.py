@@ -200,7 +200,6 @@ class Router:
             return await self._pass(request, w, path, body)
         finally:
             w.in_flight -= 1
-            w.last_done = time.monotonic()
             turns.leave()
             self._arm_ttl(w)
 
@@ -216,28 +215,31 @@ class Router:
         except OSError as err:
             return _error(502, f"model {w.model.name}: its server did not answer: {err}")
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
-        if up.length is not None and up.length <= WHOLE:
-            try:
-                whole = b"".join([chunk async for chunk in up.body])
-            except OSError as err:
-                return _error(502, f"model {w.model.name}: its server did not answer: {err}")
-            return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
-        out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-        if up.length is not None:
-            out.content_length = up.length
         try:
-            await out.prepare(request)
-            async for chunk in up.body:
-                await out.write(chunk)
-            await out.write_eof()
-        except OSError:
-            # Cut in the middle: cut the client's connection too, so that it sees the
-            # answer end early rather than wait for the rest.
-            if request.transport is not None:
-                request.transport.abort()
+            if up.length is not None and up.length <= WHOLE:
+                try:
+                    whole = b"".join([chunk async for chunk in up.body])
+                except OSError as err:
+                    return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+                return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
+            out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+            if up.length is not None:
+                out.content_length = up.length
+            try:
+                await out.prepare(request)
+                async for chunk in up.body:
+                    await out.write(chunk)
+                await out.write_eof()
+            except OSError:
+                # Cut in the middle: cut the client's connection too, so that it sees the
+                # answer end early rather than wait for the rest.
+                if request.transport is not None:
+                    request.transport.abort()
+            return out
         finally:
+            # Also when the client went away (cancelled): the connection to the wrapper
+            # is closed at once, not left looking like a request awaiting its answer.
             await up.body.aclose()
-        return out
 
     # -- ttl and unload ------------------------------------------------------------
 
