@@ -234,3 +234,17 @@ def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message
     assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}:{line}: ")
     assert message in str(err.value)
     assert err.value.exit_status == 2
+
+
+def test_man_page_states_the_defaults_in_the_code() -> None:
+    from conftest import ROOT
+
+    from vramlock.serve.config import DEFAULT_HEALTH_TIMEOUT, DEFAULT_START_PORT
+    from vramlock.serve.members import STOP_WITHIN
+    from vramlock.serve.router import GROUP_WAIT
+
+    page = " ".join((ROOT / "man" / "vramlock-serve.1").read_text().split())
+    assert f"(default {DEFAULT_START_PORT})" in page
+    assert f"(default {DEFAULT_HEALTH_TIMEOUT:g} s, taken as given)" in page
+    assert f"turn lasts {GROUP_WAIT:g} seconds more at most" in page
+    assert f"for {STOP_WITHIN:g} s at most" in page
