@@ -287,7 +287,8 @@ def test_clients_that_never_pause_take_turns_in_groups(
         witness.join(5)
     assert min(done) >= 2, (done, runs)  # nobody starves: each model had a turn or more
     swaps = len(runs) - 1
-    assert swaps <= 8 / GROUP_WAIT + 2, runs  # turns of GROUP_WAIT, not one request each
+    # turns of about GROUP_WAIT (its swap included), not one request each (~1,700 here)
+    assert swaps <= 2 * 8 / GROUP_WAIT, runs
     assert max(waits) < 2 * GROUP_WAIT + 4, (waits, runs)
 
 
