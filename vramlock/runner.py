@@ -111,6 +111,7 @@ class RunOptions:
     upstream: str | None = None  # --demand listen: the command's server
     idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
     ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
+    ready_url: str | None = None  # --demand listen; None: the engine's (presets.ready_url)
     warn: Callable[[str], None] = field(default=_quiet)
 
     @property
@@ -138,15 +139,22 @@ class RunOptions:
     def _check_listen(self) -> None:
         # --upstream alone is the http strategy's business.
         if self.demand != "listen":
-            if (self.listen, self.idle, self.ready_within) != (None, None, None):
-                raise UsageError("--listen, --idle and --ready-within need --demand listen")
+            if (self.listen, self.idle, self.ready_within, self.ready_url) != (None,) * 4:
+                raise UsageError(
+                    "--listen, --idle, --ready-within and --ready-url need --demand listen"
+                )
             return
-        from .proxy import parse_address
+        if self.ready_url is not None and not self.ready_url.startswith("/"):
+            raise UsageError(f"--ready-url: a path is wanted (/health), not {self.ready_url!r}")
+        from .address import same_socket
 
         if self.listen is None or self.upstream is None:
             raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
-        if parse_address(self.listen, "--listen") == parse_address(self.upstream, "--upstream"):
-            raise UsageError("--listen and --upstream are the same address")
+        if same_socket(self.listen, self.upstream):
+            raise UsageError(
+                f"--listen {self.listen} and --upstream {self.upstream} are the same socket:"
+                " the proxy would forward to itself"
+            )
 
 
 class _Terminated(Exception):
@@ -248,12 +256,14 @@ class Runner:
         if opts.listen is None or opts.upstream is None:
             return None
         from .proxy import Proxy
+        from .strategies.presets import ready_url
 
         proxy = Proxy(
             opts.listen,
             opts.upstream,
             idle=DEFAULT_IDLE if opts.idle is None else opts.idle,
             ready_within=DEFAULT_READY_WITHIN if opts.ready_within is None else opts.ready_within,
+            ready_url=opts.ready_url or ready_url(opts.command, opts.preset),
             report=lambda count: member.describe(connections=count),
             warn=opts.warn,
         )
@@ -344,14 +354,6 @@ class Supervisor:
         self.child = child
         self.ctx = strategies.Context(child=child, control=control)
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
-        if proxy is not None:
-            # Clients held by the proxy go through once the server serves, not merely
-            # accepts connections (llama-server answers 503 while it loads its model).
-            try:
-                self.strategy.wait_ready()
-            except (StrategyError, strategies.ChildExited) as err:
-                with contextlib.suppress(Exception):
-                    opts.warn(f"{err or 'the command exited'}; letting clients through anyway")
         self.demand = demands.make(opts.demand, self.ctx, proxy)
         self.pending_signal: int | None = None
         self._ending_since: float | None = None  # when the first ending signal came

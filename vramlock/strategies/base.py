@@ -163,11 +163,6 @@ class Strategy:
         the runner closes once the command is gone."""
         return command
 
-    def wait_ready(self) -> None:
-        """The command was just started: return once it serves (a preset knows how to
-        tell; StrategyError when it does not in time). Clients held by a proxy are let
-        through after this."""
-
     def release(self, deadline: float | None) -> None:
         raise StrategyError(f"the {self.name} strategy never releases")
 

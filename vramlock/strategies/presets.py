@@ -18,15 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..address import Address, connect_host
 from ..errors import StrategyError
 from .base import Context, Settings
 from .basic import RestartStrategy
 from .webapi import (
     QUERY_TIMEOUT,
     SETTLE_TIMEOUT,
-    Address,
     Preset,
-    connect_host,
     flag,
     option,
     program,
@@ -171,8 +170,8 @@ class LlamaServer(Preset, RestartStrategy):
 
     def wait_ready(self) -> None:
         self.until(
-            "did not answer GET /health with 200",
-            lambda: self.probe("/health", self.address) == 200,
+            f"did not answer GET {self.ready_path} with 200",
+            lambda: self.probe(self.ready_path, self.address) == 200,
             None,
             READY_TIMEOUT,
         )
@@ -278,6 +277,7 @@ class ComfyUI(Preset):
     name = "http:comfyui"
     engine = "comfyui"
     default_port = 8188
+    ready_path = "/system_stats"
 
     @classmethod
     def listens(cls, argv: list[str], env: Mapping[str, str]) -> Address:
@@ -337,6 +337,7 @@ class Ollama(Preset):
     name = "http:ollama"
     engine = "ollama"
     default_port = 11434
+    ready_path = "/"  # "Ollama is running"
 
     @classmethod
     def identifies(cls, command: list[str]) -> bool:
@@ -378,3 +379,16 @@ class Ollama(Preset):
 PRESETS: dict[str, type[Preset]] = {
     cls.engine: cls for cls in (LlamaServer, Vllm, Sglang, ComfyUI, Ollama)
 }
+
+
+def ready_url(command: list[str], preset: str | None) -> str | None:
+    """The path that answers 2xx once the server ``command`` starts serves, whatever the
+    release strategy: its engine's, by ``--preset`` or by the command itself (where
+    ``auto`` would know the engine); None for a server of no engine we know."""
+    if preset in PRESETS:
+        engine: type[Preset] | None = PRESETS[preset]
+    else:
+        engine = next((cls for cls in PRESETS.values() if cls.identifies(command)), None)
+    if engine is None:
+        return None
+    return engine.prefix(command, os.environ) + engine.ready_path

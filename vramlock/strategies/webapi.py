@@ -20,11 +20,10 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
-from ..errors import StrategyError, UsageError
+from ..address import Address, connect_host, server, split_url
+from ..errors import StrategyError
 from .base import (
     CLOSE_TO_EXIT,
     ChildExited,
@@ -46,42 +45,10 @@ SETTLE_TIMEOUT = 120.0
 MAX_REPLY = 4 << 20
 
 
-@dataclass(frozen=True)
-class Address:
-    """Where a server answers HTTP: host, port, and a path prefix (no trailing slash)."""
-
-    host: str
-    port: int
-    prefix: str = ""
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}{self.prefix}"
-
-
-def connect_host(host: str) -> str:
-    """The host to connect to for a server listening on ``host`` (a wildcard: loopback)."""
-    host = host.strip().strip("[]")
-    if host in ("", "0.0.0.0", "*"):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
 def parse_port(text: str, what: str) -> int:
     if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
         raise StrategyError(f"{what}: bad port {text!r}")
     return int(text)
-
-
-def parse_address(text: str, what: str) -> Address:
-    """``HOST:PORT``, ``[IPv6]:PORT`` or ``PORT`` (on 127.0.0.1), as ``--upstream`` takes
-    it; UsageError for anything else."""
-    from ..proxy import parse_address as split_address
-
-    host, port = split_address(text, what)
-    return Address(connect_host(host), port)
 
 
 # -- the command line of a server ---------------------------------------------------------
@@ -178,7 +145,7 @@ class HttpStrategy(Strategy):
             ("--on-restore-url", settings.on_restore_url),
         ):
             if url is not None:
-                _split_url(url, option_name)
+                split_url(url, option_name)
 
     def release(self, deadline: float | None) -> None:
         self._endings = self.ctx.endings  # an ending signal from now on interrupts the waits
@@ -198,7 +165,7 @@ class HttpStrategy(Strategy):
             self._post_url(self.settings.on_restore_url, None)
 
     def _post_url(self, url: str, deadline: float | None) -> None:
-        address, path = _split_url(url, "URL")
+        address, path = split_url(url, "URL")
         self.call("POST", path, deadline=deadline, limit=ACTION_TIMEOUT, at=address)
 
     # -- requests ---------------------------------------------------------------------------
@@ -303,25 +270,13 @@ class HttpStrategy(Strategy):
             time.sleep(min(POLL, left))
 
 
-def _split_url(url: str, what: str) -> tuple[Address, str]:
-    """``http://host[:port]/path`` as the address and the path (with its query)."""
-    bad = UsageError(f"{what}: bad URL {url!r} (http://HOST[:PORT]/PATH)")
-    try:
-        parts = urlsplit(url)
-        port = parts.port or 80
-    except ValueError:
-        raise bad from None
-    if parts.scheme != "http" or not parts.hostname:
-        raise bad
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Address(connect_host(parts.hostname), port), path
-
-
 class Preset(HttpStrategy):
     """An engine's own API, at the address its command line (or ``--upstream``) gives."""
 
     engine: ClassVar[str]  # the --preset name
     default_port: ClassVar[int]
+    # What answers 2xx once the server serves (--demand listen forwards from then on).
+    ready_path: ClassVar[str] = "/health"
     keeps_state = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
@@ -361,7 +316,7 @@ class Preset(HttpStrategy):
     def locate(cls, argv: list[str], env: Mapping[str, str], settings: Settings) -> Address:
         """The server's address: ``--upstream`` if given, else from its command line."""
         if settings.upstream is not None:
-            up = parse_address(settings.upstream, "--upstream")
+            up = server(settings.upstream, "--upstream")
             return Address(up.host, up.port, cls.prefix(argv, env))
         return cls.listens(argv, env)
 
