@@ -140,7 +140,7 @@ def start(spawn: Spawn, arena: Path, tmp_path: Path) -> Iterator[Any]:
         log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed with the test)
         logs.append(log)
         proc = spawn(vramlock("serve", str(config), "--listen", f"127.0.0.1:{port}"),
-                     stdout=log, stderr=log,
+                     graceful=True, stdout=log, stderr=log,
                      env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
         served = Served(proc, port, upstream_ports(config)[:3], arena)
         wait_until(lambda: accepts_http(port), timeout=20)
