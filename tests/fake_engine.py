@@ -19,9 +19,10 @@ the stream (``aborted``), as engines stop generating for one.
 
 Scripted by the environment:
   FAKE_FAULTS      JSON {"PATH-PREFIX": {"status": N, "delay": S, "die": true,
-                   "body": "TEXT", "times": N}}: a request whose path starts with
-                   PATH-PREFIX is delayed, answered N with TEXT, or kills the server;
-                   ``times`` limits how many requests the fault hits
+                   "body": "TEXT", "trickle": S, "times": N}}: a request whose path
+                   starts with PATH-PREFIX is delayed, answered N with TEXT (a byte
+                   every S seconds with ``trickle``), or kills the server; ``times``
+                   limits how many requests the fault hits
   FAKE_FREE_DELAY  how long an asynchronous free takes (seconds; default 0.3)
   FAKE_LOADING     every request answers 503 (as a loading server does: GET /health
                    too, 200 otherwise) this long after start, and for generic after
@@ -370,7 +371,8 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                     log("died")
                     os._exit(3)
                 if "status" in fault:
-                    return self.answer(fault["status"], fault.get("body", "fault").encode())
+                    body = fault.get("body", "fault").encode()
+                    return self.answer(fault["status"], body, fault.get("trickle", 0.0))
             if time.monotonic() < engine.ready_at and url.path not in engine.unaffected:
                 log(f"503 {self.path}")
                 return self.answer(503, b'{"error": {"code": 503, "message": "Loading model"}}')
@@ -405,12 +407,18 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
 
-        def answer(self, status: int, body: bytes) -> None:
+        def answer(self, status: int, body: bytes, trickle: float = 0.0) -> None:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not trickle:
+                self.wfile.write(body)
+                return
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(trickle)
 
     return Handler
 

@@ -650,6 +650,66 @@ def test_a_slow_release_is_ended_at_yield_within(
     assert "http:sglang release did not finish within 0.5 s; ending the command" in err
 
 
+def test_yield_within_is_a_deadline_for_a_server_that_trickles(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    # An answer a byte every 0.3 s, 40 bytes: each read is quick, the whole is 12 s.
+    trickle = {"status": 200, "body": "{" + " " * 38 + "}", "trickle": 0.3}
+    eng = engine("sglang", "--enable-memory-saver",
+                 faults=json.dumps({"/release_memory_occupation": trickle}))  # fmt: skip
+    job = wrap(spawn, arena, eng, "--yield-within", "1")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # ended at the deadline
+    assert 1.0 <= turn.start - turn.asked < 5.0
+    assert "http:sglang release did not finish within 1.0 s; ending the command" in end(job)
+
+
+def test_vllm_is_woken_when_its_release_fails_after_it_fell_asleep(
+    arena: Path, spawn: Spawn, engine: MakeEngine
+) -> None:
+    faults = {"/is_sleeping": {"status": 500, "body": '{"detail": "boom"}'}}
+    eng = engine("vllm", "--enable-sleep-mode", faults=json.dumps(faults), free_delay="0")
+    job = wrap(spawn, arena, eng)
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
+    assert waiter.returncode == 1  # it stayed resident...
+    wait_until(lambda: eng.count("req POST /wake_up") >= 1)
+    assert job.poll() is None
+    gpu = [e for _, e in eng.events() if e.startswith("gpu ")]
+    assert gpu[:3] == ["gpu 1", "gpu 0", "gpu 1"]  # ... and awake: slept, then woken
+    err = end(job)
+    assert "vramlock: release failed: vllm: GET /is_sleeping answered 500: boom" in err
+
+
+def test_vllm_that_can_be_neither_asleep_nor_woken_is_ended(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    faults = {"/is_sleeping": {"status": 500}, "/wake_up": {"status": 500}}
+    eng = engine("vllm", "--enable-sleep-mode", faults=json.dumps(faults))
+    job = wrap(spawn, arena, eng)
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # released the other way: ended (started again on its turn)
+    assert eng.requests()[:3] == ["POST /sleep?level=1", "GET /is_sleeping", "POST /wake_up"]
+    assert "vllm release did not finish" in end(job)
+
+
+def test_an_ending_signal_ends_a_restore_that_hangs(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # accepts, never answers
+        hung.settimeout(30)
+        restore = f"http://127.0.0.1:{hung.getsockname()[1]}/on"
+        job = wrap(spawn, arena, eng, "--on-release-url", f"http://127.0.0.1:{eng.port}/off",
+                   "--on-restore-url", restore)  # fmt: skip
+        Witness(tmp_path, arena, eng.log, hold=0.1).turn()
+        conn, _ = hung.accept()  # the restore's request is on its way
+        with conn:
+            signalled = time.monotonic()
+            job.send_signal(signal.SIGTERM)
+            job.communicate(timeout=30)
+            assert time.monotonic() - signalled < 2.0
+
+
 def test_a_server_that_dies_mid_release_ends_the_run(
     arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
 ) -> None:

@@ -226,7 +226,11 @@ class Framing:
     # -- chunks -----------------------------------------------------------------------
 
     def _size(self, view: memoryview) -> memoryview:
-        end = bytes(view[:MAX_LINE]).find(b"\n")
+        # A size line is a few bytes: look at those first, not at a whole read of small
+        # chunks each time.
+        end = bytes(view[:32]).find(b"\n")
+        if end < 0 and len(view) > 32:
+            end = bytes(view[:MAX_LINE]).find(b"\n")
         if end < 0:
             self._buf += view
             if len(self._buf) > MAX_LINE:

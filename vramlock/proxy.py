@@ -26,6 +26,7 @@ import enum
 import errno
 import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -193,7 +194,14 @@ class Proxy:
         self._watch(self._listener, self._on_listener, _READ)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="vramlock-proxy", daemon=True)
-        self._thread.start()
+        # A handler that raises (an ending signal) in the middle of start() would leave the
+        # thread half registered: hold signals back meanwhile. The thread keeps them
+        # blocked; the main thread handles them, as Python does anyway.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     # -- the runner's side (its own thread) ----------------------------------------
 

@@ -144,10 +144,10 @@ class RunOptions:
                     "--listen, --idle, --ready-within and --ready-url need --demand listen"
                 )
             return
-        if self.ready_url is not None and not self.ready_url.startswith("/"):
-            raise UsageError(f"--ready-url: a path is wanted (/health), not {self.ready_url!r}")
         from .address import same_socket
 
+        if self.ready_url is not None and not self.ready_url.startswith("/"):
+            raise UsageError(f"--ready-url: a path is wanted (/health), not {self.ready_url!r}")
         if self.listen is None or self.upstream is None:
             raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
         if same_socket(self.listen, self.upstream):

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from ..address import Address, connect_host
 from ..errors import StrategyError
-from .base import Context, Settings
+from .base import Context, Interrupted, ReleaseTimeout, Settings
 from .basic import RestartStrategy
 from .webapi import (
     QUERY_TIMEOUT,
@@ -236,7 +236,16 @@ class Vllm(Preset):
             reply = _object(self.get("/is_sleeping", deadline), "GET /is_sleeping", self.engine)
             return reply.get("is_sleeping") is True
 
-        self.until("did not report is_sleeping", sleeping, deadline, SETTLE_TIMEOUT)
+        try:
+            self.until("did not report is_sleeping", sleeping, deadline, SETTLE_TIMEOUT)
+        except (StrategyError, Interrupted):
+            # It may be asleep: resident and asleep, it would answer nobody. Wake it, or
+            # failing that, have it ended (ReleaseTimeout): released either way.
+            try:
+                self.post("/wake_up", None, deadline)
+            except (StrategyError, Interrupted):
+                raise ReleaseTimeout from None
+            raise
 
     def take_back(self) -> None:
         self.post("/wake_up", None, None)
