@@ -23,6 +23,10 @@ from typer.core import TyperGroup
 from . import __version__
 from .errors import NotObtained, UsageError, VramlockError
 
+# Imported here, not in _warn: a warning about running out of descriptors must not need
+# one to import its formatting.
+from .roster import printable
+
 if TYPE_CHECKING:
     from .arena import Arena
     from .demo import Demo
@@ -174,8 +178,6 @@ _MESSAGE_MAX = 8192
 def _warn(message: str) -> None:
     """A diagnostic or an error: one line on stderr, if stderr still takes it. What the
     user typed (a path, a command) may hold escapes or newlines: they are written escaped."""
-    from .roster import printable
-
     try:
         print(f"vramlock: {printable(message, _MESSAGE_MAX)}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
