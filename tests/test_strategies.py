@@ -208,6 +208,67 @@ def test_stop_keeper_lets_the_command_go_on_after_its_turn(
     assert job.returncode == 143
 
 
+def _escaping_leader(tmp_path: Path, ticker: Path, log: Path, *ignored: str) -> Path:
+    """A command whose worker leaves its session (setsid) and ticks, ignoring ``ignored``."""
+    leader = tmp_path / "leader.py"
+    leader.write_text(
+        textwrap.dedent(
+            f"""
+            import subprocess, sys, time
+            subprocess.Popen([sys.executable, {str(ticker)!r}, {str(log)!r}, *{list(ignored)!r}],
+                             start_new_session=True)
+            time.sleep(600)
+            """
+        )
+    )
+    return leader
+
+
+def test_stop_stops_workers_that_left_the_session(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """--release stop: a worker that setsid()s out of the process group is stopped too,
+    and continued after its turn."""
+    log = tmp_path / "ticks"
+    leader = _escaping_leader(tmp_path, ticker, log)
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(leader))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    assert procfs.pgrp(worker) == worker  # it did leave: a group (and session) of its own
+    for round_ in range(2):
+        span = Witness(tmp_path, arena, hold=0.4, name=f"w{round_}").interval()
+        assert ticks_inside(log, span) == []
+        count = len(ticks(log))
+        wait_until(lambda n=count: len(ticks(log)) > n + 5)  # type: ignore[misc]
+    assert job.poll() is None
+
+
+def test_stopped_workers_that_left_the_session_die_with_the_wrapper(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """The keeper's duty covers escaped workers: the wrapper is SIGKILLed while another
+    member holds the token, and a worker that left the session (and ignores SIGHUP) never
+    ticks again."""
+    log = tmp_path / "ticks"
+    leader = _escaping_leader(tmp_path, ticker, log, "SIGHUP")
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(leader))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    witness = Witness(tmp_path, arena, hold=1.0)
+    witness.wait_held()
+    os.kill(job.pid, signal.SIGKILL)
+    span = witness.interval()
+    assert ticks_inside(log, span) == []
+    wait_until(lambda: not procfs.living(worker))
+    job.wait(10)
+
+
 UNSOLICITED = textwrap.dedent(
     """
     import os, socket, sys, time

@@ -216,14 +216,15 @@ class Child:
             ) from None
 
     def processes(self) -> list[int]:
-        """Every living process of the command: its process group, and whatever else
-        descends from us (we are a subreaper, so orphans that left the group are ours),
-        less our own helpers in ``ignored``. Zombies run nothing and are left out."""
-        found = set(procfs.group_pids(self.pid)) if self.pid else set()
+        """Every living process of the command, parents before their children: whatever
+        descends from us (we are a subreaper, so orphans that left the group are ours) and
+        its process group, less our own helpers in ``ignored``. Zombies run nothing and
+        are left out."""
         me = os.getpid()
-        found.update(p for p in procfs.descendants(me) if procfs.living(p))
-        found.discard(me)
-        return sorted(found - self.ignored)
+        found = [p for p in procfs.descendants(me) if procfs.living(p)]
+        if self.pid:
+            found += [p for p in procfs.group_pids(self.pid) if p not in found]
+        return [p for p in found if p != me and p not in self.ignored]
 
     def reap_orphans(self) -> None:
         """Reap adopted descendants that have exited (never the command itself: poll() does)."""
@@ -234,7 +235,8 @@ class Child:
                 except ChildProcessError:
                     pass
 
-    def _signal_all(self, sig: int, pids: list[int]) -> None:
+    def signal_all(self, sig: int, pids: list[int]) -> None:
+        """Signal the command's process group and each of ``pids`` (StrategyError: EPERM)."""
         self.signal_group(sig)
         for pid in pids:
             try:
@@ -266,11 +268,11 @@ class Child:
         if not left:
             self.poll()
             return []
-        self._signal_all(signal.SIGTERM, left)
-        self._signal_all(signal.SIGCONT, left)
+        self.signal_all(signal.SIGTERM, left)
+        self.signal_all(signal.SIGCONT, left)
         left = self.wait_gone(grace)
         if left:
-            self._signal_all(signal.SIGKILL, left)
+            self.signal_all(signal.SIGKILL, left)
             left = self.wait_gone(kill_wait)
         return left
 

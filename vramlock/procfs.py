@@ -14,7 +14,7 @@ _MAX_PROC_LOCKS = 4 * 1024 * 1024
 _READ_ATTEMPTS = 4
 
 # Field indexes in proc_stat()'s list (fields after the command name, state first).
-_STATE, _PPID, _PGRP = 0, 1, 2
+_STATE, _PPID, _PGRP, _SESSION = 0, 1, 2, 3
 _STARTTIME = 19
 
 
@@ -60,6 +60,10 @@ def pgrp(pid: int) -> int | None:
 
 def ppid(pid: int) -> int | None:
     return _int_field(pid, _PPID)
+
+
+def session(pid: int) -> int | None:
+    return _int_field(pid, _SESSION)
 
 
 def uid(pid: int) -> int | None:
