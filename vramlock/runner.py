@@ -187,7 +187,7 @@ class Runner:
         opts = self.opts
         opts.check()
         once = _Once()
-        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP)}
+        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
         try:
             try:
                 with harmless_signals():
@@ -330,6 +330,8 @@ class Runner:
 class Supervisor:
     """The loop around a running command: probe, release, re-queue, restore."""
 
+    demand: demands.Demand  # made once the command serves (``loop``)
+
     def __init__(
         self,
         opts: RunOptions,
@@ -344,16 +346,9 @@ class Supervisor:
         self.child = child
         self.ctx = strategies.Context(child=child, control=control)
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
-        if proxy is not None:
-            # Clients held by the proxy go through once the server serves, not merely
-            # accepts connections (llama-server answers 503 while it loads its model).
-            try:
-                self.strategy.wait_ready()
-            except (StrategyError, strategies.ChildExited) as err:
-                with contextlib.suppress(Exception):
-                    opts.warn(f"{err or 'the command exited'}; letting clients through anyway")
-        self.demand = demands.make(opts.demand, self.ctx, proxy)
+        self.proxy = proxy
         self.pending_signal: int | None = None
+        self._told = 0  # the child pid an ending signal was last passed to
         self._ending_since: float | None = None  # when the first ending signal came
         self._deferred: list[int] = []  # signals kept from a checkpointed command
         self.all_gone = False  # every process of the command has ended
@@ -401,15 +396,41 @@ class Supervisor:
             self.pending_signal = signum
             if self._ending_since is None:
                 self._ending_since = time.monotonic()
-            self.ctx.endings += 1
             if self._queued:
+                self.ctx.endings += 1
                 raise _Woken
+            self.ctx.ending()  # last: it raises inside a strategy's interruptible wait
 
     def _pass_on(self, signum: int) -> None:
         try:
             self.child.signal_group(signum)
         except StrategyError:
             pass  # a setuid command: it keeps the token we share until it exits
+        if signum in _ENDING:
+            self._told = self.child.pid
+
+    def _serving(self) -> demands.Demand:
+        """The command was just started: the demand, once the command serves.
+
+        Clients held by the proxy go through once the server serves, not merely accepts
+        connections (llama-server answers 503 while it loads its model). Signals are
+        routed by now: an order to end cuts the wait short."""
+        if self.proxy is not None:
+            try:
+                self.strategy.wait_ready()
+            except (StrategyError, strategies.ChildExited) as err:
+                self.warn(f"{err or 'the command exited'}; letting clients through anyway")
+            except strategies.Interrupted:
+                pass  # the command has the signal; the loop sees it end
+        return demands.make(self.opts.demand, self.ctx, self.proxy)
+
+    def _ended_while_away(self) -> int | None:
+        """Told to end while a release had ended the command: nothing runs to pass the
+        signal to, and nothing is to be started again. Its status, then."""
+        if self.strategy.killed and self.pending_signal is not None:
+            self.all_gone = True  # ended by us, every process reaped
+            return 128 + self.pending_signal
+        return None
 
     def _job_control(self) -> None:
         """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
@@ -512,6 +533,7 @@ class Supervisor:
 
     def loop(self, hint: Hint) -> int:
         member, ctx = self.member, self.ctx
+        self.demand = self._serving()
         while True:
             status = self._child_gone()
             if status is not None:
@@ -526,9 +548,9 @@ class Supervisor:
                 self._signalled = False
                 self.child.reap_orphans()
             self._job_control()
-            if self.strategy.killed and self.pending_signal is not None:
-                self.all_gone = True  # ended by us, every process reaped
-                return 128 + self.pending_signal  # nothing is running to pass it to
+            status = self._ended_while_away()
+            if status is not None:
+                return status
 
             ctx.take_lines(ctx.control.read_lines())
             upgraded = strategies.upgrade(self.strategy, self.opts.release, ctx)
@@ -653,6 +675,11 @@ class Supervisor:
         member.waiting()
         self._queued = True
         try:
+            # What came before we were queued cannot break the wait: look once more.
+            gone = self._child_gone() is not None
+            if gone or (self.strategy.killed and self.pending_signal is not None):
+                member.released()
+                return False
             return member.take_token(None)
         except _Woken:
             # The signal may have landed just after the kernel granted the lock.
@@ -665,6 +692,9 @@ class Supervisor:
             self._queued = False
 
     def _restore(self) -> int | None:
+        status = self._ended_while_away()  # told to end as the token came back
+        if status is not None:
+            return status
         member = self.member
         member.restoring()
         try:
@@ -682,6 +712,8 @@ class Supervisor:
         except (ControlError, StrategyError) as err:
             self.warn(f"restore: {err}")
         self._resident_again()
+        if self.pending_signal is not None and self._told != self.child.pid:
+            self._pass_on(self.pending_signal)  # came while it was being started again
         if self.child.pid != member.records.record.child_pid:  # started again
             self._describe()
         return None

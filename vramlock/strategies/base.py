@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -70,9 +70,28 @@ class Context:
     hello: bool = False  # the child said it speaks the control protocol
     wants: bool = False  # the child said `want` since the last restore
     endings: int = 0  # ending signals (TERM, INT, HUP, QUIT) the wrapper has had
+    _cut_short: int = 0  # how many ``interruptible`` blocks we are in
     _awaiting: str | None = None
     _answered: bool = False
     _log: list[str] = field(default_factory=list)
+
+    def ending(self) -> None:
+        """The wrapper was told to end (called from its signal handler): count it, and
+        raise Interrupted inside an ``interruptible`` block."""
+        self.endings += 1
+        if self._cut_short:
+            raise Interrupted
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Around a call that blocks for long (an HTTP request, a hook): an ending signal
+        raises Interrupted out of it at once, from the signal handler. One that came
+        before the block began is seen by the caller's own check of ``endings``."""
+        self._cut_short += 1
+        try:
+            yield
+        finally:
+            self._cut_short -= 1
 
     def start_again(self) -> None:
         """Start the command anew, with a fresh control channel."""

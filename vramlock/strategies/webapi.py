@@ -15,6 +15,7 @@ named ``http`` would shadow the standard library's.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -215,7 +216,8 @@ class HttpStrategy(Strategy):
         import http.client  # only this strategy speaks HTTP
 
         conn = http.client.HTTPConnection(at.host, at.port, timeout=timeout)
-        try:
+        # An order to end cuts the request short: a hung server would hold it for minutes.
+        with self.ctx.interruptible(), contextlib.closing(conn):
             headers = dict(self.headers)
             data = None
             if body is not None:
@@ -224,8 +226,6 @@ class HttpStrategy(Strategy):
             conn.request(method, at.prefix + path, body=data, headers=headers)
             reply = conn.getresponse()
             return reply.status, reply.read(MAX_REPLY)
-        finally:
-            conn.close()
 
     def call(
         self,
