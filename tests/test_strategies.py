@@ -458,6 +458,49 @@ def test_restart_reaps_before_dropping_the_token(arena: Path, spawn: Spawn, tmp_
     assert who_json(arena)[0]["child_pid"] == int(pids.read_text().split()[1])
 
 
+def test_restart_jobs_longer_than_min_hold_all_finish(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Three restart jobs of 0.5 s each, default options: a job ended by a release gets
+    a longer turn when started again, so each one finishes (none did in 45 s before)."""
+    done = tmp_path / "done"
+    jobs = [
+        spawn(vramlock("run", "--arena", str(arena), "--release", "restart", "--name", name,
+                       "--", "sh", "-c", f"sleep 0.5; echo {name} >> {done}"))
+        for name in "abc"
+    ]  # fmt: skip
+    for job in jobs:
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 0, err
+    assert sorted(done.read_text().split()) == ["a", "b", "c"]
+
+
+def test_a_released_restart_member_shows_no_stale_child(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """While a restart member is released no process of it runs: ``who`` shows none, and
+    the new one as soon as it is started again."""
+    pids = tmp_path / "pids"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
+                 "--", "sh", "-c", f"echo $$ >> {pids}; exec sleep 60")
+    )  # fmt: skip
+    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 1)
+
+    def shown() -> dict[str, object]:
+        return next(m for m in who_json(arena) if m["pid"] == job.pid)
+
+    holder = waiting_holder(spawn, arena)
+    wait_until(lambda: shown()["state"] == "waiting")  # released, and queued again
+    wait_until(lambda: shown()["child_pid"] is None, timeout=2)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    wait_until(lambda: len(pids.read_text().split()) == 2)
+    second = int(pids.read_text().split()[1])
+    wait_until(lambda: shown()["child_pid"] == second, timeout=2)
+    assert job.poll() is None
+
+
 def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     ticks = tmp_path / "ticks"
     job = spawn(

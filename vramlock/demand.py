@@ -33,6 +33,9 @@ class Demand(ABC):
     # wants() is the command's own word: a command that a release ended cannot say it,
     # so it comes back on its turn instead.
     needs_command: ClassVar[bool] = False
+    # Comes back at once after every release: the command is a job taking turns, so a
+    # run that a release ended was lost work (see Supervisor's turns under restart).
+    takes_turns: ClassVar[bool] = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -60,6 +63,7 @@ class Always(Demand):
     """Re-queue at once after a release: time-slicing for batch jobs."""
 
     name = "always"
+    takes_turns = True
 
     def wants(self) -> bool:
         return True

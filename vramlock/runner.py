@@ -50,6 +50,10 @@ DEFAULT_READY_WITHIN = 120.0
 # one would (--yield-within still bounds it): two members told to end at once would
 # otherwise hand the token back and forth, each getting only as far as the next request.
 ENDING_GRACE = 10.0
+# A job whose run a release ended (restart) is given, when started again, a turn at
+# least this many times as long as the run it lost, whatever --min-hold says: a job
+# longer than --min-hold would otherwise be ended before its end, again and again.
+LOST_RUN_FACTOR = 2.0
 # Under --release auto, a command that has not said hello this long after it started is
 # taken not to speak the control protocol (for the one warning below).
 HELLO_GRACE = 1.0
@@ -344,7 +348,9 @@ class Supervisor:
         self.opts = opts
         self.member = member
         self.child = child
-        self.ctx = strategies.Context(child=child, control=control)
+        self.ctx = strategies.Context(
+            child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
+        )
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
         self.proxy = proxy
         self.pending_signal: int | None = None
@@ -358,7 +364,8 @@ class Supervisor:
         self._requeue_at = 0.0  # a restore found too little free VRAM: queue again then
         self._wanted_since: float | None = None  # a waiter was seen while the demand was busy
         self._busy_left = 0.0  # the demand asked to put the release off this long
-        self._started = time.monotonic()
+        self._started = time.monotonic()  # when the command was (last) started
+        self._lost_run = 0.0  # how long the run a release ended had lasted
         self._warned: set[str] = set()
         self._told = False  # the auto fallback warning was given
         self._checkpoint_failed = False  # auto tried checkpoint and the driver refused
@@ -653,6 +660,9 @@ class Supervisor:
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
+        if self.strategy.killed:
+            self._lost_run = time.monotonic() - self._started
+            member.describe(child_pid=None)  # no process runs until it is started again
         member.release()
         return None
 
@@ -697,6 +707,7 @@ class Supervisor:
             return status
         member = self.member
         member.restoring()
+        pid = self.child.pid
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
         except strategies.ChildExited:
@@ -711,11 +722,13 @@ class Supervisor:
             return None
         except (ControlError, StrategyError) as err:
             self.warn(f"restore: {err}")
+        if self.child.pid != pid:  # started again
+            self._started = time.monotonic()
+            if self.demand.takes_turns:
+                member.min_hold = max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run)
         self._resident_again()
         if self.pending_signal is not None and self._told != self.child.pid:
             self._pass_on(self.pending_signal)  # came while it was being started again
-        if self.child.pid != member.records.record.child_pid:  # started again
-            self._describe()
         return None
 
 

@@ -67,6 +67,7 @@ class Context:
 
     child: Child
     control: ParentEnd
+    started: Callable[[int], None] = lambda pid: None  # told each new pid of the command
     hello: bool = False  # the child said it speaks the control protocol
     wants: bool = False  # the child said `want` since the last restore
     endings: int = 0  # ending signals (TERM, INT, HUP, QUIT) the wrapper has had
@@ -100,6 +101,7 @@ class Context:
         self._awaiting, self._answered = None, False
         self.child.spawn()
         self.control.started()
+        self.started(self.child.pid)
 
     def take_lines(self, lines: list[str]) -> None:
         for line in lines:
