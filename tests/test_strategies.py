@@ -31,6 +31,7 @@ from conftest import (
 )
 
 from vramlock import procfs
+from vramlock.roster import STALE_TOKEN
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -267,6 +268,48 @@ def test_stopped_workers_that_left_the_session_die_with_the_wrapper(
     assert ticks_inside(log, span) == []
     wait_until(lambda: not procfs.living(worker))
     job.wait(10)
+
+
+def test_a_deleted_token_lock_is_noticed_and_the_resident_steps_aside(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """token.lock deleted under a resident (a /tmp cleaner): the next member creates and
+    takes a new one. The resident notices within a probe, stops its command, and comes
+    back through the new file once the other member is done."""
+    log = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(ticker), str(log))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    (arena / "token.lock").unlink()
+    holder = waiting_holder(spawn, arena)  # resident at once: the new file is free
+    held = time.monotonic()
+    wait_until(lambda: procfs.state(worker) == "T", timeout=2)
+    assert time.monotonic() - held < 1.0  # within a probe (and the release)
+    stopped = time.monotonic()
+    time.sleep(0.5)  # the holder's turn goes on: not one tick meanwhile
+    assert ticks_inside(log, (stopped, time.monotonic())) == []
+    assert holder.stdin is not None
+    holder.stdin.close()
+    count = len(ticks(log))
+    wait_until(lambda: len(ticks(log)) > count + 5)
+    # Resident again on the new file: a waiter there gets it.
+    got = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "10"), timeout=30)
+    assert got.returncode == 0
+    assert job.poll() is None
+
+
+def test_who_says_when_a_member_holds_a_deleted_token_lock(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    job = spawn(vramlock("run", "--arena", str(arena), "--release", "none", "--", "sleep", "60"))
+    wait_until(lambda: [m["state"] for m in who_json(arena)] == ["resident"])
+    assert who_notes(arena) == [None]
+    (arena / "token.lock").unlink()
+    notes = [m["note"] for m in who_json(arena) if m["pid"] == job.pid]
+    assert notes == [STALE_TOKEN]
 
 
 UNSOLICITED = textwrap.dedent(

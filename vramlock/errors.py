@@ -5,7 +5,8 @@ library never prints and never exits.
 
     VramlockError                 exit 125: vramlock itself could not do its job
     ├── ArenaError                the arena or a lock file is unusable (path, reason)
-    │   └── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    │   ├── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    │   └── LockFileReplaced      a lock file was removed or replaced under us
     ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
     ├── ControlError              the cooperative control channel broke its protocol
@@ -46,6 +47,16 @@ class UnsupportedFilesystem(ArenaError):
             path, f"is on {fstype}, where flock is not a local advisory lock; use a local directory"
         )
         self.fstype = fstype
+
+
+class LockFileReplaced(ArenaError):
+    """The path no longer names the lock file we hold a descriptor of (removed, or
+    replaced by another file): a lock on ours excludes nobody."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            path, "was removed or replaced while we locked it; never delete lock files"
+        )
 
 
 class LockError(VramlockError):

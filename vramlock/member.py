@@ -21,7 +21,7 @@ from types import FrameType
 
 from . import lockfd
 from .arena import Arena, one_arena_or_gpus
-from .errors import NotObtained, UsageError
+from .errors import LockFileReplaced, NotObtained, UsageError
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
@@ -63,6 +63,7 @@ class Member:
                 strategy=strategy,
                 state=self.state.value,
                 since=time.time(),
+                token_ino=self.token.inode,
             ),
         )
 
@@ -102,8 +103,32 @@ class Member:
         self._set(State.WAITING)
 
     def take_token(self, timeout: float | None, *, wanting: bool = True) -> bool:
-        """Only the locking part of ``acquire``: safe from a helper thread (no state change)."""
-        return wait_turn(self.want, self.token, timeout, wanting=wanting)
+        """Only the locking part of ``acquire``: safe from a helper thread (no state change).
+
+        Queues on the lock files the arena has now: one that was deleted (or replaced)
+        since we opened it excludes nobody any more."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.moved():
+                self.rejoin()
+            left = None if end is None else max(0.0, end - time.monotonic())
+            try:
+                return wait_turn(self.want, self.token, left, wanting=wanting)
+            except LockFileReplaced:
+                if self.token.adopted:
+                    raise  # the caller's descriptor (wait --fd): we cannot reopen it
+
+    def moved(self) -> bool:
+        """Was token.lock or want.lock deleted or replaced since we opened it? Then
+        our locks exclude nobody: step aside and queue again on the new files."""
+        return not (self.token.linked() and self.want.linked())
+
+    def rejoin(self) -> None:
+        """Lock the files the arena has now (never while holding the token)."""
+        if not self.token.adopted:
+            self.token.reopen()
+        self.want.reopen()
+        self.records.update(token_ino=self.token.inode)
 
     def restoring(self) -> None:
         """Mark the time between owning the token and being usable again."""
@@ -121,8 +146,13 @@ class Member:
         return time.monotonic() - self.resident_since >= self.min_hold
 
     def should_release(self) -> bool:
-        """Resident for at least ``min_hold`` and somebody waits."""
-        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+        """Resident for at least ``min_hold``, and somebody waits (or the token we hold
+        is no longer the arena's)."""
+        return (
+            self.state is State.RESIDENT
+            and self.held_long_enough()
+            and (self.wanted() or self.moved())
+        )
 
     def releasing(self) -> None:
         self._set(State.RELEASING)
@@ -310,8 +340,13 @@ class Members:
         return time.monotonic() - self.resident_since >= self.min_hold
 
     def should_release(self) -> bool:
-        """Resident for ``min_hold`` and somebody waits for any of the GPUs."""
-        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+        """Resident for ``min_hold``, and somebody waits for any of the GPUs (or one
+        of our tokens is no longer its arena's)."""
+        return (
+            self.state is State.RESIDENT
+            and self.held_long_enough()
+            and (self.wanted() or any(m.moved() for m in self.members))
+        )
 
     def release(self) -> None:
         """Drop every token (the memory must be free on every GPU)."""
