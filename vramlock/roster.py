@@ -92,6 +92,10 @@ def _row(
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
+        if rec.gpus and rec.state == State.WAITING.value:
+            # Holds this GPU's token, and waits for another's: not resident anywhere yet.
+            state = rec.state
+            notes.append("taking its GPUs' tokens")
         command, since, child = " ".join(rec.command), rec.since, rec.child_pid
         if rec.token_ino is not None and rec.token_ino != token_ino:
             notes.append(STALE_TOKEN)
