@@ -273,7 +273,7 @@ def test_server_address(
         (["--preset", "llama-server"], ["--host", "/run/l.sock"], 125,
          "--preset llama-server: the server listens on a unix socket (/run/l.sock)"),
         (["--preset", "comfyui"], ["--port", "http"], 125, "comfyui --port: bad port 'http'"),
-        (["--preset", "tgi"], [], 125, "unknown preset 'tgi' (choose from llama-server,"),
+        (["--preset", "tgi"], [], 2, "unknown preset 'tgi' (choose from llama-server,"),
         (["--release", "http"], [], 2,
          "--release http needs --preset NAME or --on-release-url URL"),
         (["--release", "restart", "--preset", "vllm"], [], 2,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from .errors import StrategyError, UsageError
+from .errors import UsageError
 from .strategies import Context
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ DEMANDS: dict[str, type[Demand]] = {cls.name: cls for cls in (Always, ChildSays,
 
 def check(name: str) -> None:
     if name not in DEMANDS:
-        raise StrategyError(f"unknown demand {name!r} (choose from {', '.join(DEMANDS)})")
+        raise UsageError(f"unknown demand {name!r} (choose from {', '.join(DEMANDS)})")
 
 
 def make(name: str, ctx: Context, proxy: Proxy | None = None) -> Demand:

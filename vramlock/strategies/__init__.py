@@ -61,7 +61,7 @@ def check(
     if web and name == "auto":
         name = "http"
     if name not in NAMES:
-        raise StrategyError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
+        raise UsageError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
     if hooks and name != "exec":
         raise UsageError("--on-release/--on-restore need --release exec")
     if web and name != "http":
@@ -74,9 +74,8 @@ def check(
         if settings.preset is None and settings.on_release_url is None:
             raise UsageError("--release http needs --preset NAME or --on-release-url URL")
         if settings.preset is not None and settings.preset not in PRESETS:
-            raise StrategyError(
-                f"unknown preset {settings.preset!r} (choose from {', '.join(PRESETS)})"
-            )
+            known = ", ".join(PRESETS)
+            raise UsageError(f"unknown preset {settings.preset!r} (choose from {known})")
     if name == "checkpoint":
         why = usable()
         if why is not None:
