@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from . import demand as demands
 from . import strategies
 from .arena import Arena, default_gpu, one_arena_or_gpus
+from .context import ChildExited, Context, Interrupted, ReleaseTimeout
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
@@ -348,7 +349,7 @@ class Supervisor:
         self.opts = opts
         self.member = member
         self.child = child
-        self.ctx = strategies.Context(
+        self.ctx = Context(
             child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
         )
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
@@ -425,9 +426,9 @@ class Supervisor:
         if self.proxy is not None:
             try:
                 self.strategy.wait_ready()
-            except (StrategyError, strategies.ChildExited) as err:
+            except (StrategyError, ChildExited) as err:
                 self.warn(f"{err or 'the command exited'}; letting clients through anyway")
-            except strategies.Interrupted:
+            except Interrupted:
                 pass  # the command has the signal; the loop sees it end
         return demands.make(self.opts.demand, self.ctx, self.proxy)
 
@@ -632,7 +633,7 @@ class Supervisor:
         try:
             try:
                 self.strategy.release(deadline)
-            except strategies.ReleaseTimeout:
+            except ReleaseTimeout:
                 waited = time.monotonic() - started
                 self.warn(
                     f"{self.strategy.name} release did not finish within {waited:.1f} s;"
@@ -640,9 +641,9 @@ class Supervisor:
                 )
                 self.strategy.force()
             self.strategy.verify(deadline)
-        except strategies.ChildExited:
+        except ChildExited:
             return self._finish(exit_code(self.child.poll() or 0))
-        except strategies.Interrupted:
+        except Interrupted:
             self._resident_again()  # told to end: the command has the signal
             return None
         except strategies.Unverified as err:
@@ -710,9 +711,9 @@ class Supervisor:
         pid = self.child.pid
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
-        except strategies.ChildExited:
+        except ChildExited:
             return self._finish(exit_code(self.child.poll() or 0))
-        except strategies.Interrupted:
+        except Interrupted:
             pass  # told to end while restoring: we hold the token, the command has the signal
         except strategies.VramTaken as err:
             # Restoring now would wedge the command: give the token back, queue again.
