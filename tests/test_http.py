@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Spawn, free_port, kill_group, vramlock, wait_until, who_json
 
-from vramlock.strategies import PRESETS, Settings, chosen
+from vramlock.strategies import PRESETS, AutoStrategy, Settings
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -227,7 +227,7 @@ def end(job: subprocess.Popen[str]) -> str:
     ],
 )  # fmt: skip
 def test_auto_recognises_only_what_is_unambiguous(argv: list[str], picked: str) -> None:
-    assert chosen("auto", Settings(), argv).name == picked
+    assert AutoStrategy.first(argv).name == picked
 
 
 @pytest.mark.parametrize(

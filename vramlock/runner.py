@@ -55,9 +55,6 @@ ENDING_GRACE = 10.0
 # least this many times as long as the run it lost, whatever --min-hold says: a job
 # longer than --min-hold would otherwise be ended before its end, again and again.
 LOST_RUN_FACTOR = 2.0
-# Under --release auto, a command that has not said hello this long after it started is
-# taken not to speak the control protocol (for the one warning below).
-HELLO_GRACE = 1.0
 
 DEMANDS = tuple(demands.DEMANDS)
 # SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
@@ -352,10 +349,10 @@ class Supervisor:
         self.ctx = Context(
             child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
         )
-        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
+        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
         self.proxy = proxy
         self.pending_signal: int | None = None
-        self._told = 0  # the child pid an ending signal was last passed to
+        self._told_pid = 0  # the child an ending signal was last passed to
         self._ending_since: float | None = None  # when the first ending signal came
         self._deferred: list[int] = []  # signals kept from a checkpointed command
         self.all_gone = False  # every process of the command has ended
@@ -368,8 +365,6 @@ class Supervisor:
         self._started = time.monotonic()  # when the command was (last) started
         self._lost_run = 0.0  # how long the run a release ended had lasted
         self._warned: set[str] = set()
-        self._told = False  # the auto fallback warning was given
-        self._checkpoint_failed = False  # auto tried checkpoint and the driver refused
         self._signalled = True  # a signal arrived (through the wakeup fd) since we last looked
         self._describe()
 
@@ -385,10 +380,7 @@ class Supervisor:
             pass  # a closed stderr: the GPU work matters more than the message
 
     def _describe(self) -> None:
-        name = self.strategy.name
-        if self.opts.release == "auto":
-            name = f"auto:{name}"
-        self.member.describe(strategy=name, child_pid=self.child.pid)
+        self.member.describe(strategy=self.strategy.label, child_pid=self.child.pid)
 
     def on_signal(self, signum: int) -> None:
         if signum == signal.SIGCHLD:
@@ -415,7 +407,7 @@ class Supervisor:
         except StrategyError:
             pass  # a setuid command: it keeps the token we share until it exits
         if signum in _ENDING:
-            self._told = self.child.pid
+            self._told_pid = self.child.pid
 
     def _serving(self) -> demands.Demand:
         """The command was just started: the demand, once the command serves.
@@ -518,27 +510,6 @@ class Supervisor:
         self._wanted_since = None
         return True
 
-    def _probe_for_auto(self, now: float) -> bool:
-        """Under auto, somebody waits and the command has not said hello: checkpoint a
-        CUDA program where the driver can, else say once that the waiter will wait.
-        True when a strategy that releases was found."""
-        if now - self._started < HELLO_GRACE or not self.member.wanted():
-            return False
-        if not self._checkpoint_failed:
-            found = strategies.for_waiter(self.strategy, self.opts.release, self.ctx)
-            if found is not self.strategy:
-                self.strategy = found
-                self._describe()
-                return True
-        self._told = True
-        self.warn(
-            "somebody is waiting for the GPU, but this command keeps it until it exits:"
-            " --release auto found no way to release it (it does not speak the control"
-            " protocol, and is no CUDA program the driver can checkpoint); see --release"
-            " restart, stop or exec"
-        )
-        return False
-
     def loop(self, hint: Hint) -> int:
         member, ctx = self.member, self.ctx
         self.demand = self._serving()
@@ -561,10 +532,14 @@ class Supervisor:
                 return status
 
             ctx.take_lines(ctx.control.read_lines())
-            upgraded = strategies.upgrade(self.strategy, self.opts.release, ctx)
-            if upgraded is not self.strategy:
-                self.strategy = upgraded
-                self._describe()
+            if member.state is State.RESIDENT:
+                label = self.strategy.label
+                said = self.strategy.settle(member.wanted)  # auto may change its mind
+                if said is not None:
+                    self.warn(said)
+                if self.strategy.label != label:
+                    self._describe()
+                    continue
 
             timeout: float | None = None
             watch = [self._wake_r, *self.demand.fds()]
@@ -587,9 +562,7 @@ class Supervisor:
                     timeout = min(timeout, self._retry_at - now)
                 if self._busy_left > 0:  # wanted, but busy: look again when that may be over
                     timeout = min(timeout, self._busy_left)
-            elif member.state is State.RESIDENT and self.opts.release == "auto" and not self._told:
-                if self._probe_for_auto(now):
-                    continue
+            elif member.state is State.RESIDENT and self.strategy.undecided:
                 if hint.fd is not None:
                     watch.append(hint.fd)
                 timeout = interval if timeout is None else min(timeout, interval)
@@ -636,7 +609,7 @@ class Supervisor:
             except ReleaseTimeout:
                 waited = time.monotonic() - started
                 self.warn(
-                    f"{self.strategy.name} release did not finish within {waited:.1f} s;"
+                    f"{self.strategy.label} release did not finish within {waited:.1f} s;"
                     " ending the command (it is started again on its turn)"
                 )
                 self.strategy.force()
@@ -650,9 +623,8 @@ class Supervisor:
             self.warn(f"{err}; handing the GPU over anyway")
         except (ControlError, strategies.NotCheckpointable) as err:
             self.warn(f"{err}; holding the GPU until it exits")
-            self.ctx.hello = False
-            self._checkpoint_failed |= isinstance(err, strategies.NotCheckpointable)
-            self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
+            if not self.strategy.fall_back(err):
+                self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
             self._resident_again()
             return None
@@ -728,7 +700,7 @@ class Supervisor:
             if self.demand.takes_turns:
                 member.min_hold = max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run)
         self._resident_again()
-        if self.pending_signal is not None and self._told != self.child.pid:
+        if self.pending_signal is not None and self._told_pid != self.child.pid:
             self._pass_on(self.pending_signal)  # came while it was being started again
         return None
 

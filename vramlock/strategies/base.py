@@ -50,27 +50,66 @@ class Strategy:
     Before anything is locked, ``fit`` may refuse the command; just before its first
     start, ``prepare`` may adjust it. ``release`` returns once the memory is free; then
     ``verify`` confirms it (NVML, where available) and the token is dropped; ``restore``
-    runs once the token is ours again. Class facts the runner and ``auto`` use:
+    runs once the token is ours again. Facts the runner uses (a subclass states them
+    as class attributes; ``auto`` passes on those of the strategy it chose):
 
     - ``releases``: False for ``none``, which holds the token until the command exits;
-    - ``relaunches``: the process is ended on release and started again on restore;
     - ``stops``: the process is kept but stopped (it must never run without the token);
     - ``defers_signals``: signals for the command wait until it is restored (a
       checkpointed process that runs its exit path fails its CUDA calls, and then
-      cannot be restored).
+      cannot be restored);
+    - ``killed``: the last release ended the command; restore starts it again.
+
+    ``keeps_state`` (False for ``restart``) is a class fact ``auto`` chooses by.
     """
 
     name: ClassVar[str]
-    releases: ClassVar[bool] = True
-    relaunches: ClassVar[bool] = False
-    stops: ClassVar[bool] = False
-    defers_signals: ClassVar[bool] = False
     keeps_state: ClassVar[bool] = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
         self.ctx = ctx
         self.settings = settings
-        self.killed = False  # the command was ended: restore starts it again
+        self.killed = False
+
+    @property
+    def releases(self) -> bool:
+        return True
+
+    @property
+    def stops(self) -> bool:
+        return False
+
+    @property
+    def defers_signals(self) -> bool:
+        return False
+
+    @property
+    def label(self) -> str:
+        """How ``who`` shows the strategy."""
+        return self.name
+
+    @property
+    def undecided(self) -> bool:
+        """Does not release, but may change its mind once somebody waits (``auto``):
+        the runner keeps probing for waiters meanwhile."""
+        return False
+
+    def settle(self, wanted: Callable[[], bool]) -> str | None:
+        """Resident: a policy may change how it releases (``auto``). ``wanted`` probes
+        for waiters. Returns what to tell the user, once, or None."""
+        return None
+
+    def fall_back(self, err: Exception) -> bool:
+        """The command cannot be released this way any more (its control channel broke,
+        the driver refused a checkpoint). True when the strategy found another way
+        (``auto``); False: the command holds the GPU until it exits."""
+        return False
+
+    @classmethod
+    def finds_work(cls, ctx: Context) -> bool:
+        """Once somebody waits: is the running command one this strategy can release?
+        (For ``auto``, which turns to the first that can.)"""
+        return False
 
     @classmethod
     def recognises(cls, command: list[str]) -> bool:

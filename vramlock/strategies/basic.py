@@ -22,7 +22,6 @@ class RestartStrategy(Strategy):
     """End every process of the command; start it again when the token is back."""
 
     name = "restart"
-    relaunches = True
     keeps_state = False
 
     def release(self, deadline: float | None) -> None:
