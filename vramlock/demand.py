@@ -34,7 +34,7 @@ class Demand(ABC):
     # so it comes back on its turn instead.
     needs_command: ClassVar[bool] = False
     # Comes back at once after every release: the command is a job taking turns, so a
-    # run that a release ended was lost work (see Supervisor's turns under restart).
+    # run that a release ended was lost work (see the runner's LOST_RUN_FACTOR).
     takes_turns: ClassVar[bool] = False
 
     def __init__(self, ctx: Context) -> None:

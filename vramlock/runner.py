@@ -28,7 +28,8 @@ from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
 from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals
 from .process import Child, Terminal, become_subreaper, exit_code
-from .strategies.base import KILL_WAIT
+from .strategies.basic import NoneStrategy
+from .supervise import FORWARDED, WATCHED, Supervision, Woken
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -41,8 +42,6 @@ PROBE_INTERVAL = 0.25
 PROBE_INTERVAL_NO_HINT = 0.05  # no inotify: probing is all there is
 # After a failed release (a hook exited non-zero), stay resident this long before retrying.
 RETRY_AFTER_FAILURE = 1.0
-# Processes a command leaves behind when it exits get this long to act on SIGTERM.
-LEFTOVER_GRACE = 2.0
 # --demand listen: a connection is busy until this long without traffic, and clients wait
 # this long for a restored server to accept connections before they are closed.
 DEFAULT_IDLE = 0.3
@@ -57,18 +56,6 @@ ENDING_GRACE = 10.0
 LOST_RUN_FACTOR = 2.0
 
 DEMANDS = tuple(demands.DEMANDS)
-# SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
-WATCHED = (signal.SIGCHLD,)
-FORWARDED = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGWINCH,
-)
-_ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
 def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
@@ -169,12 +156,8 @@ class _Once:
             raise _Terminated(signum)
 
 
-class _Woken(Exception):
-    """Breaks a blocking wait for the token: the command exited or we were told to end."""
-
-
 class Runner:
-    """One ``vramlock run``: take the token, start the command, hand over to a Supervisor."""
+    """One ``vramlock run``: take the token, start the command, then Supervision and Scheduler."""
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
@@ -182,7 +165,7 @@ class Runner:
         self.member: Member | Members | None = None
         self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._supervisor: Supervisor | None = None
+        self._supervision: Supervision | None = None
         self._early_signals: list[int] = []
 
     def run(self) -> int:
@@ -278,11 +261,11 @@ class Runner:
             self._wake_r = self._wake_w = -1
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._supervisor is None:
+        if self._supervision is None:
             if signum != signal.SIGCHLD:
                 self._early_signals.append(signum)  # the command is being started
         else:
-            self._supervisor.on_signal(signum)
+            self._supervision.on_signal(signum)
 
     def _supervise(self, arenas: list[Arena], member: Member | Members) -> int:
         opts = self.opts
@@ -307,17 +290,19 @@ class Runner:
             fds = (control.child_fd, *member.token_fds)
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
-            sup = Supervisor(opts, member, child, control, self._wake_r, self.proxy)
-            self._supervisor = sup
+            ctx = Context(
+                child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
+            )
+            sup = self._supervision = Supervision(child, ctx, member, opts.warn)
             for signum in self._early_signals:
                 sup.on_signal(signum)
-            return sup.loop(hint)
+            return Scheduler(opts, sup, self._wake_r, self.proxy).loop(hint)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             signal.set_wakeup_fd(old_wakeup)
             hint.close()
-            gone = child is None or (self._supervisor is not None and self._supervisor.all_gone)
+            gone = child is None or (self._supervision is not None and self._supervision.all_gone)
             # Gone: explicitly, so that a descendant that outlived the command while
             # sharing this open file description does not keep the token. Else we are
             # failing while the command runs: it keeps the token (the description it
@@ -329,85 +314,35 @@ class Runner:
             scratch.close()
 
 
-class Supervisor:
-    """The loop around a running command: probe, release, re-queue, restore."""
+class Scheduler:
+    """The token loop around a running command: probe, release, re-queue, restore.
+
+    Signals are the Supervision's business, routed before this is made (picking a
+    strategy may take a while: NVML's first call)."""
 
     demand: demands.Demand  # made once the command serves (``loop``)
 
     def __init__(
-        self,
-        opts: RunOptions,
-        member: Member | Members,
-        child: Child,
-        control: ParentEnd,
-        wake_r: int,
-        proxy: Proxy | None = None,
+        self, opts: RunOptions, sup: Supervision, wake_r: int, proxy: Proxy | None = None
     ) -> None:
         self.opts = opts
-        self.member = member
-        self.child = child
-        self.ctx = Context(
-            child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
-        )
-        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
+        self.sup = sup
+        self.member = sup.member
+        self.child = sup.child
+        self.ctx = sup.ctx
+        self.strategy = sup.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
         self.proxy = proxy
-        self.pending_signal: int | None = None
-        self._told_pid = 0  # the child an ending signal was last passed to
-        self._ending_since: float | None = None  # when the first ending signal came
-        self._deferred: list[int] = []  # signals kept from a checkpointed command
-        self.all_gone = False  # every process of the command has ended
         self._wake_r = wake_r
-        self._queued = False  # blocked in the kernel's queue for the token, in this thread
         self._retry_at = 0.0
         self._requeue_at = 0.0  # a restore found too little free VRAM: queue again then
         self._wanted_since: float | None = None  # a waiter was seen while the demand was busy
         self._busy_left = 0.0  # the demand asked to put the release off this long
         self._started = time.monotonic()  # when the command was (last) started
         self._lost_run = 0.0  # how long the run a release ended had lasted
-        self._warned: set[str] = set()
-        self._signalled = True  # a signal arrived (through the wakeup fd) since we last looked
         self._describe()
-
-    def warn(self, message: str, *, once: bool = False) -> None:
-        """Pass a diagnostic to the caller; a diagnostic must never end the run."""
-        if once:
-            if message in self._warned:
-                return
-            self._warned.add(message)
-        try:
-            self.opts.warn(message)
-        except Exception:
-            pass  # a closed stderr: the GPU work matters more than the message
 
     def _describe(self) -> None:
         self.member.describe(strategy=self.strategy.label, child_pid=self.child.pid)
-
-    def on_signal(self, signum: int) -> None:
-        if signum == signal.SIGCHLD:
-            if self._queued:
-                raise _Woken  # the command may have exited: look before waiting on
-            return
-        if self.child.status is None and not self.strategy.killed:
-            if self.strategy.defers_signals and self.member.state is not State.RESIDENT:
-                self._deferred.append(signum)  # passed on once it is restored
-            else:
-                self._pass_on(signum)
-        if signum in _ENDING:
-            self.pending_signal = signum
-            if self._ending_since is None:
-                self._ending_since = time.monotonic()
-            if self._queued:
-                self.ctx.endings += 1
-                raise _Woken
-            self.ctx.ending()  # last: it raises inside a strategy's interruptible wait
-
-    def _pass_on(self, signum: int) -> None:
-        try:
-            self.child.signal_group(signum)
-        except StrategyError:
-            pass  # a setuid command: it keeps the token we share until it exits
-        if signum in _ENDING:
-            self._told_pid = self.child.pid
 
     def _serving(self) -> demands.Demand:
         """The command was just started: the demand, once the command serves.
@@ -419,69 +354,10 @@ class Supervisor:
             try:
                 self.strategy.wait_ready()
             except (StrategyError, ChildExited) as err:
-                self.warn(f"{err or 'the command exited'}; letting clients through anyway")
+                self.sup.warn(f"{err or 'the command exited'}; letting clients through anyway")
             except Interrupted:
                 pass  # the command has the signal; the loop sees it end
         return demands.make(self.opts.demand, self.ctx, self.proxy)
-
-    def _ended_while_away(self) -> int | None:
-        """Told to end while a release had ended the command: nothing runs to pass the
-        signal to, and nothing is to be started again. Its status, then."""
-        if self.strategy.killed and self.pending_signal is not None:
-            self.all_gone = True  # ended by us, every process reaped
-            return 128 + self.pending_signal
-        return None
-
-    def _job_control(self) -> None:
-        """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
-        stops, self.child.stops[:] = list(self.child.stops), []
-        ours = self.strategy.stops and self.member.state is not State.RESIDENT
-        terminal = self.child.terminal
-        if not stops or ours or terminal is None:
-            return
-        if stops[-1] in (signal.SIGTTIN, signal.SIGTTOU):
-            # It touched the terminal before we made it the foreground group.
-            terminal.give(self.child.pid)
-        else:
-            terminal.suspend_like_child()
-        self.child.signal_group(signal.SIGCONT)
-
-    def _child_gone(self) -> int | None:
-        if self.strategy.killed:
-            return None
-        return self.child.poll()
-
-    def _finish(self, code: int) -> int:
-        """The command has exited: end what it left running, then give its status.
-
-        The token is kept until every process of the command is gone: a worker left
-        in its group (or adopted by us) would otherwise run while another member is
-        resident. Leftovers get SIGTERM, then SIGKILL; one that cannot be ended keeps
-        us (and the token) waiting for it.
-        """
-        left = self.child.processes()
-        if left:
-            pids = ", ".join(map(str, left))
-            self.warn(
-                f"the command exited and left {len(left)} process(es) running ({pids});"
-                " ending them before the GPU is released"
-            )
-            self.member.describe(leftovers=left)
-            try:
-                left = self.child.end_all(LEFTOVER_GRACE, KILL_WAIT)
-            except StrategyError as err:
-                self.warn(f"{err}; holding the GPU until they exit")
-            while left:
-                self.warn(
-                    f"processes {', '.join(map(str, left))} of the command are still alive;"
-                    " holding the GPU until they are gone",
-                    once=True,
-                )
-                self.member.describe(leftovers=left)
-                left = self.child.wait_gone(1.0)
-            self.member.describe(leftovers=[])
-        self.all_gone = True
-        return code
 
     def _releases_now(self) -> bool:
         """Resident, able to release, past min_hold and any retry delay, wanted, and not
@@ -496,8 +372,9 @@ class Supervisor:
             self._wanted_since = None
             return False
         busy = self.demand.busy_for()
-        if self._ending_since is not None and self.child.status is None:
-            busy = max(busy, self._ending_since + ENDING_GRACE - time.monotonic())
+        ending_since = self.sup.ending_since
+        if ending_since is not None and self.child.status is None:
+            busy = max(busy, ending_since + ENDING_GRACE - time.monotonic())
         if busy > 0:
             now = time.monotonic()
             if self._wanted_since is None:
@@ -506,28 +383,25 @@ class Supervisor:
             if y is None or now < self._wanted_since + y:
                 self._busy_left = busy if y is None else min(busy, self._wanted_since + y - now)
                 return False
-            self.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
+            self.sup.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
         self._wanted_since = None
         return True
 
     def loop(self, hint: Hint) -> int:
-        member, ctx = self.member, self.ctx
+        member, ctx, sup = self.member, self.ctx, self.sup
         self.demand = self._serving()
         while True:
-            status = self._child_gone()
+            status = sup.gone()
             if status is not None:
-                return self._finish(exit_code(status))
+                return sup.finish(exit_code(status))
             if self._releases_now():
                 # First, when somebody waits: the bookkeeping below can come after.
                 status = self._release()
                 if status is not None:
                     return status
                 continue
-            if self._signalled:  # SIGCHLD: an adopted orphan may have exited
-                self._signalled = False
-                self.child.reap_orphans()
-            self._job_control()
-            status = self._ended_while_away()
+            sup.tidy()
+            status = sup.ended_while_away()
             if status is not None:
                 return status
 
@@ -536,7 +410,7 @@ class Supervisor:
                 label = self.strategy.label
                 said = self.strategy.settle(member.wanted)  # auto may change its mind
                 if said is not None:
-                    self.warn(said)
+                    self.sup.warn(said)
                 if self.strategy.label != label:
                     self._describe()
                     continue
@@ -569,7 +443,7 @@ class Supervisor:
             elif member.state is State.RELEASED:
                 # A command that was ended cannot ask: it comes back on its turn; one that
                 # was told to end needs the GPU to act on it.
-                ending = self.pending_signal is not None
+                ending = sup.pending_signal is not None
                 if now < self._requeue_at:
                     timeout = self._requeue_at - now
                 elif (
@@ -589,7 +463,7 @@ class Supervisor:
     def _wait(self, fds: list[int], timeout: float | None) -> None:
         with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
-        self._signalled = drain(self._wake_r) or self._signalled
+        self.sup.signalled = drain(self._wake_r) or self.sup.signalled
         for fd in self.demand.fds():  # hints only: wants() decides
             drain(fd)
 
@@ -608,28 +482,28 @@ class Supervisor:
                 self.strategy.release(deadline)
             except ReleaseTimeout:
                 waited = time.monotonic() - started
-                self.warn(
+                self.sup.warn(
                     f"{self.strategy.label} release did not finish within {waited:.1f} s;"
                     " ending the command (it is started again on its turn)"
                 )
                 self.strategy.force()
             self.strategy.verify(deadline)
         except ChildExited:
-            return self._finish(exit_code(self.child.poll() or 0))
+            return self.sup.finish(exit_code(self.child.poll() or 0))
         except Interrupted:
             self._resident_again()  # told to end: the command has the signal
             return None
         except strategies.Unverified as err:
-            self.warn(f"{err}; handing the GPU over anyway")
+            self.sup.warn(f"{err}; handing the GPU over anyway")
         except (ControlError, strategies.NotCheckpointable) as err:
-            self.warn(f"{err}; holding the GPU until it exits")
+            self.sup.warn(f"{err}; holding the GPU until it exits")
             if not self.strategy.fall_back(err):
-                self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
+                self.strategy = self.sup.strategy = NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
             self._resident_again()
             return None
         except StrategyError as err:
-            self.warn(f"release failed: {err}; staying resident", once=True)
+            self.sup.warn(f"release failed: {err}; staying resident", once=True)
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
@@ -642,8 +516,7 @@ class Supervisor:
     def _resident_again(self) -> None:
         self.member.resident()
         self.demand.restored()
-        while self._deferred:
-            self._pass_on(self._deferred.pop(0))
+        self.sup.resident_again()
 
     def _acquire(self) -> bool:
         """Queue for the token, blocking in the kernel in this thread; True once it is ours.
@@ -656,26 +529,27 @@ class Supervisor:
         member = self.member
         member.wait_polite()
         member.waiting()
-        self._queued = True
+        sup = self.sup
+        sup.queued = True
         try:
             # What came before we were queued cannot break the wait: look once more.
-            gone = self._child_gone() is not None
-            if gone or (self.strategy.killed and self.pending_signal is not None):
+            ended = self.strategy.killed and sup.pending_signal is not None
+            if ended or sup.gone() is not None:
                 member.released()
                 return False
             return member.take_token(None)
-        except _Woken:
+        except Woken:
             # The signal may have landed just after the kernel granted the lock.
-            self._queued = False
+            sup.queued = False
             if member.token_came():
                 return True
             member.released()
             return False
         finally:
-            self._queued = False
+            sup.queued = False
 
     def _restore(self) -> int | None:
-        status = self._ended_while_away()  # told to end as the token came back
+        status = self.sup.ended_while_away()  # told to end as the token came back
         if status is not None:
             return status
         member = self.member
@@ -684,24 +558,22 @@ class Supervisor:
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
         except ChildExited:
-            return self._finish(exit_code(self.child.poll() or 0))
+            return self.sup.finish(exit_code(self.child.poll() or 0))
         except Interrupted:
             pass  # told to end while restoring: we hold the token, the command has the signal
         except strategies.VramTaken as err:
             # Restoring now would wedge the command: give the token back, queue again.
-            self.warn(str(err), once=True)
+            self.sup.warn(str(err), once=True)
             member.release()
             self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
             return None
         except (ControlError, StrategyError) as err:
-            self.warn(f"restore: {err}")
+            self.sup.warn(f"restore: {err}")
         if self.child.pid != pid:  # started again
             self._started = time.monotonic()
             if self.demand.takes_turns:
                 member.min_hold = max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run)
         self._resident_again()
-        if self.pending_signal is not None and self._told_pid != self.child.pid:
-            self._pass_on(self.pending_signal)  # came while it was being started again
         return None
 
 
