@@ -10,18 +10,17 @@ This is also the Python API for programs that join an arena themselves::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, contextmanager
 from types import FrameType
 
 from . import lockfd
 from .arena import Arena, one_arena_or_gpus
-from .errors import LockFileReplaced, NotObtained, UsageError
+from .errors import LockFileReplaced, NotObtained
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
@@ -219,6 +218,10 @@ class Member:
         return [self.token.fd]
 
     @property
+    def arenas(self) -> list[Arena]:
+        return [self.arena]
+
+    @property
     def holds_token(self) -> bool:
         return self.token.held
 
@@ -363,6 +366,10 @@ class Members:
         return [m.token.fd for m in self.members]
 
     @property
+    def arenas(self) -> list[Arena]:
+        return [m.arena for m in self.members]
+
+    @property
     def holds_token(self) -> bool:
         return any(m.token.held for m in self.members)
 
@@ -373,6 +380,44 @@ class Members:
     def close(self) -> None:
         for m in reversed(self.members):
             m.close()
+
+
+def join(
+    stack: ExitStack,
+    arena: str | None = None,
+    gpus: Sequence[int] = (),
+    *,
+    name: str | None = None,
+    command: list[str] | None = None,
+    strategy: str = "api",
+    min_hold: float = DEFAULT_MIN_HOLD,
+    token_fd: int | None = None,
+) -> Member | Members:
+    """Become a member of ``arena`` (None: the default one), or of each GPU's default
+    arena for several ``gpus`` (as given: ``who`` shows them so), opened in ascending
+    order of GPU number, the order their tokens are taken in. What is opened goes on
+    ``stack``, which leaves the arenas again (a join that fails half-way included).
+
+    ``token_fd``: lock through a caller's descriptor of token.lock (one arena only)."""
+    order: list[int | None] = [*sorted(gpus)] or [None]
+    one_arena_or_gpus(arena, order)
+    joined: list[Member] = []
+    for gpu in order:
+        opened = Arena.open(arena, gpu)
+        stack.callback(opened.close)
+        member = Member(
+            opened,
+            name=name,
+            min_hold=min_hold,
+            command=command,
+            strategy=strategy,
+            token_fd=token_fd,
+        )
+        stack.callback(member.close)
+        if len(order) > 1:
+            member.describe(gpus=list(gpus))
+        joined.append(member)
+    return joined[0] if len(joined) == 1 else Members(joined)
 
 
 @contextmanager
@@ -388,17 +433,12 @@ def resident(
 
     Raises NotObtained when ``timeout`` (seconds; 0 = one attempt) runs out.
     """
-    opened = Arena.open(arena, gpu)
-    try:
-        member = Member(opened, name=name, min_hold=min_hold)
-        try:
-            if not member.acquire(timeout):
-                raise NotObtained(timeout or 0.0)
-            yield member
-        finally:
-            member.close()
-    finally:
-        opened.close()
+    with ExitStack() as stack:
+        member = join(stack, arena, () if gpu is None else (gpu,), name=name, min_hold=min_hold)
+        assert isinstance(member, Member)  # one arena
+        if not member.acquire(timeout):
+            raise NotObtained(timeout or 0.0)
+        yield member
 
 
 @contextmanager
@@ -419,62 +459,3 @@ def harmless_signals() -> Iterator[None]:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
-
-
-def wait(
-    arena: str | None = None,
-    gpu: int | Sequence[int] | None = None,
-    *,
-    timeout: float | None = None,
-    passive: bool = False,
-    fd: int | None = None,
-) -> None:
-    """``vramlock wait``: queue as a waiter (residents step aside) until the token is ours.
-
-    Without ``fd`` the token is dropped again when this returns. With ``fd`` the
-    lock is taken on that descriptor's open file description (the calling
-    shell's), so it stays held after we exit. Several GPUs: every token, taken in
-    ascending order of GPU number, then dropped. Raises NotObtained.
-    """
-    gpus = [gpu] if gpu is None or isinstance(gpu, int) else sorted(gpu)
-    if len(gpus) > 1:
-        if fd is not None:
-            raise UsageError("--fd locks one descriptor of one arena's token: give one GPU")
-        one_arena_or_gpus(arena, gpus)
-        _wait_all([g for g in gpus if g is not None], timeout=timeout, passive=passive)
-        return
-    with harmless_signals(), closing(Arena.open(arena, gpus[0])) as opened:
-        member = Member(
-            opened,
-            name="vramlock wait",
-            command=sys.argv,
-            strategy="wait --free" if passive else "wait",
-            token_fd=fd,
-        )
-        try:
-            if not member.acquire(timeout, wanting=not passive):
-                raise NotObtained(timeout or 0.0)
-        finally:
-            if fd is not None:
-                # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
-                member.token.held = False
-            member.close()
-
-
-def _wait_all(gpus: list[int], *, timeout: float | None, passive: bool) -> None:
-    """``vramlock wait --gpu 0,1``: every GPU's token in ascending order, then dropped."""
-    with harmless_signals(), contextlib.ExitStack() as stack:
-        joined: list[Member] = []
-        for g in gpus:
-            opened = stack.enter_context(closing(Arena.open(None, g)))
-            member = Member(
-                opened,
-                name="vramlock wait",
-                command=sys.argv,
-                strategy="wait --free" if passive else "wait",
-            )
-            joined.append(member)
-            stack.callback(member.close)
-            member.describe(gpus=gpus)
-        if not Members(joined).acquire(timeout, wanting=not passive):
-            raise NotObtained(timeout or 0.0)

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from . import demand as demands
 from . import strategies
-from .arena import Arena, default_gpu, one_arena_or_gpus
+from .arena import default_gpu, one_arena_or_gpus
 from .context import ChildExited, Context, Interrupted, ReleaseTimeout
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
-from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals
+from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals, join
 from .process import Child, Terminal, become_subreaper, exit_code
 from .strategies.basic import NoneStrategy
 from .supervise import FORWARDED, WATCHED, Supervision, Woken
@@ -161,8 +161,8 @@ class Runner:
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
-        self.arenas: list[Arena] = []
         self.member: Member | Members | None = None
+        self._joined = contextlib.ExitStack()  # the arenas and our membership of each
         self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._supervision: Supervision | None = None
@@ -176,7 +176,15 @@ class Runner:
         try:
             try:
                 with harmless_signals():
-                    self.member = self._join()
+                    self.member = join(
+                        self._joined,
+                        opts.arena,
+                        opts.gpus,
+                        name=opts.name,
+                        command=opts.command,
+                        strategy=opts.release,
+                        min_hold=opts.min_hold,
+                    )
                     self.proxy = self._listen(self.member)
                     if not self.member.acquire(opts.timeout):
                         raise NotObtained(opts.timeout or 0.0)
@@ -197,34 +205,9 @@ class Runner:
             self._close()
             return 128 + once.signum
         try:
-            return self._supervise(self.arenas, self.member)
+            return self._supervise(self.member)
         finally:
             self._close()
-
-    def _join(self) -> Member | Members:
-        """Open the arena(s) and become a member of each; several GPUs' arenas in
-        ascending order of GPU number, the order their tokens are taken in."""
-        opts = self.opts
-        gpus: list[int | None] = [*sorted(opts.gpus)] or [None]
-        joined: list[Member] = []
-        for gpu in gpus:
-            arena = Arena.open(opts.arena, gpu)
-            self.arenas.append(arena)
-            joined.append(
-                Member(
-                    arena,
-                    name=opts.name,
-                    min_hold=opts.min_hold,
-                    command=opts.command,
-                    strategy=opts.release,
-                )
-            )
-            if len(gpus) > 1:
-                joined[-1].describe(gpus=list(opts.gpus))
-            # At each step, so that _close leaves every arena joined so far.
-            self.member = joined[0] if len(joined) == 1 else Members(joined)
-        assert self.member is not None
-        return self.member
 
     def _listen(self, member: Member | Members) -> Proxy | None:
         """--demand listen: the proxy, listening before the command starts (and before we
@@ -249,12 +232,8 @@ class Runner:
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
-        if self.member is not None:
-            self.member.close()
-            self.member = None
-        for arena in self.arenas:
-            arena.close()
-        self.arenas = []
+        self.member = None
+        self._joined.close()
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -267,8 +246,8 @@ class Runner:
         else:
             self._supervision.on_signal(signum)
 
-    def _supervise(self, arenas: list[Arena], member: Member | Members) -> int:
-        opts = self.opts
+    def _supervise(self, member: Member | Members) -> int:
+        opts, arenas = self.opts, member.arenas
         control = ParentEnd()
         env = dict(os.environ)
         env.update(control.child_env(member.token_fds[0]))
