@@ -10,6 +10,7 @@ library never prints and never exits.
     ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
     ├── ControlError              the cooperative control channel broke its protocol
+    ├── InvalidTransition         a member was told to change state in a way it may not
     ├── AddressError              --listen or --upstream cannot be used (option, address)
     ├── UsageError                exit 2: a bad value (duration, descriptor, option mix)
     ├── NotObtained               exit 1 (or -E): the token was not obtained in time
@@ -75,6 +76,16 @@ class StrategyError(VramlockError):
 
 class ControlError(VramlockError):
     """The child broke the control-channel protocol."""
+
+
+class InvalidTransition(VramlockError):
+    """A member was told to go from one state to another that may not follow it (a bug
+    in the caller): refused before ``who`` can show it."""
+
+    def __init__(self, old: str, new: str) -> None:
+        super().__init__(f"a member cannot go from {old} to {new}")
+        self.old = old
+        self.new = new
 
 
 class AddressError(VramlockError):

@@ -20,12 +20,31 @@ from types import FrameType
 
 from . import lockfd
 from .arena import Arena, one_arena_or_gpus
-from .errors import LockFileReplaced, NotObtained
+from .errors import InvalidTransition, LockFileReplaced, NotObtained
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
 
 DEFAULT_MIN_HOLD = 0.1
+# The state changes a member may make; any other is a bug, refused (llama-swap checks
+# its processes' states the same way). RESIDENT -> RELEASED: the API's release() of a
+# program that freed its memory itself; WAITING -> RESTORING: the wrapper of a command
+# restores it once the token is ours.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.RELEASED: frozenset({State.WAITING}),
+    State.WAITING: frozenset({State.RESIDENT, State.RESTORING, State.RELEASED}),
+    State.RESIDENT: frozenset({State.RELEASING, State.RELEASED}),
+    State.RELEASING: frozenset({State.RELEASED, State.RESIDENT}),
+    State.RESTORING: frozenset({State.RESIDENT, State.RELEASED}),
+}
+
+
+def _checked(old: State, new: State) -> State:
+    if new not in TRANSITIONS[old]:
+        raise InvalidTransition(old.value, new.value)
+    return new
+
+
 # No barging: after a release we re-queue once the token has changed hands,
 # nobody waits any more, or this long has passed (a queued waiter that has not
 # been scheduled yet must not lose the token to us).
@@ -68,7 +87,7 @@ class Member:
 
     def _set(self, state: State) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
-        self.state = state
+        self.state = _checked(self.state, state)
         self.records.update(state=state.value)
 
     def describe(self, **changes: object) -> None:
@@ -269,6 +288,9 @@ class Members:
         self.min_hold = members[0].min_hold
         self.records = members[0].records  # the child pid shown; every record has it
 
+    def _set(self, state: State) -> None:
+        self.state = _checked(self.state, state)
+
     def _each(self, call: Callable[[Member], object]) -> None:
         for m in self.members:
             call(m)
@@ -277,24 +299,24 @@ class Members:
         self._each(lambda m: m.describe(**changes))
 
     def waiting(self) -> None:
-        self.state = State.WAITING
+        self._set(State.WAITING)
         self._each(Member.waiting)
 
     def released(self) -> None:
-        self.state = State.RELEASED
+        self._set(State.RELEASED)
         self._each(Member.released)
 
     def restoring(self) -> None:
-        self.state = State.RESTORING
+        self._set(State.RESTORING)
         self._each(Member.restoring)
 
     def resident(self) -> None:
-        self.state = State.RESIDENT
+        self._set(State.RESIDENT)
         self.resident_since = time.monotonic()
         self._each(Member.resident)
 
     def releasing(self) -> None:
-        self.state = State.RELEASING
+        self._set(State.RELEASING)
         self._each(Member.releasing)
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
@@ -353,7 +375,7 @@ class Members:
 
     def release(self) -> None:
         """Drop every token (the memory must be free on every GPU)."""
-        self.state = State.RELEASED
+        self._set(State.RELEASED)
         self._each(Member.release)
 
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
