@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 
+from ..cuda import NotCheckpointable
 from ..errors import StrategyError, UsageError
 from .auto import AutoStrategy
 from .base import (
@@ -21,7 +22,7 @@ from .base import (
     Unverified,
 )
 from .basic import NoneStrategy, RestartStrategy, StopStrategy
-from .checkpoint import CheckpointStrategy, NotCheckpointable, VramTaken, usable
+from .checkpoint import CheckpointStrategy, VramTaken, usable
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
 from .presets import PRESETS

@@ -19,10 +19,11 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
 from ..context import Context
+from ..cuda import NotCheckpointable
 from ..errors import ControlError
 from .base import Settings, Strategy
 from .basic import NoneStrategy
-from .checkpoint import CheckpointStrategy, NotCheckpointable
+from .checkpoint import CheckpointStrategy
 from .cooperative import SignalStrategy
 from .presets import PRESETS
 
