@@ -10,12 +10,13 @@ without the token: the lock lives as long as the command does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -80,8 +81,10 @@ def _quiet(message: str) -> None:
     """The library never prints: the command line passes a ``warn`` that does."""
 
 
-@dataclass
-class RunOptions:
+@dataclass(kw_only=True)
+class RunOptions(strategies.StrategyOptions):
+    """``vramlock run``'s options (those about the strategy are StrategyOptions')."""
+
     command: list[str]
     arena: str | None = None
     gpus: tuple[int, ...] = ()  # --gpu: in the order given; () for --arena or the default
@@ -91,29 +94,17 @@ class RunOptions:
     timeout: float | None = None  # None: wait forever; 0: -n
     min_hold: float = DEFAULT_MIN_HOLD
     yield_within: float | None = None
-    on_release: str | None = None
-    on_restore: str | None = None
-    preset: str | None = None  # --release http: the engine
-    on_release_url: str | None = None  # --release http without a preset
-    on_restore_url: str | None = None
-    listen: str | None = None  # --demand listen: where clients connect
-    upstream: str | None = None  # --demand listen: the command's server
+    listen: str | None = None  # --demand listen: where clients connect (and --upstream)
     idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
     ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
     warn: Callable[[str], None] = field(default=_quiet)
 
-    @property
+    @functools.cached_property
     def settings(self) -> strategies.Settings:
+        """The strategy's settings: made once, from the options."""
+        given = {f.name: getattr(self, f.name) for f in fields(strategies.StrategyOptions)}
         gpus = self.gpus or (None if self.arena else (default_gpu(),))
-        return strategies.Settings(
-            on_release=self.on_release,
-            on_restore=self.on_restore,
-            gpus=gpus,
-            preset=self.preset,
-            on_release_url=self.on_release_url,
-            on_restore_url=self.on_restore_url,
-            upstream=self.upstream,
-        )
+        return strategies.Settings(**given, gpus=gpus)
 
     def check(self) -> None:
         """Reject option mixes that cannot work, before anything is locked or started."""

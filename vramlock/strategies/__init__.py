@@ -19,6 +19,7 @@ from .base import (
     ReleaseTimeout,
     Settings,
     Strategy,
+    StrategyOptions,
     Unverified,
 )
 from .basic import NoneStrategy, RestartStrategy, StopStrategy
@@ -125,6 +126,7 @@ __all__ = [
     "SignalStrategy",
     "StopStrategy",
     "Strategy",
+    "StrategyOptions",
     "Unverified",
     "VramTaken",
     "check",

@@ -28,20 +28,27 @@ class Unverified(StrategyError):
     """The strategy says the memory is free, NVML says it is not (yet)."""
 
 
-@dataclass
-class Settings:
-    """What the user said about the strategy on the command line."""
+@dataclass(kw_only=True)
+class StrategyOptions:
+    """What the user says about the strategy on the command line (``vramlock run``'s
+    options, the runner's RunOptions, are these and more)."""
 
     on_release: str | None = None  # exec
     on_restore: str | None = None  # exec
-    restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
-    # The GPUs' NVML indices, for verified releases and free-VRAM checks (None: every GPU).
-    gpus: tuple[int, ...] | None = None
-    verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
     preset: str | None = None  # http: the engine (presets.PRESETS); None: the URLs below
     on_release_url: str | None = None  # http without a preset: POSTed to release
     on_restore_url: str | None = None  # http without a preset: POSTed to restore
     upstream: str | None = None  # the server's address, when given (--upstream)
+
+
+@dataclass(kw_only=True)
+class Settings(StrategyOptions):
+    """A strategy's settings: the user's options, and what the runner knows besides."""
+
+    restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
+    # The GPUs' NVML indices, for verified releases and free-VRAM checks (None: every GPU).
+    gpus: tuple[int, ...] | None = None
+    verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
 
 
 class Strategy:
