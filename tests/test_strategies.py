@@ -661,15 +661,56 @@ def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.Mon
     from vramlock.strategies import Settings, SignalStrategy, Unverified
 
     held = {4242: 3 << 30, 999: 5 << 30}  # 999 is not the command's
+    queries: list[object] = []
+
+    def processes(which: object = None) -> dict[int, int]:
+        queries.append(which)
+        return dict(held)
+
     monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "processes", lambda which=None: dict(held))
+    monkeypatch.setattr(nvml, "processes", processes)
     strategy = SignalStrategy(cast(Any, None), Settings(gpus=(0,), verify_timeout=0.2))
+
+    def ours(pid: int) -> bool:
+        return pid in (4242, 4243)
+
     with pytest.raises(Unverified, match="NVML still shows 3072 MiB held by the command"):
-        strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+        strategy.verify_gone(ours, keep_bytes=768 << 20)
     held[4242] = 500 << 20  # only its context left
-    strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+    queries.clear()
+    strategy.verify_gone(ours, keep_bytes=768 << 20)
+    assert queries == [(0,)]  # free already: one NVML query on the handoff path, no polling
     with pytest.raises(Unverified):  # a checkpoint leaves nothing at all
-        strategy.verify_gone(lambda: [4242], keep_bytes=0)
+        strategy.verify_gone(lambda pid: pid == 4242, keep_bytes=0)
+
+
+def test_a_process_of_the_command_is_told_without_a_scan_of_every_process(
+    tmp_path: Path,
+) -> None:
+    """Child.owns (for NVML's pids, at a release): the command, a worker that left its
+    group, not the wrapper's own helpers, not a process that is no descendant."""
+    from vramlock.process import Child
+
+    pids = tmp_path / "pids"
+    script = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        f"open({str(pids)!r}, 'w').write(f'{{w.pid}}\\n')\n"
+        "time.sleep(60)\n"
+    )
+    child = Child([sys.executable, "-c", script], dict(os.environ), ())
+    try:
+        wait_until(lambda: pids.exists() and pids.read_text().endswith("\n"))
+        worker = int(pids.read_text())
+        assert procfs.pgrp(worker) != child.pid  # it left the group
+        assert child.owns(child.pid) and child.owns(worker)
+        assert not child.owns(os.getppid()) and not child.owns(1)
+        child.ignored.add(worker)
+        assert not child.owns(worker)
+    finally:
+        child.ignored.clear()
+        child.end_all(0.5)
+        child.close()
 
 
 def test_checkpoint_is_refused_where_the_driver_cannot(arena: Path) -> None:

@@ -18,6 +18,8 @@ _RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 # How often a wait for processes to be gone re-scans /proc.
 _GONE_POLL = 0.005
 _PR_SET_CHILD_SUBREAPER = 36
+# A process tree deeper than this is taken to be no descendant of ours.
+_MAX_DEPTH = 256
 
 
 def become_subreaper() -> bool:
@@ -225,6 +227,20 @@ class Child:
         if self.pid:
             found += [p for p in procfs.group_pids(self.pid) if p not in found]
         return [p for p in found if p != me and p not in self.ignored]
+
+    def owns(self, pid: int) -> bool:
+        """Is ``pid`` a living process of the command (as ``processes`` counts them)? A
+        few reads of /proc for one pid, where ``processes`` reads every process's."""
+        if pid in self.ignored or not procfs.living(pid):
+            return False
+        if self.pid and procfs.pgrp(pid) == self.pid:
+            return True
+        me, seen = os.getpid(), 0
+        while pid > 1 and seen < _MAX_DEPTH:
+            pid, seen = procfs.ppid(pid) or 0, seen + 1
+            if pid == me:
+                return True
+        return False
 
     def reap_orphans(self) -> None:
         """Reap adopted descendants that have exited (never the command itself: poll() does)."""

@@ -149,23 +149,27 @@ class Strategy:
         A process that freed its tensors itself keeps its CUDA context (about half a
         GiB): that much per process is allowed.
         """
-        self.verify_gone(self.ctx.child.processes, keep_bytes=CONTEXT_ALLOWANCE)
+        self.verify_gone(self.ctx.child.owns, keep_bytes=CONTEXT_ALLOWANCE)
 
-    def verify_gone(self, pids_of: Callable[[], list[int]], *, keep_bytes: int) -> None:
-        """Wait until NVML shows the processes ``pids_of()`` names holding at most
-        ``keep_bytes`` each; Unverified after ``verify_timeout``. Nothing to check (and
-        no /proc scan on the handoff path) without NVML."""
+    def verify_gone(self, ours: Callable[[int], bool], *, keep_bytes: int) -> None:
+        """Wait until NVML shows the command's processes (the pids ``ours`` accepts)
+        holding at most ``keep_bytes`` each; Unverified after ``verify_timeout``.
+
+        This is on the handoff path: memory that is free already (the usual case) costs
+        one NVML query, and only the few pids NVML lists are looked at, never every
+        process on the machine. Nothing to check without NVML."""
         from .. import nvml
 
         try:
             if not nvml.available():
                 return
-            pids = pids_of()
             gpus = self.settings.gpus
             per_pid = nvml.processes(gpus)
-            on_gpu = [p for p in pids if p in per_pid]
+            on_gpu = [p for p in per_pid if ours(p)]
             # Per process and GPU: a context on each GPU the process uses.
             allowed = keep_bytes * len(on_gpu) * (1 if gpus is None else len(gpus))
+            if sum(per_pid[p] for p in on_gpu) <= allowed:
+                return
             if nvml.wait_released(on_gpu, gpus, self.settings.verify_timeout,
                                   keep_bytes=allowed):  # fmt: skip
                 return

@@ -116,7 +116,7 @@ class CheckpointStrategy(Strategy):
 
     def verify(self, deadline: float | None) -> None:
         # A checkpointed process leaves NVML's list altogether: nothing may remain.
-        self.verify_gone(lambda: self.pids, keep_bytes=0)
+        self.verify_gone(lambda pid: pid in self.pids, keep_bytes=0)
 
     def _restore(self) -> None:
         if not self.pids:
