@@ -566,6 +566,26 @@ def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: P
     assert job.poll() is None
 
 
+def test_stop_catches_a_shell_between_fork_and_exec(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """A shell stopped in vfork() waits, in D, for a child that was stopped before its
+    exec: it stops once that child goes on, and must not hold up the release."""
+    ticks = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", "sh", "-c", f"while :; do echo x >> {ticks}; sleep 0.001; done")
+    )  # fmt: skip
+    wait_until(ticks.exists)
+    for _ in range(40):
+        turn = subprocess.run(
+            ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+             "true"], timeout=10,
+        )  # fmt: skip
+        assert turn.returncode == 0
+    assert job.poll() is None
+
+
 def test_exec_hooks_run_in_order(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     log = tmp_path / "hooks"
     job = spawn(

@@ -6,7 +6,8 @@ import os
 import signal
 import time
 
-from ..procfs import pgrp, session, state
+from ..procfs import pgrp, session
+from ..procfs import stopped as is_stopped
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
 from .keeper import Keeper
 
@@ -65,7 +66,7 @@ class StopStrategy(Strategy):
             child.signal_all(signal.SIGSTOP, new)
             stopped += new
         # Wait until each is really stopped (it may be inside a kernel call).
-        while any(state(p) not in ("T", "t", "Z", "X", None) for p in stopped):
+        while not all(map(is_stopped, stopped)):
             if not child.alive:
                 raise ChildExited
             if deadline is not None and time.monotonic() >= deadline:
