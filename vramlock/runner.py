@@ -320,7 +320,7 @@ class Scheduler:
         Clients held by the proxy go through once the server serves, not merely accepts
         connections (llama-server answers 503 while it loads its model). Signals are
         routed by now: an order to end cuts the wait short."""
-        if self.proxy is not None:
+        if self.proxy is not None and self.sup.pending_signal is None:
             try:
                 self.strategy.wait_ready()
             except (StrategyError, ChildExited) as err:
