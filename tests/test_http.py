@@ -37,7 +37,7 @@ from conftest import (
     who_json,
 )
 
-from vramlock.strategies import PRESETS, Settings, chosen
+from vramlock.strategies import PRESETS, AutoStrategy, Settings
 from vramlock.strategies.presets import ready_url
 
 pytestmark = pytest.mark.timeout(90)
@@ -240,7 +240,7 @@ def end(job: subprocess.Popen[str]) -> str:
     ],
 )  # fmt: skip
 def test_auto_recognises_only_what_is_unambiguous(argv: list[str], picked: str) -> None:
-    assert chosen("auto", Settings(), argv).name == picked
+    assert AutoStrategy.first(argv).name == picked
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,7 @@ def test_server_address(
         (["--preset", "llama-server"], ["--host", "/run/l.sock"], 125,
          "--preset llama-server: the server listens on a unix socket (/run/l.sock)"),
         (["--preset", "comfyui"], ["--port", "http"], 125, "comfyui --port: bad port 'http'"),
-        (["--preset", "tgi"], [], 125, "unknown preset 'tgi' (choose from llama-server,"),
+        (["--preset", "tgi"], [], 2, "unknown preset 'tgi' (choose from llama-server,"),
         (["--release", "http"], [], 2,
          "--release http needs --preset NAME or --on-release-url URL"),
         (["--release", "restart", "--preset", "vllm"], [], 2,

@@ -378,7 +378,7 @@ def wait(
 ) -> None:
     """Queue for the GPU (residents step aside) and return once the token is obtained."""
     from .arena import parse_gpus
-    from .member import wait as wait_for_token
+    from .waiter import wait as wait_for_token
 
     gpus = None if gpu is None else parse_gpus(gpu)
     try:

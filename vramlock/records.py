@@ -118,6 +118,8 @@ class Record:
     connections: int | None = None
     # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
     gpus: list[int] = field(default_factory=list)
+    # The inode of the token.lock the member locks: who tells when it is not the arena's.
+    token_ino: int | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -130,6 +132,7 @@ class Record:
                 return None
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
+            token_ino = data.get("token_ino")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -147,6 +150,7 @@ class Record:
                 listen=None if listen is None else _typed(listen, str),
                 connections=None if connections is None else _bounded(connections, 0, 1 << 31),
                 gpus=[_bounded(g, 0, _MAX_GPU) for g in _typed(data.get("gpus", []), list)[:64]],
+                token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
