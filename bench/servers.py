@@ -16,8 +16,8 @@ long prompt (about ``--ctx`` tokens) to the server that was just released. Per r
 - **first token**: the server's own ``timings.prompt_ms`` for that prompt, i.e. the prefill
   it had to do: all of it after a restart, only the new tokens with the restored slot.
 
-Restart answers the 503 llama-server gives while loading; the client retries it (what a
-client of ``restart`` must do) and the retries count in the latency.
+Under both, the proxy holds a client until the server's ``/health`` says it has loaded:
+the wait counts in the latency.
 """
 
 from __future__ import annotations
@@ -57,22 +57,18 @@ def free_port() -> int:
 
 
 def request(port: int, prompt: str) -> dict[str, Any]:
-    end = time.monotonic() + 120
-    while True:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        try:
-            body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True})
-            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-            reply = conn.getresponse()
-            status, data = reply.status, reply.read()
-        finally:
-            conn.close()
-        if status == 200:
-            timings: dict[str, Any] = json.loads(data)["timings"]
-            return timings
-        if status != 503 or time.monotonic() > end:
-            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
-        time.sleep(0.02)  # loading its model: what a client of restart has to do
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True})
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        status, data = reply.status, reply.read()
+    finally:
+        conn.close()
+    if status != 200:  # a 503 too: the proxy holds clients until the server has loaded
+        raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+    timings: dict[str, Any] = json.loads(data)["timings"]
+    return timings
 
 
 def run_mode(mode: str, binary: str, model: str, ctx: int, n: int) -> dict[str, Any]:

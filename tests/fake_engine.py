@@ -8,22 +8,31 @@ does: at once, later (vLLM's sleep as a worst case, ComfyUI's worker, Ollama's
 scheduler), or by exiting (llama-server). It appends to ``$FAKE_LOG`` one line per
 event, ``<CLOCK_MONOTONIC> <event>``:
 
-    start PID | req METHOD PATH | gpu 1 | gpu 0 | exit
+    start PID | req METHOD PATH | gpu 1 | gpu 0 | chunk N | aborted | exit
 
 ``gpu 0`` is written *before* the freed state can be seen through the API, so a
 token handed over after the API said "free" comes after it in the log.
 
+Every engine streams ``GET /stream?n=N&gap=S``: N chunked server-sent events S seconds
+apart, each logged (``chunk I``) before it is written; a client that went away ends
+the stream (``aborted``), as engines stop generating for one.
+
 Scripted by the environment:
   FAKE_FAULTS      JSON {"PATH-PREFIX": {"status": N, "delay": S, "die": true,
-                   "body": "TEXT", "times": N}}: a request whose path starts with
-                   PATH-PREFIX is delayed, answered N with TEXT, or kills the server;
-                   ``times`` limits how many requests the fault hits
+                   "body": "TEXT", "trickle": S, "times": N}}: a request whose path
+                   starts with PATH-PREFIX is delayed, answered N with TEXT (a byte
+                   every S seconds with ``trickle``), or kills the server; ``times``
+                   limits how many requests the fault hits
   FAKE_FREE_DELAY  how long an asynchronous free takes (seconds; default 0.3)
-  FAKE_LOADING     llama-server: /health answers 503 this long after start (default 0.2)
+  FAKE_LOADING     every request answers 503 (as a loading server does: GET /health
+                   too, 200 otherwise) this long after start, and for generic after
+                   POST /on (default 0.2 for llama-server, else 0)
   FAKE_EXIT_DELAY  llama-server: how long it takes to exit after SIGTERM (default 0.2)
   FAKE_BUSY        comfyui: a prompt runs this long after start (default 0)
   FAKE_KEEP        comfyui: bytes a custom node keeps reserved after /free (default 0)
   FAKE_MODELS      ollama: NAME:SIZE_VRAM,... loaded at start (default m1:1000)
+  FAKE_COOPERATIVE generic: "1" to release and restore through vramlock's control
+                   channel (--release signal) as well; a restore loads again
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -76,8 +87,13 @@ FREE_DELAY = float(os.environ.get("FAKE_FREE_DELAY", "0.3"))
 class Engine:
     """The pretend GPU memory and the routes; subclasses are the engines."""
 
+    LOADING = "0"
+    unaffected: frozenset[str] = frozenset()  # paths that answer while it loads
+
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
+        self.loading_for = float(os.environ.get("FAKE_LOADING", self.LOADING))
+        self.ready_at = time.monotonic() + self.loading_for
         self.gpu = False
         self.lock = threading.Lock()
         self.routes: dict[tuple[str, str], Callable[[dict[str, list[str]], Any], Reply]] = {}
@@ -99,14 +115,14 @@ class Engine:
 
 
 class LlamaServer(Engine):
+    LOADING = "0.2"
+
     def __init__(self, argv: list[str]) -> None:
         super().__init__(argv)
         self.slot_dir = option(argv, "--slot-save-path")
         self.slots: dict[int, str] = {i: "" for i in range(int(option(argv, "-np", "1") or 1))}
         self.keys = (option(argv, "--api-key") or "").split(",")
-        self.ready_at = time.monotonic() + float(os.environ.get("FAKE_LOADING", "0.2"))
         self.routes = {
-            ("GET", "/health"): self.health,
             ("GET", "/props"): lambda q, b: (200, {"is_sleeping": False,
                                                    "total_slots": len(self.slots)}),
             ("GET", "/slots"): lambda q, b: (200, [{"id": i, "is_processing": False}
@@ -122,11 +138,6 @@ class LlamaServer(Engine):
     def authorised(self, path: str, header: str | None) -> bool:
         keys = [f"Bearer {k}" for k in self.keys]
         return self.keys == [""] or path == "/health" or header in keys
-
-    def health(self, query: dict[str, list[str]], body: Any) -> Reply:
-        if time.monotonic() < self.ready_at:
-            return 503, {"error": {"code": 503, "message": "Loading model"}}
-        return 200, {"status": "ok"}
 
     def completion(self, query: dict[str, list[str]], body: Any) -> Reply:
         words = str(body["prompt"]).split()
@@ -293,6 +304,8 @@ class Ollama(Engine):
 
 
 class Generic(Engine):
+    unaffected = frozenset({"/off", "/on"})
+
     def __init__(self, argv: list[str]) -> None:
         super().__init__(argv)
         self.routes = {("POST", "/off"): self.off, ("POST", "/on"): self.on}
@@ -301,9 +314,19 @@ class Generic(Engine):
         self.hold(False)
         return 200, None
 
-    def on(self, query: dict[str, list[str]], body: Any) -> Reply:
+    def on(self, query: dict[str, list[str]] | None = None, body: Any = None) -> Reply:
         self.hold(True)
+        self.ready_at = time.monotonic() + self.loading_for  # loads its model again
         return 204, None
+
+    def start(self) -> None:
+        super().start()
+        if os.environ.get("FAKE_COOPERATIVE") == "1":
+            from vramlock import child
+
+            ctl = child.connect()
+            assert ctl is not None, "not run by vramlock"
+            ctl.serve(release=lambda: self.hold(False), restore=self.on)
 
 
 ENGINES: dict[str, type[Engine]] = {
@@ -348,7 +371,15 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                     log("died")
                     os._exit(3)
                 if "status" in fault:
-                    return self.answer(fault["status"], fault.get("body", "fault").encode())
+                    body = fault.get("body", "fault").encode()
+                    return self.answer(fault["status"], body, fault.get("trickle", 0.0))
+            if time.monotonic() < engine.ready_at and url.path not in engine.unaffected:
+                log(f"503 {self.path}")
+                return self.answer(503, b'{"error": {"code": 503, "message": "Loading model"}}')
+            if (method, url.path) == ("GET", "/stream"):
+                return self.stream(parse_qs(url.query))
+            if (method, url.path) == ("GET", "/health"):
+                return self.answer(200, b'{"status": "ok"}')
             route = engine.routes.get((method, url.path))
             if route is None:
                 return self.answer(404, b'{"detail": "Not Found"}')
@@ -357,12 +388,37 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             status, data = route(parse_qs(url.query), json.loads(raw) if raw else None)
             self.answer(status, b"" if data is None else json.dumps(data).encode())
 
-        def answer(self, status: int, body: bytes) -> None:
+        def stream(self, query: dict[str, list[str]]) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(int(query.get("n", ["1"])[0])):
+                if i:
+                    time.sleep(float(query.get("gap", ["0"])[0]))
+                conn = self.connection
+                if select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
+                    log("aborted")
+                    self.close_connection = True
+                    return
+                log(f"chunk {i}")
+                data = f"data: {i}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+
+        def answer(self, status: int, body: bytes, trickle: float = 0.0) -> None:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not trickle:
+                self.wfile.write(body)
+                return
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(trickle)
 
     return Handler
 

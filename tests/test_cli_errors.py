@@ -183,10 +183,10 @@ FLOCK_FAILURES = ["ENOLCK", "EIO", "EBADF", "EINVAL"]
 @pytest.mark.parametrize(
     ("options", "code", "fragments"),
     [
-        (["--release", "bogus"], OWN_FAILURE, ["unknown release strategy 'bogus'", "signal"]),
-        (["--release", ""], OWN_FAILURE, ["unknown release strategy ''"]),
-        (["--demand", "bogus"], OWN_FAILURE, ["unknown demand 'bogus'", "always"]),
-        (["--demand", "bogus", "--release", "none"], OWN_FAILURE, ["unknown demand 'bogus'"]),
+        (["--release", "bogus"], USAGE, ["unknown release strategy 'bogus'", "signal"]),
+        (["--release", ""], USAGE, ["unknown release strategy ''"]),
+        (["--demand", "bogus"], USAGE, ["unknown demand 'bogus'", "always"]),
+        (["--demand", "bogus", "--release", "none"], USAGE, ["unknown demand 'bogus'"]),
         (
             ["--on-release", "true", "--release", "signal"],
             USAGE,

@@ -67,6 +67,29 @@ def test_the_command_starts_only_with_every_token(spawn: Spawn, tmp_path: Path) 
         assert "GPUs 1,0 together" in me["note"]
 
 
+def test_a_job_half_way_through_its_tokens_is_shown_waiting(spawn: Spawn) -> None:
+    gpu0, gpu1 = arena_of(0), arena_of(1)
+    blocker = hold(spawn, gpu1 / "token.lock")
+    job = spawn(vramlock("run", "--gpu", "0,1", "--release", "none", "--", "sleep", "60"))
+    wait_until(lambda: locks(gpu0)[0] == [job.pid] and locks(gpu1)[1] == [job.pid])
+    for arena in (gpu0, gpu1):
+        (me,) = [m for m in who_json(arena) if m["pid"] == job.pid]
+        assert me["state"] == "waiting"
+        assert "taking its GPUs' tokens" in me["note"]
+    kill_group(blocker)
+    wait_until(lambda: [m["state"] for m in who_json(gpu0)] == ["resident"])
+
+
+def test_a_gpu_number_in_cuda_visible_devices_is_checked_as_gpu_is(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="99999999999")
+    for args in (["run", "--", "true"], ["who"], ["wait", "-n"]):
+        out = subprocess.run(vramlock(*args), capture_output=True, text=True, timeout=30, env=env)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("vramlock: CUDA_VISIBLE_DEVICES: expected a GPU number")
+        assert out.stderr.count("\n") == 1
+    assert not (tmp_path / "runtime" / "vramlock").exists()  # nothing was locked or made
+
+
 def test_two_jobs_never_hold_each_others_token(spawn: Spawn, tmp_path: Path) -> None:
     """The order is the GPUs', not the command line's: a job asking for 1,0 queues for
     GPU 0 first, so it cannot hold GPU 1 while another job holding GPU 0 waits for it."""

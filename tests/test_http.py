@@ -10,12 +10,15 @@ must fall where the log says the memory was free and no process of the server li
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,9 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Spawn, free_port, kill_group, vramlock, wait_until, who_json
+from conftest import (
+    ROOT,
+    Spawn,
+    accepts,
+    free_port,
+    kill_group,
+    vramlock,
+    wait_until,
+    who_json,
+)
 
-from vramlock.strategies import PRESETS, Settings, chosen
+from vramlock.strategies import PRESETS, AutoStrategy, Settings
+from vramlock.strategies.presets import ready_url
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -227,7 +240,7 @@ def end(job: subprocess.Popen[str]) -> str:
     ],
 )  # fmt: skip
 def test_auto_recognises_only_what_is_unambiguous(argv: list[str], picked: str) -> None:
-    assert chosen("auto", Settings(), argv).name == picked
+    assert AutoStrategy.first(argv).name == picked
 
 
 @pytest.mark.parametrize(
@@ -273,7 +286,7 @@ def test_server_address(
         (["--preset", "llama-server"], ["--host", "/run/l.sock"], 125,
          "--preset llama-server: the server listens on a unix socket (/run/l.sock)"),
         (["--preset", "comfyui"], ["--port", "http"], 125, "comfyui --port: bad port 'http'"),
-        (["--preset", "tgi"], [], 125, "unknown preset 'tgi' (choose from llama-server,"),
+        (["--preset", "tgi"], [], 2, "unknown preset 'tgi' (choose from llama-server,"),
         (["--release", "http"], [], 2,
          "--release http needs --preset NAME or --on-release-url URL"),
         (["--release", "restart", "--preset", "vllm"], [], 2,
@@ -284,6 +297,10 @@ def test_server_address(
          "--on-release/--on-restore (exec) and --preset/--on-release-url/--on-restore-url"),
         (["--on-release-url", "https://h/x"], [], 2,
          "--on-release-url: bad URL 'https://h/x' (http://HOST[:PORT]/PATH)"),
+        (["--on-release-url", "http://127.0.0.1:0/off"], [], 2,  # not port 80
+         "--on-release-url: bad URL 'http://127.0.0.1:0/off' (http://HOST[:PORT]/PATH)"),
+        (["--on-release-url", "http://h/x", "--on-restore-url", "http://h:0/"], [], 2,
+         "--on-restore-url: bad URL 'http://h:0/'"),
     ],
 )  # fmt: skip
 def test_refusals_say_one_line_before_anything_starts(
@@ -409,6 +426,168 @@ def test_generic_urls(arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEng
     assert end(job) == ""
 
 
+# -- behind --demand listen -----------------------------------------------------------------
+
+
+def read_stream(port: int, path: str) -> tuple[int, str]:
+    """The events a streamed response brought, and "complete" or how it ended."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            data = s.recv(65536)
+            if not data:
+                return got.count(b"data:"), "closed"
+            got += data
+        return got.count(b"data:"), "complete"
+
+
+def stream_while_waited_for(
+    spawn: Spawn, arena: Path, tmp_path: Path, eng: Engine, events: int, *options: str
+) -> tuple[tuple[int, str], Turn]:
+    """Behind the proxy, under the generic URLs: a stream of ``events`` events 1 s
+    apart, and a witness that queues once the first one has come."""
+    base, port = f"http://127.0.0.1:{eng.port}", free_port()
+    urls = ["--on-release-url", f"{base}/off", "--on-restore-url", f"{base}/on"]
+    listen = ["--demand", "listen", "--listen", str(port), "--upstream", str(eng.port)]
+    wrap(spawn, arena, eng, *urls, *listen, *options)
+    wait_until(lambda: who_json(arena)[0].get("listen") is not None)
+    got: list[tuple[int, str]] = []
+    reader = threading.Thread(
+        target=lambda: got.append(read_stream(port, f"/stream?n={events}&gap=1")), daemon=True
+    )
+    reader.start()
+    wait_until(lambda: eng.count("chunk 0") == 1)
+    turn = Witness(tmp_path, arena, eng.log, hold=0.5).turn()
+    reader.join(30)
+    return got[0], turn
+
+
+def test_a_response_in_progress_keeps_the_server_resident(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    (events, how), turn = stream_while_waited_for(spawn, arena, tmp_path, eng, 3)
+    assert (events, how) == (3, "complete")
+    chunks = [t for t, e in eng.events() if e.startswith("chunk ")]
+    assert turn.start > chunks[-1]  # the engine produced none while the witness held the GPU
+    eng.assert_free_during(turn)
+
+
+def test_yield_within_cuts_a_response_before_the_release(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    (events, how), turn = stream_while_waited_for(
+        spawn, arena, tmp_path, eng, 20, "--yield-within", "0.5"
+    )
+    assert events < 20 and how == "closed"
+    assert not [t for t, e in eng.events() if e.startswith("chunk ") and t > turn.start]
+    eng.assert_free_during(turn)
+
+
+def ask(port: int, method: str = "GET", path: str = "/health", body: object = None) -> int:
+    """One request through the proxy on ``port``: the status it got."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def listening(
+    spawn: Spawn, arena: Path, eng: Engine, *options: str
+) -> tuple[subprocess.Popen[str], int]:
+    """``vramlock run --demand listen`` around the fake, returned as soon as the proxy
+    listens (the fake may still be loading); the wrapper and the listen port."""
+    port = free_port()
+    started = time.monotonic()
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--min-hold", "0", "--demand", "listen",
+                 "--listen", str(port), "--upstream", str(eng.port), *options, "--", *eng.argv),
+        env=dict(os.environ, **eng.env),
+    )  # fmt: skip
+    wait_until(lambda: accepts(port) or job.poll() is not None, step=0.01)
+    assert job.poll() is None, job.communicate()
+    assert time.monotonic() - started < 2.0  # listening at once, whatever the server does
+    return job, port
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("llama-server", ["--release", "restart"]),  # its /health, known without a preset
+        ("generic", ["--ready-url", "/health"]),  # loads again after each POST /on
+        ("generic", ["--ready-url", "/health", "--release", "signal"]),  # ... and restore
+    ],
+)
+def test_no_client_sees_a_loading_server(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine, name: str, options: list[str]
+) -> None:
+    signal_strategy = "signal" in options
+    eng = engine(name, loading="1.0", cooperative="1" if signal_strategy else "0")
+    if name == "generic" and not signal_strategy:
+        base = f"http://127.0.0.1:{eng.port}"
+        options += ["--on-release-url", f"{base}/off", "--on-restore-url", f"{base}/on"]
+    job, port = listening(spawn, arena, eng, *options)
+    assert ask(port, "GET", "/stream") == 200  # held while it loads, then served
+    assert eng.count("gpu 1") == 1
+    turn = Witness(tmp_path, arena, eng.log, hold=0.1).turn()
+    assert ask(port, "GET", "/stream") == 200  # restored (or started again) and loaded
+    assert eng.count("gpu 1") == 2
+    loading = [t for t, e in eng.events() if e.startswith("503 ")]
+    # The server did answer 503 after each start, to the readiness probe only.
+    assert any(t < turn.start for t in loading) and any(t > turn.end for t in loading)
+    assert {e for _, e in eng.events() if e.startswith("503 ")} == {"503 /health"}
+    assert end(job) == ""
+
+
+def test_an_ending_signal_during_the_first_load_ends_the_wrapper(
+    arena: Path, spawn: Spawn, engine: MakeEngine
+) -> None:
+    eng = engine("llama-server", loading="60")
+    job, port = listening(spawn, arena, eng)
+    outcome: list[object] = []
+
+    def client() -> None:
+        try:
+            outcome.append(ask(port))
+        except (http.client.HTTPException, OSError) as err:
+            outcome.append(type(err))
+
+    held = threading.Thread(target=client, daemon=True)
+    held.start()  # held: the server loads
+    wait_until(lambda: eng.count("503 /health") >= 1)
+    signalled = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    job.communicate(timeout=30)
+    assert time.monotonic() - signalled < 2.0
+    held.join(10)
+    # Its connection was closed, and never answered 503.
+    assert outcome in ([http.client.RemoteDisconnected], [ConnectionResetError])
+
+
+@pytest.mark.parametrize(
+    ("command", "preset", "url"),
+    [
+        (["llama-server", "-m", "m.gguf"], None, "/health"),
+        (["llama-server", "--api-prefix", "/v/"], None, "/v/health"),
+        (["vllm", "serve", "m"], None, "/health"),  # under any strategy: no sleep mode needed
+        (["python3", "-m", "sglang.launch_server"], None, "/health"),
+        (["ollama", "serve"], None, "/"),
+        (["python", "main.py"], "comfyui", "/system_stats"),
+        (["python", "main.py"], None, None),
+        (["my-server"], None, None),
+    ],
+)
+def test_the_ready_url_of_each_engine(command: list[str], preset: str | None, url: str) -> None:
+    assert ready_url(command, preset) == url
+
+
 # -- failures ------------------------------------------------------------------------------
 
 
@@ -469,6 +648,66 @@ def test_a_slow_release_is_ended_at_yield_within(
     wait_until(lambda: eng.count("gpu 1") == 2, timeout=20)  # started again on its turn
     err = end(job)
     assert "http:sglang release did not finish within 0.5 s; ending the command" in err
+
+
+def test_yield_within_is_a_deadline_for_a_server_that_trickles(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    # An answer a byte every 0.3 s, 40 bytes: each read is quick, the whole is 12 s.
+    trickle = {"status": 200, "body": "{" + " " * 38 + "}", "trickle": 0.3}
+    eng = engine("sglang", "--enable-memory-saver",
+                 faults=json.dumps({"/release_memory_occupation": trickle}))  # fmt: skip
+    job = wrap(spawn, arena, eng, "--yield-within", "1")
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # ended at the deadline
+    assert 1.0 <= turn.start - turn.asked < 5.0
+    assert "http:sglang release did not finish within 1.0 s; ending the command" in end(job)
+
+
+def test_vllm_is_woken_when_its_release_fails_after_it_fell_asleep(
+    arena: Path, spawn: Spawn, engine: MakeEngine
+) -> None:
+    faults = {"/is_sleeping": {"status": 500, "body": '{"detail": "boom"}'}}
+    eng = engine("vllm", "--enable-sleep-mode", faults=json.dumps(faults), free_delay="0")
+    job = wrap(spawn, arena, eng)
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "0.5"), timeout=30)
+    assert waiter.returncode == 1  # it stayed resident...
+    wait_until(lambda: eng.count("req POST /wake_up") >= 1)
+    assert job.poll() is None
+    gpu = [e for _, e in eng.events() if e.startswith("gpu ")]
+    assert gpu[:3] == ["gpu 1", "gpu 0", "gpu 1"]  # ... and awake: slept, then woken
+    err = end(job)
+    assert "vramlock: release failed: vllm: GET /is_sleeping answered 500: boom" in err
+
+
+def test_vllm_that_can_be_neither_asleep_nor_woken_is_ended(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    faults = {"/is_sleeping": {"status": 500}, "/wake_up": {"status": 500}}
+    eng = engine("vllm", "--enable-sleep-mode", faults=json.dumps(faults))
+    job = wrap(spawn, arena, eng)
+    turn = Witness(tmp_path, arena, eng.log).turn()
+    assert turn.alive == []  # released the other way: ended (started again on its turn)
+    assert eng.requests()[:3] == ["POST /sleep?level=1", "GET /is_sleeping", "POST /wake_up"]
+    assert "vllm release did not finish" in end(job)
+
+
+def test_an_ending_signal_ends_a_restore_that_hangs(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    eng = engine("generic")
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # accepts, never answers
+        hung.settimeout(30)
+        restore = f"http://127.0.0.1:{hung.getsockname()[1]}/on"
+        job = wrap(spawn, arena, eng, "--on-release-url", f"http://127.0.0.1:{eng.port}/off",
+                   "--on-restore-url", restore)  # fmt: skip
+        Witness(tmp_path, arena, eng.log, hold=0.1).turn()
+        conn, _ = hung.accept()  # the restore's request is on its way
+        with conn:
+            signalled = time.monotonic()
+            job.send_signal(signal.SIGTERM)
+            job.communicate(timeout=30)
+            assert time.monotonic() - signalled < 2.0
 
 
 def test_a_server_that_dies_mid_release_ends_the_run(

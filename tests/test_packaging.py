@@ -52,12 +52,14 @@ with open(sys.argv[1], "w") as f:
     json.dump({"code": code, "modules": sorted(sys.modules)}, f)
 """
 
-# Not for this command: the lock layer, the terminal UI, package metadata, GPU bindings.
+# Not for this command: the lock layer, the terminal UI, package metadata, GPU bindings,
+# serve's HTTP and YAML libraries.
+SERVE = ["vramlock.serve", "aiohttp", "yaml"]
 NOT_LOADED = {
     "who": ["portalocker", "rich", "importlib.metadata", "vramlock.runner",
-            "vramlock.strategies", "vramlock.cuda"],
-    "wait": ["rich", "vramlock.cuda"],
-    "run": ["rich"],
+            "vramlock.strategies", "vramlock.cuda", *SERVE],
+    "wait": ["rich", "vramlock.cuda", *SERVE],
+    "run": ["rich", *SERVE],
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from conftest import Spawn, hold, kill_group, wait_until
 
 from vramlock import lockfd, procfs
 from vramlock.arena import Arena
-from vramlock.errors import ArenaError, LockError, NotObtained
+from vramlock.errors import ArenaError, InvalidTransition, LockError, NotObtained
 from vramlock.member import Member, State, resident
 from vramlock.want import Token, Want, wait_turn
 
@@ -232,3 +232,22 @@ def test_try_lock_reports_real_errors() -> None:
     os.close(w)
     with pytest.raises(LockError, match="EBADF"):
         lockfd.try_lock(r, exclusive=True)
+
+
+def test_member_states_change_only_as_the_table_allows(arena: Path) -> None:
+    a = Arena.open(str(arena))
+    member = Member(a, name="t")
+    try:
+        for wrong in (member.releasing, member.release, member.restoring, member.resident):
+            with pytest.raises(InvalidTransition):
+                wrong()
+            assert member.state is State.RELEASED  # refused: nothing changed
+        assert member.acquire(0)
+        with pytest.raises(InvalidTransition, match="cannot go from resident to waiting"):
+            member.acquire(0)
+        member.releasing()
+        member.release()
+        assert member.state is State.RELEASED
+    finally:
+        member.close()
+        a.close()

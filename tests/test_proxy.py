@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import signal
 import socket
 import struct
@@ -28,6 +29,7 @@ import pytest
 from conftest import Spawn, free_ports, kill_group, token_free, vramlock, wait_until, who_json
 
 from vramlock import procfs
+from vramlock.address import same_socket
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,6 +58,13 @@ SERVER = textwrap.dedent(
         def do_GET(self):
             url = urlsplit(self.path)
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            if url.path == "/big":  # one body of `size` bytes
+                size = int(query["size"])
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                self.wfile.write(b"x" * size)
+                return
             if url.path == "/hello":
                 body = f"hello {os.getpid()}\\n".encode()
                 self.send_response(200)
@@ -406,11 +415,11 @@ def test_held_clients_are_closed_when_the_upstream_never_gets_ready(
 
 
 def stream_and_witness(
-    served: Served, arena: Path, tmp: Path, events: int
+    served: Served, arena: Path, tmp: Path, events: int, gap: float = 0.1
 ) -> tuple[int, str, float, float]:
-    """A stream of ``events`` events 0.1 s apart; a witness queues after the first one.
+    """A stream of ``events`` events ``gap`` s apart; a witness queues after the first one.
     The events, how the stream ended, when it ended, when the witness got the token."""
-    stream = in_thread(lambda: read_stream(served.port, f"/stream?n={events}&gap=0.1"))
+    stream = in_thread(lambda: read_stream(served.port, f"/stream?n={events}&gap={gap}"))
     wait_until(lambda: who_json(arena)[0]["connections"] == 1)
     witness = Witness.start(tmp, arena, hold=0.0, port=served.upstream)
     got, end = stream()
@@ -426,6 +435,53 @@ def test_traffic_in_flight_puts_the_release_off(arena: Path, spawn: Spawn, tmp_p
     got, end, ended, t0 = stream_and_witness(served, arena, tmp_path, events=10)
     assert (got, end) == (10, "complete")  # not cut by the waiter
     assert t0 > ended  # the witness had to wait for the stream, then --idle
+
+
+def test_a_stream_with_gaps_longer_than_idle_keeps_the_server(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    # Events 1 s apart, --idle 0.3 s (the default): a gap is no end of the response.
+    served = serve(spawn, arena, tmp_path)
+    got, end, ended, t0 = stream_and_witness(served, arena, tmp_path, events=3, gap=1.0)
+    assert (got, end) == (3, "complete")
+    assert t0 > ended
+    assert len(served.starts()) == 1
+
+
+def test_a_slow_reader_gets_the_whole_download(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    served = serve(spawn, arena, tmp_path)
+    size = 64 << 20
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
+        s.sendall(f"GET /big?size={size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536)
+        received = len(got.split(b"\r\n\r\n", 1)[1])
+        witness = Witness.start(tmp_path, arena, hold=0.0, port=served.upstream)
+        time.sleep(1.0)  # the reader stalls (the proxy has had no traffic for a while)
+        while received < size:
+            data = s.recv(1 << 20)
+            assert data, f"cut after {received} of {size} bytes"
+            received += len(data)
+        done = time.monotonic()
+    t0, _, server = witness.result()
+    assert server == "gone" and t0 > done
+    assert len(served.starts()) == 1
+
+
+def test_an_idle_keep_alive_connection_does_not_put_the_release_off(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    served = serve(spawn, arena, tmp_path, "--idle", "0.2")
+    kept = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    for path in ("/hello", "/stream?n=3", "/hello"):  # keep-alive: open after its answers
+        kept.request("GET", path)
+        assert kept.getresponse().read()
+    time.sleep(0.3)  # past --idle
+    asked = time.monotonic()
+    t0, _, server = Witness.start(tmp_path, arena, hold=0.0, port=served.upstream).result()
+    assert server == "gone" and t0 - asked < 1.5
+    kept.close()
 
 
 def test_yield_within_cuts_traffic_in_flight(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
@@ -492,6 +548,11 @@ def test_a_listen_address_in_use_is_one_line_and_125(
         (["--demand", "listen", "--listen", "8080"], "--demand listen needs --listen ADDR and"),
         (["--listen", "8080", "--upstream", "8081"], "need --demand listen"),
         (["--idle", "1s"], "need --demand listen"),
+        (["--ready-url", "/health"], "need --demand listen"),
+        (
+            ["--demand", "listen", "--listen", "80", "--upstream", "81", "--ready-url", "health"],
+            "--ready-url: a path is wanted (/health), not 'health'",
+        ),
         (["--demand", "listen", "--listen", "::1:80", "--upstream", "81"], "bad address '::1:80'"),
         (["--demand", "listen", "--listen", "70000", "--upstream", "81"], "bad address '70000'"),
         (["--demand", "listen", "--listen", "81", "--upstream", "127.0.0.1:81"], "the same"),
@@ -509,11 +570,58 @@ def test_listen_usage_errors(arena: Path, args: list[str], fragment: str) -> Non
     assert out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
 
 
-def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
-    """``[::1]:PORT`` listens on IPv6; the upstream may be IPv4."""
+def has_ipv6() -> bool:
     try:
         socket.create_server(("::1", 0), family=socket.AF_INET6).close()
     except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("listen", "upstream"),
+    [
+        ("18115", "localhost:18115"),
+        ("18115", "127.0.0.1:18115"),
+        ("0.0.0.0:18115", "127.0.0.1:18115"),
+        ("127.0.0.1:18115", "0.0.0.0:18115"),  # a server's wildcard is reached on loopback
+        ("0.0.0.0:18115", "localhost:18115"),
+        ("[::]:18115", "[::1]:18115"),
+        ("[::]:18115", "127.0.0.1:18115"),  # IPv6's wildcard takes IPv4 too
+        ("[::1]:18115", "[::]:18115"),
+        ("[::1]:18115", "[0:0:0:0:0:0:0:1]:18115"),
+    ],
+)
+def test_a_proxy_to_itself_is_refused(arena: Path, listen: str, upstream: str) -> None:
+    if "[" in listen + upstream and not has_ipv6():
+        pytest.skip("no IPv6 loopback here")
+    out = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--demand", "listen", "--listen", listen,
+                 "--upstream", upstream, "--", "true"),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"vramlock: --listen {listen} and --upstream {upstream} are the same socket:"
+        " the proxy would forward to itself\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("listen", "upstream"),
+    [
+        ("18115", "18116"),
+        ("127.0.0.2:18115", "127.0.0.1:18115"),  # another loopback address, another socket
+        ("127.0.0.1:18115", "192.0.2.1:18115"),  # not an address of this host
+    ],
+)
+def test_other_sockets_are_not_the_proxy(listen: str, upstream: str) -> None:
+    assert not same_socket(listen, upstream)
+
+
+def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    """``[::1]:PORT`` listens on IPv6; the upstream may be IPv4."""
+    if not has_ipv6():
         pytest.skip("no IPv6 loopback here")
     script = tmp_path / "server.py"
     script.write_text(SERVER)
@@ -528,3 +636,33 @@ def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     conn.request("GET", "/hello")
     assert conn.getresponse().read().startswith(b"hello ")
     conn.close()
+
+
+def test_out_of_descriptors_clients_wait_and_are_served(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    served = serve(spawn, arena, tmp_path)
+    pid = served.job.pid
+    kept = []
+    for _ in range(4):  # keep-alive connections, each two descriptors of the wrapper
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        conn.request("GET", "/hello")
+        assert conn.getresponse().read().startswith(b"hello ")
+        kept.append(conn)
+    # Room for one more client, not for its connection to the server.
+    used = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 1, used + 1))
+    waiting = [in_thread(served.get) for _ in range(4)]  # room enough for them once they go
+    time.sleep(1.0)  # a negative: ten pauses' worth of failed attempts
+    for conn in kept:
+        conn.close()
+    assert [join() for join in waiting] == [f"hello {served.starts()[0][1]}\n"] * 4
+    assert served.get().startswith("hello ")  # and it goes on accepting
+    kill_group(served.job)
+    assert served.job.stderr is not None
+    err = served.job.stderr.read()
+    warning = (
+        f"vramlock: cannot accept a connection on 127.0.0.1:{served.port}: Too many open"
+        " files; clients wait until descriptors are free"
+    )
+    assert err.splitlines() == [warning], err

@@ -32,6 +32,7 @@ from conftest import (
 )
 
 from vramlock import procfs
+from vramlock.roster import STALE_TOKEN
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -207,6 +208,109 @@ def test_stop_keeper_lets_the_command_go_on_after_its_turn(
     os.kill(job.pid, signal.SIGTERM)
     job.communicate(timeout=30)
     assert job.returncode == 143
+
+
+def _escaping_leader(tmp_path: Path, ticker: Path, log: Path, *ignored: str) -> Path:
+    """A command whose worker leaves its session (setsid) and ticks, ignoring ``ignored``."""
+    leader = tmp_path / "leader.py"
+    leader.write_text(
+        textwrap.dedent(
+            f"""
+            import subprocess, sys, time
+            subprocess.Popen([sys.executable, {str(ticker)!r}, {str(log)!r}, *{list(ignored)!r}],
+                             start_new_session=True)
+            time.sleep(600)
+            """
+        )
+    )
+    return leader
+
+
+def test_stop_stops_workers_that_left_the_session(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """--release stop: a worker that setsid()s out of the process group is stopped too,
+    and continued after its turn."""
+    log = tmp_path / "ticks"
+    leader = _escaping_leader(tmp_path, ticker, log)
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(leader))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    assert procfs.pgrp(worker) == worker  # it did leave: a group (and session) of its own
+    for round_ in range(2):
+        span = Witness(tmp_path, arena, hold=0.4, name=f"w{round_}").interval()
+        assert ticks_inside(log, span) == []
+        count = len(ticks(log))
+        wait_until(lambda n=count: len(ticks(log)) > n + 5)  # type: ignore[misc]
+    assert job.poll() is None
+
+
+def test_stopped_workers_that_left_the_session_die_with_the_wrapper(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """The keeper's duty covers escaped workers: the wrapper is SIGKILLed while another
+    member holds the token, and a worker that left the session (and ignores SIGHUP) never
+    ticks again."""
+    log = tmp_path / "ticks"
+    leader = _escaping_leader(tmp_path, ticker, log, "SIGHUP")
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(leader))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    witness = Witness(tmp_path, arena, hold=1.0)
+    witness.wait_held()
+    os.kill(job.pid, signal.SIGKILL)
+    span = witness.interval()
+    assert ticks_inside(log, span) == []
+    wait_until(lambda: not procfs.living(worker))
+    job.wait(10)
+
+
+def test_a_deleted_token_lock_is_noticed_and_the_resident_steps_aside(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """token.lock deleted under a resident (a /tmp cleaner): the next member creates and
+    takes a new one. The resident notices within a probe, stops its command, and comes
+    back through the new file once the other member is done."""
+    log = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", sys.executable, str(ticker), str(log))
+    )  # fmt: skip
+    wait_until(lambda: len(ticks(log)) > 5)
+    worker = ticks(log)[-1][1]
+    (arena / "token.lock").unlink()
+    holder = waiting_holder(spawn, arena)  # resident at once: the new file is free
+    held = time.monotonic()
+    wait_until(lambda: procfs.state(worker) == "T", timeout=2)
+    assert time.monotonic() - held < 1.0  # within a probe (and the release)
+    stopped = time.monotonic()
+    time.sleep(0.5)  # the holder's turn goes on: not one tick meanwhile
+    assert ticks_inside(log, (stopped, time.monotonic())) == []
+    assert holder.stdin is not None
+    holder.stdin.close()
+    count = len(ticks(log))
+    wait_until(lambda: len(ticks(log)) > count + 5)
+    # Resident again on the new file: a waiter there gets it.
+    got = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "10"), timeout=30)
+    assert got.returncode == 0
+    assert job.poll() is None
+
+
+def test_who_says_when_a_member_holds_a_deleted_token_lock(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    job = spawn(vramlock("run", "--arena", str(arena), "--release", "none", "--", "sleep", "60"))
+    wait_until(lambda: [m["state"] for m in who_json(arena)] == ["resident"])
+    assert who_notes(arena) == [None]
+    (arena / "token.lock").unlink()
+    notes = [m["note"] for m in who_json(arena) if m["pid"] == job.pid]
+    assert notes == [STALE_TOKEN]
 
 
 UNSOLICITED = textwrap.dedent(
@@ -410,6 +514,49 @@ def test_restart_reaps_before_dropping_the_token(arena: Path, spawn: Spawn, tmp_
     assert who_json(arena)[0]["child_pid"] == int(pids.read_text().split()[1])
 
 
+def test_restart_jobs_longer_than_min_hold_all_finish(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Three restart jobs of 0.5 s each, default options: a job ended by a release gets
+    a longer turn when started again, so each one finishes (none did in 45 s before)."""
+    done = tmp_path / "done"
+    jobs = [
+        spawn(vramlock("run", "--arena", str(arena), "--release", "restart", "--name", name,
+                       "--", "sh", "-c", f"sleep 0.5; echo {name} >> {done}"))
+        for name in "abc"
+    ]  # fmt: skip
+    for job in jobs:
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 0, err
+    assert sorted(done.read_text().split()) == ["a", "b", "c"]
+
+
+def test_a_released_restart_member_shows_no_stale_child(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """While a restart member is released no process of it runs: ``who`` shows none, and
+    the new one as soon as it is started again."""
+    pids = tmp_path / "pids"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
+                 "--", "sh", "-c", f"echo $$ >> {pids}; exec sleep 60")
+    )  # fmt: skip
+    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 1)
+
+    def shown() -> dict[str, object]:
+        return next(m for m in who_json(arena) if m["pid"] == job.pid)
+
+    holder = waiting_holder(spawn, arena)
+    wait_until(lambda: shown()["state"] == "waiting")  # released, and queued again
+    wait_until(lambda: shown()["child_pid"] is None, timeout=2)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    wait_until(lambda: len(pids.read_text().split()) == 2)
+    second = int(pids.read_text().split()[1])
+    wait_until(lambda: shown()["child_pid"] == second, timeout=2)
+    assert job.poll() is None
+
+
 def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     ticks = tmp_path / "ticks"
     job = spawn(
@@ -429,6 +576,26 @@ def test_stop_strategy_pauses_the_command(arena: Path, spawn: Spawn, tmp_path: P
     assert shell.stdout.strip() == "0"  # no tick while the other one held the GPU
     size = len(ticks.read_text())
     wait_until(lambda: len(ticks.read_text()) > size)  # continued afterwards
+    assert job.poll() is None
+
+
+def test_stop_catches_a_shell_between_fork_and_exec(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    """A shell stopped in vfork() waits, in D, for a child that was stopped before its
+    exec: it stops once that child goes on, and must not hold up the release."""
+    ticks = tmp_path / "ticks"
+    job = spawn(
+        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
+                 "--", "sh", "-c", f"while :; do echo x >> {ticks}; sleep 0.001; done")
+    )  # fmt: skip
+    wait_until(ticks.exists)
+    for _ in range(40):
+        turn = subprocess.run(
+            ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+             "true"], timeout=10,
+        )  # fmt: skip
+        assert turn.returncode == 0
     assert job.poll() is None
 
 
@@ -527,15 +694,56 @@ def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.Mon
     from vramlock.strategies import Settings, SignalStrategy, Unverified
 
     held = {4242: 3 << 30, 999: 5 << 30}  # 999 is not the command's
+    queries: list[object] = []
+
+    def processes(which: object = None) -> dict[int, int]:
+        queries.append(which)
+        return dict(held)
+
     monkeypatch.setattr(nvml, "available", lambda: True)
-    monkeypatch.setattr(nvml, "processes", lambda which=None: dict(held))
+    monkeypatch.setattr(nvml, "processes", processes)
     strategy = SignalStrategy(cast(Any, None), Settings(gpus=(0,), verify_timeout=0.2))
+
+    def ours(pid: int) -> bool:
+        return pid in (4242, 4243)
+
     with pytest.raises(Unverified, match="NVML still shows 3072 MiB held by the command"):
-        strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+        strategy.verify_gone(ours, keep_bytes=768 << 20)
     held[4242] = 500 << 20  # only its context left
-    strategy.verify_gone(lambda: [4242, 4243], keep_bytes=768 << 20)
+    queries.clear()
+    strategy.verify_gone(ours, keep_bytes=768 << 20)
+    assert queries == [(0,)]  # free already: one NVML query on the handoff path, no polling
     with pytest.raises(Unverified):  # a checkpoint leaves nothing at all
-        strategy.verify_gone(lambda: [4242], keep_bytes=0)
+        strategy.verify_gone(lambda pid: pid == 4242, keep_bytes=0)
+
+
+def test_a_process_of_the_command_is_told_without_a_scan_of_every_process(
+    tmp_path: Path,
+) -> None:
+    """Child.owns (for NVML's pids, at a release): the command, a worker that left its
+    group, not the wrapper's own helpers, not a process that is no descendant."""
+    from vramlock.process import Child
+
+    pids = tmp_path / "pids"
+    script = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        f"open({str(pids)!r}, 'w').write(f'{{w.pid}}\\n')\n"
+        "time.sleep(60)\n"
+    )
+    child = Child([sys.executable, "-c", script], dict(os.environ), ())
+    try:
+        wait_until(lambda: pids.exists() and pids.read_text().endswith("\n"))
+        worker = int(pids.read_text())
+        assert procfs.pgrp(worker) != child.pid  # it left the group
+        assert child.owns(child.pid) and child.owns(worker)
+        assert not child.owns(os.getppid()) and not child.owns(1)
+        child.ignored.add(worker)
+        assert not child.owns(worker)
+    finally:
+        child.ignored.clear()
+        child.end_all(0.5)
+        child.close()
 
 
 def test_checkpoint_is_refused_where_the_driver_cannot(arena: Path) -> None:

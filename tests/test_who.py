@@ -266,7 +266,7 @@ def test_state_changes_never_wait_for_record_io(
     assert float(out) - start < 1.0, "the next holder waited for our record"
     start = time.monotonic()
     assert member.acquire(5)
-    member.restoring()
+    member.releasing()  # a release that did not happen: resident again
     member.resident()
     assert time.monotonic() - start < 1.0
     disk.set()

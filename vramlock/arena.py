@@ -36,9 +36,12 @@ _REMOTE_FS = {
 
 
 def default_gpu() -> int:
-    """The GPU index of the default arena: CUDA_VISIBLE_DEVICES when it names one index, else 0."""
+    """The GPU index of the default arena: CUDA_VISIBLE_DEVICES when it names one index
+    (checked as ``--gpu`` is), else 0."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    return int(visible) if visible.isascii() and visible.isdigit() else 0
+    if not (visible.isascii() and visible.isdigit()):
+        return 0
+    return parse_gpus(visible, "CUDA_VISIBLE_DEVICES")[0]
 
 
 # More GPUs than any host has: a longer list is a typo, not a machine.

@@ -23,6 +23,10 @@ from typer.core import TyperGroup
 from . import __version__
 from .errors import NotObtained, UsageError, VramlockError
 
+# Imported here, not in _warn: a warning about running out of descriptors must not need
+# one to import its formatting.
+from .roster import printable
+
 if TYPE_CHECKING:
     from .arena import Arena
     from .demo import Demo
@@ -174,8 +178,6 @@ _MESSAGE_MAX = 8192
 def _warn(message: str) -> None:
     """A diagnostic or an error: one line on stderr, if stderr still takes it. What the
     user typed (a path, a command) may hold escapes or newlines: they are written escaped."""
-    from .roster import printable
-
     try:
         print(f"vramlock: {printable(message, _MESSAGE_MAX)}", file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -248,8 +250,18 @@ def run(
         str | None,
         typer.Option(
             metavar="SECONDS",
-            help="listen demand: close waiting clients if the restored server does not accept"
-            " connections this soon (default 2m).",
+            help="listen demand: close waiting clients if the started or restored server is"
+            " not ready this soon (default 2m).",
+            show_default=False,
+        ),
+    ] = None,
+    ready_url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="listen demand: forward clients once GET PATH answers 2xx after each start"
+            " or restore (default /health, or the API's own, for the engines presets know;"
+            " else once the server accepts connections).",
             show_default=False,
         ),
     ] = None,
@@ -331,6 +343,7 @@ def run(
         upstream=upstream,
         idle=_maybe_duration(idle, "--idle"),
         ready_within=_maybe_duration(ready_within, "--ready-within"),
+        ready_url=ready_url,
         warn=_warn,
     )
     try:
@@ -365,7 +378,7 @@ def wait(
 ) -> None:
     """Queue for the GPU (residents step aside) and return once the token is obtained."""
     from .arena import parse_gpus
-    from .member import wait as wait_for_token
+    from .waiter import wait as wait_for_token
 
     gpus = None if gpu is None else parse_gpus(gpu)
     try:
@@ -693,6 +706,28 @@ def _demo_live(show: Demo) -> None:
         while show.running():
             time.sleep(0.2)
             live.update(frame(), refresh=True)
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        str,
+        typer.Argument(
+            metavar="CONFIG", help="llama-swap's YAML configuration file.", show_default=False
+        ),
+    ],
+    listen: Annotated[
+        str,
+        typer.Option(
+            metavar="ADDR",
+            help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1).",
+        ),
+    ] = "127.0.0.1:8080",
+) -> None:
+    """Serve every model of CONFIG at one address; each model is a member of the arena."""
+    from .serve import serve as serve_models
+
+    raise typer.Exit(serve_models(config, listen, duration=parse_duration, warn=_warn))
 
 
 def _version(value: bool) -> None:

@@ -67,13 +67,15 @@ class CudaError(VramlockError):
 
     code = -1
 
-    def __init__(self, call: str, code: int, pid: int | None = None, name: str = "") -> None:
+    def __init__(
+        self, call: str, code: int, pid: int | None = None, name: str = "", says: str = ""
+    ) -> None:
         self.call = call
         self.code = code
         self.pid = pid
         self.name = name or _NAMES.get(code, f"CUDA_ERROR_{code}")
         target = "" if pid is None else f" for pid {pid}"
-        super().__init__(f"{call}{target}: {self.name} ({code})")
+        super().__init__(says or f"{call}{target}: {self.name} ({code})")
 
 
 class InvalidValue(CudaError):
@@ -115,7 +117,13 @@ class NotCheckpointable(NotSupported):
     MIG); it was unlocked again and keeps running."""
 
     def __init__(self, pid: int) -> None:
-        super().__init__("cuCheckpointProcessCheckpoint", NotSupported.code, pid)
+        super().__init__(
+            "cuCheckpointProcessCheckpoint",
+            NotSupported.code,
+            pid,
+            says=f"process {pid} cannot be checkpointed (it uses managed memory, MPS or MIG);"
+            " it was left running",
+        )
 
 
 _NAMES = {

@@ -21,8 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from .errors import StrategyError, UsageError
-from .strategies import Context
+from .context import Context
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -33,6 +33,9 @@ class Demand(ABC):
     # wants() is the command's own word: a command that a release ended cannot say it,
     # so it comes back on its turn instead.
     needs_command: ClassVar[bool] = False
+    # Comes back at once after every release: the command is a job taking turns, so a
+    # run that a release ended was lost work (see the runner's LOST_RUN_FACTOR).
+    takes_turns: ClassVar[bool] = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -60,6 +63,7 @@ class Always(Demand):
     """Re-queue at once after a release: time-slicing for batch jobs."""
 
     name = "always"
+    takes_turns = True
 
     def wants(self) -> bool:
         return True
@@ -110,7 +114,7 @@ DEMANDS: dict[str, type[Demand]] = {cls.name: cls for cls in (Always, ChildSays,
 
 def check(name: str) -> None:
     if name not in DEMANDS:
-        raise StrategyError(f"unknown demand {name!r} (choose from {', '.join(DEMANDS)})")
+        raise UsageError(f"unknown demand {name!r} (choose from {', '.join(DEMANDS)})")
 
 
 def make(name: str, ctx: Context, proxy: Proxy | None = None) -> Demand:

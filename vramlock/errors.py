@@ -5,10 +5,12 @@ library never prints and never exits.
 
     VramlockError                 exit 125: vramlock itself could not do its job
     ├── ArenaError                the arena or a lock file is unusable (path, reason)
-    │   └── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    │   ├── UnsupportedFilesystem flock is emulated or mandatory there (fstype)
+    │   └── LockFileReplaced      a lock file was removed or replaced under us
     ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
     ├── ControlError              the cooperative control channel broke its protocol
+    ├── InvalidTransition         a member was told to change state in a way it may not
     ├── AddressError              --listen or --upstream cannot be used (option, address)
     ├── UsageError                exit 2: a bad value (duration, descriptor, option mix)
     ├── NotObtained               exit 1 (or -E): the token was not obtained in time
@@ -48,6 +50,16 @@ class UnsupportedFilesystem(ArenaError):
         self.fstype = fstype
 
 
+class LockFileReplaced(ArenaError):
+    """The path no longer names the lock file we hold a descriptor of (removed, or
+    replaced by another file): a lock on ours excludes nobody."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            path, "was removed or replaced while we locked it; never delete lock files"
+        )
+
+
 class LockError(VramlockError):
     """flock(2) failed for another reason than "somebody holds it" (ENOLCK, EIO, ...)."""
 
@@ -64,6 +76,16 @@ class StrategyError(VramlockError):
 
 class ControlError(VramlockError):
     """The child broke the control-channel protocol."""
+
+
+class InvalidTransition(VramlockError):
+    """A member was told to go from one state to another that may not follow it (a bug
+    in the caller): refused before ``who`` can show it."""
+
+    def __init__(self, old: str, new: str) -> None:
+        super().__init__(f"a member cannot go from {old} to {new}")
+        self.old = old
+        self.new = new
 
 
 class AddressError(VramlockError):

@@ -10,23 +10,41 @@ This is also the Python API for programs that join an arena themselves::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, contextmanager
 from types import FrameType
 
 from . import lockfd
 from .arena import Arena, one_arena_or_gpus
-from .errors import NotObtained, UsageError
+from .errors import InvalidTransition, LockFileReplaced, NotObtained
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .want import Token, Want, wait_turn
 
 DEFAULT_MIN_HOLD = 0.1
+# The state changes a member may make; any other is a bug, refused (llama-swap checks
+# its processes' states the same way). RESIDENT -> RELEASED: the API's release() of a
+# program that freed its memory itself; WAITING -> RESTORING: the wrapper of a command
+# restores it once the token is ours.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.RELEASED: frozenset({State.WAITING}),
+    State.WAITING: frozenset({State.RESIDENT, State.RESTORING, State.RELEASED}),
+    State.RESIDENT: frozenset({State.RELEASING, State.RELEASED}),
+    State.RELEASING: frozenset({State.RELEASED, State.RESIDENT}),
+    State.RESTORING: frozenset({State.RESIDENT, State.RELEASED}),
+}
+
+
+def _checked(old: State, new: State) -> State:
+    if new not in TRANSITIONS[old]:
+        raise InvalidTransition(old.value, new.value)
+    return new
+
+
 # No barging: after a release we re-queue once the token has changed hands,
 # nobody waits any more, or this long has passed (a queued waiter that has not
 # been scheduled yet must not lose the token to us).
@@ -63,12 +81,13 @@ class Member:
                 strategy=strategy,
                 state=self.state.value,
                 since=time.time(),
+                token_ino=self.token.inode,
             ),
         )
 
     def _set(self, state: State) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
-        self.state = state
+        self.state = _checked(self.state, state)
         self.records.update(state=state.value)
 
     def describe(self, **changes: object) -> None:
@@ -102,8 +121,32 @@ class Member:
         self._set(State.WAITING)
 
     def take_token(self, timeout: float | None, *, wanting: bool = True) -> bool:
-        """Only the locking part of ``acquire``: safe from a helper thread (no state change)."""
-        return wait_turn(self.want, self.token, timeout, wanting=wanting)
+        """Only the locking part of ``acquire``: safe from a helper thread (no state change).
+
+        Queues on the lock files the arena has now: one that was deleted (or replaced)
+        since we opened it excludes nobody any more."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.moved():
+                self.rejoin()
+            left = None if end is None else max(0.0, end - time.monotonic())
+            try:
+                return wait_turn(self.want, self.token, left, wanting=wanting)
+            except LockFileReplaced:
+                if self.token.adopted:
+                    raise  # the caller's descriptor (wait --fd): we cannot reopen it
+
+    def moved(self) -> bool:
+        """Was token.lock or want.lock deleted or replaced since we opened it? Then
+        our locks exclude nobody: step aside and queue again on the new files."""
+        return not (self.token.linked() and self.want.linked())
+
+    def rejoin(self) -> None:
+        """Lock the files the arena has now (never while holding the token)."""
+        if not self.token.adopted:
+            self.token.reopen()
+        self.want.reopen()
+        self.records.update(token_ino=self.token.inode)
 
     def restoring(self) -> None:
         """Mark the time between owning the token and being usable again."""
@@ -121,8 +164,13 @@ class Member:
         return time.monotonic() - self.resident_since >= self.min_hold
 
     def should_release(self) -> bool:
-        """Resident for at least ``min_hold`` and somebody waits."""
-        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+        """Resident for at least ``min_hold``, and somebody waits (or the token we hold
+        is no longer the arena's)."""
+        return (
+            self.state is State.RESIDENT
+            and self.held_long_enough()
+            and (self.wanted() or self.moved())
+        )
 
     def releasing(self) -> None:
         self._set(State.RELEASING)
@@ -189,6 +237,10 @@ class Member:
         return [self.token.fd]
 
     @property
+    def arenas(self) -> list[Arena]:
+        return [self.arena]
+
+    @property
     def holds_token(self) -> bool:
         return self.token.held
 
@@ -236,6 +288,9 @@ class Members:
         self.min_hold = members[0].min_hold
         self.records = members[0].records  # the child pid shown; every record has it
 
+    def _set(self, state: State) -> None:
+        self.state = _checked(self.state, state)
+
     def _each(self, call: Callable[[Member], object]) -> None:
         for m in self.members:
             call(m)
@@ -244,24 +299,24 @@ class Members:
         self._each(lambda m: m.describe(**changes))
 
     def waiting(self) -> None:
-        self.state = State.WAITING
+        self._set(State.WAITING)
         self._each(Member.waiting)
 
     def released(self) -> None:
-        self.state = State.RELEASED
+        self._set(State.RELEASED)
         self._each(Member.released)
 
     def restoring(self) -> None:
-        self.state = State.RESTORING
+        self._set(State.RESTORING)
         self._each(Member.restoring)
 
     def resident(self) -> None:
-        self.state = State.RESIDENT
+        self._set(State.RESIDENT)
         self.resident_since = time.monotonic()
         self._each(Member.resident)
 
     def releasing(self) -> None:
-        self.state = State.RELEASING
+        self._set(State.RELEASING)
         self._each(Member.releasing)
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
@@ -310,12 +365,17 @@ class Members:
         return time.monotonic() - self.resident_since >= self.min_hold
 
     def should_release(self) -> bool:
-        """Resident for ``min_hold`` and somebody waits for any of the GPUs."""
-        return self.state is State.RESIDENT and self.held_long_enough() and self.wanted()
+        """Resident for ``min_hold``, and somebody waits for any of the GPUs (or one
+        of our tokens is no longer its arena's)."""
+        return (
+            self.state is State.RESIDENT
+            and self.held_long_enough()
+            and (self.wanted() or any(m.moved() for m in self.members))
+        )
 
     def release(self) -> None:
         """Drop every token (the memory must be free on every GPU)."""
-        self.state = State.RELEASED
+        self._set(State.RELEASED)
         self._each(Member.release)
 
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
@@ -328,6 +388,10 @@ class Members:
         return [m.token.fd for m in self.members]
 
     @property
+    def arenas(self) -> list[Arena]:
+        return [m.arena for m in self.members]
+
+    @property
     def holds_token(self) -> bool:
         return any(m.token.held for m in self.members)
 
@@ -338,6 +402,44 @@ class Members:
     def close(self) -> None:
         for m in reversed(self.members):
             m.close()
+
+
+def join(
+    stack: ExitStack,
+    arena: str | None = None,
+    gpus: Sequence[int] = (),
+    *,
+    name: str | None = None,
+    command: list[str] | None = None,
+    strategy: str = "api",
+    min_hold: float = DEFAULT_MIN_HOLD,
+    token_fd: int | None = None,
+) -> Member | Members:
+    """Become a member of ``arena`` (None: the default one), or of each GPU's default
+    arena for several ``gpus`` (as given: ``who`` shows them so), opened in ascending
+    order of GPU number, the order their tokens are taken in. What is opened goes on
+    ``stack``, which leaves the arenas again (a join that fails half-way included).
+
+    ``token_fd``: lock through a caller's descriptor of token.lock (one arena only)."""
+    order: list[int | None] = [*sorted(gpus)] or [None]
+    one_arena_or_gpus(arena, order)
+    joined: list[Member] = []
+    for gpu in order:
+        opened = Arena.open(arena, gpu)
+        stack.callback(opened.close)
+        member = Member(
+            opened,
+            name=name,
+            min_hold=min_hold,
+            command=command,
+            strategy=strategy,
+            token_fd=token_fd,
+        )
+        stack.callback(member.close)
+        if len(order) > 1:
+            member.describe(gpus=list(gpus))
+        joined.append(member)
+    return joined[0] if len(joined) == 1 else Members(joined)
 
 
 @contextmanager
@@ -353,17 +455,12 @@ def resident(
 
     Raises NotObtained when ``timeout`` (seconds; 0 = one attempt) runs out.
     """
-    opened = Arena.open(arena, gpu)
-    try:
-        member = Member(opened, name=name, min_hold=min_hold)
-        try:
-            if not member.acquire(timeout):
-                raise NotObtained(timeout or 0.0)
-            yield member
-        finally:
-            member.close()
-    finally:
-        opened.close()
+    with ExitStack() as stack:
+        member = join(stack, arena, () if gpu is None else (gpu,), name=name, min_hold=min_hold)
+        assert isinstance(member, Member)  # one arena
+        if not member.acquire(timeout):
+            raise NotObtained(timeout or 0.0)
+        yield member
 
 
 @contextmanager
@@ -384,62 +481,3 @@ def harmless_signals() -> Iterator[None]:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
-
-
-def wait(
-    arena: str | None = None,
-    gpu: int | Sequence[int] | None = None,
-    *,
-    timeout: float | None = None,
-    passive: bool = False,
-    fd: int | None = None,
-) -> None:
-    """``vramlock wait``: queue as a waiter (residents step aside) until the token is ours.
-
-    Without ``fd`` the token is dropped again when this returns. With ``fd`` the
-    lock is taken on that descriptor's open file description (the calling
-    shell's), so it stays held after we exit. Several GPUs: every token, taken in
-    ascending order of GPU number, then dropped. Raises NotObtained.
-    """
-    gpus = [gpu] if gpu is None or isinstance(gpu, int) else sorted(gpu)
-    if len(gpus) > 1:
-        if fd is not None:
-            raise UsageError("--fd locks one descriptor of one arena's token: give one GPU")
-        one_arena_or_gpus(arena, gpus)
-        _wait_all([g for g in gpus if g is not None], timeout=timeout, passive=passive)
-        return
-    with harmless_signals(), closing(Arena.open(arena, gpus[0])) as opened:
-        member = Member(
-            opened,
-            name="vramlock wait",
-            command=sys.argv,
-            strategy="wait --free" if passive else "wait",
-            token_fd=fd,
-        )
-        try:
-            if not member.acquire(timeout, wanting=not passive):
-                raise NotObtained(timeout or 0.0)
-        finally:
-            if fd is not None:
-                # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
-                member.token.held = False
-            member.close()
-
-
-def _wait_all(gpus: list[int], *, timeout: float | None, passive: bool) -> None:
-    """``vramlock wait --gpu 0,1``: every GPU's token in ascending order, then dropped."""
-    with harmless_signals(), contextlib.ExitStack() as stack:
-        joined: list[Member] = []
-        for g in gpus:
-            opened = stack.enter_context(closing(Arena.open(None, g)))
-            member = Member(
-                opened,
-                name="vramlock wait",
-                command=sys.argv,
-                strategy="wait --free" if passive else "wait",
-            )
-            joined.append(member)
-            stack.callback(member.close)
-            member.describe(gpus=gpus)
-        if not Members(joined).acquire(timeout, wanting=not passive):
-            raise NotObtained(timeout or 0.0)

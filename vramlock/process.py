@@ -18,6 +18,8 @@ _RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 # How often a wait for processes to be gone re-scans /proc.
 _GONE_POLL = 0.005
 _PR_SET_CHILD_SUBREAPER = 36
+# A process tree deeper than this is taken to be no descendant of ours.
+_MAX_DEPTH = 256
 
 
 def become_subreaper() -> bool:
@@ -216,14 +218,29 @@ class Child:
             ) from None
 
     def processes(self) -> list[int]:
-        """Every living process of the command: its process group, and whatever else
-        descends from us (we are a subreaper, so orphans that left the group are ours),
-        less our own helpers in ``ignored``. Zombies run nothing and are left out."""
-        found = set(procfs.group_pids(self.pid)) if self.pid else set()
+        """Every living process of the command, parents before their children: whatever
+        descends from us (we are a subreaper, so orphans that left the group are ours) and
+        its process group, less our own helpers in ``ignored``. Zombies run nothing and
+        are left out."""
         me = os.getpid()
-        found.update(p for p in procfs.descendants(me) if procfs.living(p))
-        found.discard(me)
-        return sorted(found - self.ignored)
+        found = [p for p in procfs.descendants(me) if procfs.living(p)]
+        if self.pid:
+            found += [p for p in procfs.group_pids(self.pid) if p not in found]
+        return [p for p in found if p != me and p not in self.ignored]
+
+    def owns(self, pid: int) -> bool:
+        """Is ``pid`` a living process of the command (as ``processes`` counts them)? A
+        few reads of /proc for one pid, where ``processes`` reads every process's."""
+        if pid in self.ignored or not procfs.living(pid):
+            return False
+        if self.pid and procfs.pgrp(pid) == self.pid:
+            return True
+        me, seen = os.getpid(), 0
+        while pid > 1 and seen < _MAX_DEPTH:
+            pid, seen = procfs.ppid(pid) or 0, seen + 1
+            if pid == me:
+                return True
+        return False
 
     def reap_orphans(self) -> None:
         """Reap adopted descendants that have exited (never the command itself: poll() does)."""
@@ -234,7 +251,8 @@ class Child:
                 except ChildProcessError:
                     pass
 
-    def _signal_all(self, sig: int, pids: list[int]) -> None:
+    def signal_all(self, sig: int, pids: list[int]) -> None:
+        """Signal the command's process group and each of ``pids`` (StrategyError: EPERM)."""
         self.signal_group(sig)
         for pid in pids:
             try:
@@ -266,11 +284,11 @@ class Child:
         if not left:
             self.poll()
             return []
-        self._signal_all(signal.SIGTERM, left)
-        self._signal_all(signal.SIGCONT, left)
+        self.signal_all(signal.SIGTERM, left)
+        self.signal_all(signal.SIGCONT, left)
         left = self.wait_gone(grace)
         if left:
-            self._signal_all(signal.SIGKILL, left)
+            self.signal_all(signal.SIGKILL, left)
             left = self.wait_gone(kill_wait)
         return left
 

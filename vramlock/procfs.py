@@ -8,13 +8,14 @@ This module must stay cheap to import: ``who`` uses it without the lock layer.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 _MAX_PROC_LOCKS = 4 * 1024 * 1024
 _READ_ATTEMPTS = 4
 
 # Field indexes in proc_stat()'s list (fields after the command name, state first).
-_STATE, _PPID, _PGRP = 0, 1, 2
+_STATE, _PPID, _PGRP, _SESSION = 0, 1, 2, 3
 _STARTTIME = 19
 
 
@@ -60,6 +61,28 @@ def pgrp(pid: int) -> int | None:
 
 def ppid(pid: int) -> int | None:
     return _int_field(pid, _PPID)
+
+
+def session(pid: int) -> int | None:
+    return _int_field(pid, _SESSION)
+
+
+def stopped(pid: int) -> bool:
+    """Stopped, gone, or sure to stop before it runs another instruction of its own: a
+    SIGSTOP is pending (a parent blocked in vfork() until its stopped child execs
+    stays in D with the stop pending until then)."""
+    if state(pid) in ("T", "t", "Z", "X", None):
+        return True
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return True
+    stop = 1 << (signal.SIGSTOP - 1)  # its bit in the pending masks
+    for line in lines:
+        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & stop:
+            return True
+    return False
 
 
 def uid(pid: int) -> int | None:

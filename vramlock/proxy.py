@@ -1,19 +1,23 @@
 """``--demand listen``: a TCP proxy in front of the command's server.
 
 Bytes pass through untouched (HTTP, streamed responses, websockets): this is TCP
-splicing, nothing is parsed. One daemon thread runs a selector over every socket;
-the runner's loop talks to it through a few methods and a wake-up pipe.
+splicing. HTTP/1.x framing is followed as the bytes pass (framing.py), only to tell
+a response in progress from an idle keep-alive connection. One daemon thread runs a
+selector over every socket; the runner's loop talks to it through a few methods and
+a wake-up pipe.
 
 The gate says what happens to clients:
 
 - ``CLOSED`` (released): new connections are accepted and held, bytes a client sends
   on an open connection wait; either one is demand, and wakes the runner's loop;
-- ``OPENING`` (restored): the same, while the upstream is probed until it accepts a
-  TCP connection (``ready_within`` at most: then the waiting clients are closed);
+- ``OPENING`` (started, or restored): the same, while the upstream is probed until it
+  is ready (``ready_within`` at most: then the waiting clients are closed): until
+  ``GET ready_url`` answers 2xx, or without one, until it accepts a TCP connection;
 - ``OPEN``: connections are forwarded.
 
 Nothing here blocks and nothing polls: with no traffic the thread sleeps in the
-selector. The per-byte path is one ``recv``, one ``send`` and a clock read.
+selector. The per-byte path is one ``recv``, one ``send``, a clock read and the
+framing's arithmetic.
 """
 
 from __future__ import annotations
@@ -21,58 +25,32 @@ from __future__ import annotations
 import enum
 import errno
 import os
-import re
 import selectors
+import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
-from .errors import AddressError, UsageError
+from .address import Target, resolve, show
+from .errors import AddressError
+from .framing import Framing
 from .hint import drain
 
-# How often the upstream is probed while a restored server is starting.
+# How often the upstream is probed while a restored server is starting, and how long
+# one probe may take (a server that accepts and does not answer yet).
 PROBE_EVERY = 0.05
+PROBE_TIMEOUT = 1.0
 # `who` learns the number of open connections at most this often.
 REPORT_EVERY = 0.25
 # After running out of descriptors (EMFILE), stop accepting for this long.
 ACCEPT_PAUSE = 0.1
+# How long a release waits for the proxy's thread to cut the exchanges in progress.
+CUT_WITHIN = 1.0
 _CHUNK = 256 * 1024
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-_ADDRESS = re.compile(r"(?:(?P<host>[^\[\]:]*)|\[(?P<v6>[^\[\]]+)\]):(?P<port>[0-9]+)")
-
-
-def parse_address(text: str, option: str) -> tuple[str, int]:
-    """(host, port) from ``HOST:PORT``, ``[IPv6]:PORT`` or ``PORT`` (127.0.0.1); UsageError."""
-    text = text.strip()
-    m = _ADDRESS.fullmatch(f"127.0.0.1:{text}" if text.isascii() and text.isdigit() else text)
-    host = (m.group("host") or m.group("v6")) if m else ""
-    if not m or not host or not 0 < int(m.group("port")) < 65536:
-        raise UsageError(
-            f"{option}: bad address {text!r} (HOST:PORT, [IPv6]:PORT, or PORT for 127.0.0.1:PORT)"
-        )
-    return host, int(m.group("port"))
-
-
-Target = tuple[int, tuple[Any, ...]]  # (address family, socket address)
-
-
-def show(sockaddr: tuple[Any, ...]) -> str:
-    """``host:port``, or ``[host]:port`` for IPv6."""
-    host, port = sockaddr[0], sockaddr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _resolve(text: str, option: str) -> list[Target]:
-    """Every (family, sockaddr) that ``text`` names; AddressError when it names none."""
-    host, port = parse_address(text, option)
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise AddressError(option, text, err.strerror or str(err)) from None
-    return [(family, sockaddr) for family, _, _, _, sockaddr in found]
 
 
 def _connect_to(target: Target) -> tuple[socket.socket, int]:
@@ -110,7 +88,18 @@ class _Flow:
 class _Conn:
     """A client and, once forwarded, its connection to the upstream."""
 
-    __slots__ = ("client", "connecting", "down", "last_down", "last_up", "parked", "up", "upstream")
+    __slots__ = (
+        "client",
+        "connecting",
+        "down",
+        "last_down",
+        "last_up",
+        "parked",
+        "requests",
+        "responses",
+        "up",
+        "upstream",
+    )
 
     def __init__(self, client: socket.socket, now: float) -> None:
         self.client = client
@@ -121,19 +110,34 @@ class _Conn:
         self.down: _Flow | None = None  # upstream -> client
         # Accepting counts as traffic (for --idle): a new client is about to speak.
         self.last_up = self.last_down = now
+        methods: deque[bytes] = deque()
+        self.requests = Framing(responses=False, methods=methods)
+        self.responses = Framing(responses=True, methods=methods)
 
     @property
     def waiting(self) -> bool:
         """Waits for the gate: held, or parked."""
         return self.upstream is None or self.parked
 
+    def in_progress(self) -> bool:
+        """Forwarded, and in the middle of an exchange: a request has begun and its
+        response has not ended, or bytes wait for either side. Where the traffic is not
+        HTTP/1.x, the client spoke last (an answer is awaited)."""
+        if self.up.buf or (self.down is not None and self.down.buf):
+            return True
+        if self.requests.opaque or self.responses.opaque:
+            return self.last_up > self.last_down
+        return self.requests.started > self.responses.done
+
 
 class Proxy:
     """Listens on ``listen`` (bound at once) and forwards to ``upstream`` through the gate.
 
-    The gate starts closed. ``report(n)`` is told the number of open client connections
-    when it changes (at most every ``REPORT_EVERY``), from the proxy's thread; ``warn``
-    gets diagnostics. Raises AddressError when an address cannot be resolved or bound.
+    The gate starts closed; ``ready_url`` is the path that answers 2xx once the upstream
+    serves (None: accepting a connection is ready). ``report(n)`` is told the number of
+    open client connections when it changes (at most every ``REPORT_EVERY``), from the
+    proxy's thread; ``warn`` gets diagnostics. Raises AddressError when an address cannot
+    be resolved or bound.
     """
 
     def __init__(
@@ -143,14 +147,16 @@ class Proxy:
         *,
         idle: float,
         ready_within: float,
+        ready_url: str | None = None,
         report: Callable[[int], None],
         warn: Callable[[str], None],
     ) -> None:
         self.idle = idle
         self.ready_within = ready_within
+        self.ready_url = ready_url
         self._report, self._warn = report, warn
-        self._upstreams = _resolve(upstream, "--upstream")
-        family, where = _resolve(listen, "--listen")[0]
+        self._upstreams = resolve(upstream, "--upstream", connect=True)
+        family, where = resolve(listen, "--listen")[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             # A restarted wrapper must not wait out the TIME_WAIT of its last clients.
@@ -169,8 +175,14 @@ class Proxy:
         self._probe_at: float | None = None  # when to probe the upstream next
         self._ready_by = 0.0  # held clients are closed when it does not accept by then
         self._probe: socket.socket | None = None  # a probe's connection in progress
+        self._probe_until = 0.0  # when a probe that has no answer yet fails
+        self._probe_reply: bytearray | None = None  # None: the probe is connecting
+        self._answer = ""  # what the last probe got, for the warning
         self._target = self._upstreams[0]  # the upstream address that accepted last
         self._accept_at: float | None = None  # accepting paused (EMFILE) until then
+        self._starved = False  # out of descriptors, and clients not all in since
+        self._awaited = False  # the runner waits for the exchanges in progress to end
+        self._cutting: threading.Event | None = None  # set once busy connections are cut
         self._reported, self._last_report = 0, 0.0
         self._report_at: float | None = None
         self._handlers: dict[socket.socket, Callable[[int], None]] = {}
@@ -182,7 +194,14 @@ class Proxy:
         self._watch(self._listener, self._on_listener, _READ)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="vramlock-proxy", daemon=True)
-        self._thread.start()
+        # A handler that raises (an ending signal) in the middle of start() would leave the
+        # thread half registered: hold signals back meanwhile. The thread keeps them
+        # blocked; the main thread handles them, as Python does anyway.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     # -- the runner's side (its own thread) ----------------------------------------
 
@@ -194,24 +213,35 @@ class Proxy:
     def busy_for(self) -> float:
         """Seconds until no connection is busy, if nothing more happens; 0.0: not busy.
 
-        Busy: a client waits for the gate, or spoke last (an answer is awaited), or
-        there was traffic within ``idle``.
+        Busy: a client waits for the gate, or an exchange is in progress (see
+        ``_Conn.in_progress``), or there was traffic within ``idle``. The runner's
+        loop is woken when the exchanges it waits for are over.
         """
         now = time.monotonic()
         with self._lock:
             conns = list(self._conns)
         left = 0.0
         for c in conns:
-            if c.waiting or c.connecting or c.last_up > c.last_down:
+            if c.waiting or c.connecting or c.in_progress():
+                self._awaited = True
                 return max(self.idle, PROBE_EVERY)  # no end in sight: ask again then
-            left = max(left, c.last_down + self.idle - now)
+            left = max(left, max(c.last_up, c.last_down) + self.idle - now)
         return left
 
     def close_gate(self) -> None:
-        """The server is about to be released: hold what comes from now on."""
+        """The server is about to be released: hold what comes from now on, and end the
+        exchanges still in progress (--yield-within ran out): a server that stays up
+        while released must not go on answering them, and one that is ended would
+        cut them anyway. Returns once they are cut."""
         with self._lock:
             self._gate = Gate.CLOSED
             self._probe_at = None
+            if any(c.upstream is not None and c.in_progress() for c in self._conns):
+                self._cutting = cut = threading.Event()
+            else:
+                return
+        self._poke(self._wake_w)
+        cut.wait(CUT_WITHIN)
 
     def open_gate(self) -> None:
         """The server is resident again: forward once it accepts a connection."""
@@ -259,11 +289,22 @@ class Proxy:
                     else:
                         key.data(events)
                 self._timers()
+                if self._cutting is not None:
+                    self._cut()
         except Exception as err:  # a bug: say so, and leave no client hanging
             self._say(f"the proxy on {self.address} failed: {err!r}; closing its connections")
             for c in list(self._conns):
                 self._drop(c)
             self._forget(self._listener)
+
+    def _cut(self) -> None:
+        with self._lock:
+            done, self._cutting = self._cutting, None
+            busy = [c for c in self._conns if c.upstream is not None and c.in_progress()]
+        for conn in busy:
+            self._drop(conn)
+        if done is not None:
+            done.set()
 
     def _watch(self, sock: socket.socket, handler: Callable[[int], None], mask: int = 0) -> None:
         """Call ``handler(events)`` for ``sock``'s events in ``mask`` (see ``_arm``)."""
@@ -293,7 +334,7 @@ class Proxy:
     def _timeout(self) -> float | None:
         due = [t for t in (self._probe_at, self._report_at, self._accept_at) if t is not None]
         if self._probe is not None:
-            due.append(self._ready_by)
+            due += (self._ready_by, self._probe_until)
         return None if not due else max(0.0, min(due) - time.monotonic())
 
     def _timers(self) -> None:
@@ -305,6 +346,8 @@ class Proxy:
         if self._accept_at is not None and now >= self._accept_at:
             self._accept_at = None
             self._arm(self._listener, _READ)
+            for conn in self._stuck():
+                self._forward(conn)
         with self._lock:
             opening = self._gate is Gate.OPENING
             due = self._probe_at is not None and now >= self._probe_at
@@ -312,6 +355,9 @@ class Proxy:
             self._stop_probe()
         elif now >= self._ready_by and (due or self._probe is not None):
             self._not_ready()
+        elif self._probe is not None and now >= self._probe_until:
+            self._answer = self._answer or "no answer"
+            self._probe_failed()
         elif due and self._probe is None:
             self._start_probe()
 
@@ -320,13 +366,13 @@ class Proxy:
             try:
                 client, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                if self._starved and not self._stuck():
+                    self._starved = False  # every client is in: the shortage is over
                 return
             except ConnectionAbortedError:
                 continue  # gone before we took it
             except OSError as err:  # EMFILE, ENFILE, ENOBUFS: pause rather than spin
-                self._say(f"cannot accept a connection on {self.address}: {err.strerror}")
-                self._arm(self._listener, 0)
-                self._accept_at = time.monotonic() + ACCEPT_PAUSE
+                self._starve(err)
                 return
             client.setblocking(False)
             # Small writes go out at once: the client's timing is the server's.
@@ -346,6 +392,24 @@ class Proxy:
                 self._hold(conn, gate)
             self._count_changed()
 
+    def _starve(self, err: OSError) -> None:
+        """Out of descriptors (or buffers): stop accepting for ``ACCEPT_PAUSE`` rather than
+        spin, then accept, and forward the clients held meanwhile. Said once an episode."""
+        if not self._starved:
+            self._starved = True
+            self._say(
+                f"cannot accept a connection on {self.address}: {err.strerror}; clients wait"
+                " until descriptors are free"
+            )
+        self._arm(self._listener, 0)
+        if self._accept_at is None:
+            self._accept_at = time.monotonic() + ACCEPT_PAUSE
+
+    def _stuck(self) -> list[_Conn]:
+        """Clients accepted through an open gate, and not forwarded for want of a socket."""
+        with self._lock:
+            return [c for c in self._conns if c.upstream is None and self._gate is Gate.OPEN]
+
     def _hold(self, conn: _Conn, gate: Gate) -> None:
         # Watched only to see a client that hangs up while it waits (see _on_client).
         self._arm(conn.client, _READ)
@@ -355,7 +419,12 @@ class Proxy:
     def _forward(self, conn: _Conn, sock: socket.socket | None = None) -> None:
         """Connect ``conn`` to the upstream: through ``sock`` (connected already) or anew."""
         if sock is None:
-            sock, code = _connect_to(self._target)
+            try:
+                sock, code = _connect_to(self._target)
+            except OSError as err:  # no socket to be had (EMFILE): it waits, held
+                self._starve(err)
+                self._hold(conn, Gate.OPEN)
+                return
             if code not in (0, *_PENDING):
                 sock.close()
                 self._refused(conn)
@@ -445,10 +514,14 @@ class Proxy:
             return
         if flow is conn.up:
             conn.last_up = time.monotonic()
+            conn.requests.feed(data)
         else:
             conn.last_down = time.monotonic()
+            conn.responses.feed(data)
         if not data:
             flow.eof = True
+            if flow is conn.down:
+                conn.responses.end()
         else:
             sent = self._send(conn, flow, data)
             if sent is None:
@@ -456,14 +529,23 @@ class Proxy:
             if sent < len(data):
                 flow.buf += data[sent:]
             elif not flow.buf:
+                self._over(conn)
                 return  # all of it went through: nothing to watch differently
         self._settle(conn, flow)
+        self._over(conn)
 
     def _flush(self, conn: _Conn, flow: _Flow) -> None:
         sent = self._send(conn, flow, flow.buf)
         if sent is not None:
             del flow.buf[:sent]
             self._settle(conn, flow)
+            self._over(conn)
+
+    def _over(self, conn: _Conn) -> None:
+        """Wake the runner once an exchange it waits for has ended."""
+        if self._awaited and not conn.in_progress():
+            self._awaited = False
+            self._poke(self._wake_runner)
 
     def _send(self, conn: _Conn, flow: _Flow, data: bytes | bytearray) -> int | None:
         """Bytes sent (0 when ``dst`` is full); None when the connection was dropped."""
@@ -493,6 +575,9 @@ class Proxy:
             if conn not in self._conns:
                 return  # dropped already
             del self._conns[conn]
+        if self._awaited:
+            self._awaited = False
+            self._poke(self._wake_runner)
         self._forget(conn.client)
         if conn.upstream is not None:
             self._forget(conn.upstream)
@@ -520,30 +605,85 @@ class Proxy:
     def _start_probe(self) -> None:
         with self._lock:
             self._probe_at = None
-        sock, code = _connect_to(self._target)
-        if code == 0:
-            self._ready(sock)
-        elif code in _PENDING:
-            self._probe = sock
-            self._watch(sock, self._on_probe, _WRITE)
-        else:
-            sock.close()
+        try:
+            sock, code = _connect_to(self._target)
+        except OSError as err:  # EMFILE: try again once some are free
+            self._starve(err)
             self._probe_again()
+            return
+        if code not in (0, *_PENDING):
+            sock.close()
+            self._answer = "connection refused"
+            self._probe_again()
+            return
+        self._probe, self._probe_until = sock, time.monotonic() + PROBE_TIMEOUT
+        self._probe_reply = None
+        self._watch(sock, self._on_probe, _WRITE)
 
     def _on_probe(self, events: int) -> None:
         sock = self._probe
         assert sock is not None
-        self._arm(sock, 0)
-        del self._handlers[sock]
-        self._probe = None
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-            sock.close()
-            self._probe_again()
+        if self._probe_reply is None:  # connecting
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._answer = "connection refused"
+                self._probe_failed()
+            elif self.ready_url is None:
+                self._forget_probe()
+                self._ready(sock)  # its connection serves the first client
+            else:
+                self._ask(sock)
+            return
+        try:
+            data = sock.recv(4096)
+        except OSError as err:
+            data, self._answer = b"", (err.strerror or str(err)).lower()
+        if not data:
+            self._answer = self._answer or "the connection was closed without an answer"
+            self._probe_failed()
+            return
+        self._probe_reply += data
+        line, crlf, _ = bytes(self._probe_reply).partition(b"\r\n")
+        if not crlf and len(self._probe_reply) < 4096:
+            return  # more to come
+        parts = line.split()
+        status = parts[1].decode(errors="replace") if len(parts) > 1 else "no status"
+        if len(parts) > 1 and parts[0].startswith(b"HTTP/") and status[:1] == "2":
+            self._stop_probe()
+            self._ready(None)
         else:
-            self._ready(sock)
+            self._answer = f"GET {self.ready_url} answered {status[:20]}"
+            self._probe_failed()
+
+    def _ask(self, sock: socket.socket) -> None:
+        """Send the readiness request (small: a fresh connection takes it at once)."""
+        host = show(self._target[1])
+        request = (
+            f"GET {self.ready_url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            sent = sock.send(request)
+        except OSError as err:
+            sent, self._answer = 0, (err.strerror or str(err)).lower()
+        if sent != len(request):
+            self._probe_failed()
+            return
+        self._answer = ""
+        self._probe_reply = bytearray()
+        self._arm(sock, _READ)
+
+    def _probe_failed(self) -> None:
+        self._stop_probe()
+        self._probe_again()
+
+    def _forget_probe(self) -> None:
+        """The probe's socket, no longer watched, and no longer the probe's."""
+        assert self._probe is not None
+        self._arm(self._probe, 0)
+        del self._handlers[self._probe]
+        self._probe = None
 
     def _probe_again(self) -> None:
-        """Refused: the next address the upstream resolves to, a little later."""
+        """Not ready: the next address the upstream resolves to, a little later."""
         i = self._upstreams.index(self._target)
         self._target = self._upstreams[(i + 1) % len(self._upstreams)]
         with self._lock:
@@ -555,11 +695,13 @@ class Proxy:
             self._forget(self._probe)
             self._probe = None
 
-    def _ready(self, sock: socket.socket) -> None:
-        """The upstream accepts: open the gate; the probe's connection serves the first client."""
+    def _ready(self, sock: socket.socket | None) -> None:
+        """The upstream is ready: open the gate; ``sock``, a connection to it, serves the
+        first client."""
         with self._lock:
             if self._gate is not Gate.OPENING:
-                sock.close()  # closed again meanwhile: the server is being released
+                if sock is not None:
+                    sock.close()  # closed again meanwhile: the server is being released
                 return
             self._gate = Gate.OPEN
             waiting = [c for c in self._conns if c.waiting]
@@ -569,12 +711,12 @@ class Proxy:
         for conn in waiting:
             if conn.upstream is not None:
                 self._rearm(conn)
-        if held:
-            self._forward(held[0], sock)
-            for conn in held[1:]:
-                self._forward(conn)
-        else:
+        if held and sock is not None:
+            self._forward(held.pop(0), sock)
+        elif sock is not None:
             sock.close()
+        for conn in held:
+            self._forward(conn)
 
     def _not_ready(self) -> None:
         self._stop_probe()
@@ -583,8 +725,12 @@ class Proxy:
             waiting = [c for c in self._conns if c.waiting]
         if not waiting:
             return  # nobody to tell: the next client starts another wait
+        if self.ready_url is None:
+            ready = "accept a connection"
+        else:
+            ready = f"answer GET {self.ready_url} with 2xx ({self._answer or 'no answer'})"
         self._say(
-            f"the upstream {show(self._target[1])} did not accept a connection within"
+            f"the upstream {show(self._target[1])} did not {ready} within"
             f" {self.ready_within:g} s; closing {len(waiting)} waiting connection(s)"
         )
         for conn in waiting:

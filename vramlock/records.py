@@ -135,6 +135,8 @@ class Record:
     vram: int | None = None
     busy: bool = False
     used: float | None = None
+    # The inode of the token.lock the member locks: who tells when it is not the arena's.
+    token_ino: int | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -152,6 +154,7 @@ class Record:
                 used = float(_typed(used, (int, float)))
                 if not (math.isfinite(used) and 0 <= used < _LATEST_SINCE):
                     return None
+            token_ino = data.get("token_ino")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -176,6 +179,7 @@ class Record:
                 vram=None if vram is None else _bounded(vram, 0, 1 << 62),
                 busy=_flag(data.get("busy", False)),
                 used=used,
+                token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None

@@ -76,13 +76,29 @@ def _merged_state(claimed: str, kernel: str | None) -> str:
     return claimed if claimed in (State.WAITING.value, State.RELEASED.value) else "?"
 
 
-def _row(pid: int, kernel: str | None, found: tuple[Record, bool] | None, note: str | None) -> Row:
+# Said of a member that locks a token.lock the arena no longer has: it excludes nobody.
+STALE_TOKEN = "its token.lock was deleted or replaced: two members may be resident"
+
+
+def _row(
+    pid: int,
+    kernel: str | None,
+    found: tuple[Record, bool] | None,
+    note: str | None,
+    token_ino: int | None = None,
+) -> Row:
     notes = [note] if note else []
     listen, connections, gpus = None, None, None
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
+        if rec.gpus and rec.state == State.WAITING.value:
+            # Holds this GPU's token, and waits for another's: not resident anywhere yet.
+            state = rec.state
+            notes.append("taking its GPUs' tokens")
         command, since, child = " ".join(rec.command), rec.since, rec.child_pid
+        if rec.token_ino is not None and rec.token_ino != token_ino:
+            notes.append(STALE_TOKEN)
         left = [p for p in rec.leftovers if procfs.living(p)]
         if left:
             notes.append(f"command exited; ending {', '.join(map(str, left))}")
@@ -203,6 +219,7 @@ def snapshot(arena: Arena) -> list[Row]:
         return st.st_dev, st.st_ino
 
     token_key, want_key = key(TOKEN), key(WANT)
+    token_ino = None if token_key is None else token_key[1]
     token = [] if token_key is None else procfs.parse_proc_locks(listing, *token_key)
     want = [] if want_key is None else procfs.parse_proc_locks(listing, *want_key)
 
@@ -226,7 +243,7 @@ def snapshot(arena: Arena) -> list[Row]:
     for pid, state, note in kernel:
         if pid not in seen:
             seen.add(pid)
-            rows.append(_row(pid, state, records.pop(pid, None), note))
-    rest = [_row(pid, None, found, None) for pid, found in records.items()]
+            rows.append(_row(pid, state, records.pop(pid, None), note, token_ino))
+    rest = [_row(pid, None, found, None, token_ino) for pid, found in records.items()]
     rest.sort(key=lambda r: _ORDER.index(r.state) if r.state in _ORDER else len(_ORDER))
     return rows + rest

@@ -10,24 +10,27 @@ without the token: the lock lives as long as the command does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from . import demand as demands
 from . import strategies
-from .arena import Arena, default_gpu, one_arena_or_gpus
+from .arena import default_gpu, one_arena_or_gpus
+from .context import ChildExited, Context, Interrupted, ReleaseTimeout
 from .control import ParentEnd
 from .errors import ControlError, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
-from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals
+from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals, join
 from .process import Child, Terminal, become_subreaper, exit_code
-from .strategies.base import KILL_WAIT
+from .strategies.basic import NoneStrategy
+from .supervise import FORWARDED, WATCHED, Supervision, Woken
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -40,8 +43,6 @@ PROBE_INTERVAL = 0.25
 PROBE_INTERVAL_NO_HINT = 0.05  # no inotify: probing is all there is
 # After a failed release (a hook exited non-zero), stay resident this long before retrying.
 RETRY_AFTER_FAILURE = 1.0
-# Processes a command leaves behind when it exits get this long to act on SIGTERM.
-LEFTOVER_GRACE = 2.0
 # --demand listen: a connection is busy until this long without traffic, and clients wait
 # this long for a restored server to accept connections before they are closed.
 DEFAULT_IDLE = 0.3
@@ -50,23 +51,12 @@ DEFAULT_READY_WITHIN = 120.0
 # one would (--yield-within still bounds it): two members told to end at once would
 # otherwise hand the token back and forth, each getting only as far as the next request.
 ENDING_GRACE = 10.0
-# Under --release auto, a command that has not said hello this long after it started is
-# taken not to speak the control protocol (for the one warning below).
-HELLO_GRACE = 1.0
+# A job whose run a release ended (restart) is given, when started again, a turn at
+# least this many times as long as the run it lost, whatever --min-hold says: a job
+# longer than --min-hold would otherwise be ended before its end, again and again.
+LOST_RUN_FACTOR = 2.0
 
 DEMANDS = tuple(demands.DEMANDS)
-# SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
-WATCHED = (signal.SIGCHLD,)
-FORWARDED = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGWINCH,
-)
-_ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
 def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
@@ -91,8 +81,10 @@ def _quiet(message: str) -> None:
     """The library never prints: the command line passes a ``warn`` that does."""
 
 
-@dataclass
-class RunOptions:
+@dataclass(kw_only=True)
+class RunOptions(strategies.StrategyOptions):
+    """``vramlock run``'s options (those about the strategy are StrategyOptions')."""
+
     command: list[str]
     arena: str | None = None
     gpus: tuple[int, ...] = ()  # --gpu: in the order given; () for --arena or the default
@@ -102,29 +94,18 @@ class RunOptions:
     timeout: float | None = None  # None: wait forever; 0: -n
     min_hold: float = DEFAULT_MIN_HOLD
     yield_within: float | None = None
-    on_release: str | None = None
-    on_restore: str | None = None
-    preset: str | None = None  # --release http: the engine
-    on_release_url: str | None = None  # --release http without a preset
-    on_restore_url: str | None = None
-    listen: str | None = None  # --demand listen: where clients connect
-    upstream: str | None = None  # --demand listen: the command's server
+    listen: str | None = None  # --demand listen: where clients connect (and --upstream)
     idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
     ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
+    ready_url: str | None = None  # --demand listen; None: the engine's (presets.ready_url)
     warn: Callable[[str], None] = field(default=_quiet)
 
-    @property
+    @functools.cached_property
     def settings(self) -> strategies.Settings:
+        """The strategy's settings: made once, from the options."""
+        given = {f.name: getattr(self, f.name) for f in fields(strategies.StrategyOptions)}
         gpus = self.gpus or (None if self.arena else (default_gpu(),))
-        return strategies.Settings(
-            on_release=self.on_release,
-            on_restore=self.on_restore,
-            gpus=gpus,
-            preset=self.preset,
-            on_release_url=self.on_release_url,
-            on_restore_url=self.on_restore_url,
-            upstream=self.upstream,
-        )
+        return strategies.Settings(**given, gpus=gpus)
 
     def check(self) -> None:
         """Reject option mixes that cannot work, before anything is locked or started."""
@@ -138,15 +119,22 @@ class RunOptions:
     def _check_listen(self) -> None:
         # --upstream alone is the http strategy's business.
         if self.demand != "listen":
-            if (self.listen, self.idle, self.ready_within) != (None, None, None):
-                raise UsageError("--listen, --idle and --ready-within need --demand listen")
+            if (self.listen, self.idle, self.ready_within, self.ready_url) != (None,) * 4:
+                raise UsageError(
+                    "--listen, --idle, --ready-within and --ready-url need --demand listen"
+                )
             return
-        from .proxy import parse_address
+        from .address import same_socket
 
+        if self.ready_url is not None and not self.ready_url.startswith("/"):
+            raise UsageError(f"--ready-url: a path is wanted (/health), not {self.ready_url!r}")
         if self.listen is None or self.upstream is None:
             raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
-        if parse_address(self.listen, "--listen") == parse_address(self.upstream, "--upstream"):
-            raise UsageError("--listen and --upstream are the same address")
+        if same_socket(self.listen, self.upstream):
+            raise UsageError(
+                f"--listen {self.listen} and --upstream {self.upstream} are the same socket:"
+                " the proxy would forward to itself"
+            )
 
 
 class _Terminated(Exception):
@@ -167,31 +155,35 @@ class _Once:
             raise _Terminated(signum)
 
 
-class _Woken(Exception):
-    """Breaks a blocking wait for the token: the command exited or we were told to end."""
-
-
 class Runner:
-    """One ``vramlock run``: take the token, start the command, hand over to a Supervisor."""
+    """One ``vramlock run``: take the token, start the command, then Supervision and Scheduler."""
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
-        self.arenas: list[Arena] = []
         self.member: Member | Members | None = None
+        self._joined = contextlib.ExitStack()  # the arenas and our membership of each
         self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._supervisor: Supervisor | None = None
+        self._supervision: Supervision | None = None
         self._early_signals: list[int] = []
 
     def run(self) -> int:
         opts = self.opts
         opts.check()
         once = _Once()
-        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP)}
+        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
         try:
             try:
                 with harmless_signals():
-                    self.member = self._join()
+                    self.member = join(
+                        self._joined,
+                        opts.arena,
+                        opts.gpus,
+                        name=opts.name,
+                        command=opts.command,
+                        strategy=opts.release,
+                        min_hold=opts.min_hold,
+                    )
                     self.proxy = self._listen(self.member)
                     if not self.member.acquire(opts.timeout):
                         raise NotObtained(opts.timeout or 0.0)
@@ -212,34 +204,9 @@ class Runner:
             self._close()
             return 128 + once.signum
         try:
-            return self._supervise(self.arenas, self.member)
+            return self._supervise(self.member)
         finally:
             self._close()
-
-    def _join(self) -> Member | Members:
-        """Open the arena(s) and become a member of each; several GPUs' arenas in
-        ascending order of GPU number, the order their tokens are taken in."""
-        opts = self.opts
-        gpus: list[int | None] = [*sorted(opts.gpus)] or [None]
-        joined: list[Member] = []
-        for gpu in gpus:
-            arena = Arena.open(opts.arena, gpu)
-            self.arenas.append(arena)
-            joined.append(
-                Member(
-                    arena,
-                    name=opts.name,
-                    min_hold=opts.min_hold,
-                    command=opts.command,
-                    strategy=opts.release,
-                )
-            )
-            if len(gpus) > 1:
-                joined[-1].describe(gpus=list(opts.gpus))
-            # At each step, so that _close leaves every arena joined so far.
-            self.member = joined[0] if len(joined) == 1 else Members(joined)
-        assert self.member is not None
-        return self.member
 
     def _listen(self, member: Member | Members) -> Proxy | None:
         """--demand listen: the proxy, listening before the command starts (and before we
@@ -248,12 +215,14 @@ class Runner:
         if opts.listen is None or opts.upstream is None:
             return None
         from .proxy import Proxy
+        from .strategies.presets import ready_url
 
         proxy = Proxy(
             opts.listen,
             opts.upstream,
             idle=DEFAULT_IDLE if opts.idle is None else opts.idle,
             ready_within=DEFAULT_READY_WITHIN if opts.ready_within is None else opts.ready_within,
+            ready_url=opts.ready_url or ready_url(opts.command, opts.preset),
             report=lambda count: member.describe(connections=count),
             warn=opts.warn,
         )
@@ -264,26 +233,22 @@ class Runner:
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
-        if self.member is not None:
-            self.member.close()
-            self.member = None
-        for arena in self.arenas:
-            arena.close()
-        self.arenas = []
+        self.member = None
+        self._joined.close()
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._supervisor is None:
+        if self._supervision is None:
             if signum != signal.SIGCHLD:
                 self._early_signals.append(signum)  # the command is being started
         else:
-            self._supervisor.on_signal(signum)
+            self._supervision.on_signal(signum)
 
-    def _supervise(self, arenas: list[Arena], member: Member | Members) -> int:
-        opts = self.opts
+    def _supervise(self, member: Member | Members) -> int:
+        opts, arenas = self.opts, member.arenas
         control = ParentEnd()
         env = dict(os.environ)
         env.update(control.child_env(member.token_fds[0]))
@@ -305,17 +270,19 @@ class Runner:
             fds = (control.child_fd, *member.token_fds)
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
-            sup = Supervisor(opts, member, child, control, self._wake_r, self.proxy)
-            self._supervisor = sup
+            ctx = Context(
+                child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
+            )
+            sup = self._supervision = Supervision(child, ctx, member, opts.warn)
             for signum in self._early_signals:
                 sup.on_signal(signum)
-            return sup.loop(hint)
+            return Scheduler(opts, sup, self._wake_r, self.proxy).loop(hint)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             signal.set_wakeup_fd(old_wakeup)
             hint.close()
-            gone = child is None or (self._supervisor is not None and self._supervisor.all_gone)
+            gone = child is None or (self._supervision is not None and self._supervision.all_gone)
             # Gone: explicitly, so that a descendant that outlived the command while
             # sharing this open file description does not keep the token. Else we are
             # failing while the command runs: it keeps the token (the description it
@@ -327,140 +294,35 @@ class Runner:
             scratch.close()
 
 
-class Supervisor:
-    """The loop around a running command: probe, release, re-queue, restore."""
+class Scheduler:
+    """The token loop around a running command: probe, release, re-queue, restore.
+
+    Signals are the Supervision's business, routed before this is made (picking a
+    strategy may take a while: NVML's first call)."""
+
+    demand: demands.Demand  # made once the command serves (``loop``)
 
     def __init__(
-        self,
-        opts: RunOptions,
-        member: Member | Members,
-        child: Child,
-        control: ParentEnd,
-        wake_r: int,
-        proxy: Proxy | None = None,
+        self, opts: RunOptions, sup: Supervision, wake_r: int, proxy: Proxy | None = None
     ) -> None:
         self.opts = opts
-        self.member = member
-        self.child = child
-        self.ctx = strategies.Context(child=child, control=control)
-        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings, child.argv)
-        if proxy is not None:
-            # Clients held by the proxy go through once the server serves, not merely
-            # accepts connections (llama-server answers 503 while it loads its model).
-            try:
-                self.strategy.wait_ready()
-            except (StrategyError, strategies.ChildExited) as err:
-                with contextlib.suppress(Exception):
-                    opts.warn(f"{err or 'the command exited'}; letting clients through anyway")
-        self.demand = demands.make(opts.demand, self.ctx, proxy)
-        self.pending_signal: int | None = None
-        self._ending_since: float | None = None  # when the first ending signal came
-        self._deferred: list[int] = []  # signals kept from a checkpointed command
-        self.all_gone = False  # every process of the command has ended
+        self.sup = sup
+        self.member = sup.member
+        self.child = sup.child
+        self.ctx = sup.ctx
+        self.strategy = sup.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
+        self.proxy = proxy
         self._wake_r = wake_r
-        self._queued = False  # blocked in the kernel's queue for the token, in this thread
         self._retry_at = 0.0
         self._requeue_at = 0.0  # a restore found too little free VRAM: queue again then
         self._wanted_since: float | None = None  # a waiter was seen while the demand was busy
         self._busy_left = 0.0  # the demand asked to put the release off this long
-        self._started = time.monotonic()
-        self._warned: set[str] = set()
-        self._told = False  # the auto fallback warning was given
-        self._checkpoint_failed = False  # auto tried checkpoint and the driver refused
-        self._signalled = True  # a signal arrived (through the wakeup fd) since we last looked
+        self._started = time.monotonic()  # when the command was (last) started
+        self._lost_run = 0.0  # how long the run a release ended had lasted
         self._describe()
 
-    def warn(self, message: str, *, once: bool = False) -> None:
-        """Pass a diagnostic to the caller; a diagnostic must never end the run."""
-        if once:
-            if message in self._warned:
-                return
-            self._warned.add(message)
-        try:
-            self.opts.warn(message)
-        except Exception:
-            pass  # a closed stderr: the GPU work matters more than the message
-
     def _describe(self) -> None:
-        name = self.strategy.name
-        if self.opts.release == "auto":
-            name = f"auto:{name}"
-        self.member.describe(strategy=name, child_pid=self.child.pid)
-
-    def on_signal(self, signum: int) -> None:
-        if signum == signal.SIGCHLD:
-            if self._queued:
-                raise _Woken  # the command may have exited: look before waiting on
-            return
-        if self.child.status is None and not self.strategy.killed:
-            if self.strategy.defers_signals and self.member.state is not State.RESIDENT:
-                self._deferred.append(signum)  # passed on once it is restored
-            else:
-                self._pass_on(signum)
-        if signum in _ENDING:
-            self.pending_signal = signum
-            if self._ending_since is None:
-                self._ending_since = time.monotonic()
-            self.ctx.endings += 1
-            if self._queued:
-                raise _Woken
-
-    def _pass_on(self, signum: int) -> None:
-        try:
-            self.child.signal_group(signum)
-        except StrategyError:
-            pass  # a setuid command: it keeps the token we share until it exits
-
-    def _job_control(self) -> None:
-        """Keyboard stops of the command (Ctrl-Z, a read from the terminal in the background)."""
-        stops, self.child.stops[:] = list(self.child.stops), []
-        ours = self.strategy.stops and self.member.state is not State.RESIDENT
-        terminal = self.child.terminal
-        if not stops or ours or terminal is None:
-            return
-        if stops[-1] in (signal.SIGTTIN, signal.SIGTTOU):
-            # It touched the terminal before we made it the foreground group.
-            terminal.give(self.child.pid)
-        else:
-            terminal.suspend_like_child()
-        self.child.signal_group(signal.SIGCONT)
-
-    def _child_gone(self) -> int | None:
-        if self.strategy.killed:
-            return None
-        return self.child.poll()
-
-    def _finish(self, code: int) -> int:
-        """The command has exited: end what it left running, then give its status.
-
-        The token is kept until every process of the command is gone: a worker left
-        in its group (or adopted by us) would otherwise run while another member is
-        resident. Leftovers get SIGTERM, then SIGKILL; one that cannot be ended keeps
-        us (and the token) waiting for it.
-        """
-        left = self.child.processes()
-        if left:
-            pids = ", ".join(map(str, left))
-            self.warn(
-                f"the command exited and left {len(left)} process(es) running ({pids});"
-                " ending them before the GPU is released"
-            )
-            self.member.describe(leftovers=left)
-            try:
-                left = self.child.end_all(LEFTOVER_GRACE, KILL_WAIT)
-            except StrategyError as err:
-                self.warn(f"{err}; holding the GPU until they exit")
-            while left:
-                self.warn(
-                    f"processes {', '.join(map(str, left))} of the command are still alive;"
-                    " holding the GPU until they are gone",
-                    once=True,
-                )
-                self.member.describe(leftovers=left)
-                left = self.child.wait_gone(1.0)
-            self.member.describe(leftovers=[])
-        self.all_gone = True
-        return code
+        self.member.describe(strategy=self.strategy.label, child_pid=self.child.pid)
 
     def _releases_now(self) -> bool:
         """Resident, able to release, past min_hold and any retry delay, wanted, and not
@@ -475,8 +337,9 @@ class Supervisor:
             self._wanted_since = None
             return False
         busy = self.demand.busy_for()
-        if self._ending_since is not None and self.child.status is None:
-            busy = max(busy, self._ending_since + ENDING_GRACE - time.monotonic())
+        ending_since = self.sup.ending_since
+        if ending_since is not None and self.child.status is None:
+            busy = max(busy, ending_since + ENDING_GRACE - time.monotonic())
         if busy > 0:
             now = time.monotonic()
             if self._wanted_since is None:
@@ -485,56 +348,38 @@ class Supervisor:
             if y is None or now < self._wanted_since + y:
                 self._busy_left = busy if y is None else min(busy, self._wanted_since + y - now)
                 return False
-            self.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
+            self.sup.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
         self._wanted_since = None
         return True
 
-    def _probe_for_auto(self, now: float) -> bool:
-        """Under auto, somebody waits and the command has not said hello: checkpoint a
-        CUDA program where the driver can, else say once that the waiter will wait.
-        True when a strategy that releases was found."""
-        if now - self._started < HELLO_GRACE or not self.member.wanted():
-            return False
-        if not self._checkpoint_failed:
-            found = strategies.for_waiter(self.strategy, self.opts.release, self.ctx)
-            if found is not self.strategy:
-                self.strategy = found
-                self._describe()
-                return True
-        self._told = True
-        self.warn(
-            "somebody is waiting for the GPU, but this command keeps it until it exits:"
-            " --release auto found no way to release it (it does not speak the control"
-            " protocol, and is no CUDA program the driver can checkpoint); see --release"
-            " restart, stop or exec"
-        )
-        return False
-
     def loop(self, hint: Hint) -> int:
-        member, ctx = self.member, self.ctx
+        member, ctx, sup = self.member, self.ctx, self.sup
+        # The proxy itself holds clients until the server is ready (--ready-url).
+        self.demand = demands.make(self.opts.demand, self.ctx, self.proxy)
         while True:
-            status = self._child_gone()
+            status = sup.gone()
             if status is not None:
-                return self._finish(exit_code(status))
+                return sup.finish(exit_code(status))
             if self._releases_now():
                 # First, when somebody waits: the bookkeeping below can come after.
                 status = self._release()
                 if status is not None:
                     return status
                 continue
-            if self._signalled:  # SIGCHLD: an adopted orphan may have exited
-                self._signalled = False
-                self.child.reap_orphans()
-            self._job_control()
-            if self.strategy.killed and self.pending_signal is not None:
-                self.all_gone = True  # ended by us, every process reaped
-                return 128 + self.pending_signal  # nothing is running to pass it to
+            sup.tidy()
+            status = sup.ended_while_away()
+            if status is not None:
+                return status
 
             ctx.take_lines(ctx.control.read_lines())
-            upgraded = strategies.upgrade(self.strategy, self.opts.release, ctx)
-            if upgraded is not self.strategy:
-                self.strategy = upgraded
-                self._describe()
+            if member.state is State.RESIDENT:
+                label = self.strategy.label
+                said = self.strategy.settle(member.wanted)  # auto may change its mind
+                if said is not None:
+                    self.sup.warn(said)
+                if self.strategy.label != label:
+                    self._describe()
+                    continue
 
             timeout: float | None = None
             watch = [self._wake_r, *self.demand.fds()]
@@ -557,16 +402,14 @@ class Supervisor:
                     timeout = min(timeout, self._retry_at - now)
                 if self._busy_left > 0:  # wanted, but busy: look again when that may be over
                     timeout = min(timeout, self._busy_left)
-            elif member.state is State.RESIDENT and self.opts.release == "auto" and not self._told:
-                if self._probe_for_auto(now):
-                    continue
+            elif member.state is State.RESIDENT and self.strategy.undecided:
                 if hint.fd is not None:
                     watch.append(hint.fd)
                 timeout = interval if timeout is None else min(timeout, interval)
             elif member.state is State.RELEASED:
                 # A command that was ended cannot ask: it comes back on its turn; one that
                 # was told to end needs the GPU to act on it.
-                ending = self.pending_signal is not None
+                ending = sup.pending_signal is not None
                 if now < self._requeue_at:
                     timeout = self._requeue_at - now
                 elif (
@@ -586,7 +429,7 @@ class Supervisor:
     def _wait(self, fds: list[int], timeout: float | None) -> None:
         with contextlib.suppress(InterruptedError):
             select.select(fds, [], [], timeout)
-        self._signalled = drain(self._wake_r) or self._signalled
+        self.sup.signalled = drain(self._wake_r) or self.sup.signalled
         for fd in self.demand.fds():  # hints only: wants() decides
             drain(fd)
 
@@ -603,42 +446,43 @@ class Supervisor:
         try:
             try:
                 self.strategy.release(deadline)
-            except strategies.ReleaseTimeout:
+            except ReleaseTimeout:
                 waited = time.monotonic() - started
-                self.warn(
-                    f"{self.strategy.name} release did not finish within {waited:.1f} s;"
+                self.sup.warn(
+                    f"{self.strategy.label} release did not finish within {waited:.1f} s;"
                     " ending the command (it is started again on its turn)"
                 )
                 self.strategy.force()
             self.strategy.verify(deadline)
-        except strategies.ChildExited:
-            return self._finish(exit_code(self.child.poll() or 0))
-        except strategies.Interrupted:
+        except ChildExited:
+            return self.sup.finish(exit_code(self.child.poll() or 0))
+        except Interrupted:
             self._resident_again()  # told to end: the command has the signal
             return None
         except strategies.Unverified as err:
-            self.warn(f"{err}; handing the GPU over anyway")
+            self.sup.warn(f"{err}; handing the GPU over anyway")
         except (ControlError, strategies.NotCheckpointable) as err:
-            self.warn(f"{err}; holding the GPU until it exits")
-            self.ctx.hello = False
-            self._checkpoint_failed |= isinstance(err, strategies.NotCheckpointable)
-            self.strategy = strategies.NoneStrategy(self.ctx, self.opts.settings)
+            self.sup.warn(f"{err}; holding the GPU until it exits")
+            if not self.strategy.fall_back(err):
+                self.strategy = self.sup.strategy = NoneStrategy(self.ctx, self.opts.settings)
             self._describe()
             self._resident_again()
             return None
         except StrategyError as err:
-            self.warn(f"release failed: {err}; staying resident", once=True)
+            self.sup.warn(f"release failed: {err}; staying resident", once=True)
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
+        if self.strategy.killed:
+            self._lost_run = time.monotonic() - self._started
+            member.describe(child_pid=None)  # no process runs until it is started again
         member.release()
         return None
 
     def _resident_again(self) -> None:
         self.member.resident()
         self.demand.restored()
-        while self._deferred:
-            self._pass_on(self._deferred.pop(0))
+        self.sup.resident_again()
 
     def _acquire(self) -> bool:
         """Queue for the token, blocking in the kernel in this thread; True once it is ours.
@@ -651,39 +495,51 @@ class Supervisor:
         member = self.member
         member.wait_polite()
         member.waiting()
-        self._queued = True
+        sup = self.sup
+        sup.queued = True
         try:
+            # What came before we were queued cannot break the wait: look once more.
+            ended = self.strategy.killed and sup.pending_signal is not None
+            if ended or sup.gone() is not None:
+                member.released()
+                return False
             return member.take_token(None)
-        except _Woken:
+        except Woken:
             # The signal may have landed just after the kernel granted the lock.
-            self._queued = False
+            sup.queued = False
             if member.token_came():
                 return True
             member.released()
             return False
         finally:
-            self._queued = False
+            sup.queued = False
 
     def _restore(self) -> int | None:
+        status = self.sup.ended_while_away()  # told to end as the token came back
+        if status is not None:
+            return status
         member = self.member
         member.restoring()
+        pid = self.child.pid
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
-        except strategies.ChildExited:
-            return self._finish(exit_code(self.child.poll() or 0))
-        except strategies.Interrupted:
+        except ChildExited:
+            return self.sup.finish(exit_code(self.child.poll() or 0))
+        except Interrupted:
             pass  # told to end while restoring: we hold the token, the command has the signal
         except strategies.VramTaken as err:
             # Restoring now would wedge the command: give the token back, queue again.
-            self.warn(str(err), once=True)
+            self.sup.warn(str(err), once=True)
             member.release()
             self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
             return None
         except (ControlError, StrategyError) as err:
-            self.warn(f"restore: {err}")
+            self.sup.warn(f"restore: {err}")
+        if self.child.pid != pid:  # started again
+            self._started = time.monotonic()
+            if self.demand.takes_turns:
+                member.min_hold = max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run)
         self._resident_again()
-        if self.child.pid != member.records.record.child_pid:  # started again
-            self._describe()
         return None
 
 

@@ -10,6 +10,7 @@ of its own; failure means somebody waits.
 
 from __future__ import annotations
 
+import os
 import time
 
 from . import lockfd
@@ -20,6 +21,12 @@ from .errors import UsageError
 def _open(arena: Arena, name: str) -> int:
     return lockfd.open_lock_file(
         arena.dirfd, name, arena.shown(name), allowed_owners=arena.allowed_owners
+    )
+
+
+def _reopen(arena: Arena, name: str, fd: int) -> None:
+    lockfd.reopen_lock_file(
+        fd, arena.dirfd, name, arena.shown(name), allowed_owners=arena.allowed_owners
     )
 
 
@@ -46,6 +53,7 @@ class Token:
             lockfd.adopt(fd, shown)
             own = fd
         self.fd = own
+        self.adopted = fd is not None  # the caller's description: never reopened
         self.held = False
 
     def acquire(self, timeout: float | None) -> bool:
@@ -62,6 +70,18 @@ class Token:
     def release(self) -> None:
         self.held = False
         lockfd.unlock(self.fd)
+
+    def linked(self) -> bool:
+        """Is ``token.lock`` still the file we lock? (It may have been deleted.)"""
+        return lockfd.still_linked(self.arena.dirfd, TOKEN, self.fd)
+
+    def reopen(self) -> None:
+        """Lock the file now at ``token.lock`` from here on (not while held)."""
+        _reopen(self.arena, TOKEN, self.fd)
+
+    @property
+    def inode(self) -> int:
+        return os.fstat(self.fd).st_ino
 
     def held_elsewhere(self) -> bool:
         """True when another open file description holds the token (we must not hold it)."""
@@ -89,6 +109,14 @@ class Want:
         self.holding = True
         lockfd.ring(self.arena.dirfd, TOKEN)
         return True
+
+    def linked(self) -> bool:
+        return lockfd.still_linked(self.arena.dirfd, WANT, self.fd)
+
+    def reopen(self) -> None:
+        """Wait and probe on the file now at ``want.lock`` (not while waiting)."""
+        _reopen(self.arena, WANT, self.fd)
+        _reopen(self.arena, WANT, self.probe_fd)
 
     def leave(self) -> None:
         if self.holding:

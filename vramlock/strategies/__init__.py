@@ -9,7 +9,9 @@ import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 
+from ..cuda import NotCheckpointable
 from ..errors import StrategyError, UsageError
+from .auto import AutoStrategy
 from .base import (
     ChildExited,
     Context,
@@ -17,18 +19,22 @@ from .base import (
     ReleaseTimeout,
     Settings,
     Strategy,
+    StrategyOptions,
     Unverified,
 )
 from .basic import NoneStrategy, RestartStrategy, StopStrategy
-from .checkpoint import CheckpointStrategy, NotCheckpointable, VramTaken, usable
+from .checkpoint import CheckpointStrategy, VramTaken, usable
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
 from .presets import PRESETS
 from .webapi import HttpStrategy
 
+# By the names --release takes, in the order they are listed; a new strategy is one
+# more line here (and, for auto to choose it, a place in auto's lists).
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (
+        AutoStrategy,
         SignalStrategy,
         CheckpointStrategy,
         HttpStrategy,
@@ -38,9 +44,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         ExecStrategy,
     )
 }
-NAMES = ("auto", *STRATEGIES)
-# What ``auto`` may recognise from the command alone, in this order.
-RECOGNISED: tuple[type[Strategy], ...] = (*STRATEGIES.values(), *PRESETS.values())
+NAMES = tuple(STRATEGIES)
 
 
 def check(
@@ -61,7 +65,7 @@ def check(
     if web and name == "auto":
         name = "http"
     if name not in NAMES:
-        raise StrategyError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
+        raise UsageError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
     if hooks and name != "exec":
         raise UsageError("--on-release/--on-restore need --release exec")
     if web and name != "http":
@@ -74,72 +78,40 @@ def check(
         if settings.preset is None and settings.on_release_url is None:
             raise UsageError("--release http needs --preset NAME or --on-release-url URL")
         if settings.preset is not None and settings.preset not in PRESETS:
-            raise StrategyError(
-                f"unknown preset {settings.preset!r} (choose from {', '.join(PRESETS)})"
-            )
+            known = ", ".join(PRESETS)
+            raise UsageError(f"unknown preset {settings.preset!r} (choose from {known})")
     if name == "checkpoint":
         why = usable()
         if why is not None:
             raise StrategyError(f"--release checkpoint cannot be used here: {why}")
-    chosen(name, settings, command).fit(command, env, settings)
+    chosen(name, settings).fit(command, env, settings)
     return name
 
 
-def chosen(name: str, settings: Settings, command: list[str]) -> type[Strategy]:
-    """The strategy ``pick`` starts with for ``--release NAME`` (already checked).
-
-    ``auto`` picks a strategy that recognises the command (an engine's preset), else
-    starts as ``none`` and becomes ``signal`` when the child says hello (see
-    ``upgrade``): it never picks a strategy that throws away a job's work.
-    """
-    if name == "auto":
-        found = (cls for cls in RECOGNISED if cls.keeps_state and cls.recognises(command))
-        return next(found, NoneStrategy)
+def chosen(name: str, settings: Settings) -> type[Strategy]:
+    """The strategy class for ``--release NAME`` (already checked)."""
     if name == "http" and settings.preset is not None:
         return PRESETS[settings.preset]
     return STRATEGIES[name]
 
 
-def pick(name: str, ctx: Context, settings: Settings, command: list[str]) -> Strategy:
-    """The strategy for ``--release NAME`` (already checked)."""
-    return chosen(name, settings, command)(ctx, settings)
+def pick(name: str, ctx: Context, settings: Settings) -> Strategy:
+    """The strategy for ``--release NAME`` (already checked), for the command in ``ctx``."""
+    return chosen(name, settings)(ctx, settings)
 
 
 def prepare(
     name: str, settings: Settings, command: list[str], env: dict[str, str], scratch: ExitStack
 ) -> list[str]:
     """The command as it is to be started (``Strategy.prepare``; ``env`` may change)."""
-    return chosen(name, settings, command).prepare(command, env, scratch)
-
-
-def for_waiter(current: Strategy, requested: str, ctx: Context) -> Strategy:
-    """Under ``auto``, somebody waits and the command cannot release: a CUDA program
-    gets ``checkpoint`` where the driver can do it, else it keeps ``none``."""
-    if (
-        requested == "auto"
-        and isinstance(current, NoneStrategy)
-        and CheckpointStrategy.finds_work(ctx)
-    ):
-        return CheckpointStrategy(ctx, current.settings)
-    return current
-
-
-def upgrade(current: Strategy, requested: str, ctx: Context) -> Strategy:
-    """Under ``auto``, a child that speaks the control protocol gets ``signal``."""
-    if (
-        requested == "auto"
-        and ctx.hello
-        and not ctx.control.closed
-        and isinstance(current, NoneStrategy)
-    ):
-        return SignalStrategy(ctx, current.settings)
-    return current
+    return chosen(name, settings).prepare(command, env, scratch)
 
 
 __all__ = [
     "NAMES",
     "PRESETS",
     "STRATEGIES",
+    "AutoStrategy",
     "CheckpointStrategy",
     "ChildExited",
     "Context",
@@ -154,12 +126,11 @@ __all__ = [
     "SignalStrategy",
     "StopStrategy",
     "Strategy",
+    "StrategyOptions",
     "Unverified",
     "VramTaken",
     "check",
     "chosen",
-    "for_waiter",
     "pick",
     "prepare",
-    "upgrade",
 ]

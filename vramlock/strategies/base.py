@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from ..control import ParentEnd
-from ..errors import ControlError, StrategyError
-from ..process import Child
+from ..context import CLOSE_TO_EXIT as CLOSE_TO_EXIT
+from ..context import ChildExited as ChildExited
+from ..context import Context as Context
+from ..context import Interrupted as Interrupted
+from ..context import ReleaseTimeout as ReleaseTimeout
+from ..errors import StrategyError
 
 # How long a forceful release lets the process group act on SIGTERM before SIGKILL.
 KILL_GRACE = 2.0
 # After SIGKILL, how long the command's processes get to be gone before that is an error.
 KILL_WAIT = 5.0
-# A command whose control socket closed is given this long to be seen exiting.
-CLOSE_TO_EXIT = 1.0
-
-
-class ChildExited(Exception):
-    """The command exited by itself while a strategy was waiting on it."""
-
-
-class ReleaseTimeout(Exception):
-    """The graceful release did not finish before --yield-within ran out."""
 
 
 # What a process that freed its own memory keeps on the GPU: its CUDA context.
@@ -36,86 +28,27 @@ class Unverified(StrategyError):
     """The strategy says the memory is free, NVML says it is not (yet)."""
 
 
-class Interrupted(Exception):
-    """The wrapper was told to end (SIGTERM, Ctrl-C) while a strategy was waiting on
-    the command: the wait is abandoned so the wrapper stays responsive."""
-
-
-@dataclass
-class Settings:
-    """What the user said about the strategy on the command line."""
+@dataclass(kw_only=True)
+class StrategyOptions:
+    """What the user says about the strategy on the command line (``vramlock run``'s
+    options, the runner's RunOptions, are these and more)."""
 
     on_release: str | None = None  # exec
     on_restore: str | None = None  # exec
-    restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
-    # The GPUs' NVML indices, for verified releases and free-VRAM checks (None: every GPU).
-    gpus: tuple[int, ...] | None = None
-    verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
     preset: str | None = None  # http: the engine (presets.PRESETS); None: the URLs below
     on_release_url: str | None = None  # http without a preset: POSTed to release
     on_restore_url: str | None = None  # http without a preset: POSTed to restore
     upstream: str | None = None  # the server's address, when given (--upstream)
 
 
-@dataclass
-class Context:
-    """The wrapped command and its control channel, as strategies and demands see them.
+@dataclass(kw_only=True)
+class Settings(StrategyOptions):
+    """A strategy's settings: the user's options, and what the runner knows besides."""
 
-    Words from the child count only as the answer to the request just sent
-    (``ask``): an unsolicited ``released`` must not satisfy the next release.
-    """
-
-    child: Child
-    control: ParentEnd
-    hello: bool = False  # the child said it speaks the control protocol
-    wants: bool = False  # the child said `want` since the last restore
-    endings: int = 0  # ending signals (TERM, INT, HUP, QUIT) the wrapper has had
-    _awaiting: str | None = None
-    _answered: bool = False
-    _log: list[str] = field(default_factory=list)
-
-    def start_again(self) -> None:
-        """Start the command anew, with a fresh control channel."""
-        self.control.renew()
-        self.hello = self.wants = False
-        self._awaiting, self._answered = None, False
-        self.child.spawn()
-        self.control.started()
-
-    def take_lines(self, lines: list[str]) -> None:
-        for line in lines:
-            if line == "hello":
-                self.hello = True
-            elif line == "want":
-                self.wants = True
-            elif line == self._awaiting:
-                self._answered = True
-
-    def ask(self, request: str, answer: str, deadline: float | None) -> None:
-        """Send ``request`` and wait for ``answer``; ReleaseTimeout at ``deadline``,
-        ChildExited, Interrupted, or ControlError when the channel closed under a live child."""
-        self.take_lines(self.control.read_lines())  # words sent before the request don't count
-        self._awaiting, self._answered = answer, False
-        endings = self.endings
-        try:
-            self.control.send(request)
-            while not self._answered:
-                if not self.child.alive:
-                    raise ChildExited
-                if self.control.closed:
-                    # Usually the command is exiting: its socket closes just before it dies.
-                    if self.child.wait(CLOSE_TO_EXIT) is not None:
-                        raise ChildExited
-                    raise ControlError("the command closed its control channel and cannot answer")
-                if self.endings != endings:
-                    raise Interrupted
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ReleaseTimeout
-                step = 0.05 if left is None else min(0.05, left)
-                self.take_lines(self.control.wait_lines(step))
-        finally:
-            self._awaiting = None
+    restart_grace: float = 10.0  # restart: SIGTERM to SIGKILL when --yield-within is not given
+    # The GPUs' NVML indices, for verified releases and free-VRAM checks (None: every GPU).
+    gpus: tuple[int, ...] | None = None
+    verify_timeout: float = 10.0  # how long a release waits for NVML to show the memory gone
 
 
 class Strategy:
@@ -124,27 +57,66 @@ class Strategy:
     Before anything is locked, ``fit`` may refuse the command; just before its first
     start, ``prepare`` may adjust it. ``release`` returns once the memory is free; then
     ``verify`` confirms it (NVML, where available) and the token is dropped; ``restore``
-    runs once the token is ours again. Class facts the runner and ``auto`` use:
+    runs once the token is ours again. Facts the runner uses (a subclass states them
+    as class attributes; ``auto`` passes on those of the strategy it chose):
 
     - ``releases``: False for ``none``, which holds the token until the command exits;
-    - ``relaunches``: the process is ended on release and started again on restore;
     - ``stops``: the process is kept but stopped (it must never run without the token);
     - ``defers_signals``: signals for the command wait until it is restored (a
       checkpointed process that runs its exit path fails its CUDA calls, and then
-      cannot be restored).
+      cannot be restored);
+    - ``killed``: the last release ended the command; restore starts it again.
+
+    ``keeps_state`` (False for ``restart``) is a class fact ``auto`` chooses by.
     """
 
     name: ClassVar[str]
-    releases: ClassVar[bool] = True
-    relaunches: ClassVar[bool] = False
-    stops: ClassVar[bool] = False
-    defers_signals: ClassVar[bool] = False
     keeps_state: ClassVar[bool] = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
         self.ctx = ctx
         self.settings = settings
-        self.killed = False  # the command was ended: restore starts it again
+        self.killed = False
+
+    @property
+    def releases(self) -> bool:
+        return True
+
+    @property
+    def stops(self) -> bool:
+        return False
+
+    @property
+    def defers_signals(self) -> bool:
+        return False
+
+    @property
+    def label(self) -> str:
+        """How ``who`` shows the strategy."""
+        return self.name
+
+    @property
+    def undecided(self) -> bool:
+        """Does not release, but may change its mind once somebody waits (``auto``):
+        the runner keeps probing for waiters meanwhile."""
+        return False
+
+    def settle(self, wanted: Callable[[], bool]) -> str | None:
+        """Resident: a policy may change how it releases (``auto``). ``wanted`` probes
+        for waiters. Returns what to tell the user, once, or None."""
+        return None
+
+    def fall_back(self, err: Exception) -> bool:
+        """The command cannot be released this way any more (its control channel broke,
+        the driver refused a checkpoint). True when the strategy found another way
+        (``auto``); False: the command holds the GPU until it exits."""
+        return False
+
+    @classmethod
+    def finds_work(cls, ctx: Context) -> bool:
+        """Once somebody waits: is the running command one this strategy can release?
+        (For ``auto``, which turns to the first that can.)"""
+        return False
 
     @classmethod
     def recognises(cls, command: list[str]) -> bool:
@@ -163,11 +135,6 @@ class Strategy:
         the runner closes once the command is gone."""
         return command
 
-    def wait_ready(self) -> None:
-        """The command was just started: return once it serves (a preset knows how to
-        tell; StrategyError when it does not in time). Clients held by a proxy are let
-        through after this."""
-
     def release(self, deadline: float | None) -> None:
         raise StrategyError(f"the {self.name} strategy never releases")
 
@@ -177,23 +144,27 @@ class Strategy:
         A process that freed its tensors itself keeps its CUDA context (about half a
         GiB): that much per process is allowed.
         """
-        self.verify_gone(self.ctx.child.processes, keep_bytes=CONTEXT_ALLOWANCE)
+        self.verify_gone(self.ctx.child.owns, keep_bytes=CONTEXT_ALLOWANCE)
 
-    def verify_gone(self, pids_of: Callable[[], list[int]], *, keep_bytes: int) -> None:
-        """Wait until NVML shows the processes ``pids_of()`` names holding at most
-        ``keep_bytes`` each; Unverified after ``verify_timeout``. Nothing to check (and
-        no /proc scan on the handoff path) without NVML."""
+    def verify_gone(self, ours: Callable[[int], bool], *, keep_bytes: int) -> None:
+        """Wait until NVML shows the command's processes (the pids ``ours`` accepts)
+        holding at most ``keep_bytes`` each; Unverified after ``verify_timeout``.
+
+        This is on the handoff path: memory that is free already (the usual case) costs
+        one NVML query, and only the few pids NVML lists are looked at, never every
+        process on the machine. Nothing to check without NVML."""
         from .. import nvml
 
         try:
             if not nvml.available():
                 return
-            pids = pids_of()
             gpus = self.settings.gpus
             per_pid = nvml.processes(gpus)
-            on_gpu = [p for p in pids if p in per_pid]
+            on_gpu = [p for p in per_pid if ours(p)]
             # Per process and GPU: a context on each GPU the process uses.
             allowed = keep_bytes * len(on_gpu) * (1 if gpus is None else len(gpus))
+            if sum(per_pid[p] for p in on_gpu) <= allowed:
+                return
             if nvml.wait_released(on_gpu, gpus, self.settings.verify_timeout,
                                   keep_bytes=allowed):  # fmt: skip
                 return

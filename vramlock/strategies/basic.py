@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
-from ..procfs import state
+from ..procfs import pgrp, session
+from ..procfs import stopped as is_stopped
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
 from .keeper import Keeper
 
@@ -21,7 +23,6 @@ class RestartStrategy(Strategy):
     """End every process of the command; start it again when the token is back."""
 
     name = "restart"
-    relaunches = True
     keeps_state = False
 
     def release(self, deadline: float | None) -> None:
@@ -39,12 +40,13 @@ class RestartStrategy(Strategy):
 
 
 class StopStrategy(Strategy):
-    """SIGSTOP the command: frees compute, not memory.
+    """SIGSTOP every process of the command: frees compute, not memory.
 
-    A stopped command must never run without the token. If the wrapper died, the
+    A stopped command must never run without the token: not a worker that left the
+    process group (setsid), and not the command should the wrapper die, when the
     kernel would resume an orphaned stopped group (SIGHUP + SIGCONT) and a command
-    that ignores SIGHUP would compute without the token; a keeper process holds the
-    group un-orphaned meanwhile and kills it should the wrapper die.
+    that ignores SIGHUP would compute. A keeper process holds the groups un-orphaned
+    meanwhile and kills every stopped process should the wrapper die.
     """
 
     name = "stop"
@@ -57,16 +59,24 @@ class StopStrategy(Strategy):
     def release(self, deadline: float | None) -> None:
         child = self.ctx.child
         child.signal_group(signal.SIGSTOP)
-        # Wait until the leader is really stopped (it may be inside a kernel call).
-        while True:
+        # Workers outside the group are stopped one by one; one may start another
+        # meanwhile, so look again until a look finds nobody new.
+        stopped: list[int] = []
+        while new := [p for p in child.processes() if p not in stopped]:
+            child.signal_all(signal.SIGSTOP, new)
+            stopped += new
+        # Wait until each is really stopped (it may be inside a kernel call).
+        while not all(map(is_stopped, stopped)):
             if not child.alive:
                 raise ChildExited
-            if state(child.pid) in ("T", "t"):
-                break
             if deadline is not None and time.monotonic() >= deadline:
                 raise ReleaseTimeout
             time.sleep(0.001)
-        self.keeper = Keeper.start(child.pid)
+        if not child.alive:
+            raise ChildExited
+        ours = session(os.getpid())
+        groups = {g for p in stopped if session(p) == ours and (g := pgrp(p)) is not None}
+        self.keeper = Keeper.start(sorted(groups), stopped[::-1])
         child.ignored.update(self.keeper.pids)
 
     def verify(self, deadline: float | None) -> None:
@@ -74,7 +84,8 @@ class StopStrategy(Strategy):
 
     def _restore(self) -> None:
         self._disarm()
-        self.ctx.child.signal_group(signal.SIGCONT)
+        child = self.ctx.child
+        child.signal_all(signal.SIGCONT, child.processes())
 
     def _disarm(self) -> None:
         if self.keeper is not None:

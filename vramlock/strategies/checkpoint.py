@@ -25,10 +25,6 @@ LOCK_TIMEOUT = 30.0
 RESTORE_MARGIN = 512 << 20
 
 
-class NotCheckpointable(StrategyError):
-    """The command cannot be checkpointed (managed memory, MPS, MIG): it was left running."""
-
-
 class VramTaken(StrategyError):
     """Too little free VRAM to restore: queue again rather than wedge the process."""
 
@@ -102,11 +98,8 @@ class CheckpointStrategy(Strategy):
             raise StrategyError(
                 f"the command's GPU work did not pause within {LOCK_TIMEOUT:g} s"
             ) from None
-        except cuda.NotCheckpointable as err:
-            raise NotCheckpointable(
-                f"process {err.pid} of the command cannot be checkpointed"
-                " (managed memory, MPS or MIG); it was left running"
-            ) from None
+        except cuda.NotCheckpointable:
+            raise  # as it is: the runner falls back to holding the GPU
         except cuda.CudaError as err:
             raise StrategyError(str(err)) from None
         self.pids = pids
@@ -123,7 +116,7 @@ class CheckpointStrategy(Strategy):
 
     def verify(self, deadline: float | None) -> None:
         # A checkpointed process leaves NVML's list altogether: nothing may remain.
-        self.verify_gone(lambda: self.pids, keep_bytes=0)
+        self.verify_gone(lambda pid: pid in self.pids, keep_bytes=0)
 
     def _restore(self) -> None:
         if not self.pids:

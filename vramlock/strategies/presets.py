@@ -18,15 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..address import Address, connect_host
 from ..errors import StrategyError
-from .base import Context, Settings
+from .base import Context, Interrupted, ReleaseTimeout, Settings
 from .basic import RestartStrategy
 from .webapi import (
     QUERY_TIMEOUT,
     SETTLE_TIMEOUT,
-    Address,
     Preset,
-    connect_host,
     flag,
     option,
     program,
@@ -171,8 +170,8 @@ class LlamaServer(Preset, RestartStrategy):
 
     def wait_ready(self) -> None:
         self.until(
-            "did not answer GET /health with 200",
-            lambda: self.probe("/health", self.address) == 200,
+            f"did not answer GET {self.ready_path} with 200",
+            lambda: self.probe(self.ready_path, self.address) == 200,
             None,
             READY_TIMEOUT,
         )
@@ -237,7 +236,16 @@ class Vllm(Preset):
             reply = _object(self.get("/is_sleeping", deadline), "GET /is_sleeping", self.engine)
             return reply.get("is_sleeping") is True
 
-        self.until("did not report is_sleeping", sleeping, deadline, SETTLE_TIMEOUT)
+        try:
+            self.until("did not report is_sleeping", sleeping, deadline, SETTLE_TIMEOUT)
+        except (StrategyError, Interrupted):
+            # It may be asleep: resident and asleep, it would answer nobody. Wake it, or
+            # failing that, have it ended (ReleaseTimeout): released either way.
+            try:
+                self.post("/wake_up", None, deadline)
+            except (StrategyError, Interrupted):
+                raise ReleaseTimeout from None
+            raise
 
     def take_back(self) -> None:
         self.post("/wake_up", None, None)
@@ -278,6 +286,7 @@ class ComfyUI(Preset):
     name = "http:comfyui"
     engine = "comfyui"
     default_port = 8188
+    ready_path = "/system_stats"
 
     @classmethod
     def listens(cls, argv: list[str], env: Mapping[str, str]) -> Address:
@@ -337,6 +346,7 @@ class Ollama(Preset):
     name = "http:ollama"
     engine = "ollama"
     default_port = 11434
+    ready_path = "/"  # "Ollama is running"
 
     @classmethod
     def identifies(cls, command: list[str]) -> bool:
@@ -378,3 +388,16 @@ class Ollama(Preset):
 PRESETS: dict[str, type[Preset]] = {
     cls.engine: cls for cls in (LlamaServer, Vllm, Sglang, ComfyUI, Ollama)
 }
+
+
+def ready_url(command: list[str], preset: str | None) -> str | None:
+    """The path that answers 2xx once the server ``command`` starts serves, whatever the
+    release strategy: its engine's, by ``--preset`` or by the command itself (where
+    ``auto`` would know the engine); None for a server of no engine we know."""
+    if preset in PRESETS:
+        engine: type[Preset] | None = PRESETS[preset]
+    else:
+        engine = next((cls for cls in PRESETS.values() if cls.identifies(command)), None)
+    if engine is None:
+        return None
+    return engine.prefix(command, os.environ) + engine.ready_path

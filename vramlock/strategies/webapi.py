@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
-from ..errors import StrategyError, UsageError
+from ..address import Address, connect_host, server, split_url
+from ..errors import StrategyError
+from ..framing import Framing
 from .base import (
     CLOSE_TO_EXIT,
     ChildExited,
@@ -39,6 +41,10 @@ from .base import (
 # sleep copies the weights to host memory, a slot save writes the KV cache to disk).
 QUERY_TIMEOUT = 10.0
 ACTION_TIMEOUT = 120.0
+# How long a probe of a starting server may take (it is asked again).
+PROBE_TIMEOUT = 1.0
+# A request's waits are cut in slices this long, to see an order to end.
+IO_SLICE = 0.1
 # How often, and without --yield-within how long, a release polls for its effect.
 POLL = 0.02
 SETTLE_TIMEOUT = 120.0
@@ -46,42 +52,10 @@ SETTLE_TIMEOUT = 120.0
 MAX_REPLY = 4 << 20
 
 
-@dataclass(frozen=True)
-class Address:
-    """Where a server answers HTTP: host, port, and a path prefix (no trailing slash)."""
-
-    host: str
-    port: int
-    prefix: str = ""
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}{self.prefix}"
-
-
-def connect_host(host: str) -> str:
-    """The host to connect to for a server listening on ``host`` (a wildcard: loopback)."""
-    host = host.strip().strip("[]")
-    if host in ("", "0.0.0.0", "*"):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
 def parse_port(text: str, what: str) -> int:
     if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
         raise StrategyError(f"{what}: bad port {text!r}")
     return int(text)
-
-
-def parse_address(text: str, what: str) -> Address:
-    """``HOST:PORT``, ``[IPv6]:PORT`` or ``PORT`` (on 127.0.0.1), as ``--upstream`` takes
-    it; UsageError for anything else."""
-    from ..proxy import parse_address as split_address
-
-    host, port = split_address(text, what)
-    return Address(connect_host(host), port)
 
 
 # -- the command line of a server ---------------------------------------------------------
@@ -132,7 +106,7 @@ def _reason(err: BaseException) -> str:
     """A failed connection in a few words."""
     if isinstance(err, ConnectionRefusedError):
         return "connection refused"
-    if isinstance(err, ConnectionResetError):  # http.client.RemoteDisconnected too
+    if isinstance(err, ConnectionResetError):  # closed before the answer was complete
         return "the connection was closed without an answer"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror.lower()
@@ -178,7 +152,7 @@ class HttpStrategy(Strategy):
             ("--on-restore-url", settings.on_restore_url),
         ):
             if url is not None:
-                _split_url(url, option_name)
+                split_url(url, option_name)
 
     def release(self, deadline: float | None) -> None:
         self._endings = self.ctx.endings  # an ending signal from now on interrupts the waits
@@ -198,7 +172,7 @@ class HttpStrategy(Strategy):
             self._post_url(self.settings.on_restore_url, None)
 
     def _post_url(self, url: str, deadline: float | None) -> None:
-        address, path = _split_url(url, "URL")
+        address, path = split_url(url, "URL")
         self.call("POST", path, deadline=deadline, limit=ACTION_TIMEOUT, at=address)
 
     # -- requests ---------------------------------------------------------------------------
@@ -209,23 +183,52 @@ class HttpStrategy(Strategy):
         return self.name
 
     def _exchange(
-        self, method: str, path: str, body: object, timeout: float, at: Address
+        self, method: str, path: str, body: object, end: float, at: Address
     ) -> tuple[int, bytes]:
-        """One request on a fresh connection; the errors of http.client as they come."""
-        import http.client  # only this strategy speaks HTTP
+        """One request on a fresh connection, answered by ``end`` (a monotonic time) or
+        TimeoutError: every step gets only what is left, so a server that trickles its
+        answer cannot stretch it. Interrupted when the wrapper is told to end; OSError
+        for a failed connection or an answer that is not HTTP."""
+        data = b"" if body is None else json.dumps(body).encode()
+        headers = {"Host": str(Address(at.host, at.port)), "Connection": "close", **self.headers}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if body is not None or method == "POST":
+            headers["Content-Length"] = str(len(data))
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        request = f"{method} {at.prefix}{path} HTTP/1.1\r\n{head}\r\n".encode() + data
+        reply = Framing(responses=True, methods=deque([method.encode()]), body=bytearray())
+        with socket.create_connection((at.host, at.port), timeout=self._left(end)) as sock:
+            sock.settimeout(self._left(end))
+            sock.sendall(request)
+            while not reply.done and len(reply.body or b"") <= MAX_REPLY:
+                chunk = self._recv(sock, end)
+                if not chunk:
+                    reply.end()
+                    break
+                reply.feed(chunk)
+                if reply.opaque:
+                    raise OSError(0, "Not an HTTP answer")
+        if not reply.done and len(reply.body or b"") <= MAX_REPLY:
+            raise ConnectionResetError  # closed before the answer was complete
+        return reply.status, bytes(reply.body or b"")[:MAX_REPLY]
 
-        conn = http.client.HTTPConnection(at.host, at.port, timeout=timeout)
-        try:
-            headers = dict(self.headers)
-            data = None
-            if body is not None:
-                data = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            conn.request(method, at.prefix + path, body=data, headers=headers)
-            reply = conn.getresponse()
-            return reply.status, reply.read(MAX_REPLY)
-        finally:
-            conn.close()
+    def _left(self, end: float) -> float:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    def _recv(self, sock: socket.socket, end: float) -> bytes:
+        """What ``sock`` has, waiting in slices to see an order to end."""
+        while True:
+            if self.ctx.endings != self._endings:
+                raise Interrupted
+            sock.settimeout(min(self._left(end), IO_SLICE))
+            try:
+                return sock.recv(1 << 16)
+            except TimeoutError:
+                continue
 
     def call(
         self,
@@ -240,25 +243,24 @@ class HttpStrategy(Strategy):
     ) -> tuple[int, bytes]:
         """One request; (status, body) when ``accept(status)``, else StrategyError.
 
-        ``limit`` bounds the request, and so does ``deadline`` (--yield-within), which
-        is ReleaseTimeout when reached. A failed connection to a command that has
-        exited is ChildExited.
+        The whole request takes ``limit`` seconds at most, and ends at ``deadline``
+        (--yield-within), which is ReleaseTimeout. A failed connection to a command that
+        has exited is ChildExited; an order to end, Interrupted.
         """
-        import http.client
-
-        timeout = limit
+        now = time.monotonic()
+        end = now + limit
         if deadline is not None:
-            timeout = min(limit, deadline - time.monotonic())
-            if timeout <= 0:
+            if deadline <= now:
                 raise ReleaseTimeout
+            end = min(end, deadline)
         what = f"{self.where}: {method} {at.prefix}{path}"
         try:
-            status, raw = self._exchange(method, path, body, timeout, at)
+            status, raw = self._exchange(method, path, body, end, at)
         except TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline - 0.001:
+            if deadline is not None and end == deadline:
                 raise ReleaseTimeout from None
-            raise StrategyError(f"{what}: no answer within {timeout:g} s") from None
-        except (OSError, http.client.HTTPException) as err:
+            raise StrategyError(f"{what}: no complete answer within {limit:g} s") from None
+        except OSError as err:
             # A server that dies under a request closes the connection just before it
             # can be reaped: give it a moment to be seen exiting.
             if self.ctx.child.wait(CLOSE_TO_EXIT) is not None:
@@ -270,11 +272,9 @@ class HttpStrategy(Strategy):
 
     def probe(self, path: str, at: Address) -> int | None:
         """GET ``path``'s status, or None while nothing answers (a server starting)."""
-        import http.client
-
         try:
-            return self._exchange("GET", path, None, QUERY_TIMEOUT, at)[0]
-        except (OSError, http.client.HTTPException):
+            return self._exchange("GET", path, None, time.monotonic() + PROBE_TIMEOUT, at)[0]
+        except OSError:  # TimeoutError too
             return None
 
     def decode(self, raw: bytes, what: str) -> Any:
@@ -303,25 +303,13 @@ class HttpStrategy(Strategy):
             time.sleep(min(POLL, left))
 
 
-def _split_url(url: str, what: str) -> tuple[Address, str]:
-    """``http://host[:port]/path`` as the address and the path (with its query)."""
-    bad = UsageError(f"{what}: bad URL {url!r} (http://HOST[:PORT]/PATH)")
-    try:
-        parts = urlsplit(url)
-        port = parts.port or 80
-    except ValueError:
-        raise bad from None
-    if parts.scheme != "http" or not parts.hostname:
-        raise bad
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Address(connect_host(parts.hostname), port), path
-
-
 class Preset(HttpStrategy):
     """An engine's own API, at the address its command line (or ``--upstream``) gives."""
 
     engine: ClassVar[str]  # the --preset name
     default_port: ClassVar[int]
+    # What answers 2xx once the server serves (--demand listen forwards from then on).
+    ready_path: ClassVar[str] = "/health"
     keeps_state = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
@@ -361,7 +349,7 @@ class Preset(HttpStrategy):
     def locate(cls, argv: list[str], env: Mapping[str, str], settings: Settings) -> Address:
         """The server's address: ``--upstream`` if given, else from its command line."""
         if settings.upstream is not None:
-            up = parse_address(settings.upstream, "--upstream")
+            up = server(settings.upstream, "--upstream")
             return Address(up.host, up.port, cls.prefix(argv, env))
         return cls.listens(argv, env)
 

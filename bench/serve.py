@@ -1,0 +1,216 @@
+"""``vramlock serve`` with three real CPU llama-servers: routing overhead, and a burst.
+
+    python bench/serve.py [--requests 500] [--burst 30] [--json PATH]
+
+Needs the CPU llama-server that ``tools/llama_server.py`` builds and caches, and writes
+three tiny models with ``tools/tiny_gguf.py`` (seeds 0-2). serve runs on a temporary
+arena with one model per server, each under ``vramlock run`` as ``serve`` starts it.
+
+- **overhead**: ``--requests`` sequential ``POST /tokenize`` (a request that costs the
+  server microseconds, so the path is what is measured) on one keep-alive connection, to
+  the resident model's server directly, through its wrapper's proxy, and through serve;
+  the p50 and p90 of each, and the p50 each layer adds.
+- **burst**: ``--burst`` requests sent at once, cycling over the three models (a b c a b
+  c ...), from the settled state (one model resident); every answer's status, and the
+  swaps seen in /proc (which server is alive, sampled every 3 ms) against the minimum
+  (each model that was not resident loaded once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import llama_server  # noqa: E402
+import tiny_gguf  # noqa: E402
+from netutil import free_ports  # noqa: E402
+
+from vramlock import procfs  # noqa: E402
+
+NAMES = ("a", "b", "c")
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    return reply.status, reply.read()
+
+
+def latencies(ports: dict[str, int], n: int) -> dict[str, list[float]]:
+    """``n`` rounds of one /tokenize request on each path (a keep-alive connection each),
+    interleaved so that the machine's load weighs on every path alike: seconds each."""
+    conns = {
+        what: http.client.HTTPConnection("127.0.0.1", p, timeout=60) for what, p in ports.items()
+    }
+    body = {"model": "a", "content": "Hello world"}
+    out: dict[str, list[float]] = {what: [] for what in ports}
+    try:
+        for i in range(n + 20):  # the first 20: warm-up (connections, caches)
+            for what, conn in conns.items():
+                t = time.perf_counter()
+                status, _ = post(conn, "/tokenize", body)
+                if i >= 20:
+                    out[what].append(time.perf_counter() - t)
+                assert status == 200, status
+    finally:
+        for conn in conns.values():
+            conn.close()
+    return out
+
+
+def alive(binary: str, ports: dict[str, str]) -> list[str]:
+    """Which models' servers are alive (by their --port), from /proc."""
+    found = []
+    for pid in procfs.all_pids():
+        cmd = procfs.text(pid, "cmdline").split()
+        if cmd and cmd[0] == binary and "--port" in cmd and procfs.living(pid):
+            name = ports.get(cmd[cmd.index("--port") + 1])
+            if name is not None:
+                found.append(name)
+    return found
+
+
+def states(port: int) -> dict[str, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/v1/models")
+        listing = json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+    return {m["id"]: m["state"] for m in listing["data"]}
+
+
+def wait_settled(port: int, timeout: float = 60) -> dict[str, str]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            now = states(port)
+            if sorted(now.values()) == ["released", "released", "resident"]:
+                return now
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise SystemExit("serve did not settle")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--burst", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    binary = str(llama_server.cached_binary() or llama_server.ensure())
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        arena = work / "arena"
+        arena.mkdir(mode=0o700)
+        serve_port, *upstreams = free_ports(4)
+        lines = ["healthCheckTimeout: 60", "models:"]
+        for seed, (name, port) in enumerate(zip(NAMES, upstreams, strict=True)):
+            model = work / f"tiny-{seed}.gguf"
+            tiny_gguf.write(model, llama_server.vocab_path(), seed=seed)
+            lines += [f"  {name}:",
+                      f"    cmd: {binary} -m {model} --host 127.0.0.1 --port {port} -np 1"
+                      " -c 1024 -t 1",
+                      f"    proxy: http://127.0.0.1:{port}"]  # fmt: skip
+        config = work / "serve.yaml"
+        config.write_text("\n".join(lines) + "\n")
+        log = open(work / "serve.log", "w")  # noqa: SIM115 (closed below)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "vramlock", "serve", str(config), "--listen", str(serve_port)],
+            env={**os.environ, "VRAMLOCK_ARENA": str(arena)},
+            stdout=log,
+            stderr=log,
+        )
+        try:
+            wait_settled(serve_port)
+            # overhead: a resident, directly / through its wrapper's proxy / through serve
+            conn = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=60)
+            post(conn, "/v1/completions", {"model": "a", "prompt": "Hi", "max_tokens": 1})
+            conn.close()
+            proc = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(serve.pid)],
+                                  capture_output=True, text=True, check=True)  # fmt: skip
+            wrapper_port = next(
+                int(line.split("--listen 127.0.0.1:")[1].split()[0])
+                for line in proc.stdout.splitlines()
+                if "--name a " in line
+            )
+            paths = {"server": upstreams[0], "run proxy": wrapper_port, "serve": serve_port}
+            results: dict[str, Any] = {"overhead": {}}
+            for what, seconds in latencies(paths, args.requests).items():
+                ms = [x * 1000 for x in seconds]
+                q = statistics.quantiles(ms, n=10)
+                results["overhead"][what] = {"p50_ms": statistics.median(ms), "p90_ms": q[8]}
+            over = results["overhead"]
+            for what in ("run proxy", "serve"):
+                over[what]["added_p50_ms"] = over[what]["p50_ms"] - over["server"]["p50_ms"]
+
+            # burst: from the settled state
+            before = wait_settled(serve_port)
+            resident = next(n for n, s in before.items() if s == "resident")
+            by_port = {str(p): n for n, p in zip(NAMES, upstreams, strict=True)}
+            runs: list[str] = []
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    now = alive(binary, by_port)
+                    if len(now) == 1 and (not runs or runs[-1] != now[0]):
+                        runs.append(now[0])
+                    time.sleep(0.003)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+
+            def one(i: int) -> int:
+                c = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=300)
+                try:
+                    body = {"model": NAMES[i % 3], "prompt": "Hi", "max_tokens": 4}
+                    return post(c, "/v1/completions", body)[0]
+                finally:
+                    c.close()
+
+            started = time.monotonic()
+            with ThreadPoolExecutor(args.burst) as pool:
+                statuses = list(pool.map(one, range(args.burst)))
+            took = time.monotonic() - started
+            stop.set()
+            sampler.join(5)
+            swaps = len(runs) - 1 if runs and runs[0] == resident else len(runs)
+            results["burst"] = {
+                "requests": args.burst,
+                "answered_200": statuses.count(200),
+                "seconds": took,
+                "resident_before": resident,
+                "servers_in_order": runs,
+                "swaps": swaps,
+                "minimum_swaps": len(set(NAMES) - {resident}),
+            }
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+            log.close()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

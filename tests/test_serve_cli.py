@@ -1,0 +1,168 @@
+"""``vramlock serve`` end to end without a llama-server: errors, warnings, streaming.
+
+A bad configuration or --listen value is a usage error (2) naming the file and line;
+an address in use is vramlock's own failure (125); warnings do not stop it. A streamed
+answer reaches the client chunk by chunk, not when it is complete; a server that never
+answers its checkEndpoint never has a request forwarded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Spawn, free_port, vramlock
+from test_cli_errors import ErrCli, expect_error
+
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD = "models:\n  m:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
+
+
+def config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("models:\n  m:\n    cmd: [x\n", [":4: not valid YAML"]),
+        ("models:\n  m:\n    proxy: http://127.0.0.1:9\n", [":2: model 'm': no cmd"]),
+        ("models:\n  m:\n    cmd: sleep ${PORT}\n    release: bogus\n",
+         [":2: model 'm': unknown release strategy 'bogus'"]),
+    ],
+    ids=["bad-yaml", "missing-cmd", "bad-release"],
+)  # fmt: skip
+def test_bad_configuration(errcli: ErrCli, tmp_path: Path, text: str, fragments: list[str]) -> None:
+    path = config(tmp_path, text)
+    expect_error(errcli("serve", str(path)), 2, str(path), *fragments)
+
+
+def test_missing_file(errcli: ErrCli, tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    expect_error(errcli("serve", str(path)), 2, f"{path}: cannot read it")
+
+
+def test_bad_listen_address(errcli: ErrCli, tmp_path: Path) -> None:
+    out = errcli("serve", str(config(tmp_path, GOOD)), "--listen", "nowhere")
+    expect_error(out, 2, "--listen: bad address 'nowhere'")
+
+
+def test_listen_address_in_use(errcli: ErrCli, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = errcli("serve", str(config(tmp_path, GOOD)), "--listen", str(port))
+    expect_error(out, 125, f"--listen {port}: Address already in use")
+
+
+def test_unknown_key_warns_and_serve_runs(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = config(tmp_path, GOOD + "    colour: blue\n")
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == f"vramlock: {path}:5: model 'm': unknown key colour ignored\n"
+    assert proc.stderr.readline() == f"vramlock: serving m at http://127.0.0.1:{port}\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: Path) -> None:
+    # aiohttp made unimportable, as where the serve extra is not installed
+    code = "import sys; sys.modules['aiohttp'] = None; from vramlock.cli import main; main()"
+    out = errcli("serve", str(config(tmp_path, GOOD)), python_code=code)
+    expect_error(out, 125, "vramlock serve needs aiohttp: pip install 'vramlock[serve]'")
+
+
+# A server that streams two chunks a second apart (what a slow model's SSE looks like).
+SLOW_STREAM = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i, line in enumerate((b"data: first\\n\\n", b"data: last\\n\\n")):
+            if i:
+                time.sleep(1)
+            self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(line), line))
+            self.wfile.flush()
+        self.wfile.write(b"0\\r\\n\\r\\n")
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_stream_is_passed_on_as_it_comes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STREAM)
+    path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            f"    checkEndpoint: none\nstartPort: {free_port()}\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        body = b'{"model": "m", "stream": true}'
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))  # fmt: skip
+        got, first = b"", None
+        while b"data: last" not in got:
+            got += s.recv(65536)
+            if first is None and b"data: first" in got:
+                first = time.monotonic()
+        assert first is not None and time.monotonic() - first > 0.8
+    assert b"200 OK" in got and b"text/event-stream" in got
+
+
+# A server that answers 503 to everything, as llama-server does while it loads.
+LOADING = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    do_GET = do_POST = answer
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_model_that_never_gets_healthy_fails_without_its_503(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING)
+    path = config(tmp_path, f"healthCheckTimeout: 1\nstartPort: {free_port()}\nmodels:\n"
+                            f"  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=b'{"model": "m"}')
+    reply = conn.getresponse()
+    body = json.loads(reply.read())
+    conn.close()
+    # held while /health said 503, then serve's own answer: the engine's 503 never
+    assert reply.status == 502, body
+    assert body["error"]["message"].startswith("model m: its server did not answer")
+    assert time.monotonic() - started < 10

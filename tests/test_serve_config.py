@@ -1,0 +1,250 @@
+"""``vramlock serve``'s configuration: llama-swap's YAML, read as llama-swap documents it.
+
+The two configurations of llama-swap's README (the short one and the "very powerful"
+one) and its configuration guide's macros; every error names its file and line.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from vramlock.cli import parse_duration
+from vramlock.serve.config import Config, ConfigError, load
+
+pytestmark = pytest.mark.timeout(30)
+
+README_SHORT = """\
+models:
+  "qwen2.5":
+    proxy: "http://127.0.0.1:9999"
+    cmd: |
+      /app/llama-server
+      -hf bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+      --port 9999
+
+  "smollm2":
+    proxy: "http://127.0.0.1:9999"
+    cmd: |
+      /app/llama-server
+      -hf bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+      --port 9999
+"""
+
+README_FULL = """\
+# Seconds to wait for upstream to load and be ready to serve requests
+healthCheckTimeout: 500
+
+logLevel: info
+
+startPort: 10001
+
+models:
+  "llama":
+    cmd: |
+      llama-server --port 8999
+      --model path/to/Qwen2.5-1.5B-Instruct-Q4_K_M.gguf
+
+    env:
+      - "CUDA_VISIBLE_DEVICES=0"
+
+    proxy: http://127.0.0.1:8999
+
+    aliases:
+      - "gpt-4o-mini"
+      - "gpt-3.5-turbo"
+
+    checkEndpoint: /custom-endpoint
+
+    ttl: 60
+
+    useModelName: "qwen:qwq"
+
+  "qwen-unlisted":
+    unlisted: true
+    cmd: llama-server --port ${PORT} -m Llama-3.2-1B-Instruct-Q4_K_M.gguf -ngl 0
+
+  "docker-llama":
+    proxy: "http://127.0.0.1:${PORT}"
+    cmd: |
+      docker run --name dockertest
+      --init --rm -p ${PORT}:8080 -v /mnt/nvme/models:/models
+      ghcr.io/ggerganov/llama.cpp:server
+      --model '/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf'
+
+    cmdStop: docker stop dockertest
+
+groups:
+  "group1":
+    swap: true
+    exclusive: true
+    members:
+      - "llama"
+      - "qwen-unlisted"
+"""
+
+MACROS = """\
+macros:
+  "latest-llama": >
+    /path/to/llama-server --port ${PORT}
+  "default_ctx": 4096
+  "default_args": "--ctx-size ${default_ctx}"
+  "models_dir": "${env.SERVE_TEST_HOME}/models"
+models:
+  model1:
+    cmd: llama-server --port ${PORT} --model /path/to/model.gguf
+  "gpt-oss":
+    macros:
+      "default_ctx": 16384
+    name: "gpt-oss 120B"
+    description: "A thinking model"
+    cmd: |
+      # ${latest-llama} is a macro that is defined above
+      ${latest-llama}
+      --model ${models_dir}/gpt-oss.gguf
+      --ctx-size ${default_ctx} ${default_args}
+      --alias ${MODEL_ID}
+"""
+
+
+def read(tmp_path: Path, text: str) -> Config:
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(text))
+    return load(str(path), parse_duration)
+
+
+def test_readme_short_example(tmp_path: Path) -> None:
+    config = read(tmp_path, README_SHORT)
+    assert list(config.models) == ["qwen2.5", "smollm2"]
+    qwen = config.models["qwen2.5"]
+    hf = "bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+    assert qwen.command == ["/app/llama-server", "-hf", hf, "--port", "9999"]
+    assert qwen.upstream == "127.0.0.1:9999"
+    assert qwen.check_endpoint == "/health"
+    assert qwen.ttl == 0
+    assert config.health_timeout == 120
+    assert config.warnings == []
+
+
+def test_readme_full_example(tmp_path: Path) -> None:
+    config = read(tmp_path, README_FULL)
+    path = str(tmp_path / "config.yaml")
+    llama, unlisted, docker = config.models.values()
+    assert config.health_timeout == 500
+    assert llama.aliases == ("gpt-4o-mini", "gpt-3.5-turbo")
+    assert config.find("gpt-3.5-turbo") is llama
+    assert llama.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert (llama.upstream, llama.check_endpoint) == ("127.0.0.1:8999", "/custom-endpoint")
+    assert llama.ttl == 60
+    # ${PORT}: startPort, then the next one, in the file's order
+    assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10001"]
+    assert unlisted.upstream == "127.0.0.1:10001"
+    assert docker.upstream == "127.0.0.1:10002"
+    assert "10002:8080" in docker.command
+    assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
+    # one warning per key that means nothing here, each with its line and why
+    assert config.warnings == [
+        f"{path}:4: logLevel ignored: the wrappers and servers write to serve's standard output"
+        " and error",
+        f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
+        " at a time; models on different GPUs (gpu:) run together",
+        f"{path}:27: model 'llama': useModelName ignored: requests are passed to the model"
+        " unchanged",
+        f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
+        " release strategy, not by being stopped",
+    ]
+
+
+def test_macros_env_model_macros_and_model_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SERVE_TEST_HOME", "/home/u")
+    config = read(tmp_path, MACROS)
+    assert config.models["model1"].upstream == "127.0.0.1:5800"
+    oss = config.models["gpt-oss"]
+    assert oss.command == ["/path/to/llama-server", "--port", "5801", "--model",
+                           "/home/u/models/gpt-oss.gguf", "--ctx-size", "16384", "--ctx-size",
+                           "4096", "--alias", "gpt-oss"]  # fmt: skip
+    assert (oss.title, oss.description) == ("gpt-oss 120B", "A thinking model")
+
+
+def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            release: restart
+            min_hold: 2s
+            yield_within: 30
+            gpu: 1
+          b:
+            cmd: srv --port ${PORT}
+            arena: shared
+            preset: llama-server
+        """)  # fmt: skip
+    a, b = config.models.values()
+    assert a.run_options == ("--release", "restart", "--min-hold", "2s", "--yield-within", "30",
+                             "--gpu", "1")  # fmt: skip
+    assert b.run_options == ("--release", "auto", "--preset", "llama-server", "--arena",
+                             str(tmp_path / "shared"))  # fmt: skip
+
+
+def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        colour: blue
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            flavour: x
+        """)  # fmt: skip
+    path = tmp_path / "config.yaml"
+    assert config.warnings == [f"{path}:1: unknown key colour ignored",
+                               f"{path}:5: model 'a': unknown key flavour ignored"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        ("models:\n  a:\n    cmd: [srv\n", 4, "not valid YAML"),
+        ("models:\n  a:\n    proxy: http://127.0.0.1:1\n", 2, "model 'a': no cmd"),
+        ("- a\n- b\n", 1, "the file must be a mapping with a models: key"),
+        ("macros: {}\n", 1, "no models: key"),
+        ("models:\n  a:\n    cmd: srv --port 1\n", 2, "no proxy, and its cmd has no ${PORT}"),
+        ("models:\n  a:\n    cmd: srv ${nope}\n", 3, "${nope} is not a defined macro"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    proxy: https://h:1\n", 4,
+         "proxy must be an http://HOST:PORT URL"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: soon\n", 4, "ttl must be a number"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    min_hold: forever\n", 4, "bad duration"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [b]\n  b:\n    cmd: srv ${PORT}\n",
+         5, "model 'b' is already an alias"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n  a:\n    cmd: srv ${PORT}\n", 4, "appears twice"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    env: [NOEQUALS]\n", 4, "is not NAME=value"),
+        ("models:\n  a:\n    cmd: srv ${env.SERVE_TEST_UNSET}\n", 3, "SERVE_TEST_UNSET is not set"),
+    ],
+    ids=["yaml", "no-cmd", "not-mapping", "no-models", "no-proxy", "macro", "https", "ttl",
+         "duration", "alias-clash", "twice", "env", "env-macro"],
+)  # fmt: skip
+def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        read(tmp_path, text)
+    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}:{line}: ")
+    assert message in str(err.value)
+    assert err.value.exit_status == 2
+
+
+def test_man_page_states_the_defaults_in_the_code() -> None:
+    from conftest import ROOT
+
+    from vramlock.serve.config import DEFAULT_HEALTH_TIMEOUT, DEFAULT_START_PORT
+    from vramlock.serve.members import STOP_WITHIN
+    from vramlock.serve.router import GROUP_WAIT
+
+    page = " ".join((ROOT / "man" / "man1" / "vramlock-serve.1").read_text().split())
+    assert f"(default {DEFAULT_START_PORT})" in page
+    assert f"(default {DEFAULT_HEALTH_TIMEOUT:g} s, taken as given)" in page
+    assert f"turn lasts {GROUP_WAIT:g} seconds more at most" in page
+    assert f"for {STOP_WITHIN:g} s at most" in page

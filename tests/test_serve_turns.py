@@ -1,0 +1,86 @@
+"""serve's admission (``Turns``) on its own: the order in which requests reach models.
+
+Pure asyncio, no processes: each request enters, records its model, holds its turn for
+a while, and leaves, as the router does around a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from vramlock.serve import router
+from vramlock.serve.router import Turns
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def request(turns: Turns, model: str, order: list[str], hold: float = 0.01) -> None:
+    await turns.enter(model)
+    try:
+        order.append(model)
+        await asyncio.sleep(hold)
+    finally:
+        turns.leave()
+
+
+def test_interleaved_requests_are_served_grouped() -> None:
+    async def main() -> list[str]:
+        turns, order = Turns(), list[str]()
+        await asyncio.gather(*(request(turns, m, order) for m in "ABABAB"))
+        return order
+
+    assert asyncio.run(main()) == list("AAABBB")
+
+
+def test_a_burst_starts_with_the_model_served_last() -> None:
+    async def main() -> list[str]:
+        turns, order = Turns(), list[str]()
+        await request(turns, "A", order)  # A was served last: likely resident
+        order.clear()
+        first = asyncio.ensure_future(request(turns, "B", order))
+        await asyncio.sleep(0.02)  # within LINGER
+        await asyncio.gather(first, request(turns, "A", order), request(turns, "B", order))
+        return order
+
+    assert asyncio.run(main()) == list("ABB")
+
+
+def test_clients_that_never_pause_take_bounded_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router, "GROUP_WAIT", 0.2)
+
+    async def main() -> list[str]:
+        turns, order = Turns(), list[str]()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 1.5
+
+        async def client(model: str) -> None:
+            while loop.time() < end:
+                await request(turns, model, order, hold=0.005)
+
+        await asyncio.gather(client("A"), client("B"))
+        return order
+
+    order = asyncio.run(main())
+    runs = [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m]
+    # both served, in turns of about GROUP_WAIT (not one request each, not one forever)
+    assert set(runs) == {"A", "B"}
+    assert 3 <= len(runs) <= 1.5 / 0.2 + 2, runs
+
+
+def test_a_cancelled_waiter_gives_its_place_back() -> None:
+    async def main() -> list[str]:
+        turns, order = Turns(), list[str]()
+        holder = asyncio.ensure_future(request(turns, "A", order, hold=0.1))
+        await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(request(turns, "B", order))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # its client went away while it waited
+        await holder
+        await request(turns, "C", order)  # not stuck behind the cancelled one
+        return order
+
+    assert asyncio.run(main()) == ["A", "C"]

@@ -1,0 +1,119 @@
+"""``vramlock serve CONFIG``: every model of a llama-swap configuration at one address.
+
+Each model runs under its own ``vramlock run --demand listen`` wrapper (``members``),
+a member of the arena like any other; the router (``router``) takes the OpenAI API at
+one address and passes each request to its model's wrapper. Needs the ``serve`` extra
+(aiohttp, PyYAML); nothing else in vramlock imports this package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..errors import AddressError, VramlockError
+
+if TYPE_CHECKING:
+    from .config import Config, Duration
+    from .members import Wrapper
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+# Requests still open when serve is told to end get this long before they are cut.
+SHUTDOWN_GRACE = 2.0
+
+
+def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], None]) -> int:
+    """Run until SIGTERM, SIGINT or SIGHUP; 0 then. ConfigError (exit 2) for a bad file,
+    UsageError for a bad ``listen``, AddressError when it cannot be listened on."""
+    try:
+        import aiohttp  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError as err:
+        raise VramlockError(
+            f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
+        ) from None
+    from ..address import parse
+    from .config import load
+    from .members import Wrapper
+
+    config = load(path, duration)
+    for message in config.warnings:
+        warn(message)
+    host, port = parse(listen, "--listen")
+    wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
+    for w in wrappers.values():
+        _check(config, w)
+    return asyncio.run(_main(config, wrappers, listen, host, port, warn))
+
+
+def _check(config: Config, w: Wrapper) -> None:
+    """What ``vramlock run`` would refuse, refused now, naming the model's line."""
+    from ..arena import parse_gpus
+    from ..runner import RunOptions
+    from .config import ConfigError
+
+    m = w.model
+    opts = RunOptions(
+        command=m.command,
+        arena=m.arena,
+        gpus=parse_gpus(m.gpu) if m.gpu is not None else (),
+        name=m.name,
+        release=m.release,
+        preset=m.preset,
+        demand="listen",
+        listen=f"127.0.0.1:{w.port}",
+        upstream=m.upstream,
+        ready_url=w.ready_url,
+        ready_within=config.health_timeout,
+    )
+    try:
+        opts.check()
+        w.arena().close()
+    except VramlockError as err:
+        raise ConfigError(config.path, m.line, f"model {m.name!r}: {err}") from None
+
+
+async def _main(
+    config: Config,
+    wrappers: dict[str, Wrapper],
+    listen: str,
+    host: str,
+    port: int,
+    warn: Callable[[str], None],
+) -> int:
+    from aiohttp import web
+
+    from ..address import show
+    from .members import stop_all
+    from .router import Router
+
+    router = Router(config, wrappers)
+    runner = web.AppRunner(
+        router.app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE
+    )
+    await runner.setup()
+    # Bound before any model starts: a client arriving meanwhile is held, not refused.
+    site = web.TCPSite(runner, host, port, reuse_address=True, shutdown_timeout=SHUTDOWN_GRACE)
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        # aiohttp rewords the error: the errno says it in the usual words.
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise AddressError("--listen", listen, reason) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(s, stop.set)
+    try:
+        for w in wrappers.values():
+            w.start()
+        warn(f"serving {', '.join(wrappers)} at http://{show((host, port))}")
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        stop_all(list(wrappers.values()))
+    return 0

@@ -1,0 +1,448 @@
+"""``vramlock serve CONFIG``: llama-swap's YAML configuration, read into models.
+
+What llama-swap's keys mean here:
+
+- ``models.NAME``: ``cmd`` (required; lines starting with ``#`` dropped, then split as a
+  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``
+  where the command uses ``${PORT}``), ``checkEndpoint`` (default ``/health``; ``none``),
+  ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
+  ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``;
+- top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
+  ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
+  ``globalTTL``.
+
+vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
+``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what ``run`` picks).
+
+Keys that mean nothing under vramlock (``groups``, ``cmdStop``, ...) are ignored with a
+warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
+ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from ..errors import UsageError
+
+DEFAULT_START_PORT = 5800
+DEFAULT_HEALTH_TIMEOUT = 120.0
+DEFAULT_CHECK_ENDPOINT = "/health"
+
+_MACRO = re.compile(r"\$\{([^${}]*)\}")
+_MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
+_RESERVED = frozenset({"PORT", "MODEL_ID"})
+
+# llama-swap's keys that have no meaning here, and why.
+_NO_UI = "vramlock serve has no web UI, metrics or request log"
+_ONE_AT_A_TIME = (
+    "models of one arena take turns by its token, one resident at a time; models on"
+    " different GPUs (gpu:) run together"
+)
+_UNCHANGED = "requests are passed to the model unchanged"
+IGNORED_TOP = {
+    "logLevel": "the wrappers and servers write to serve's standard output and error",
+    "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
+    "logToStdout": "the wrappers and servers write to serve's standard output and error",
+    "metricsMaxInMemory": _NO_UI,
+    "captureBuffer": _NO_UI,
+    "ui": _NO_UI,
+    "store": _NO_UI,
+    "performance": _NO_UI,
+    "groups": _ONE_AT_A_TIME,
+    "matrix": _ONE_AT_A_TIME,
+    "hooks": "every model's wrapper starts at once and queues for the token",
+    "peers": "only the models listed here are served",
+    "apiKeys": "no authentication: listen on loopback, or put an authenticating proxy in front",
+    "profiles": _UNCHANGED,
+    "sendLoadingState": _UNCHANGED,
+    "includeAliasesInList": "/v1/models lists models, with their aliases in each entry",
+    "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
+}
+IGNORED_MODEL = {
+    "cmdStop": "a model releases through its release strategy, not by being stopped",
+    "unloadTimeout": IGNORED_TOP["unloadTimeout"],
+    "useModelName": _UNCHANGED,
+    "filters": _UNCHANGED,
+    "sendLoadingState": _UNCHANGED,
+    "metadata": "/v1/models shows name, description, aliases and state",
+    "concurrencyLimit": "requests queue in the model's server",
+    "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
+}
+TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL"})
+MODEL_KEYS = frozenset(
+    {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
+     "description", "macros", "release", "preset", "min_hold", "yield_within", "gpu", "arena"}
+)  # fmt: skip
+
+
+class ConfigError(UsageError):
+    """The configuration file cannot be used: ``FILE:LINE: what is wrong``."""
+
+    def __init__(self, path: str, line: int | None, what: str) -> None:
+        super().__init__(f"{path}:{line}: {what}" if line else f"{path}: {what}")
+        self.path, self.line, self.what = path, line, what
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model as ``vramlock serve`` runs it."""
+
+    name: str
+    line: int  # where the file defines it
+    command: list[str]
+    upstream: str  # HOST:PORT of the model's server, for ``vramlock run --upstream``
+    prefix: str  # the path the server's API is under ("": the root)
+    check_endpoint: str | None  # None: "none", no check
+    ttl: float  # 0: never released for being idle
+    aliases: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    unlisted: bool = False
+    title: str | None = None  # llama-swap's ``name``
+    description: str | None = None
+    release: str = "auto"
+    preset: str | None = None
+    run_options: tuple[str, ...] = ()  # vramlock run's options from the vramlock keys
+    arena: str | None = None
+    gpu: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str
+    models: dict[str, Model]
+    health_timeout: float
+    warnings: list[str]
+
+    def find(self, name: str) -> Model | None:
+        """The model ``name`` names, directly or as an alias."""
+        found = self.models.get(name)
+        if found is not None:
+            return found
+        return next((m for m in self.models.values() if name in m.aliases), None)
+
+    def known(self) -> list[str]:
+        """Every name a request may use: models, then aliases."""
+        return [*self.models, *(a for m in self.models.values() for a in m.aliases)]
+
+
+Duration = Callable[[str, str], float]
+
+
+class _Reader:
+    """Walks the YAML node tree, so that every error can name its line."""
+
+    def __init__(self, path: str, duration: Duration) -> None:
+        self.path = path
+        self.duration = duration
+        self.warnings: list[str] = []
+        self._loader: Any = None
+
+    def fail(self, node: yaml.Node | None, what: str) -> ConfigError:
+        return ConfigError(self.path, None if node is None else node.start_mark.line + 1, what)
+
+    def warn(self, node: yaml.Node, what: str) -> None:
+        self.warnings.append(f"{self.path}:{node.start_mark.line + 1}: {what}")
+
+    def root(self, text: str) -> yaml.MappingNode:
+        try:
+            self._loader = yaml.SafeLoader(text)
+            node = self._loader.get_single_node()
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark or err.context_mark
+            line = None if mark is None else mark.line + 1
+            raise ConfigError(self.path, line, f"not valid YAML: {err.problem or err}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(self.path, None, f"not valid YAML: {err}") from None
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, "the file must be a mapping with a models: key")
+        return node
+
+    def value(self, node: yaml.Node) -> Any:
+        try:
+            return self._loader.construct_object(node, deep=True)
+        except yaml.YAMLError as err:
+            raise self.fail(node, f"not valid YAML: {err}") from None
+
+    def pairs(self, node: yaml.Node, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, f"{what} must be a mapping")
+        out, seen = [], set()
+        for key, value in node.value:
+            name = self.value(key)
+            if not isinstance(name, str | int) or isinstance(name, bool):
+                raise self.fail(key, f"{what}: a key must be a name")
+            name = str(name)
+            if name in seen:
+                raise self.fail(key, f"{what}: {name!r} appears twice")
+            seen.add(name)
+            out.append((name, key, value))
+        return out
+
+    def text(self, node: yaml.Node, what: str) -> str:
+        value = self.value(node)
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise self.fail(node, f"{what} must be a string")
+        return str(value)
+
+    def number(self, node: yaml.Node, what: str, low: float) -> float:
+        value = self.value(node)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= low:
+            raise self.fail(node, f"{what} must be a number of seconds, at least {low:g}")
+        return float(value)
+
+    def port(self, node: yaml.Node) -> int:
+        value = self.value(node)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
+            raise self.fail(node, "startPort must be a port number (1-65535)")
+        return value
+
+    def flag(self, node: yaml.Node, what: str) -> bool:
+        value = self.value(node)
+        if not isinstance(value, bool):
+            raise self.fail(node, f"{what} must be true or false")
+        return value
+
+    def strings(self, node: yaml.Node, what: str) -> list[str]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.fail(node, f"{what} must be a list")
+        return [self.text(item, what) for item in node.value]
+
+    def seconds(self, node: yaml.Node, what: str) -> str:
+        """A duration as ``vramlock run`` takes it (checked here): 2, 0.5, 250ms, 2m."""
+        text = self.text(node, what)
+        try:
+            self.duration(text, what)
+        except UsageError as err:
+            raise self.fail(node, str(err)) from None
+        return text
+
+
+class _Macros:
+    """``${NAME}`` substitution: ``${env.VAR}`` from the environment, macros defined so
+    far, and ``${PORT}``/``${MODEL_ID}`` left for the model to fill in."""
+
+    def __init__(self, reader: _Reader, values: dict[str, str] | None = None) -> None:
+        self.reader = reader
+        self.values = dict(values or {})
+
+    def define(self, node: yaml.Node) -> None:
+        for name, key, value in self.reader.pairs(node, "macros"):
+            if not _MACRO_NAME.fullmatch(name) or name in _RESERVED:
+                raise self.reader.fail(
+                    key, f"macros: bad name {name!r} (letters, digits, _, -; not PORT, MODEL_ID)"
+                )
+            raw = self.reader.value(value)
+            if isinstance(raw, bool):
+                raw = "true" if raw else "false"
+            if not isinstance(raw, str | int | float):
+                raise self.reader.fail(value, f"macros: {name} must be a string or a number")
+            self.values[name] = self.expand(str(raw).strip(), value, f"macro {name}")
+
+    def expand(
+        self, text: str, node: yaml.Node, where: str, model: dict[str, str] | None = None
+    ) -> str:
+        def one(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name.startswith("env."):
+                found = os.environ.get(name[4:])
+                if found is None:
+                    raise self.reader.fail(node, f"{where}: ${{{name}}}: {name[4:]} is not set")
+                return found
+            if model is not None and name in model:
+                return model[name]
+            if model is None and name in _RESERVED:
+                return m.group(0)  # the model fills these in
+            if name in self.values:
+                return self.values[name]
+            raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
+
+        return _MACRO.sub(one, text)
+
+
+def _command(text: str) -> list[str]:
+    """llama-swap's ``cmd``: comment lines dropped, line continuations joined, split as
+    a shell would (quotes, no expansion)."""
+    lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.strip().startswith("#")]
+    return shlex.split(" ".join(lines))
+
+
+def _upstream(reader: _Reader, node: yaml.Node, url: str, where: str) -> tuple[str, str]:
+    """(HOST:PORT, path prefix) from ``proxy: http://HOST:PORT[/PATH]``."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or 80
+    except ValueError as err:
+        raise reader.fail(node, f"{where}: bad proxy URL {url!r}: {err}") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise reader.fail(node, f"{where}: proxy must be an http://HOST:PORT URL, not {url!r}")
+    # llama-swap's default proxy says localhost; servers listen on 127.0.0.1 by default.
+    host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}", parts.path.rstrip("/")
+
+
+def load(path: str, duration: Duration) -> Config:
+    """Read ``path``; ConfigError (exit 2) if it cannot be used. ``duration`` parses a
+    duration as ``vramlock run`` does (the command line's parser)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise ConfigError(path, None, f"cannot read it: {reason}") from None
+    reader = _Reader(path, duration)
+    root = reader.root(text)
+    top = {name: (key, value) for name, key, value in reader.pairs(root, "the file")}
+    for name, (key, _) in top.items():
+        if name in IGNORED_TOP:
+            reader.warn(key, f"{name} ignored: {IGNORED_TOP[name]}")
+        elif name not in TOP_KEYS:
+            reader.warn(key, f"unknown key {name} ignored")
+    if "models" not in top:
+        raise reader.fail(root, "no models: key (the models to serve)")
+    macros = _Macros(reader)
+    if "macros" in top:
+        macros.define(top["macros"][1])
+    start_port = reader.port(top["startPort"][1]) if "startPort" in top else DEFAULT_START_PORT
+    health = DEFAULT_HEALTH_TIMEOUT
+    if "healthCheckTimeout" in top:
+        health = reader.number(top["healthCheckTimeout"][1], "healthCheckTimeout", 1)
+    global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
+
+    models: dict[str, Model] = {}
+    names: dict[str, int] = {}  # model names and aliases -> line, for clashes
+    next_port = start_port
+    models_node = top["models"][1]
+    entries = reader.pairs(models_node, "models")
+    if not entries:
+        raise reader.fail(models_node, "models: is empty")
+    for name, key, node in entries:
+        line = key.start_mark.line + 1
+        if name in names:
+            raise reader.fail(key, f"model {name!r} is already an alias (line {names[name]})")
+        names[name] = line
+        model, uses_port = _model(reader, macros, name, key, node, next_port, global_ttl)
+        next_port += uses_port
+        for alias in model.aliases:
+            if alias in names:
+                taken = f"alias {alias!r} is taken (line {names[alias]})"
+                raise reader.fail(node, f"model {name!r}: {taken}")
+            names[alias] = line
+        models[name] = model
+    return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings)
+
+
+def _model(
+    reader: _Reader,
+    global_macros: _Macros,
+    name: str,
+    key: yaml.Node,
+    node: yaml.Node,
+    port: int,
+    global_ttl: float,
+) -> tuple[Model, bool]:
+    """One ``models:`` entry, and whether it took the automatic port ``port``."""
+    where = f"model {name!r}"
+    fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, where)}
+    for k, (kn, _) in fields.items():
+        if k in IGNORED_MODEL:
+            reader.warn(kn, f"{where}: {k} ignored: {IGNORED_MODEL[k]}")
+        elif k not in MODEL_KEYS:
+            reader.warn(kn, f"{where}: unknown key {k} ignored")
+    if "cmd" not in fields:
+        raise reader.fail(key, f"{where}: no cmd (the command that starts its server)")
+    macros = _Macros(reader, global_macros.values)
+    if "macros" in fields:
+        macros.define(fields["macros"][1])
+
+    cmd_node = fields["cmd"][1]
+    cmd_text = macros.expand(reader.text(cmd_node, f"{where}: cmd"), cmd_node, f"{where}: cmd")
+    proxy_node = fields.get("proxy", (None, cmd_node))[1]
+    proxy_text = "http://localhost:${PORT}"
+    if "proxy" in fields:
+        proxy_text = macros.expand(reader.text(proxy_node, f"{where}: proxy"), proxy_node, where)
+    uses_port = "${PORT}" in cmd_text or "${PORT}" in proxy_text
+    if "proxy" not in fields and "${PORT}" not in cmd_text:
+        raise reader.fail(key, f"{where}: no proxy, and its cmd has no ${{PORT}}: say where its"
+                               " server listens (proxy: http://127.0.0.1:PORT)")  # fmt: skip
+    filled = {"PORT": str(port), "MODEL_ID": name}
+    command = _command(macros.expand(cmd_text, cmd_node, f"{where}: cmd", filled))
+    if not command:
+        raise reader.fail(cmd_node, f"{where}: cmd is empty")
+    upstream, prefix = _upstream(
+        reader, proxy_node, macros.expand(proxy_text, proxy_node, where, filled), where
+    )
+
+    check: str | None = DEFAULT_CHECK_ENDPOINT
+    if "checkEndpoint" in fields:
+        check_node = fields["checkEndpoint"][1]
+        check = macros.expand(reader.text(check_node, f"{where}: checkEndpoint"), check_node,
+                              where, filled)  # fmt: skip
+        if check == "none":
+            check = None
+        elif not check.startswith("/"):
+            raise reader.fail(check_node, f"{where}: checkEndpoint must be /PATH or none")
+    ttl = global_ttl
+    if "ttl" in fields:
+        ttl = reader.number(fields["ttl"][1], f"{where}: ttl", -1)
+        ttl = global_ttl if ttl == -1 else ttl
+        if ttl < 0:
+            raise reader.fail(fields["ttl"][1], f"{where}: ttl must be 0 or more seconds, or -1")
+    env: dict[str, str] = {}
+    if "env" in fields:
+        env_node = fields["env"][1]
+        for item in reader.strings(env_node, f"{where}: env"):
+            var, eq, value = item.partition("=")
+            if not eq or not var:
+                raise reader.fail(env_node, f"{where}: env entry {item!r} is not NAME=value")
+            env[var] = macros.expand(value, env_node, where, filled)
+
+    def opt(k: str) -> str | None:
+        return reader.text(fields[k][1], f"{where}: {k}") if k in fields else None
+
+    release, preset = opt("release") or "auto", opt("preset")
+    run = ["--release", release] + (["--preset", preset] if preset is not None else [])
+    for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
+        if k in fields:
+            run += [option, reader.seconds(fields[k][1], f"{where}: {k}")]
+    gpu, arena = opt("gpu"), opt("arena")
+    if gpu is not None and arena is not None:
+        raise reader.fail(fields["arena"][0], f"{where}: give gpu or arena, not both")
+    if gpu is not None:
+        run += ["--gpu", gpu]
+    if arena is not None:
+        arena = os.path.abspath(os.path.join(os.path.dirname(reader.path), arena))
+        run += ["--arena", arena]
+    model = Model(
+        name=name,
+        line=key.start_mark.line + 1,
+        command=command,
+        upstream=upstream,
+        prefix=prefix,
+        check_endpoint=check,
+        ttl=ttl,
+        aliases=tuple(reader.strings(fields["aliases"][1], f"{where}: aliases"))
+        if "aliases" in fields
+        else (),
+        env=env,
+        unlisted=reader.flag(fields["unlisted"][1], f"{where}: unlisted")
+        if "unlisted" in fields
+        else False,
+        title=opt("name"),
+        description=opt("description"),
+        release=release,
+        preset=preset,
+        run_options=tuple(run),
+        arena=arena,
+        gpu=gpu,
+    )
+    return model, uses_port

@@ -1,0 +1,194 @@
+"""Each model's ``vramlock run`` wrapper: started, watched, asked to release, ended.
+
+A model is a member of its arena exactly as ``vramlock run --demand listen`` makes one:
+serve starts ``python -m vramlock run`` for it, and routes the model's requests to that
+wrapper's listen address. Its state is read where ``vramlock who`` reads it (the kernel's
+lock state and the members' records), by the wrapper's pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from ..arena import Arena, parse_gpus
+from ..records import HOLDING
+from ..roster import snapshot
+from .config import Config, Model
+
+# How long a wrapper just started may take to listen (Python's start, the arena joined).
+LISTEN_WITHIN = 15.0
+# How long ended wrappers get to hand their commands' GPU back and exit (each gives
+# its command 10 s, then kills it), before serve SIGKILLs what is left.
+STOP_WITHIN = 20.0
+_PR_SET_PDEATHSIG = 1
+
+# A model's state, as /v1/models shows it, from its wrapper's member state.
+_SHOWN = {
+    "resident": "resident",
+    "releasing": "resident",
+    "restoring": "loading",
+    "waiting": "waiting",
+    "released": "released",
+}
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """preexec_fn: SIGTERM when serve dies (even SIGKILLed), so the wrapper ends its
+    command as on any ending signal; if serve is already gone, do not start at all."""
+    # Looked up before the fork: the child of a threaded process must not dlopen.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def free_port() -> int:
+    """A loopback port that was free an instant ago, for a wrapper's listen address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Wrapper:
+    """One model's ``vramlock run``: its listen port, its process, its requests."""
+
+    def __init__(self, model: Model, config: Config, warn: Callable[[str], None]) -> None:
+        self.model = model
+        self.config = config
+        self.warn = warn
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.in_flight = 0
+        self.ttl_timer: asyncio.TimerHandle | None = None
+        self.unloading: asyncio.Task[bool] | None = None
+        self.listening = False  # its listen address accepted since it was started
+
+    @property
+    def where(self) -> list[str]:
+        """The arena options, as ``run`` and ``wait`` take them."""
+        if self.model.arena is not None:
+            return ["--arena", self.model.arena]
+        return ["--gpu", self.model.gpu] if self.model.gpu is not None else []
+
+    @property
+    def ready_url(self) -> str | None:
+        """checkEndpoint under the proxy URL's path; None ("none"): what ``run`` checks
+        by itself (the engine's path where it knows the engine, else that it accepts)."""
+        m = self.model
+        return None if m.check_endpoint is None else m.prefix + m.check_endpoint
+
+    def argv(self) -> list[str]:
+        m = self.model
+        args = [sys.executable, "-m", "vramlock", "run", "--name", m.name,
+                "--demand", "listen", "--listen", f"127.0.0.1:{self.port}",
+                "--upstream", m.upstream,
+                "--ready-within", f"{self.config.health_timeout:.3f}"]  # fmt: skip
+        if self.ready_url is not None:
+            args += ["--ready-url", self.ready_url]
+        return [*args, *m.run_options, *self.where, "--", *m.command]
+
+    def start(self) -> None:
+        self.listening = False
+        env = dict(os.environ)
+        env.update(self.model.env)
+        # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
+        # wrappers in order, not every wrapper at once.
+        self.proc = subprocess.Popen(
+            self.argv(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def ensure_running(self) -> None:
+        """Start the wrapper again if it ended (its server died, say): on demand, as
+        llama-swap starts a model on a request. Returns once it listens (or ended)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.warn(f"model {self.model.name}: wrapper exited with status"
+                      f" {self.proc.returncode}; starting it again")  # fmt: skip
+        if not self.alive():
+            self.start()
+        # Until the wrapper listens, a request would be refused: it waits instead. Polled:
+        # a start-up happens once, and nothing tells when the wrapper has bound.
+        end = time.monotonic() + LISTEN_WITHIN
+        while not self.listening and self.alive() and time.monotonic() < end:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.02)
+                continue
+            writer.close()
+            self.listening = True
+
+    def arena(self) -> Arena:
+        gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
+        return Arena.open(self.model.arena, min(gpus) if gpus else None)
+
+    def member_state(self) -> str | None:
+        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+        assert self.proc is not None
+        with contextlib.closing(self.arena()) as opened:
+            row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+        return None if row is None else row.state
+
+    def state(self) -> str:
+        """resident, released, waiting, loading (starting or restoring) or exited."""
+        if not self.alive():
+            return "exited"
+        found = self.member_state()
+        return "loading" if found is None else _SHOWN.get(found, "loading")
+
+    async def unload(self, timeout: float) -> bool:
+        """Release the model now, if it is resident: take the token once as a waiter
+        (``vramlock wait``) and drop it; the model releases at its next safe point and
+        stays released until a request comes. True if it held the token."""
+        if not self.alive() or self.member_state() not in HOLDING:
+            return False
+        waiter = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        code = await waiter.wait()
+        if code != 0:
+            self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
+        return code == 0
+
+    def terminate(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:
+    """SIGTERM every wrapper and reap it; SIGKILL one that takes longer than ``within``
+    (its command keeps the token's lock until it exits: nothing runs without it)."""
+    for w in wrappers:
+        w.terminate()
+    end = time.monotonic() + within
+    for w in wrappers:
+        if w.proc is None:
+            continue
+        try:
+            w.proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.warn(f"model {w.model.name}: wrapper did not end within {within:g} s; killing it")
+            w.proc.kill()
+            w.proc.wait()

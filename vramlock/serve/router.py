@@ -1,0 +1,302 @@
+"""The one address of ``vramlock serve``: requests routed by model to the wrappers.
+
+A POST whose JSON body names a ``model`` goes to that model's wrapper (its ``vramlock
+run`` listen address); the response is passed back as it comes, chunk by chunk.
+``/upstream/MODEL/PATH`` passes any request through unread. A request for a released
+model is demand: the wrapper holds it while the model comes back.
+
+Requests are admitted a model at a time per arena (``Turns``), so a burst for several
+models is served grouped by model instead of swapping on every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .config import Config
+from .members import Wrapper
+from .upstream import Pool
+
+# Once a request for another model has waited this long, new requests for the model
+# being served queue behind it: grouping never starves a model for longer.
+GROUP_WAIT = 2.0
+# When the model being served has no request left, its turn lasts this much longer, for
+# a client's next request (within the wrappers' 300 ms --idle, so it costs no time).
+LINGER = 0.1
+# A response of known length up to this size is read whole and sent in one write;
+# others (streams, chunked, large) are passed on chunk by chunk as they come.
+WHOLE = 1 << 20
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
+_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "host", "content-length"}
+)  # fmt: skip
+
+
+class Turns:
+    """Admission for one arena's models: one model's requests at a time.
+
+    Requests for the model being served are admitted at once, unless a request for
+    another model has waited ``GROUP_WAIT``; others queue. When no admitted request is
+    left (and none came within ``LINGER``, or somebody waited too long), every queued
+    request of the model waiting longest is admitted. With nothing in progress, a model
+    other than the last one served waits ``LINGER`` first, so that a burst starts with
+    the model that is likely resident. A B A B arriving together are served A A B B;
+    clients that never pause take turns of about ``GROUP_WAIT``, so a request waits at
+    most that long for each other model's turn (and its swap).
+    """
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self.active = 0
+        self._queued: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
+        self._switch: asyncio.TimerHandle | None = None
+        self._turn_began = 0.0
+        self._last: str | None = None  # the model of the last turn: likely resident
+
+    def _overdue(self) -> bool:
+        """Has the current turn lasted GROUP_WAIT since it began and since somebody
+        else started waiting?"""
+        oldest = min((q[0][0] for q in self._queued.values() if q), default=None)
+        if oldest is None:
+            return False
+        return time.monotonic() - max(oldest, self._turn_began) > GROUP_WAIT
+
+    async def enter(self, model: str) -> None:
+        idle = self.current is None and self._last in (None, model)
+        if idle or (self.current == model and not self._overdue()):
+            if self._switch is not None:
+                self._switch.cancel()
+                self._switch = None
+            if self.current is None:
+                self._begin(model)
+            self.active += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._queued.setdefault(model, [])
+        queue.append((time.monotonic(), fut))
+        if self.current is None and self._switch is None:
+            # Nothing in progress, but this model is likely not resident: a request for
+            # the one that is, arriving within LINGER (a burst), goes first.
+            self._switch = asyncio.get_running_loop().call_later(LINGER, self._next)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.leave()  # admitted in the same instant it was cancelled
+            else:
+                queue[:] = [q for q in queue if q[1] is not fut]
+                if not queue:
+                    self._queued.pop(model, None)
+                    if self.active == 0 and not any(self._queued.values()):
+                        self.current = None
+            raise
+
+    def _begin(self, model: str) -> None:
+        self.current = self._last = model
+        self._turn_began = time.monotonic()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active > 0:
+            return
+        if not any(self._queued.values()):
+            self.current = None
+        elif self._overdue():
+            self._next()
+        elif self._switch is None:
+            self._switch = asyncio.get_running_loop().call_later(LINGER, self._next)
+
+    def _next(self) -> None:
+        self._switch = None
+        if self.active > 0:
+            return  # the model's next request came in time
+        waiting = {m: q for m, q in self._queued.items() if q}
+        if not waiting:
+            self.current = None
+            return
+        model = min(waiting, key=lambda m: waiting[m][0][0])
+        self._begin(model)
+        for _, fut in self._queued.pop(model):
+            self.active += 1
+            fut.set_result(None)
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    body = {"error": {"code": status, "message": message}, **extra}
+    return web.json_response(body, status=status)
+
+
+class Router:
+    """The aiohttp application: routes, the per-arena turns, ttl timers."""
+
+    def __init__(self, config: Config, wrappers: dict[str, Wrapper]) -> None:
+        self.config = config
+        self.wrappers = wrappers
+        self.turns: dict[tuple[str | None, str | None], Turns] = {}
+        self.pools: dict[str, Pool] = {}
+        self.app = web.Application(client_max_size=1 << 30)
+        r = self.app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/models", self.list_models)
+        r.add_get("/running", self.running)
+        r.add_post("/models/unload", self.unload_all)
+        r.add_post("/models/unload/{model}", self.unload_one)
+        r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
+        r.add_post("/{path:.*}", self.by_model)
+        self.app.on_cleanup.append(self._close)
+
+    async def _close(self, app: web.Application) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+    def _wrapper(self, name: str) -> Wrapper | web.Response:
+        model = self.config.find(name)
+        if model is None:
+            return _error(404, f"model {name!r} not found", models=self.config.known())
+        return self.wrappers[model.name]
+
+    def _turns(self, w: Wrapper) -> Turns:
+        return self.turns.setdefault((w.model.arena, w.model.gpu), Turns())
+
+    # -- forwarding ----------------------------------------------------------------
+
+    async def by_model(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            name = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            name = None
+        if not isinstance(name, str):
+            return _error(400, 'the request body must be JSON with a "model" field')
+        found = self._wrapper(name)
+        if isinstance(found, web.Response):
+            return found
+        return await self._forward(request, found, found.model.prefix + request.path_qs, body)
+
+    async def upstream(self, request: web.Request) -> web.StreamResponse:
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        path = request.raw_path.split("/", 3)[3] if request.raw_path.count("/") >= 3 else ""
+        return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
+
+    async def _forward(
+        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+    ) -> web.StreamResponse:
+        turns = self._turns(w)
+        await turns.enter(w.model.name)
+        w.in_flight += 1
+        if w.ttl_timer is not None:
+            w.ttl_timer.cancel()
+            w.ttl_timer = None
+        try:
+            await w.ensure_running()
+            return await self._pass(request, w, path, body)
+        finally:
+            w.in_flight -= 1
+            turns.leave()
+            self._arm_ttl(w)
+
+    async def _pass(
+        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+    ) -> web.StreamResponse:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+        if body is None:
+            body = await request.read()
+        pool = self.pools.setdefault(w.model.name, Pool(w.port))
+        try:
+            up = await pool.request(request.method, path, headers, body)
+        except OSError as err:
+            return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+        headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
+        try:
+            if up.length is not None and up.length <= WHOLE:
+                try:
+                    whole = b"".join([chunk async for chunk in up.body])
+                except OSError as err:
+                    return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+                return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
+            out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+            if up.length is not None:
+                out.content_length = up.length
+            try:
+                await out.prepare(request)
+                async for chunk in up.body:
+                    await out.write(chunk)
+                await out.write_eof()
+            except OSError:
+                # Cut in the middle: cut the client's connection too, so that it sees the
+                # answer end early rather than wait for the rest.
+                if request.transport is not None:
+                    request.transport.abort()
+            return out
+        finally:
+            # Also when the client went away (cancelled): the connection to the wrapper
+            # is closed at once, not left looking like a request awaiting its answer.
+            await up.body.aclose()
+
+    # -- ttl and unload ------------------------------------------------------------
+
+    def _arm_ttl(self, w: Wrapper) -> None:
+        if w.model.ttl > 0 and w.in_flight == 0:
+            loop = asyncio.get_running_loop()
+            w.ttl_timer = loop.call_later(w.model.ttl, self._ttl_expired, w)
+
+    def _ttl_expired(self, w: Wrapper) -> None:
+        w.ttl_timer = None
+        if w.in_flight == 0:
+            self._unload(w)
+
+    def _unload(self, w: Wrapper) -> asyncio.Task[bool]:
+        if w.unloading is None or w.unloading.done():
+            w.unloading = asyncio.get_running_loop().create_task(
+                w.unload(self.config.health_timeout)
+            )
+        return w.unloading
+
+    async def unload_one(self, request: web.Request) -> web.Response:
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        released = await self._unload(found)
+        return web.json_response({"model": found.model.name, "released": released})
+
+    async def unload_all(self, request: web.Request) -> web.Response:
+        tasks = {name: self._unload(w) for name, w in self.wrappers.items()}
+        done = {name: await task for name, task in tasks.items()}
+        return web.json_response({"released": [name for name, ok in done.items() if ok]})
+
+    # -- what is there -------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    def _entry(self, w: Wrapper) -> dict[str, Any]:
+        m = w.model
+        entry: dict[str, Any] = {"id": m.name, "object": "model", "owned_by": "vramlock"}
+        if m.title is not None:
+            entry["name"] = m.title
+        if m.description is not None:
+            entry["description"] = m.description
+        entry["aliases"] = list(m.aliases)
+        entry["state"] = w.state()
+        return entry
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [self._entry(w) for w in self.wrappers.values() if not w.model.unlisted]
+        return web.json_response({"object": "list", "data": data})
+
+    async def running(self, request: web.Request) -> web.Response:
+        states = {name: w.state() for name, w in self.wrappers.items()}
+        running = [
+            {"model": name, "state": state, "proxy": f"http://{self.wrappers[name].model.upstream}"}
+            for name, state in states.items()
+            if state in ("resident", "loading")
+        ]
+        return web.json_response({"running": running})
