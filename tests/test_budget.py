@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until, waiting_holder
+from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json
 from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
 
 from vramlock import lockfd
@@ -453,7 +453,7 @@ def test_members_that_fit_are_resident_together(room: Budgeted) -> None:
     assert room.resident() == {"a", "b", "c"}
     assert _token_readers(room.arena) == 3  # the kernel's view: three shared holders
     assert room.capacity_bytes_held() == 12
-    time.sleep(0.3)  # nobody is asked to step aside by a member that fit
+    time.sleep(1.0)  # nobody asks: not a member that fit, nor another resident's probe
     assert all(room.count(n, "release") == 0 for n in ("a", "b", "c"))
     assert room.over() == []
 
@@ -540,6 +540,8 @@ def test_killed_head_waiter_frees_the_units_it_gathered(room: Budgeted) -> None:
     behind.wait_for("waiting")
     time.sleep(0.2)
     assert room.count("behind", "resident") == 0  # queued behind the head, no barging
+    # The head holds the token shared while it gathers: who still says it waits.
+    assert {r["name"]: r["state"] for r in who_json(room.arena)}["head"] == "waiting"
     head.kill()
     behind.wait_for("resident")
     assert room.count("head", "resident") == 0
@@ -573,4 +575,148 @@ def test_a_shell_waiter_takes_the_whole_gpu_from_budget_residents(
     assert shell.stdin is not None
     shell.stdin.close()
     late.wait_for("resident")
+    assert room.over() == []
+
+
+# -- vramlock run --vram -----------------------------------------------------------------
+
+# The command of a run: ``WITNESS LOG NAME UNITS``; holds UNITS free bytes of the witness
+# while it may use the GPU (from its start and each restore to each release).
+RUN_CHILD = textwrap.dedent(
+    """
+    import fcntl, os, struct, sys, time
+    from vramlock import child
+    witness, log, name, units = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    wfd = os.open(witness, os.O_RDWR)
+    def note(what):
+        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    def lock(kind, start, length):
+        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+    def take():
+        got = 0
+        for unit in range(64):
+            if got < units:
+                try:
+                    lock(fcntl.F_WRLCK, unit, 1)
+                    got += 1
+                except OSError:
+                    pass
+        note("resident" if got == units else "OVER")
+    def drop():
+        lock(fcntl.F_UNLCK, 0, 0)
+        note("release")
+    ctl = child.connect()
+    take()
+    while True:
+        time.sleep(0.005)
+        ctl.yield_if_asked(drop, take)
+    """
+)
+
+
+def _run(room: Budgeted, name: str, vram: str, units: int) -> Member:
+    proc = room.spawn(
+        vramlock("run", "--arena", str(room.arena), "--vram", vram, "--release", "signal",
+                 "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
+                 str(room.log), name, str(units)),
+        graceful=True,
+    )  # fmt: skip
+    return Member(room, name, proc)
+
+
+def test_runs_that_fit_are_resident_together_and_who_shows_footprints(room: Budgeted) -> None:
+    runs = [_run(room, n, "1G", 4) for n in ("a", "b", "c")]
+    for r in runs:
+        r.wait_for("resident")
+    assert room.resident() == {"a", "b", "c"} and _token_readers(room.arena) == 3
+    rows = {r["name"]: r for r in who_json(room.arena)}
+    assert {n: (rows[n]["state"], rows[n]["footprint"], len(rows[n]["units"])) for n in "abc"} == {
+        n: ("resident", 1 << 30, 4) for n in "abc"
+    }
+    d = _run(room, "d", "1G", 4)
+    d.wait_for("resident")
+    runs[0].wait_for("release")  # the least recently used
+    assert room.over() == []
+
+
+def test_run_larger_than_the_budget_is_a_usage_error(errcli: ErrCli, room: Budgeted) -> None:
+    out = errcli("run", "--arena", str(room.arena), "--vram", "4G", "--", "true")
+    expect_error(out, USAGE, "--vram 4G is more than the arena's budget (3G)")
+
+
+def test_run_without_vram_in_a_budget_arena_takes_the_whole_gpu(room: Budgeted) -> None:
+    a = _run(room, "a", "1G", 4)
+    a.wait_for("resident")
+    whole = room.spawn(
+        vramlock("run", "--arena", str(room.arena), "--release", "signal", "--name", "whole",
+                 "--", sys.executable, "-c", RUN_CHILD, str(room.witness), str(room.log),
+                 "whole", str(room.units)),
+        graceful=True,
+    )  # fmt: skip
+    Member(room, "whole", whole).wait_for("resident")
+    a.wait_for("release")
+    assert room.over() == []
+    assert whole.stderr is not None
+    os.kill(whole.pid, signal.SIGTERM)
+    whole.wait(30)
+    assert (
+        "has a budget (3G (12 units of 256M)); without --vram this command takes the whole GPU"
+        in whole.stderr.read()
+    )
+
+
+def test_killed_run_leaves_its_share_to_the_command_until_it_exits(room: Budgeted) -> None:
+    from vramlock.procfs import descendants
+
+    a = _run(room, "a", "3G", 12)
+    a.wait_for("resident")
+    command = descendants(a.proc.pid)
+    assert command
+    try:
+        a.kill()  # SIGKILL the wrapper: the command still uses the GPU
+        assert room.capacity_bytes_held() == 12 and _token_readers(room.arena) == 1
+        b = _run(room, "b", "1G", 4)
+        time.sleep(0.5)  # b must not come in: nothing to wait for
+        assert room.count("b", "resident") == 0
+    finally:
+        for pid in command:
+            os.kill(pid, signal.SIGKILL)
+    b.wait_for("resident")
+    assert room.over() == []
+
+
+def test_who_shows_the_budget_and_what_is_held(room: Budgeted) -> None:
+    a = _run(room, "a", "1G", 4)
+    a.wait_for("resident")
+    out = subprocess.run(
+        vramlock("who", "--arena", str(room.arena)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert "budget 3G (12 units of 256M): 4 held, 8 free" in out.splitlines()
+    assert "footprint 1G, 4 unit(s)" in out
+
+
+def test_run_that_does_not_get_its_share_in_time_exits_1(errcli: ErrCli, room: Budgeted) -> None:
+    deaf = room.member("deaf", 10, "deaf")
+    deaf.wait_for("resident")
+    out = errcli("run", "--arena", str(room.arena), "--vram", "1G", "-w", "0.3", "--", "true")
+    expect_error(out, 1, "not obtained")
+    assert room.capacity_bytes_held() == 10  # what it gathered meanwhile is dropped
+    assert _queue_head(room.arena) is None
+
+
+def test_mixed_members_never_go_over_budget_and_all_get_turns(room: Budgeted) -> None:
+    sizes = [2, 3, 4, 5, 6, 12]
+    members = [room.member(f"m{n}", n, "cycle", hold=0.02) for n in sizes]
+    whole = room.exclusive("whole")
+    end = time.monotonic() + 4
+    while time.monotonic() < end:
+        assert room.over() == []
+        time.sleep(0.05)
+    for m in [*members, whole]:
+        m.wait_for("resident", 2, timeout=DEADLINE)
     assert room.over() == []

@@ -92,6 +92,12 @@ def parse_duration(text: str, option: str) -> float:
     return seconds
 
 
+def _maybe_size(text: str | None, option: str) -> int | None:
+    from .budget import parse_size
+
+    return None if text is None else parse_size(text, option)
+
+
 def _maybe_duration(text: str | None, option: str) -> float | None:
     return None if text is None else parse_duration(text, option)
 
@@ -318,6 +324,15 @@ def run(
             show_default=False,
         ),
     ] = None,
+    vram: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="The command's GPU memory at most (6G, 512M): in an arena with a budget it is"
+            " resident beside others while they fit.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run COMMAND while it holds the GPU; release it whenever someone else waits."""
     from .arena import parse_gpus
@@ -344,6 +359,7 @@ def run(
         idle=_maybe_duration(idle, "--idle"),
         ready_within=_maybe_duration(ready_within, "--ready-within"),
         ready_url=ready_url,
+        vram=_maybe_size(vram, "--vram"),
         warn=_warn,
     )
     try:
@@ -441,8 +457,10 @@ def _gpu_lines(view: GpuView | None) -> list[str]:
     ]
 
 
-def _plain(path: str, rows: list[Row], now: float, view: GpuView | None = None) -> str:
-    lines = [_title(path), *_gpu_lines(view)]
+def _plain(
+    path: str, rows: list[Row], now: float, view: GpuView | None = None, budget: str | None = None
+) -> str:
+    lines = [_title(path), *_gpu_lines(view), *([budget] if budget else [])]
     if not rows:
         lines.append("no members")
         return "\n".join(lines)
@@ -462,12 +480,14 @@ _STYLE = {
 }
 
 
-def _rich_table(path: str, rows: list[Row], now: float, view: GpuView | None = None) -> Any:
+def _rich_table(
+    path: str, rows: list[Row], now: float, view: GpuView | None = None, budget: str | None = None
+) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     # Text, not str: rich would read "[...]" in a name or a command as markup.
-    title = "\n".join([_title(path), *_gpu_lines(view)])
+    title = "\n".join([_title(path), *_gpu_lines(view), *([budget] if budget else [])])
     table = Table(title=Text(title), title_justify="left", expand=False)
     for col in _COLUMNS:
         table.add_column(col, overflow="fold" if col == "COMMAND" else "ellipsis")
@@ -509,22 +529,27 @@ def who(
     """Show who is resident, who waits and who is released, from kernel lock state."""
     from dataclasses import asdict
 
-    from .roster import gpu_view, snapshot, with_vram
+    from .roster import budget_view, gpu_view, snapshot, with_vram
 
     arenas = _arenas(arena, gpu)
     tty = sys.stdout.isatty() and not as_json
 
     def one(opened: Arena, index: int | None) -> Any:
         rows, now, view = snapshot(opened), time.time(), gpu_view(index)
+        budget = budget_view(opened)
         if view is not None:
             rows = with_vram(rows, view)
+        line = None if budget is None else budget.line()
         if tty:
-            return _rich_table(opened.path, rows, now, view)
+            return _rich_table(opened.path, rows, now, view, line)
         if as_json:
             members = [r.as_json(now) for r in rows]
             gpus = None if view is None else [asdict(g) for g in view.gpus]
-            return {"arena": opened.path, "gpus": gpus, "members": members}
-        return _plain(opened.path, rows, now, view)
+            units = None if budget is None else {
+                "unit": budget.budget.unit, "units": budget.budget.units, "held": budget.held
+            }  # fmt: skip
+            return {"arena": opened.path, "gpus": gpus, "budget": units, "members": members}
+        return _plain(opened.path, rows, now, view, line)
 
     def frame() -> Any:
         parts = [one(opened, index) for opened, index in arenas]

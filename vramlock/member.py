@@ -20,9 +20,11 @@ from types import FrameType
 
 from . import lockfd
 from .arena import Arena, one_arena_or_gpus
+from .budget import Budget, read_budget
 from .errors import InvalidTransition, LockFileReplaced, NotObtained
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
+from .share import Share
 from .want import Token, Want, wait_turn
 
 DEFAULT_MIN_HOLD = 0.1
@@ -63,9 +65,15 @@ class Member:
         command: list[str] | None = None,
         strategy: str = "api",
         token_fd: int | None = None,
+        vram: int | None = None,
     ) -> None:
-        """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``)."""
+        """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``).
+        ``vram``: the footprint in bytes; in an arena with a budget the member is then
+        resident beside others while they fit (a budget share), else it takes the
+        whole GPU (the token)."""
         self.arena = arena
+        self.budget: Budget | None = read_budget(arena)
+        need = None if self.budget is None or vram is None else self.budget.units_for(vram)
         self.min_hold = min_hold
         self.token = Token(arena, fd=token_fd)
         self.want = Want(arena)
@@ -84,6 +92,13 @@ class Member:
                 token_ino=self.token.inode,
             ),
         )
+        self.share: Share | None = None
+        if self.budget is not None and need is not None:
+            try:
+                self.share = Share(arena, self.budget, need, records=self.records)
+            except BaseException:
+                self.close()
+                raise
 
     def _set(self, state: State) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
@@ -93,6 +108,9 @@ class Member:
     def describe(self, **changes: object) -> None:
         """Update this member's record (strategy, child pid) as shown by ``who``."""
         self.records.update(**changes)
+        if self.share is not None and "connections" in changes:
+            # Clients connected: busy, and budget waiters ask idle residents first.
+            self.share.touch(busy=bool(changes["connections"]))
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
         """Queue for the token; True once resident, False if ``timeout`` ran out."""
@@ -125,6 +143,8 @@ class Member:
 
         Queues on the lock files the arena has now: one that was deleted (or replaced)
         since we opened it excludes nobody any more."""
+        if self.share is not None:
+            return self.share.acquire(timeout)
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.moved():
@@ -157,8 +177,9 @@ class Member:
         self._set(State.RESIDENT)
 
     def wanted(self) -> bool:
-        """Does anybody wait for the token? A few microseconds: call it in the work loop."""
-        return self.want.probe()
+        """Does anybody wait for the token (or, for a budget share, for our units)?
+        A few microseconds: call it in the work loop."""
+        return self.share.wanted() if self.share is not None else self.want.probe()
 
     def held_long_enough(self) -> bool:
         return time.monotonic() - self.resident_since >= self.min_hold
@@ -177,7 +198,11 @@ class Member:
 
     def release(self) -> None:
         """Drop the token (the GPU memory must already be free)."""
-        self.token.release()  # first: nothing, not even our record, delays the next holder
+        # First: nothing, not even our record, delays the next holder.
+        if self.share is not None:
+            self.share.release()
+        else:
+            self.token.release()
         # Let the waiter the kernel just woke run before we go on (wait_polite probes the
         # token): on a 2-CPU machine the kernel handoff p50 was 100 us without, 18 with.
         os.sched_yield()
@@ -189,6 +214,9 @@ class Member:
         A process calling flock at the instant the token is free jumps the kernel's
         queue; once somebody else holds the token, queueing is fair again.
         """
+        if self.share is not None:
+            self.share.wait_polite(max_delay)
+            return
         end = time.monotonic() + max_delay
         pause = 0.0002
         while time.monotonic() < end:
@@ -233,8 +261,9 @@ class Member:
 
     @property
     def token_fds(self) -> list[int]:
-        """The descriptors a wrapped command inherits, so that it keeps the token."""
-        return [self.token.fd]
+        """The descriptors a wrapped command inherits, so that it keeps the token (the
+        token first: its number is the one the command is told)."""
+        return self.share.fds if self.share is not None else [self.token.fd]
 
     @property
     def arenas(self) -> list[Arena]:
@@ -242,11 +271,14 @@ class Member:
 
     @property
     def holds_token(self) -> bool:
-        return self.token.held
+        return self.share.resident if self.share is not None else self.token.held
 
     def token_came(self) -> bool:
         """A blocking wait for the token was broken off by a signal: did the kernel
-        grant it just before? (A non-blocking try on our own description settles it.)"""
+        grant it just before? (A non-blocking try on our own description settles it;
+        a budget share broken off has dropped what it had gathered.)"""
+        if self.share is not None:
+            return self.share.resident
         if lockfd.try_lock(self.token.fd, exclusive=True):
             self.token.held = True
         return self.token.held
@@ -254,6 +286,11 @@ class Member:
     def drop_token(self, *, unlock: bool = True) -> None:
         """Stop holding the token. ``unlock=False`` only forgets it: whoever shares our
         open file description (the command) keeps the lock until it closes it."""
+        if self.share is not None:
+            if unlock:
+                self.share.release()
+            else:
+                self.share.forget()
         if self.token.held:
             if unlock:
                 self.token.release()
@@ -262,6 +299,8 @@ class Member:
 
     def close(self) -> None:
         """Leave the arena: drop any lock, stop the record's writer, remove the record."""
+        if self.share is not None:
+            self.share.close()
         if self.token.held:
             self.token.release()
         self.want.close()
@@ -414,13 +453,15 @@ def join(
     strategy: str = "api",
     min_hold: float = DEFAULT_MIN_HOLD,
     token_fd: int | None = None,
+    vram: int | None = None,
 ) -> Member | Members:
     """Become a member of ``arena`` (None: the default one), or of each GPU's default
     arena for several ``gpus`` (as given: ``who`` shows them so), opened in ascending
     order of GPU number, the order their tokens are taken in. What is opened goes on
     ``stack``, which leaves the arenas again (a join that fails half-way included).
 
-    ``token_fd``: lock through a caller's descriptor of token.lock (one arena only)."""
+    ``token_fd``: lock through a caller's descriptor of token.lock (one arena only).
+    ``vram``: the footprint in bytes, for arenas with a budget."""
     order: list[int | None] = [*sorted(gpus)] or [None]
     one_arena_or_gpus(arena, order)
     joined: list[Member] = []
@@ -434,6 +475,7 @@ def join(
             command=command,
             strategy=strategy,
             token_fd=token_fd,
+            vram=vram,
         )
         stack.callback(member.close)
         if len(order) > 1:

@@ -202,6 +202,26 @@ def parse_proc_locks(listing: str, dev: int, ino: int) -> list[LockEntry]:
     return out
 
 
+def byte_locks_held(listing: str, dev: int, ino: int) -> int:
+    """How many bytes of one inode granted OFD byte-range locks cover (a budget's units
+    taken: each resident holds its own bytes, so none is counted twice)."""
+    want = (os.major(dev), os.minor(dev), ino)
+    total = 0
+    for line in listing.splitlines():
+        f = line.split()[1:]
+        if len(f) < 7 or f[0] != "OFDLCK":
+            continue  # blocked ("->") entries and other kinds of lock
+        try:
+            major, minor, inode = f[4].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            start, end = int(f[5]), int(f[6])
+        except ValueError:
+            continue
+        if key == want:
+            total += end - start + 1
+    return total
+
+
 def _read_proc_locks_once() -> tuple[bytes, bool]:
     """The listing, and whether it came in one read (one read is one snapshot)."""
     try:

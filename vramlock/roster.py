@@ -24,6 +24,7 @@ from .arena import TOKEN, WANT, Arena
 from .records import HOLDING, Record, State, read_live
 
 if TYPE_CHECKING:
+    from .budget import Budget
     from .nvml import Gpu
 
 NAME_MAX = 64
@@ -59,6 +60,8 @@ class Row:
     listen: str | None = None  # --demand listen: where its clients connect
     connections: int | None = None  # --demand listen: its clients' open connections
     gpus: list[int] | None = None  # a member of several GPUs' arenas: all of them
+    footprint: int | None = None  # a budget member: its declared footprint in bytes
+    units: list[int] | None = None  # a budget member: the budget units it holds
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = asdict(self)
@@ -89,6 +92,7 @@ def _row(
 ) -> Row:
     notes = [note] if note else []
     listen, connections, gpus = None, None, None
+    footprint, units = None, None
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
@@ -108,6 +112,13 @@ def _row(
         if rec.gpus:
             gpus = rec.gpus
             notes.append(f"GPUs {','.join(map(str, gpus))} together")
+        if rec.vram is not None:
+            footprint, units = rec.vram, rec.units
+            notes.append(f"footprint {_size(rec.vram)}, {len(rec.units)} unit(s)")
+            if not rec.units and kernel == State.RESIDENT.value:
+                # The head budget waiter holds the token shared while it gathers units.
+                state = State.WAITING.value
+                notes.append("gathering units")
     else:
         # No record we can believe: the kernel's state and /proc's facts only.
         state, strategy, since, child = kernel or "?", "-", None, None
@@ -134,6 +145,8 @@ def _row(
         listen=listen,
         connections=connections,
         gpus=gpus,
+        footprint=footprint,
+        units=units,
     )
 
 
@@ -205,6 +218,38 @@ def with_vram(rows: list[Row], view: GpuView) -> list[Row]:
             )
         )
     return rows
+
+
+def _size(size: int) -> str:
+    from .budget import show_size
+
+    return show_size(size)
+
+
+@dataclass
+class BudgetView:
+    """An arena's budget, and how many of its units are taken (by /proc/locks)."""
+
+    budget: Budget
+    held: int
+
+    def line(self) -> str:
+        return f"budget {self.budget}: {self.held} held, {self.budget.units - self.held} free"
+
+
+def budget_view(arena: Arena) -> BudgetView | None:
+    """The arena's budget, or None when it has none (an unusable budget file: ArenaError)."""
+    from .budget import CAPACITY, read_budget
+
+    budget = read_budget(arena)
+    if budget is None:
+        return None
+    try:
+        st = os.stat(CAPACITY, dir_fd=arena.dirfd, follow_symlinks=False)
+    except OSError:
+        return BudgetView(budget=budget, held=0)
+    held = procfs.byte_locks_held(procfs.read_proc_locks(), st.st_dev, st.st_ino)
+    return BudgetView(budget=budget, held=min(held, budget.units))
 
 
 def snapshot(arena: Arena) -> list[Row]:

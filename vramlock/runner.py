@@ -98,6 +98,7 @@ class RunOptions(strategies.StrategyOptions):
     idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
     ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
     ready_url: str | None = None  # --demand listen; None: the engine's (presets.ready_url)
+    vram: int | None = None  # --vram: the footprint in bytes, for an arena with a budget
     warn: Callable[[str], None] = field(default=_quiet)
 
     @functools.cached_property
@@ -183,7 +184,9 @@ class Runner:
                         command=opts.command,
                         strategy=opts.release,
                         min_hold=opts.min_hold,
+                        vram=opts.vram,
                     )
+                    self._say_whole_gpu(self.member)
                     self.proxy = self._listen(self.member)
                     if not self.member.acquire(opts.timeout):
                         raise NotObtained(opts.timeout or 0.0)
@@ -207,6 +210,15 @@ class Runner:
             return self._supervise(self.member)
         finally:
             self._close()
+
+    def _say_whole_gpu(self, member: Member | Members) -> None:
+        """In an arena with a budget, a command without a footprint takes the whole GPU."""
+        for m in member.members if isinstance(member, Members) else [member]:
+            if m.budget is not None and m.share is None:
+                self.opts.warn(
+                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
+                    " command takes the whole GPU"
+                )
 
     def _listen(self, member: Member | Members) -> Proxy | None:
         """--demand listen: the proxy, listening before the command starts (and before we

@@ -350,6 +350,17 @@ class Share:
                 return
             time.sleep(0.0002)
 
+    def forget(self) -> None:
+        """Stop counting the share as ours without unlocking: whoever shares our open
+        file descriptions (the command) keeps the token and the units until it closes them."""
+        self.resident = False
+        self.units = []
+
+    @property
+    def fds(self) -> list[int]:
+        """The descriptors a wrapped command inherits, so that it keeps the share."""
+        return [self.token, self.capacity]
+
     def close(self) -> None:
         if self.resident or self.units:
             self._drop()
