@@ -24,10 +24,12 @@ from .records import RecordWriter, read_live
 AUTO_MARGIN_FRACTION = 0.05
 AUTO_MARGIN_MIN = 1 << 30
 
-# A failed flock probe of want.lock is confirmed this much later: with several
-# residents probing, one may see another's probe (an exclusive lock held for
-# microseconds), while a waiter holds want.lock for as long as it waits.
-CONFIRM = 0.002
+# A failed flock probe of want.lock is probed again after each of these pauses, and
+# means a waiter only if every probe fails: with several residents probing, one may
+# see another's probe, an exclusive lock held for microseconds - or for milliseconds
+# when its holder is preempted on a loaded machine - while a waiter holds want.lock
+# for as long as it waits.
+CONFIRM = (0.001, 0.004, 0.016)
 POLL_MAX = 0.01  # a budget waiter looks at the units at least this often
 REQUEUE_DELAY_MAX = 0.05
 
@@ -203,11 +205,14 @@ class Share:
 
     def exclusive_waiting(self) -> bool:
         """Does a waiter hold want.lock (which only exclusive waiters hold while residents
-        are on the GPU)? A failed probe is confirmed ``CONFIRM`` later."""
+        are on the GPU)? A failed probe is confirmed over the ``CONFIRM`` pauses."""
         if not lockfd.conflicts(self.probe, exclusive=True):
             return False
-        time.sleep(CONFIRM)
-        return lockfd.conflicts(self.probe, exclusive=True)
+        for pause in CONFIRM:
+            time.sleep(pause)
+            if not lockfd.conflicts(self.probe, exclusive=True):
+                return False
+        return True
 
     def _pause(self, pause: float, left: Callable[[], float | None]) -> float | None:
         """Sleep ``pause`` (less near the deadline); the next pause, or None at the deadline."""
