@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -720,3 +721,53 @@ def test_mixed_members_never_go_over_budget_and_all_get_turns(room: Budgeted) ->
     for m in [*members, whole]:
         m.wait_for("resident", 2, timeout=DEADLINE)
     assert room.over() == []
+
+
+def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:
+    from vramlock.share import Share
+
+    set_budget(arena, "3G")
+    opened = Arena.open(str(arena))
+    try:
+        budget = read_budget(opened)
+        assert budget is not None and budget.units == 12
+        share = Share(opened, budget, 4)  # read 12 units
+        try:
+            set_budget(arena, "2G")
+            fd = os.open(arena / "capacity.lock", os.O_RDWR)
+            try:
+                assert lockfd.try_lock_bytes(fd, 0, 8, write=True)  # all 8 units held
+                assert not share.acquire(0.3)
+                assert not lockfd.bytes_locked_elsewhere(fd, 8, 0, write=True)
+            finally:
+                os.close(fd)
+        finally:
+            share.close()
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize("change", ["lowered", "removed"])
+def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: str) -> None:
+    from vramlock.share import Share
+
+    set_budget(arena, "3G")
+    opened = Arena.open(str(arena))
+    try:
+        budget = read_budget(opened)
+        assert budget is not None
+        share = Share(opened, budget, 12)
+        try:
+            if change == "lowered":
+                set_budget(arena, "2G")
+                said = "changed to 2G (8 units of 256M) while we waited"
+            else:
+                (arena / "budget").unlink()
+                said = "was removed while we waited"
+            with pytest.raises(ArenaError, match=re.escape(said)):
+                share.acquire(1)
+            assert not share.resident
+        finally:
+            share.close()
+    finally:
+        opened.close()

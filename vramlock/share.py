@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import lockfd
 from .arena import TOKEN, WANT, Arena
-from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, show_size
+from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
 from .errors import ArenaError, UsageError
 from .records import RecordWriter, read_live
 
@@ -185,6 +185,7 @@ class Share:
         if not lockfd.lock_within(self.queue, exclusive=True, timeout=left()):
             return False
         try:
+            self._reread()
             while True:
                 if not self._share_token(left):
                     return False
@@ -202,6 +203,17 @@ class Share:
         finally:
             self._ask(set())
             lockfd.unlock(self.queue)
+
+    def _reread(self) -> None:
+        """The budget as it is now: its owner changes it only while holding queue.lock,
+        so a budget read before we held it may have units that no longer exist."""
+        now = read_budget(self.arena)
+        shown = self.arena.shown(BUDGET)
+        if now is None:
+            raise ArenaError(shown, "was removed while we waited; start again")
+        if now.unit != self.budget.unit or self.need > now.units:
+            raise ArenaError(shown, f"changed to {now} while we waited; start again")
+        self.budget = now
 
     def exclusive_waiting(self) -> bool:
         """Does a waiter hold want.lock (which only exclusive waiters hold while residents
