@@ -406,3 +406,20 @@ def test_start_up_holds_clients_wait_takes_turns_sigterm_ends_all(
     assert served.proc.wait(25) == 0
     assert not any(procfs.living(p) for p in wrappers)
     assert servers_alive(served.upstreams) == []
+
+
+def test_models_that_fit_the_budget_stay_resident_together(
+    start: Any, tmp_path: Path, models: list[Path], arena: Path
+) -> None:
+    subprocess.run(vramlock("arena", "--arena", str(arena), "--budget", "3G"),
+                   check=True, capture_output=True, timeout=30)  # fmt: skip
+    config = serve_config(tmp_path, models, a="vram: 1G", b="vram: 1G", c="vram: 1G")
+    served = start(config, settle=False)
+    for name in NAMES:
+        served.complete(name)
+    wait_until(lambda: len(servers_alive(served.upstreams)) == 3, timeout=30)
+    before = sorted(servers_alive(served.upstreams))
+    for name in NAMES * 3:  # alternating requests: no swap, the three fit together
+        served.complete(name)
+    assert sorted(servers_alive(served.upstreams)) == before
+    assert sorted(r["state"] for r in who_json(arena)) == ["resident"] * 3

@@ -151,7 +151,9 @@ def test_readme_full_example(tmp_path: Path) -> None:
         f"{path}:4: logLevel ignored: the wrappers and servers write to serve's standard output"
         " and error",
         f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
-        " at a time; models on different GPUs (gpu:) run together",
+        " at a time, unless the arena has a budget (vramlock arena --budget) and they declare"
+        " vram:, when they stay resident together while they fit; models on different GPUs"
+        " (gpu:) run together",
         f"{path}:27: model 'llama': useModelName ignored: requests are passed to the model"
         " unchanged",
         f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
@@ -185,12 +187,13 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
             cmd: srv --port ${PORT}
             arena: shared
             preset: llama-server
+            vram: 6G
         """)  # fmt: skip
     a, b = config.models.values()
     assert a.run_options == ("--release", "restart", "--min-hold", "2s", "--yield-within", "30",
                              "--gpu", "1")  # fmt: skip
-    assert b.run_options == ("--release", "auto", "--preset", "llama-server", "--arena",
-                             str(tmp_path / "shared"))  # fmt: skip
+    assert b.run_options == ("--release", "auto", "--preset", "llama-server", "--vram", "6G",
+                             "--arena", str(tmp_path / "shared"))  # fmt: skip
 
 
 def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
@@ -219,6 +222,7 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
          "proxy must be an http://HOST:PORT URL"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: soon\n", 4, "ttl must be a number"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    min_hold: forever\n", 4, "bad duration"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    vram: lots\n", 4, "vram: bad size 'lots'"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [b]\n  b:\n    cmd: srv ${PORT}\n",
          5, "model 'b' is already an alias"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n  a:\n    cmd: srv ${PORT}\n", 4, "appears twice"),
@@ -226,7 +230,7 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ("models:\n  a:\n    cmd: srv ${env.SERVE_TEST_UNSET}\n", 3, "SERVE_TEST_UNSET is not set"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "no-proxy", "macro", "https", "ttl",
-         "duration", "alias-clash", "twice", "env", "env-macro"],
+         "duration", "vram", "alias-clash", "twice", "env", "env-macro"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -12,7 +12,8 @@ What llama-swap's keys mean here:
   ``globalTTL``.
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
-``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what ``run`` picks).
+``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
+``run`` picks).
 
 Keys that mean nothing under vramlock (``groups``, ``cmdStop``, ...) are ignored with a
 warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
@@ -44,8 +45,9 @@ _RESERVED = frozenset({"PORT", "MODEL_ID"})
 # llama-swap's keys that have no meaning here, and why.
 _NO_UI = "vramlock serve has no web UI, metrics or request log"
 _ONE_AT_A_TIME = (
-    "models of one arena take turns by its token, one resident at a time; models on"
-    " different GPUs (gpu:) run together"
+    "models of one arena take turns by its token, one resident at a time, unless the arena"
+    " has a budget (vramlock arena --budget) and they declare vram:, when they stay resident"
+    " together while they fit; models on different GPUs (gpu:) run together"
 )
 _UNCHANGED = "requests are passed to the model unchanged"
 IGNORED_TOP = {
@@ -80,7 +82,8 @@ IGNORED_MODEL = {
 TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL"})
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
-     "description", "macros", "release", "preset", "min_hold", "yield_within", "gpu", "arena"}
+     "description", "macros", "release", "preset", "min_hold", "yield_within", "vram", "gpu",
+     "arena"}
 )  # fmt: skip
 
 
@@ -221,6 +224,17 @@ class _Reader:
         text = self.text(node, what)
         try:
             self.duration(text, what)
+        except UsageError as err:
+            raise self.fail(node, str(err)) from None
+        return text
+
+    def size(self, node: yaml.Node, what: str) -> str:
+        """A memory size as ``vramlock run --vram`` takes it (checked here): 6G, 512M."""
+        from ..budget import parse_size
+
+        text = self.text(node, what)
+        try:
+            parse_size(text, what)
         except UsageError as err:
             raise self.fail(node, str(err)) from None
         return text
@@ -414,6 +428,8 @@ def _model(
     for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
         if k in fields:
             run += [option, reader.seconds(fields[k][1], f"{where}: {k}")]
+    if "vram" in fields:
+        run += ["--vram", reader.size(fields["vram"][1], f"{where}: vram")]
     gpu, arena = opt("gpu"), opt("arena")
     if gpu is not None and arena is not None:
         raise reader.fail(fields["arena"][0], f"{where}: give gpu or arena, not both")
