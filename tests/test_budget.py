@@ -771,3 +771,19 @@ def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: st
             share.close()
     finally:
         opened.close()
+
+
+def test_run_bad_vram_is_a_usage_error(errcli: ErrCli, arena: Path) -> None:
+    out = errcli("run", "--arena", str(arena), "--vram", "6X", "--", "true")
+    expect_error(out, USAGE, "--vram: bad size '6X'")
+
+
+@pytest.mark.parametrize("command", ["who", "run"])
+def test_an_unusable_budget_file_is_refused_by_every_command(
+    errcli: ErrCli, arena: Path, command: str
+) -> None:
+    set_budget(arena, "2G")
+    (arena / "budget").chmod(0o666)
+    args = ["--vram", "1G", "--", "true"] if command == "run" else []
+    out = errcli(command, "--arena", str(arena), *args)
+    expect_error(out, OWN_FAILURE, str(arena / "budget"), "writable by others")
