@@ -24,6 +24,7 @@ from .checkpoint import CheckpointStrategy, NotCheckpointable, VramTaken, usable
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
 from .presets import PRESETS
+from .swap import SwapStrategy
 from .webapi import HttpStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -31,6 +32,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     for cls in (
         SignalStrategy,
         CheckpointStrategy,
+        SwapStrategy,
         HttpStrategy,
         NoneStrategy,
         RestartStrategy,

@@ -1,0 +1,274 @@
+/*
+ * A CUDA program as the runtime would drive the driver: it links nothing, dlopen()s
+ * libcuda.so.1 and finds every entry point through cuGetProcAddress_v2. It
+ * allocates in every way the swap library handles (big and small cuMemAlloc,
+ * pitched, stream-ordered, and its own VMM pool as llama.cpp's), fills each
+ * buffer with a pattern, then launches "add one" kernels in a loop for SECONDS,
+ * checking one buffer's contents after each round and all of them at the end.
+ *
+ *   swap_prog SECONDS [managed]
+ *
+ * Prints "ready" once its memory is filled, "done <rounds>" at the end; exits 3
+ * on a wrong byte, 4 when a driver call fails. With SWAP_PROG_START_AFTER=PATH it
+ * waits for PATH to exist before it initialises CUDA; with SWAP_PROG_STOP=PATH it
+ * ends early once PATH exists.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long Handle;
+typedef struct {
+	int type, requestedHandleTypes;
+	struct {
+		int type, id;
+	} location;
+	void *win32HandleMetaData;
+	unsigned char allocFlags[8];
+} Prop;
+typedef struct {
+	struct {
+		int type, id;
+	} location;
+	int flags;
+} Access;
+
+typedef CUresult (*gpa_fn)(const char *, void **, int, unsigned long long, int *);
+static gpa_fn gpa;
+
+static void *get(const char *name, unsigned long long flags)
+{
+	void *fn = NULL;
+	int status = 0;
+	if (gpa(name, &fn, 12080, flags, &status) || !fn) {
+		fprintf(stderr, "swap_prog: no %s\n", name);
+		exit(4);
+	}
+	return fn;
+}
+
+#define CHECK(call)                                                            \
+	do {                                                                   \
+		CUresult r_ = (call);                                          \
+		if (r_) {                                                      \
+			fprintf(stderr, "swap_prog: %s: error %d\n", #call, r_); \
+			exit(4);                                               \
+		}                                                              \
+	} while (0)
+
+static void add_one(void **params)
+{
+	int *a = (int *)(uintptr_t) * (CUdeviceptr *)params[0];
+	size_t n = *(size_t *)params[1];
+	for (size_t i = 0; i < n; i++)
+		a[i]++;
+}
+
+struct buffer {
+	CUdeviceptr ptr;
+	size_t count; /* ints */
+};
+
+#define MAX_BUFFERS 512
+static struct buffer bufs[MAX_BUFFERS];
+static size_t nbufs;
+
+static CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
+static CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+static CUresult (*cuMemcpyDtoH_ptds)(void *, CUdeviceptr, size_t);
+
+static void add(CUdeviceptr p, size_t bytes)
+{
+	bufs[nbufs++] = (struct buffer){p, bytes / sizeof(int)};
+}
+
+static int want(size_t b, size_t i, long rounds)
+{
+	return (int)(i * 7 + b + (size_t)rounds);
+}
+
+static void check(size_t b, long rounds, int via_ptds)
+{
+	size_t n = bufs[b].count;
+	int *host = malloc(n * sizeof *host);
+	if (!host)
+		exit(4);
+	CHECK((via_ptds ? cuMemcpyDtoH_ptds : cuMemcpyDtoH)(host, bufs[b].ptr, n * sizeof *host));
+	for (size_t i = 0; i < n; i++)
+		if (host[i] != want(b, i, rounds)) {
+			printf("MISMATCH buffer %zu index %zu: %d, not %d\n", b, i, host[i],
+			       want(b, i, rounds));
+			exit(3);
+		}
+	free(host);
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2)
+		return 2;
+	double seconds = atof(argv[1]);
+	int managed = argc > 2 && !strcmp(argv[2], "managed");
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	const char *start_after = getenv("SWAP_PROG_START_AFTER");
+	if (start_after) {
+		printf("waiting\n");
+		struct timespec tick = {0, 5000000};
+		while (access(start_after, F_OK))
+			nanosleep(&tick, NULL);
+	}
+
+	void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+	if (!lib) {
+		fprintf(stderr, "swap_prog: %s\n", dlerror());
+		return 4;
+	}
+	gpa = (gpa_fn)dlsym(lib, "cuGetProcAddress_v2");
+	if (!gpa)
+		return 4;
+
+	CUresult (*cuInit)(unsigned) = get("cuInit", 0);
+	CUresult (*cuDevicePrimaryCtxRetain)(void **, int) = get("cuDevicePrimaryCtxRetain", 0);
+	CUresult (*cuCtxSetCurrent)(void *) = get("cuCtxSetCurrent", 0);
+	CUresult (*cuStreamCreate)(void **, unsigned) = get("cuStreamCreate", 0);
+	CUresult (*cuMemAlloc)(CUdeviceptr *, size_t) = get("cuMemAlloc", 0);
+	CUresult (*cuMemFree)(CUdeviceptr) = get("cuMemFree", 0);
+	CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned) =
+		get("cuMemAllocPitch", 0);
+	CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, void *) = get("cuMemAllocAsync", 0);
+	CUresult (*cuMemFreeAsync)(CUdeviceptr, void *) = get("cuMemFreeAsync", 0);
+	CUresult (*cuMemAllocManaged)(CUdeviceptr *, size_t, unsigned) = get("cuMemAllocManaged", 0);
+	CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr) =
+		get("cuMemGetAddressRange", 0);
+	CUresult (*cuMemGetAllocationGranularity)(size_t *, const Prop *, int) =
+		get("cuMemGetAllocationGranularity", 0);
+	CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+					unsigned long long) = get("cuMemAddressReserve", 0);
+	CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = get("cuMemAddressFree", 0);
+	CUresult (*cuMemCreate)(Handle *, size_t, const Prop *, unsigned long long) =
+		get("cuMemCreate", 0);
+	CUresult (*cuMemRelease)(Handle) = get("cuMemRelease", 0);
+	CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, Handle, unsigned long long) =
+		get("cuMemMap", 0);
+	CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = get("cuMemUnmap", 0);
+	CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const Access *, size_t) =
+		get("cuMemSetAccess", 0);
+	CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+			   unsigned, void *, void **, void **) = get("cuLaunchKernel", 0);
+	CUresult (*launch_ptsz)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+				unsigned, void *, void **, void **) = get("cuLaunchKernel", 2);
+	cuMemcpyHtoD = get("cuMemcpyHtoD", 0);
+	cuMemcpyDtoH = get("cuMemcpyDtoH", 0);
+	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
+
+	void *ctx, *stream;
+	CHECK(cuInit(0));
+	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
+	CHECK(cuCtxSetCurrent(ctx));
+	CHECK(cuStreamCreate(&stream, 0));
+
+	CUdeviceptr p;
+	CHECK(cuMemAlloc(&p, 6 << 20));
+	add(p, 6 << 20);
+	/* Small ones, some freed again: slabs are shared and reused. */
+	CUdeviceptr gone[100];
+	for (int i = 0; i < 200; i++) {
+		CHECK(cuMemAlloc(&p, 1000));
+		if (i % 2)
+			gone[i / 2] = p;
+		else
+			add(p, 1000);
+	}
+	for (int i = 0; i < 100; i++)
+		CHECK(cuMemFree(gone[i]));
+	CUdeviceptr base;
+	size_t size;
+	CHECK(cuMemGetAddressRange(&base, &size, bufs[1].ptr + 10));
+	if (base != bufs[1].ptr || size != 1000) {
+		printf("MISMATCH address range: 0x%llx+%zu for 0x%llx+1000\n", base, size, bufs[1].ptr);
+		return 3;
+	}
+	size_t pitch;
+	CHECK(cuMemAllocPitch(&p, &pitch, 1000, 20, 4));
+	add(p, pitch * 20);
+	CHECK(cuMemAllocAsync(&p, 3 << 20, stream));
+	add(p, 3 << 20);
+	CHECK(cuMemAllocAsync(&p, 1 << 20, stream));
+	CHECK(cuMemFreeAsync(p, stream));
+
+	/* A pool as llama.cpp's: a big reservation, chunks mapped at its end, each
+	 * handle released right after mapping. */
+	Prop prop;
+	memset(&prop, 0, sizeof prop);
+	prop.type = 1;
+	prop.location.type = 1;
+	size_t g;
+	CHECK(cuMemGetAllocationGranularity(&g, &prop, 0));
+	CUdeviceptr pool;
+	size_t pool_max = 64 * g, pool_size = 0;
+	CHECK(cuMemAddressReserve(&pool, pool_max, 0, 0, 0));
+	for (int i = 0; i < 2; i++) {
+		Handle h;
+		CHECK(cuMemCreate(&h, g, &prop, 0));
+		CHECK(cuMemMap(pool + pool_size, g, 0, h, 0));
+		CHECK(cuMemRelease(h));
+		Access access = {{1, 0}, 3};
+		CHECK(cuMemSetAccess(pool + pool_size, g, &access, 1));
+		pool_size += g;
+	}
+	add(pool, pool_size);
+
+	if (managed) {
+		CHECK(cuMemAllocManaged(&p, 1 << 20, 1));
+		add(p, 1 << 20);
+	}
+
+	for (size_t b = 0; b < nbufs; b++) {
+		int *host = malloc(bufs[b].count * sizeof *host);
+		if (!host)
+			return 4;
+		for (size_t i = 0; i < bufs[b].count; i++)
+			host[i] = want(b, i, 0);
+		CHECK(cuMemcpyHtoD(bufs[b].ptr, host, bufs[b].count * sizeof *host));
+		free(host);
+	}
+	printf("ready\n");
+
+	long rounds = 0;
+	double end = now() + seconds;
+	const char *stop = getenv("SWAP_PROG_STOP");
+	while (now() < end && !(stop && !access(stop, F_OK))) {
+		for (size_t b = 0; b < nbufs; b++) {
+			void *params[] = {&bufs[b].ptr, &bufs[b].count};
+			CHECK((b % 2 ? launch_ptsz : launch)((void *)add_one, 1, 1, 1, 1, 1, 1, 0,
+							       stream, params, NULL));
+		}
+		rounds++;
+		check((size_t)rounds % nbufs, rounds, rounds % 2);
+		struct timespec pause = {0, 2000000};
+		nanosleep(&pause, NULL);
+	}
+	for (size_t b = 0; b < nbufs; b++)
+		check(b, rounds, 0);
+	for (size_t b = 0; b < nbufs; b++)
+		if (bufs[b].ptr != pool)
+			CHECK(cuMemFree(bufs[b].ptr));
+	CHECK(cuMemUnmap(pool, pool_size));
+	CHECK(cuMemAddressFree(pool, pool_max));
+	printf("done %ld\n", rounds);
+	return 0;
+}

@@ -1,0 +1,298 @@
+"""``--release swap`` against a fake driver: no GPU needed.
+
+tests/fake_cuda/fake_libcuda.c is a libcuda.so.1 whose device memory is host memory
+(see its header): a "kernel" runs on the CPU and logs each launch with its times,
+and the physical memory it holds is written to a file at every change. The
+program (tests/fake_cuda/swap_prog.c) finds the driver as the CUDA runtime does,
+allocates in every way the library handles, and checks its memory's contents as
+it goes. The other member is a process the test owns, holding the token itself;
+its times, the fake's launch log and its physical-memory file are the witnesses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Spawn, vramlock, wait_until
+
+from vramlock import swap
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
+]
+
+FAKES = ROOT / "tests" / "fake_cuda"
+STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+
+# A member the test owns: queues as any waiter, says when it holds the token (and what
+# the fake driver holds then), and lets go when told on stdin.
+HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    arena, phys = sys.argv[1], sys.argv[2]
+    want = os.open(os.path.join(arena, "want.lock"), os.O_RDWR | os.O_CLOEXEC)
+    token = os.open(os.path.join(arena, "token.lock"), os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(want, fcntl.LOCK_SH)
+    fcntl.flock(token, fcntl.LOCK_EX)
+    got = time.monotonic_ns()
+    print("held", got, open(phys).read().strip(), flush=True)
+    sys.stdin.readline()
+    print("leaving", time.monotonic_ns(), open(phys).read().strip(), flush=True)
+    """
+)
+
+# A user's own preload library: it wraps nanosleep through dlsym(RTLD_NEXT), which
+# loops for ever if the swap library's dlsym answers RTLD_NEXT for itself.
+USER_PRELOAD = textwrap.dedent(
+    """
+    #define _GNU_SOURCE
+    #include <dlfcn.h>
+    #include <stdio.h>
+    #include <stdlib.h>
+    #include <time.h>
+    static int calls;
+    int nanosleep(const struct timespec *req, struct timespec *rem)
+    {
+        int (*next)(const struct timespec *, struct timespec *) = dlsym(RTLD_NEXT, "nanosleep");
+        calls++;
+        return next(req, rem);
+    }
+    __attribute__((destructor)) static void done(void)
+    {
+        const char *path = getenv("USER_PRELOAD_OUT");
+        FILE *f = path ? fopen(path, "a") : NULL;
+        if (f) {
+            fprintf(f, "%d\\n", calls);
+            fclose(f);
+        }
+    }
+    """
+)
+
+
+@dataclass
+class Fakes:
+    directory: Path  # holds libcuda.so.1
+    program: Path
+    user_preload: Path
+
+
+def _cc(*args: str) -> None:
+    cc = swap.compiler()
+    assert cc is not None
+    subprocess.run([cc, *args], check=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
+    out = tmp_path_factory.mktemp("fake_cuda")
+    # -Bsymbolic: the fake's table of entry points must hold its own functions, not
+    # the swap library's of the same names.
+    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
+        str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
+    _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl")
+    (out / "user_preload.c").write_text(USER_PRELOAD)
+    _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
+        str(out / "user_preload.c"), "-ldl")  # fmt: skip
+    return Fakes(out, out / "swap_prog", out / "user_preload.so")
+
+
+@dataclass
+class Rig:
+    """One test's fake GPU: the environment that selects it, and its witnesses."""
+
+    fakes: Fakes
+    arena: Path
+    env: dict[str, str]
+    phys: Path
+    launch_log: Path
+    tmp: Path
+
+    def launches(self) -> list[tuple[int, int]]:
+        if not self.launch_log.exists():
+            return []
+        out = []
+        for line in self.launch_log.read_text().splitlines():
+            _, start, end = line.split()
+            out.append((int(start), int(end)))
+        return out
+
+    def run(self, spawn: Spawn, *args: str, **kw: object) -> subprocess.Popen[str]:
+        """``vramlock run --release swap -- swap_prog ARGS``."""
+        kw.setdefault("env", self.env)
+        return spawn(
+            vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", "swap",
+                     "--", str(self.fakes.program), *args),
+            **kw,
+        )  # fmt: skip
+
+    def holder(self, spawn: Spawn) -> subprocess.Popen[str]:
+        script = self.tmp / "holder.py"
+        script.write_text(HOLDER)
+        return spawn(
+            [sys.executable, str(script), str(self.arena), str(self.phys)],
+            stdin=subprocess.PIPE,
+        )
+
+
+@pytest.fixture
+def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    phys, log = tmp_path / "phys", tmp_path / "launches"
+    env = dict(os.environ)
+    env.update(
+        LD_LIBRARY_PATH=str(fakes.directory),
+        FAKE_CUDA_PHYS=str(phys),
+        FAKE_CUDA_LAUNCH_LOG=str(log),
+    )
+    env.pop("LD_PRELOAD", None)
+    return Rig(fakes, arena, env, phys, log, tmp_path)
+
+
+def read_line(proc: subprocess.Popen[str]) -> list[str]:
+    assert proc.stdout is not None
+    return proc.stdout.readline().split()
+
+
+@dataclass
+class Turn:
+    """The test's member held the token from ``start`` to ``end`` (monotonic ns)."""
+
+    start: int
+    end: int
+    phys: tuple[int, int]  # the fake driver's physical memory then, at both ends
+
+
+def take_turn(rig: Rig, spawn: Spawn) -> Turn:
+    """Queue, hold the token a moment while the command runs on, let go."""
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held", held
+    time.sleep(0.2)  # the command's loop keeps trying to launch meanwhile
+    assert holder.stdin is not None
+    holder.stdin.write("\n")
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    return Turn(int(held[1]), int(left[1]), (int(held[2]), int(left[2])))
+
+
+def during(launches: list[tuple[int, int]], turns: list[Turn]) -> list[tuple[int, int]]:
+    return [(s, e) for s, e in launches for t in turns if s <= t.end and e >= t.start]
+
+
+def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
+    """Has the program launched again since it had launched ``seen`` times?"""
+    return lambda: len(rig.launches()) > seen + 20
+
+
+def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(rig: Rig, spawn: Spawn) -> None:
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(5):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    # The program checks a buffer after every round, and all of them at the end.
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    assert int(rig.phys.read_text()) == 0  # it freed everything: nothing leaked
+    assert err == ""  # nothing said on the happy path
+
+
+def test_a_process_joining_while_released_waits_for_its_turn(rig: Rig, spawn: Spawn) -> None:
+    go = rig.tmp / "go"
+    env = dict(rig.env, SWAP_PROG_START_AFTER=str(go))
+    job = rig.run(spawn, "1", env=env)
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    go.touch()  # CUDA starts now, while the test's member holds the token
+    time.sleep(0.5)
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert min(s for s, _ in rig.launches()) > int(left[1])
+
+
+def test_the_users_preload_is_kept(rig: Rig, spawn: Spawn) -> None:
+    out_file = rig.tmp / "user"
+    env = dict(rig.env, LD_PRELOAD=str(rig.fakes.user_preload), USER_PRELOAD_OUT=str(out_file))
+    job = rig.run(spawn, "1", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    # Theirs ran in the program (and in vramlock, which has it too: nothing to count
+    # there), and its RTLD_NEXT found libc's nanosleep.
+    assert max(map(int, out_file.read_text().split())) > 0
+    assert turn.phys == (0, 0)  # and ours swapped
+
+
+def test_a_library_that_cannot_be_built_fails_before_the_command(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    env = dict(rig.env, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here" in done.stderr and "no-such-cc" in done.stderr
+    assert not marker.exists()
+
+
+def _driver_here() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_here(), reason="a CUDA driver is installed here")
+def test_no_driver_fails_before_the_command(arena: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--release", "swap", "--", "touch", str(marker)),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here: cannot load libcuda.so.1" in done.stderr
+    assert not marker.exists()
+
+
+def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
+    swap.build(tmp_path / "lib.so", "-Werror")
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    exported = subprocess.run([nm, "-D", "--defined-only", str(tmp_path / "lib.so")],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    names = {line.split()[-1] for line in exported.splitlines()}
+    assert {"dlsym", "cuGetProcAddress_v2", "cuMemAlloc_v2", "cuLaunchKernel"} <= names
+    assert not any(n.startswith(("gate_", "own_", "real_")) for n in names)
