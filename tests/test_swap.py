@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Spawn, vramlock, wait_until
+from conftest import ROOT, Spawn, token_free, vramlock, wait_until, who_json
 
 from vramlock import swap
+from vramlock.procfs import descendants
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -296,3 +298,52 @@ def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
     names = {line.split()[-1] for line in exported.splitlines()}
     assert {"dlsym", "cuGetProcAddress_v2", "cuMemAlloc_v2", "cuLaunchKernel"} <= names
     assert not any(n.startswith(("gate_", "own_", "real_")) for n in names)
+
+
+def test_managed_memory_is_refused_and_the_program_keeps_the_gpu(rig: Rig, spawn: Spawn) -> None:
+    job = rig.run(spawn, "2", "managed")
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # every round ran, contents intact
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "cannot be swapped: it uses managed memory" in lines[0]
+    assert "holding the GPU until it exits" in lines[0]
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    err_file = tmp_path / "stderr"
+    with err_file.open("w") as err:
+        job = rig.run(spawn, "60", stderr=err)
+    assert read_line(job) == ["ready"]
+    program = descendants(job.pid)
+    assert len(program) == 1
+    try:
+        holder = rig.holder(spawn)
+        assert read_line(holder)[0] == "held"  # the command is released
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        wait_until(lambda: "went away" in err_file.read_text())
+        launched = len(rig.launches())
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert read_line(holder)[0] == "leaving"
+        assert holder.wait(10) == 0
+        assert token_free(rig.arena)  # nobody holds the token, and still:
+        (row,) = [r for r in who_json(rig.arena) if r["pid"] == program[0]]
+        assert row["state"] == "released" and row["strategy"] == "swap"
+        assert "its vramlock run is gone" in row["note"]
+        time.sleep(0.5)  # the program's loop would have launched dozens of times
+        assert len(rig.launches()) == launched
+        assert int(rig.phys.read_text()) == 0
+        assert err_file.read_text().count("\n") == 1
+    finally:
+        for pid in program:
+            os.kill(pid, signal.SIGKILL)

@@ -118,6 +118,9 @@ class Record:
     connections: int | None = None
     # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
     gpus: list[int] = field(default_factory=list)
+    # What ``who`` should add about the member (the swap library writes one for a
+    # released process whose ``vramlock run`` is gone).
+    note: str | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -130,6 +133,7 @@ class Record:
                 return None
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
+            note = data.get("note")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -147,6 +151,7 @@ class Record:
                 listen=None if listen is None else _typed(listen, str),
                 connections=None if connections is None else _bounded(connections, 0, 1 << 31),
                 gpus=[_bounded(g, 0, _MAX_GPU) for g in _typed(data.get("gpus", []), list)[:64]],
+                note=None if note is None else _typed(note, str),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -160,6 +165,7 @@ class Record:
         data["command"] = _clip_command(self.command, _CLIP_COMMAND)
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
         data["gpus"] = self.gpus[:64]
+        data["note"] = None if self.note is None else _clip(self.note, _CLIP_NAME)
         return json.dumps(data, allow_nan=False).encode()
 
 
