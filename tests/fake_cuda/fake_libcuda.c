@@ -173,7 +173,18 @@ struct handle {
 	size_t size;
 	Prop prop;
 	int released, maps;
+	struct handle *next;
 };
+static struct handle *handles; /* live ones: a stale handle is an error, as on a GPU */
+
+/* With mu held. */
+static struct handle *live(Handle hh)
+{
+	for (struct handle *h = handles; h; h = h->next)
+		if ((Handle)(uintptr_t)h == hh && !h->released)
+			return h;
+	return NULL;
+}
 
 struct vmap {
 	CUdeviceptr va;
@@ -186,6 +197,11 @@ static struct vmap *vmaps;
 static void handle_drop(struct handle *h)
 {
 	if (h->released && !h->maps) {
+		for (struct handle **pp = &handles; *pp; pp = &(*pp)->next)
+			if (*pp == h) {
+				*pp = h->next;
+				break;
+			}
 		close(h->fd);
 		phys_add(-(long long)h->size);
 		free(h);
@@ -241,6 +257,8 @@ CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long l
 		abort();
 	h->size = size;
 	h->prop = *prop;
+	h->next = handles;
+	handles = h;
 	phys_add((long long)size);
 	pthread_mutex_unlock(&mu);
 	*out = (Handle)(uintptr_t)h;
@@ -249,8 +267,12 @@ CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long l
 
 CUresult cuMemRelease(Handle hh)
 {
-	struct handle *h = (struct handle *)(uintptr_t)hh;
 	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (!h) {
+		pthread_mutex_unlock(&mu);
+		return INVALID;
+	}
 	h->released = 1;
 	handle_drop(h);
 	pthread_mutex_unlock(&mu);
@@ -260,10 +282,12 @@ CUresult cuMemRelease(Handle hh)
 CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigned long long flags)
 {
 	(void)flags;
-	struct handle *h = (struct handle *)(uintptr_t)hh;
-	if (!h || offset + size > h->size)
-		return INVALID;
 	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (!h || offset + size > h->size) {
+		pthread_mutex_unlock(&mu);
+		return INVALID;
+	}
 	for (struct vmap *m = vmaps; m; m = m->next)
 		if (va < m->va + m->size && m->va < va + size) {
 			pthread_mutex_unlock(&mu);
@@ -327,15 +351,23 @@ CUresult cuMemRetainAllocationHandle(Handle *out, void *addr)
 
 CUresult cuMemGetAllocationPropertiesFromHandle(Prop *prop, Handle hh)
 {
-	*prop = ((struct handle *)(uintptr_t)hh)->prop;
-	return OK;
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (h)
+		*prop = h->prop;
+	pthread_mutex_unlock(&mu);
+	return h ? OK : INVALID;
 }
 
 CUresult cuMemExportToShareableHandle(void *out, Handle hh, int type, unsigned long long fl)
 {
 	(void)type, (void)fl;
-	*(int *)out = dup(((struct handle *)(uintptr_t)hh)->fd);
-	return OK;
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (h)
+		*(int *)out = dup(h->fd);
+	pthread_mutex_unlock(&mu);
+	return h ? OK : INVALID;
 }
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)

@@ -2,7 +2,8 @@
  * A CUDA program as the runtime would drive the driver: it links nothing, dlopen()s
  * libcuda.so.1 and finds every entry point through cuGetProcAddress_v2. It
  * allocates in every way the swap library handles (big and small cuMemAlloc,
- * pitched, stream-ordered, and its own VMM pool as llama.cpp's), fills each
+ * pitched, stream-ordered, its own VMM pool as llama.cpp's, a VMM chunk whose
+ * handle it keeps as PyTorch's expandable segments do), fills each
  * buffer with a pattern, then launches "add one" kernels in a loop for SECONDS,
  * checking one buffer's contents after each round and all of them at the end.
  *
@@ -167,6 +168,10 @@ int main(int argc, char **argv)
 	CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = get("cuMemUnmap", 0);
 	CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const Access *, size_t) =
 		get("cuMemSetAccess", 0);
+	CUresult (*cuMemRetainAllocationHandle)(Handle *, void *) =
+		get("cuMemRetainAllocationHandle", 0);
+	CUresult (*cuMemGetAllocationPropertiesFromHandle)(Prop *, Handle) =
+		get("cuMemGetAllocationPropertiesFromHandle", 0);
 	CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
 			   unsigned, void *, void **, void **) = get("cuLaunchKernel", 0);
 	CUresult (*launch_ptsz)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -231,6 +236,16 @@ int main(int argc, char **argv)
 		pool_size += g;
 	}
 	add(pool, pool_size);
+	/* A chunk as PyTorch's expandable segments keep them: the handle is held, and
+	 * used again (retained, queried, released) after any number of swaps. */
+	CUdeviceptr kept_va;
+	Handle kept;
+	CHECK(cuMemAddressReserve(&kept_va, g, 0, 0, 0));
+	CHECK(cuMemCreate(&kept, g, &prop, 0));
+	CHECK(cuMemMap(kept_va, g, 0, kept, 0));
+	Access rw = {{1, 0}, 3};
+	CHECK(cuMemSetAccess(kept_va, g, &rw, 1));
+	add(kept_va, g);
 
 	if (managed) {
 		CHECK(cuMemAllocManaged(&p, 1 << 20, 1));
@@ -265,8 +280,20 @@ int main(int argc, char **argv)
 	for (size_t b = 0; b < nbufs; b++)
 		check(b, rounds, 0);
 	for (size_t b = 0; b < nbufs; b++)
-		if (bufs[b].ptr != pool)
+		if (bufs[b].ptr != pool && bufs[b].ptr != kept_va)
 			CHECK(cuMemFree(bufs[b].ptr));
+	Handle again;
+	Prop asked;
+	CHECK(cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)kept_va));
+	CHECK(cuMemGetAllocationPropertiesFromHandle(&asked, kept));
+	if (again != kept || asked.type != 1) {
+		printf("MISMATCH handle: 0x%llx retained as 0x%llx\n", kept, again);
+		return 3;
+	}
+	CHECK(cuMemRelease(again));
+	CHECK(cuMemUnmap(kept_va, g));
+	CHECK(cuMemRelease(kept));
+	CHECK(cuMemAddressFree(kept_va, g));
 	CHECK(cuMemUnmap(pool, pool_size));
 	CHECK(cuMemAddressFree(pool, pool_max));
 	printf("done %ld\n", rounds);
