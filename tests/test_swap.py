@@ -197,9 +197,15 @@ def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
     return lambda: len(rig.launches()) > seen + 20
 
 
-def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(rig: Rig, spawn: Spawn) -> None:
+@pytest.mark.parametrize("aliases", [False, True], ids=["exported", "aliased"])
+def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
+    rig: Rig, spawn: Spawn, aliases: bool
+) -> None:
     stop = rig.tmp / "stop"
-    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop))
+    if aliases:  # the driver hands out cuLaunchKernel at an address dlsym never gives
+        env["FAKE_CUDA_ALIASES"] = "1"
+    job = rig.run(spawn, "60", env=env)
     assert read_line(job) == ["ready"]
     turns = []
     for _ in range(5):

@@ -9,7 +9,8 @@
  * FAKE_CUDA_LAUNCH_LOG as "launch <start ns> <end ns>" (CLOCK_MONOTONIC).
  * The physical memory held (memfds and plain allocations) is written to the file
  * named by FAKE_CUDA_PHYS at every change: the tests' witness that a released
- * program holds none.
+ * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
+ * cuLaunchKernel under an address no exported name has.
  *
  * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
  * library's table of entry points must hold its own functions, not those.
@@ -517,6 +518,14 @@ static void *entry(const char *name)
 	return NULL;
 }
 
+/* An entry point under no exported name, as a driver may hand out: with
+ * FAKE_CUDA_ALIASES set, cuGetProcAddress gives this for cuLaunchKernel. */
+static CUresult launch_alias(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+			     unsigned by, unsigned bz, unsigned sm, void *s, void **kp, void **ex)
+{
+	return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sm, s, kp, ex);
+}
+
 /* As the driver does: the per-thread-stream variant when asked for, the _v2 of a
  * function whose ABI changed at 3.2 for callers that new. */
 CUresult cuGetProcAddress_v2(const char *sym, void **fn, int version, unsigned long long flags,
@@ -535,6 +544,8 @@ CUresult cuGetProcAddress_v2(const char *sym, void **fn, int version, unsigned l
 	}
 	if (!found)
 		found = entry(sym);
+	if (found == (void *)cuLaunchKernel && getenv("FAKE_CUDA_ALIASES"))
+		found = (void *)launch_alias;
 	if (status)
 		*status = found ? 0 : 1;
 	*fn = found;

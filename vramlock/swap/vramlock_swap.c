@@ -104,6 +104,7 @@ enum {
 	CU_MEMHOSTALLOC_PORTABLE = 1,
 	CU_STREAM_NON_BLOCKING = 1,
 	CU_STREAM_CAPTURE_STATUS_NONE = 0,
+	CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2,
 };
 
 /* ---- diagnostics: on failure only, or with VRAMLOCK_SWAP_DEBUG=1 ----------- */
@@ -1959,12 +1960,43 @@ EXPORT void *dlsym(void *handle, const char *name)
 	return w ? w : fn;
 }
 
-static void hook_proc(const char *symbol, void **pfn, CUresult r)
+static void *wrapper_named(const char *name)
 {
-	if (r != CUDA_SUCCESS || !active || !pfn || !*pfn)
+	for (size_t i = 0; i < NHOOKS; i++)
+		if (!strcmp(hooks[i].name, name))
+			return hooks[i].wrapper;
+	return NULL;
+}
+
+/* Should a driver hand out an address that no exported name has (an internal
+ * alias), the hook is found by name, versioned as the driver does it: the
+ * per-thread-stream variant when asked for, else the _v2 (every hooked _v2 dates
+ * from CUDA 3.2 or has its predecessor's signature), else the name itself. */
+static void *wrapper_by_name(const char *symbol, cuuint64_t flags)
+{
+	static const char *per_thread[] = {"_v2_ptds", "_v2_ptsz", "_ptds", "_ptsz"};
+	char name[128];
+	void *w = NULL;
+	for (size_t i = 0; (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && !w && i < 4; i++) {
+		snprintf(name, sizeof name, "%s%s", symbol, per_thread[i]);
+		w = wrapper_named(name);
+	}
+	if (!w) {
+		snprintf(name, sizeof name, "%s_v2", symbol);
+		w = wrapper_named(name);
+	}
+	return w ? w : wrapper_named(symbol);
+}
+
+static void hook_proc(const char *symbol, void **pfn, cuuint64_t flags, CUresult r)
+{
+	if (r != CUDA_SUCCESS || !active || !pfn || !*pfn || !symbol)
 		return;
 	void *w = wrapper_of(*pfn);
-	TRACE("cuGetProcAddress %s: %s", symbol, w ? "hooked" : "driver's");
+	const char *how = "hooked";
+	if (!w && (w = wrapper_by_name(symbol, flags)))
+		how = "hooked by name";
+	TRACE("cuGetProcAddress %s (flags %llu): %s", symbol, flags, w ? how : "driver's");
 	if (w)
 		*pfn = w;
 }
@@ -1974,7 +2006,7 @@ EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cu
 	if (!ready() || !real_cuGetProcAddress)
 		return CUDA_ERROR_NOT_FOUND;
 	CUresult r = real_cuGetProcAddress(symbol, pfn, version, flags);
-	hook_proc(symbol, pfn, r);
+	hook_proc(symbol, pfn, flags, r);
 	return r;
 }
 
@@ -1984,6 +2016,6 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
 	if (!ready() || !real_cuGetProcAddress_v2)
 		return CUDA_ERROR_NOT_FOUND;
 	CUresult r = real_cuGetProcAddress_v2(symbol, pfn, version, flags, status);
-	hook_proc(symbol, pfn, r);
+	hook_proc(symbol, pfn, flags, r);
 	return r;
 }
