@@ -353,3 +353,24 @@ def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
     finally:
         for pid in program:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) -> None:
+    stop = rig.tmp / "stop"
+    prog = str(rig.fakes.program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "sh", "-c", f"{prog} 60 & {prog} 60; wait $!"),
+        env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
+    )  # fmt: skip
+    assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
+    turns = []
+    for _ in range(3):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert all(t.phys == (0, 0) for t in turns), turns  # both processes' memory was gone
+    assert not during(rig.launches(), turns)
+    assert out.split().count("done") == 2  # each checked every buffer at its end
