@@ -8,11 +8,13 @@ never imports typer or rich, and ``bench/startup.py`` has the figures.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -174,3 +176,29 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hatchling") is None, reason="hatchling is not installed here"
+)
+@pytest.mark.parametrize("with_cc", [True, False], ids=["compiler", "no-compiler"])
+def test_a_wheel_carries_the_swap_library_where_it_can_be_built(
+    tmp_path: Path, with_cc: bool
+) -> None:
+    from vramlock import swap
+
+    if with_cc and swap.compiler() is None:
+        pytest.skip("no C compiler here")
+    env = dict(os.environ)
+    if not with_cc:
+        env["CC"] = str(tmp_path / "no-such-cc")
+    out = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(ROOT)],
+        env=env, check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = out.glob("*.whl")
+    carried = "vramlock/swap/libvramlock-swap.so" in zipfile.ZipFile(wheel).namelist()
+    assert carried == with_cc
+    assert wheel.name.endswith("-none-any.whl") != with_cc  # a platform wheel with it
