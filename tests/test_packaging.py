@@ -138,7 +138,7 @@ def test_locks_are_flock_even_when_portalocker_is_switched_to_lockf(
         (
             "vramlock run --release ",
             3,
-            ["auto", "signal", "checkpoint", "http", "none", "restart", "stop", "exec"],
+            ["auto", "signal", "checkpoint", "swap", "http", "none", "restart", "stop", "exec"],
         ),
         ("vramlock run --demand c", 3, ["child"]),
     ],
