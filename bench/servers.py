@@ -174,18 +174,20 @@ def main() -> int:
     server = [str(binary), "-m", model, "-np", "1", "-c", str(args.ctx)]
     server += ["-t", "2"] if args.ngl is None else ["-ngl", str(args.ngl)]
     tokens = args.prompt_tokens or args.ctx * 5 // 6
-    results = {m: run_mode(m, server, tokens, args.alternations) for m in args.modes.split(",")}
     where = "CPU" if args.ngl is None else f"-ngl {args.ngl}"
-    prompt_n = next(iter(results.values()))["prompt_n"]
     print(f"{args.alternations} alternations between two llama-servers ({where},"
-          f" {Path(model).name}, -c {args.ctx}, prompts of {prompt_n} tokens), in s")  # fmt: skip
-    print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for mode, r in results.items():
+          f" {Path(model).name}, -c {args.ctx}), times in s")  # fmt: skip
+    print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50"
+          " | prompt tokens |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    results = {}
+    for mode in args.modes.split(","):  # each row as soon as it is measured
+        r = results[mode] = run_mode(mode, server, tokens, args.alternations)
         print(
             f"| {mode} | {statistics.median(r['latency']):.3f} | {pct(r['latency'], 0.95):.3f}"
             f" | {statistics.median(r['prefill']):.3f} | {pct(r['prefill'], 0.95):.3f}"
-            f" | {statistics.median(r['cache_n']):.0f} |"
+            f" | {statistics.median(r['cache_n']):.0f} | {max(r['prompt_n'])} |",
+            flush=True,
         )
     if "restart" in results and "preset" in results:
         rs, ps = results["restart"], results["preset"]

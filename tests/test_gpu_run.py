@@ -80,8 +80,9 @@ ALLOCATORS = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
 }
-# What a process released by swap keeps on the GPU, at most: its CUDA context.
-SWAP_KEEPS = GIB
+# What a process released by swap keeps on the GPU, at most: its CUDA context, with the
+# code of the kernels it has loaded (under a GiB for PyTorch with cuBLAS).
+SWAP_KEEPS = 3 * GIB // 2
 
 
 def env_with(extra: dict[str, str]) -> dict[str, str]:

@@ -10,7 +10,7 @@ since the first request, checksums computed on the GPU now), NVML (sampled by th
 every 20 ms: never both servers holding their memory on the GPU; after each answer, only
 the server that answered) and the kernel's lock table (who held token.lock, in turn). A
 server released by ``checkpoint`` leaves the GPU altogether; one released by ``swap``
-keeps its CUDA context there (under a GiB), not its 2 GiB of weights.
+keeps its CUDA context there, not its 2 GiB of weights.
 """
 
 from __future__ import annotations
