@@ -10,7 +10,8 @@
  * The physical memory held (memfds and plain allocations) is written to the file
  * named by FAKE_CUDA_PHYS at every change: the tests' witness that a released
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
- * cuLaunchKernel under an address no exported name has.
+ * cuLaunchKernel under an address no exported name has; while the file named by
+ * FAKE_CUDA_FULL exists, cuMemCreate finds no memory.
  *
  * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
  * library's table of entry points must hold its own functions, not those.
@@ -58,7 +59,6 @@ typedef struct {
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long long phys_bytes;
 static int phys_fd = -1, log_fd = -1;
-static __thread void *current;
 static char the_context;
 
 static long long now_ns(void)
@@ -245,6 +245,9 @@ CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long l
 	(void)flags;
 	if (!size || size % GRANULE)
 		return INVALID;
+	const char *full = getenv("FAKE_CUDA_FULL");
+	if (full && !access(full, F_OK))
+		return OOM; /* another process holds the GPU's memory */
 	pthread_mutex_lock(&mu);
 	if (phys_bytes + (long long)size > total_bytes()) {
 		pthread_mutex_unlock(&mu);
@@ -403,9 +406,14 @@ CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
 
 /* ---- host memory, copies, launches -------------------------------------------- */
 
+static __thread void *current;
+#define NO_CONTEXT 201
+
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 {
 	(void)fl;
+	if (!current)
+		return NO_CONTEXT; /* as the driver: pinning needs a context */
 	*p = malloc(n);
 	return *p ? OK : OOM;
 }
@@ -416,9 +424,9 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { memcpy(PTR(d)
 CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *h, size_t n) { return cuMemcpyHtoD_v2(d, h, n); }
 CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { memcpy(h, PTR(d), n); return OK; }
 CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcpyDtoH_v2(h, d, n); }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
 CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
-CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
+CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return current ? cuMemcpyDtoH_v2(h, d, n) : NO_CONTEXT; }
 CUresult cuMemcpyDtoHAsync_v2_ptsz(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove(PTR(d), PTR(s), n); return OK; }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { (void)st; return cuMemcpyDtoD_v2(d, s, n); }
@@ -471,7 +479,7 @@ CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
 CUresult cuCtxSynchronize(void) { return current ? OK : 201; }
-CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = malloc(1); return OK; }
+CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = malloc(1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
 CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
 CUresult cuStreamIsCapturing(void *s, int *status) { (void)s; *status = 0; return OK; }

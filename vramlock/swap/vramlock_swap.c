@@ -884,7 +884,9 @@ static CUresult take_back(void)
 	for (struct phys *p = physes; p && !r; p = p->next) {
 		if (p->real)
 			continue;
-		r = real_cuMemCreate(&p->real, p->size, &p->prop, 0);
+		r = real_cuCtxSetCurrent(p->ctx);
+		if (!r)
+			r = real_cuMemCreate(&p->real, p->size, &p->prop, 0);
 		if (r)
 			p->real = 0;
 	}
@@ -954,7 +956,8 @@ static void do_release(char *answer, size_t len)
 	const char *step = "cuMemHostAlloc";
 	CUresult r = CUDA_SUCCESS;
 	for (struct phys *p = physes; p && !r; p = p->next) {
-		if (!p->host)
+		/* Pinning needs a context, even for memory every context may use. */
+		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
 			r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
 		if (r)
 			p->host = NULL;
@@ -1321,6 +1324,10 @@ static int ready(void)
 #define A_SET2A d, pitch, v, w, h, s
 #define P_VAL(T) CUstream s, CUdeviceptr d, T v, unsigned fl
 #define A_VAL s, d, v, fl
+#define P_BATCHCPY CUdeviceptr *ds, CUdeviceptr *ss, size_t *ns, size_t count, void *at, size_t *ai, size_t nat
+#define A_BATCHCPY ds, ss, ns, count, at, ai, nat
+#define P_LIBLOAD(code) void **lib, code, void *jo, void **jv, unsigned nj, void *lo, void **lv, unsigned nl
+#define A_LIBLOAD lib, code, jo, jv, nj, lo, lv, nl
 #define P_BATCH CUstream s, unsigned count, void *ops, unsigned fl
 #define A_BATCH s, count, ops, fl
 
@@ -1415,6 +1422,34 @@ static int ready(void)
 	X(cuStreamBatchMemOp_v2, (P_BATCH), (A_BATCH))                 \
 	X(cuStreamBatchMemOp_ptsz, (P_BATCH), (A_BATCH))               \
 	X(cuStreamBatchMemOp_v2_ptsz, (P_BATCH), (A_BATCH))            \
+	X(cuMemcpyBatchAsync, (P_BATCHCPY, size_t *fail, CUstream s),                   \
+	  (A_BATCHCPY, fail, s))                                                         \
+	X(cuMemcpyBatchAsync_ptsz, (P_BATCHCPY, size_t *fail, CUstream s),              \
+	  (A_BATCHCPY, fail, s))                                                         \
+	X(cuMemcpyBatchAsync_v2, (P_BATCHCPY, CUstream s), (A_BATCHCPY, s))              \
+	X(cuMemcpyBatchAsync_v2_ptsz, (P_BATCHCPY, CUstream s), (A_BATCHCPY, s))         \
+	X(cuMemcpy3DBatchAsync, (size_t n, void *ops, size_t *fail, cuuint64_t fl, CUstream s), \
+	  (n, ops, fail, fl, s))                                                         \
+	X(cuMemcpy3DBatchAsync_ptsz,                                                     \
+	  (size_t n, void *ops, size_t *fail, cuuint64_t fl, CUstream s), (n, ops, fail, fl, s)) \
+	X(cuMemcpy3DBatchAsync_v2, (size_t n, void *ops, cuuint64_t fl, CUstream s),    \
+	  (n, ops, fl, s))                                                               \
+	X(cuMemcpy3DBatchAsync_v2_ptsz, (size_t n, void *ops, cuuint64_t fl, CUstream s), \
+	  (n, ops, fl, s))                                                               \
+	/* A context or a module takes GPU memory: not while another member holds it. */ \
+	X(cuDevicePrimaryCtxRetain, (CUcontext * c, CUdevice d), (c, d))                 \
+	X(cuCtxCreate_v2, (CUcontext * c, unsigned fl, CUdevice d), (c, fl, d))          \
+	X(cuCtxCreate_v3, (CUcontext * c, void *aff, int n, unsigned fl, CUdevice d),    \
+	  (c, aff, n, fl, d))                                                            \
+	X(cuCtxCreate_v4, (CUcontext * c, void *params, unsigned fl, CUdevice d),        \
+	  (c, params, fl, d))                                                            \
+	X(cuModuleLoad, (void **m, const char *path), (m, path))                         \
+	X(cuModuleLoadData, (void **m, const void *image), (m, image))                   \
+	X(cuModuleLoadDataEx, (void **m, const void *image, unsigned n, void *opts, void **vals), \
+	  (m, image, n, opts, vals))                                                     \
+	X(cuModuleLoadFatBinary, (void **m, const void *fatbin), (m, fatbin))            \
+	X(cuLibraryLoadData, (P_LIBLOAD(const void *code)), (A_LIBLOAD))                 \
+	X(cuLibraryLoadFromFile, (P_LIBLOAD(const char *code)), (A_LIBLOAD))             \
 	X(cuPointerGetAttribute, (void *data, int attr, CUdeviceptr p), (data, attr, p)) \
 	X(cuPointerGetAttributes, (unsigned n, int *attrs, void **data, CUdeviceptr p),  \
 	  (n, attrs, data, p))
