@@ -374,3 +374,28 @@ def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) ->
     assert all(t.phys == (0, 0) for t in turns), turns  # both processes' memory was gone
     assert not during(rig.launches(), turns)
     assert out.split().count("done") == 2  # each checked every buffer at its end
+
+
+def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
+    rig: Rig, spawn: Spawn
+) -> None:
+    full, stop = rig.tmp / "full", rig.tmp / "stop"
+    env = dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop))
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    full.touch()  # somebody outside the arena took the GPU's memory...
+    # ...so the restore after the next turn fails: the member gives the token back rather
+    # than hold it with a program that cannot run (the waiter gets it), and tries again.
+    second = take_turn(rig, spawn)
+    third = take_turn(rig, spawn)
+    gone = time.monotonic_ns()
+    full.unlink()
+    wait_until(resumed(rig, len(rig.launches())))
+    assert third.phys == (0, 0)
+    assert not [s for s, _ in rig.launches() if second.start <= s <= gone]
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "could not be restored" in err and "queueing again" in err
+    assert not during(rig.launches(), [turn, second, third])

@@ -36,7 +36,7 @@ from ..control import LineChannel
 from ..errors import StrategyError
 from ..swap import SwapUnavailable, library_path
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
-from .checkpoint import NotCheckpointable
+from .checkpoint import NotCheckpointable, VramTaken
 
 ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
 # A process that connected says hello at once; one told to release as it joins has
@@ -49,6 +49,21 @@ VMM_VERSION = 10020
 
 class Refused(NotCheckpointable):
     """A process of the command cannot be swapped; every process was left running."""
+
+
+class NotRestored(VramTaken):
+    """A process could not take its memory back (another process holds the GPU's
+    memory): every process of the command is released again, and the member gives the
+    token back and queues again rather than hold it with a program that cannot run."""
+
+    def __init__(self, pid: int, why: str) -> None:
+        StrategyError.__init__(
+            self,
+            f"process {pid} of the command could not be restored ({why});"
+            " giving the GPU back and queueing again",
+        )
+        self.need = self.free = self.gpu = 0
+        self.pid = pid
 
 
 @dataclass
@@ -174,26 +189,38 @@ class SwapStrategy(Strategy):
         return command
 
     def release(self, deadline: float | None) -> None:
-        peers = self.hub.tell("release", released=True)
-        answers = self._answers(peers, deadline)
-        bad = [(pid, words) for pid, words in answers.items() if words[0] != "released"]
+        bad = self._tell("release", "released", deadline)
         if not bad:
             return
         # Whoever released comes back: one process cannot be swapped, so none is.
-        self._restore()
-        pid, words = bad[0]
-        why = " ".join(words[1:]) or "no reason given"
-        if words[0] == "refused":
+        if self._tell("restore", "restored", None):
+            raise StrategyError("the command could be neither swapped out nor restored")
+        pid, word, why = bad[0]
+        if word == "refused":
             raise Refused(
                 f"process {pid} of the command cannot be swapped: {why}; it was left running"
             )
         raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
 
     def _restore(self) -> None:
-        peers = self.hub.tell("restore", released=False)
-        for pid, words in self._answers(peers, None).items():
-            if words[0] != "restored":
-                raise StrategyError(f"process {pid} of the command: {' '.join(words)}")
+        bad = self._tell("restore", "restored", None)
+        if not bad:
+            return
+        # Those that came back must not run without the token we are about to give back.
+        if self._tell("release", "released", None):
+            raise StrategyError("the command could be neither restored nor released again")
+        pid, _, why = bad[0]
+        raise NotRestored(pid, why)
+
+    def _tell(self, word: str, answer: str, deadline: float | None) -> list[tuple[int, str, str]]:
+        """Say ``word`` to every process and wait for them all: (pid, first word, the
+        rest) of each that did not answer ``answer``."""
+        peers = self.hub.tell(word, released=word == "release")
+        return [
+            (pid, words[0], " ".join(words[1:]) or "no reason given")
+            for pid, words in self._answers(peers, deadline).items()
+            if words[0] != answer
+        ]
 
     def restore(self) -> None:
         if self.killed:
