@@ -399,3 +399,28 @@ def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
     assert job.returncode == 0, (out, err)
     assert "could not be restored" in err and "queueing again" in err
     assert not during(rig.launches(), [turn, second, third])
+
+
+def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn) -> None:
+    capture, stop = rig.tmp / "capture", rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_CAPTURE=str(capture), SWAP_PROG_STOP=str(stop))
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    capture.touch()
+    assert read_line(job) == ["capturing"]
+    holder = rig.holder(spawn)
+    # Synchronizing now would invalidate the program's graph: the release fails, and
+    # the member stays resident and tries again.
+    assert job.stderr is not None
+    warning = job.stderr.readline()
+    assert "release failed" in warning and "a CUDA graph is being captured" in warning
+    ended = time.monotonic_ns()
+    capture.unlink()
+    assert read_line(job) == ["captured"]
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > ended and int(held[2]) == 0
+    assert holder.stdin is not None
+    holder.stdin.close()
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)

@@ -479,10 +479,20 @@ CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
 CUresult cuCtxSynchronize(void) { return current ? OK : 201; }
-CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = malloc(1); return current ? OK : NO_CONTEXT; }
+CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
 CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
-CUresult cuStreamIsCapturing(void *s, int *status) { (void)s; *status = 0; return OK; }
+/* A stream is one byte: whether it is capturing a graph. */
+CUresult cuStreamIsCapturing(void *s, int *status) { *status = s ? *(char *)s : 0; return OK; }
+CUresult cuStreamBeginCapture_v2(void *s, int mode) { (void)mode; *(char *)s = 1; return OK; }
+CUresult cuStreamEndCapture(void *s, void **graph)
+{
+	if (!*(char *)s)
+		return 401; /* not capturing */
+	*(char *)s = 0;
+	*graph = NULL;
+	return OK;
+}
 
 CUresult cuGetErrorString(CUresult r, const char **s)
 {
@@ -514,7 +524,7 @@ static const struct {
 	E(cuMemsetD8_v2), E(cuLaunchKernel), E(cuLaunchKernel_ptsz), E(cuInit),
 	E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
 	E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxGetDevice), E(cuCtxSynchronize),
-	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing),
+	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing), E(cuStreamBeginCapture_v2), E(cuStreamEndCapture),
 	E(cuGetErrorString), E(cuGetProcAddress), E(cuGetProcAddress_v2),
 };
 

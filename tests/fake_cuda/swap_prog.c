@@ -12,7 +12,8 @@
  * Prints "ready" once its memory is filled, "done <rounds>" at the end; exits 3
  * on a wrong byte, 4 when a driver call fails. With SWAP_PROG_START_AFTER=PATH it
  * waits for PATH to exist before it initialises CUDA; with SWAP_PROG_STOP=PATH it
- * ends early once PATH exists.
+ * ends early once PATH exists; with SWAP_PROG_CAPTURE=PATH it captures a graph
+ * while PATH exists (saying "capturing", then "captured").
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -176,6 +177,8 @@ int main(int argc, char **argv)
 			   unsigned, void *, void **, void **) = get("cuLaunchKernel", 0);
 	CUresult (*launch_ptsz)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
 				unsigned, void *, void **, void **) = get("cuLaunchKernel", 2);
+	CUresult (*cuStreamBeginCapture)(void *, int) = get("cuStreamBeginCapture", 0);
+	CUresult (*cuStreamEndCapture)(void *, void **) = get("cuStreamEndCapture", 0);
 	cuMemcpyHtoD = get("cuMemcpyHtoD", 0);
 	cuMemcpyDtoH = get("cuMemcpyDtoH", 0);
 	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
@@ -266,7 +269,18 @@ int main(int argc, char **argv)
 	long rounds = 0;
 	double end = now() + seconds;
 	const char *stop = getenv("SWAP_PROG_STOP");
+	const char *capture = getenv("SWAP_PROG_CAPTURE");
+	int capturing = 0;
 	while (now() < end && !(stop && !access(stop, F_OK))) {
+		if (capture && capturing != !access(capture, F_OK)) {
+			void *graph;
+			if (!capturing)
+				CHECK(cuStreamBeginCapture(stream, 0));
+			else
+				CHECK(cuStreamEndCapture(stream, &graph));
+			capturing = !capturing;
+			printf(capturing ? "capturing\n" : "captured\n");
+		}
 		for (size_t b = 0; b < nbufs; b++) {
 			void *params[] = {&bufs[b].ptr, &bufs[b].count};
 			CHECK((b % 2 ? launch_ptsz : launch)((void *)add_one, 1, 1, 1, 1, 1, 1, 0,

@@ -307,6 +307,9 @@ static unsigned long long next_handle = 0x5a5a000000000001ULL;
 #define MAX_DEVICES 64
 static size_t granularity_of[MAX_DEVICES];
 
+/* Streams capturing a CUDA graph now (a capture starts at the gate only). */
+static atomic_int captures;
+
 static void refuse(const char *why)
 {
 	pthread_mutex_lock(&mu);
@@ -952,6 +955,13 @@ static void do_release(char *answer, size_t len)
 	}
 	double t0 = now_ms();
 	gate_close_locked();
+	if (atomic_load(&captures) > 0) {
+		/* Synchronizing would invalidate the capture: the program's graph would be
+		 * lost. Captures are short; the wrapper asks again. */
+		gate_open_locked();
+		snprintf(answer, len, "failed a CUDA graph is being captured");
+		return;
+	}
 	size_t bytes = 0;
 	const char *step = "cuMemHostAlloc";
 	CUresult r = CUDA_SUCCESS;
@@ -1852,6 +1862,44 @@ EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHa
 	return r;
 }
 
+/* Graph capture: counted, so that a release does not synchronize under it. */
+
+#define BEGIN_CAPTURE(name, params, args)                      \
+	REAL_OF(name, params);                                 \
+	EXPORT CUresult name params                            \
+	{                                                      \
+		if (!ready() || !real_##name)                  \
+			return CUDA_ERROR_NOT_FOUND;           \
+		gate_enter();                                  \
+		CUresult r = real_##name args;                 \
+		if (r == CUDA_SUCCESS)                         \
+			atomic_fetch_add(&captures, 1);        \
+		gate_leave();                                  \
+		return r;                                      \
+	}
+BEGIN_CAPTURE(cuStreamBeginCapture, (CUstream s), (s))
+BEGIN_CAPTURE(cuStreamBeginCapture_ptsz, (CUstream s), (s))
+BEGIN_CAPTURE(cuStreamBeginCapture_v2, (CUstream s, int mode), (s, mode))
+BEGIN_CAPTURE(cuStreamBeginCapture_v2_ptsz, (CUstream s, int mode), (s, mode))
+#define P_TOGRAPH CUstream s, void *g, const void *deps, const void *data, size_t n, int mode
+BEGIN_CAPTURE(cuStreamBeginCaptureToGraph, (P_TOGRAPH), (s, g, deps, data, n, mode))
+BEGIN_CAPTURE(cuStreamBeginCaptureToGraph_ptsz, (P_TOGRAPH), (s, g, deps, data, n, mode))
+
+#define END_CAPTURE(name)                                                \
+	REAL_OF(name, (CUstream, void **));                              \
+	EXPORT CUresult name(CUstream s, void **graph)                   \
+	{                                                                \
+		if (!ready() || !real_##name)                            \
+			return CUDA_ERROR_NOT_FOUND;                     \
+		int was = capturing(s); /* invalidated counts: it ends */ \
+		CUresult r = real_##name(s, graph);                      \
+		if (was)                                                 \
+			atomic_fetch_sub(&captures, 1);                  \
+		return r;                                                \
+	}
+END_CAPTURE(cuStreamEndCapture)
+END_CAPTURE(cuStreamEndCapture_ptsz)
+
 /* cuInit: where a process joins. Until the wrapper says where the command stands,
  * it must not touch the GPU. */
 REAL_OF(cuInit_hook, (unsigned));
@@ -1900,6 +1948,14 @@ static struct hook hooks[] = {
 	ENTRY(cuMemRetainAllocationHandle, real_cuMemRetainAllocationHandle)
 	ENTRY(cuMemGetAllocationPropertiesFromHandle, real_cuMemGetAllocationPropertiesFromHandle)
 	ENTRY(cuMemExportToShareableHandle, real_cuMemExportToShareableHandle)
+	ENTRY(cuStreamBeginCapture, real_cuStreamBeginCapture)
+	ENTRY(cuStreamBeginCapture_ptsz, real_cuStreamBeginCapture_ptsz)
+	ENTRY(cuStreamBeginCapture_v2, real_cuStreamBeginCapture_v2)
+	ENTRY(cuStreamBeginCapture_v2_ptsz, real_cuStreamBeginCapture_v2_ptsz)
+	ENTRY(cuStreamBeginCaptureToGraph, real_cuStreamBeginCaptureToGraph)
+	ENTRY(cuStreamBeginCaptureToGraph_ptsz, real_cuStreamBeginCaptureToGraph_ptsz)
+	ENTRY(cuStreamEndCapture, real_cuStreamEndCapture)
+	ENTRY(cuStreamEndCapture_ptsz, real_cuStreamEndCapture_ptsz)
 	ENTRY(cuInit, real_cuInit_hook)
 	ENTRY(cuGetProcAddress, real_cuGetProcAddress)
 	ENTRY(cuGetProcAddress_v2, real_cuGetProcAddress_v2)
