@@ -221,6 +221,8 @@ REAL(CUresult, cuCtxGetCurrent, (CUcontext *));
 REAL(CUresult, cuCtxSetCurrent, (CUcontext));
 REAL(CUresult, cuCtxGetDevice, (CUdevice *));
 REAL(CUresult, cuCtxSynchronize, (void));
+REAL(CUresult, cuDeviceGetCount, (int *));
+REAL(CUresult, cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice));
 REAL(CUresult, cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice));
 REAL(CUresult, cuStreamCreate, (CUstream *, unsigned));
 REAL(CUresult, cuStreamSynchronize, (CUstream));
@@ -499,6 +501,30 @@ static CUmemAccessDesc device_access(CUdevice dev)
 	return d;
 }
 
+/* Who may use memory of `dev`: the device, and every device that can reach it
+ * directly. Memory from cudaMalloc is usable from a peer once the program enables
+ * peer access; VMM memory only from the devices its access list names. With `mu`. */
+static CUmemAccessDesc access_of[MAX_DEVICES][MAX_DEVICES];
+static size_t naccess_of[MAX_DEVICES];
+
+static size_t device_accesses(CUdevice dev, const CUmemAccessDesc **out)
+{
+	if (!naccess_of[dev]) {
+		int count = 1;
+		access_of[dev][naccess_of[dev]++] = device_access(dev);
+		if (real_cuDeviceGetCount && real_cuDeviceCanAccessPeer &&
+		    real_cuDeviceGetCount(&count) == CUDA_SUCCESS)
+			for (int e = 0; e < count && e < MAX_DEVICES; e++) {
+				int can = 0;
+				if (e != dev && real_cuDeviceCanAccessPeer(&can, e, dev) == CUDA_SUCCESS &&
+				    can)
+					access_of[dev][naccess_of[dev]++] = device_access(e);
+			}
+	}
+	*out = access_of[dev];
+	return naccess_of[dev];
+}
+
 static CUresult granularity(CUdevice dev, size_t *g)
 {
 	if (dev < 0 || dev >= MAX_DEVICES)
@@ -531,7 +557,8 @@ static CUresult map_new(size_t size, CUdevice dev, CUcontext ctx, CUdeviceptr *v
 	if (r)
 		return r;
 	CUmemAllocationProp prop = device_prop(dev);
-	CUmemAccessDesc access = device_access(dev);
+	const CUmemAccessDesc *access;
+	size_t naccess = device_accesses(dev, &access);
 	struct phys *p = phys_new(size, &prop, ctx);
 	if (!p) {
 		r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -545,7 +572,7 @@ static CUresult map_new(size_t size, CUdevice dev, CUcontext ctx, CUdeviceptr *v
 	r = real_cuMemMap(*va, size, 0, p->real, 0);
 	if (r)
 		goto destroy;
-	r = real_cuMemSetAccess(*va, size, &access, 1);
+	r = real_cuMemSetAccess(*va, size, access, naccess);
 	if (r)
 		goto unmap;
 	if (add_mapping(*va, size, 0, p)) {
@@ -553,7 +580,7 @@ static CUresult map_new(size_t size, CUdevice dev, CUcontext ctx, CUdeviceptr *v
 		goto unmap;
 	}
 	p->refs = 1; /* the region's */
-	if (set_access(&maps[map_index(*va)], &access, 1)) {
+	if (set_access(&maps[map_index(*va)], access, naccess)) {
 		r = CUDA_ERROR_OUT_OF_MEMORY;
 		p->refs = 0;
 		real_cuMemUnmap(*va, size);
@@ -1967,29 +1994,32 @@ static struct hook hooks[] = {
 static const struct {
 	const char *name;
 	void **slot;
+	int optional; /* the library works without it, if not as well */
 } internal[] = {
-	{"cuInit", (void **)&real_cuInit},
-	{"cuCtxGetCurrent", (void **)&real_cuCtxGetCurrent},
-	{"cuCtxSetCurrent", (void **)&real_cuCtxSetCurrent},
-	{"cuCtxGetDevice", (void **)&real_cuCtxGetDevice},
-	{"cuCtxSynchronize", (void **)&real_cuCtxSynchronize},
-	{"cuDevicePrimaryCtxRetain", (void **)&real_cuDevicePrimaryCtxRetain},
-	{"cuStreamCreate", (void **)&real_cuStreamCreate},
-	{"cuStreamSynchronize", (void **)&real_cuStreamSynchronize},
-	{"cuStreamIsCapturing", (void **)&real_cuStreamIsCapturing},
-	{"cuMemHostAlloc", (void **)&real_cuMemHostAlloc},
-	{"cuMemFreeHost", (void **)&real_cuMemFreeHost},
-	{"cuMemAddressReserve", (void **)&real_cuMemAddressReserve},
-	{"cuMemAddressFree", (void **)&real_cuMemAddressFree},
-	{"cuMemGetAllocationGranularity", (void **)&real_cuMemGetAllocationGranularity},
-	{"cuMemCreate", (void **)&real_cuMemCreate},
-	{"cuMemRelease", (void **)&real_cuMemRelease},
-	{"cuMemMap", (void **)&real_cuMemMap},
-	{"cuMemUnmap", (void **)&real_cuMemUnmap},
-	{"cuMemSetAccess", (void **)&real_cuMemSetAccess},
-	{"cuMemcpyDtoHAsync_v2", (void **)&real_cuMemcpyDtoHAsync_v2},
-	{"cuMemcpyHtoDAsync_v2", (void **)&real_cuMemcpyHtoDAsync_v2},
-	{"cuGetErrorString", (void **)&real_cuGetErrorString},
+	{"cuInit", (void **)&real_cuInit, 0},
+	{"cuCtxGetCurrent", (void **)&real_cuCtxGetCurrent, 0},
+	{"cuCtxSetCurrent", (void **)&real_cuCtxSetCurrent, 0},
+	{"cuCtxGetDevice", (void **)&real_cuCtxGetDevice, 0},
+	{"cuCtxSynchronize", (void **)&real_cuCtxSynchronize, 0},
+	{"cuDeviceGetCount", (void **)&real_cuDeviceGetCount, 1},
+	{"cuDeviceCanAccessPeer", (void **)&real_cuDeviceCanAccessPeer, 1},
+	{"cuDevicePrimaryCtxRetain", (void **)&real_cuDevicePrimaryCtxRetain, 0},
+	{"cuStreamCreate", (void **)&real_cuStreamCreate, 0},
+	{"cuStreamSynchronize", (void **)&real_cuStreamSynchronize, 0},
+	{"cuStreamIsCapturing", (void **)&real_cuStreamIsCapturing, 1},
+	{"cuMemHostAlloc", (void **)&real_cuMemHostAlloc, 0},
+	{"cuMemFreeHost", (void **)&real_cuMemFreeHost, 0},
+	{"cuMemAddressReserve", (void **)&real_cuMemAddressReserve, 0},
+	{"cuMemAddressFree", (void **)&real_cuMemAddressFree, 0},
+	{"cuMemGetAllocationGranularity", (void **)&real_cuMemGetAllocationGranularity, 0},
+	{"cuMemCreate", (void **)&real_cuMemCreate, 0},
+	{"cuMemRelease", (void **)&real_cuMemRelease, 0},
+	{"cuMemMap", (void **)&real_cuMemMap, 0},
+	{"cuMemUnmap", (void **)&real_cuMemUnmap, 0},
+	{"cuMemSetAccess", (void **)&real_cuMemSetAccess, 0},
+	{"cuMemcpyDtoHAsync_v2", (void **)&real_cuMemcpyDtoHAsync_v2, 0},
+	{"cuMemcpyHtoDAsync_v2", (void **)&real_cuMemcpyHtoDAsync_v2, 0},
+	{"cuGetErrorString", (void **)&real_cuGetErrorString, 0},
 };
 
 static void resolve(void)
@@ -2012,7 +2042,7 @@ static void resolve(void)
 	int missing = 0;
 	for (size_t i = 0; i < sizeof internal / sizeof *internal; i++) {
 		*internal[i].slot = real_dlsym(libcuda, internal[i].name);
-		if (!*internal[i].slot && strcmp(internal[i].name, "cuStreamIsCapturing")) {
+		if (!*internal[i].slot && !internal[i].optional) {
 			say("the driver has no %s", internal[i].name);
 			missing = 1;
 		}
