@@ -709,19 +709,15 @@ static CUresult own_alloc(CUdeviceptr *dptr, size_t size)
 	if (r)
 		return r;
 	size_t g;
-	r = granularity(dev, &g);
-	if (r)
-		return r;
+	struct phys *p;
 	pthread_mutex_lock(&mu);
-	if (size < g) {
+	r = granularity(dev, &g);
+	if (!r && size < g) {
 		r = slab_alloc(dptr, size, dev, ctx, g);
-	} else {
-		struct phys *p;
-		r = map_new(round_up(size, g), dev, ctx, dptr, &p);
-		if (!r && add_region(*dptr, size, p, NULL)) {
-			unmap_own(*dptr, p);
-			r = CUDA_ERROR_OUT_OF_MEMORY;
-		}
+	} else if (!r && !(r = map_new(round_up(size, g), dev, ctx, dptr, &p)) &&
+		   add_region(*dptr, size, p, NULL)) {
+		unmap_own(*dptr, p);
+		r = CUDA_ERROR_OUT_OF_MEMORY;
 	}
 	pthread_mutex_unlock(&mu);
 	TRACE("alloc %zu bytes at 0x%llx: %d", size, r ? 0ULL : *dptr, r);
@@ -1628,7 +1624,8 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s,
 static CUresult free_async(CUdeviceptr ptr, CUstream s, CUresult (*real)(CUdeviceptr, CUstream))
 {
 	pthread_mutex_lock(&mu);
-	int ours = region_at(ptr) != NULL;
+	size_t i = region_index(ptr);
+	int ours = i < nregions && regions[i].ptr == ptr;
 	pthread_mutex_unlock(&mu);
 	if (!ours)
 		return real(ptr, s);
