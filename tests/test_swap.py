@@ -424,3 +424,16 @@ def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn)
     stop.touch()
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
+
+
+def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
+    import socket
+
+    from vramlock.strategies.swap import Hub
+
+    path = str(tmp_path / "control")
+    hub = Hub(path)
+    hub.close()
+    assert not hub._thread.is_alive()  # not left blocked in accept()
+    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):
+        sock.connect(path)

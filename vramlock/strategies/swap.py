@@ -141,6 +141,13 @@ class Hub:
             self.released = False
 
     def close(self) -> None:
+        # shutdown wakes the accepting thread (close alone would leave it blocked on
+        # a socket that still takes connections).
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(1.0)
         self._sock.close()
         self.reset()
 
