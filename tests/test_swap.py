@@ -437,3 +437,17 @@ def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
     assert not hub._thread.is_alive()  # not left blocked in accept()
     with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):
         sock.connect(path)
+
+
+def test_a_library_path_ld_preload_cannot_carry_fails_before_the_command(
+    rig: Rig, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    env = dict(rig.env, XDG_CACHE_HOME=str(tmp_path / "my cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1 and "cannot go in LD_PRELOAD" in done.stderr
+    assert not marker.exists()

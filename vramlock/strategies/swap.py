@@ -177,7 +177,9 @@ class SwapStrategy(Strategy):
                 f"the driver supports CUDA {version // 1000}.{version % 1000 // 10};"
                 " swapping needs 10.2 or newer"
             )
-        library_path()
+        library = str(library_path())
+        if any(c in library for c in " :"):  # LD_PRELOAD splits at both
+            raise SwapUnavailable(f"the swap library's path {library!r} cannot go in LD_PRELOAD")
 
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
