@@ -1722,6 +1722,22 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevic
 
 /* The program's own VMM (llama.cpp's pool, PyTorch's expandable segments). */
 
+/* The context to copy a device's memory through when the program made it with no
+ * context current: the device's primary one, retained once. */
+static CUresult primary_context(CUdevice dev, CUcontext *ctx)
+{
+	static CUcontext primary[MAX_DEVICES];
+	CUresult r = CUDA_SUCCESS;
+	if (dev < 0 || dev >= MAX_DEVICES)
+		return CUDA_ERROR_INVALID_VALUE;
+	pthread_mutex_lock(&mu);
+	if (!primary[dev])
+		r = real_cuDevicePrimaryCtxRetain(&primary[dev], dev);
+	*ctx = primary[dev];
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
 REAL_OF(cuMemCreate_hook, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long));
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 			    const CUmemAllocationProp *prop, unsigned long long flags)
@@ -1734,7 +1750,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 	CUcontext ctx = NULL;
 	CUresult r = real_cuCtxGetCurrent(&ctx);
 	if (!r && !ctx)
-		r = real_cuDevicePrimaryCtxRetain(&ctx, prop->location.id);
+		r = primary_context(prop->location.id, &ctx);
 	CUmemGenericAllocationHandle real = 0;
 	if (!r)
 		r = real_cuMemCreate(&real, size, prop, flags);
