@@ -451,3 +451,24 @@ def test_a_library_path_ld_preload_cannot_carry_fails_before_the_command(
     assert done.returncode == 125
     assert done.stderr.count("\n") == 1 and "cannot go in LD_PRELOAD" in done.stderr
     assert not marker.exists()
+
+
+def test_a_process_whose_run_goes_before_answering_stays_off_the_gpu(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    import socket
+
+    path, err_file = tmp_path / "control", tmp_path / "stderr"
+    env = dict(rig.env, LD_PRELOAD=str(swap.library_path()), VRAMLOCK_SWAP_SOCKET=str(path))
+    with socket.socket(socket.AF_UNIX) as server, err_file.open("w") as err:
+        server.bind(str(path))
+        server.listen()
+        server.settimeout(30)
+        prog = spawn([str(rig.fakes.program), "5"], env=env, stderr=err)
+        conn, _ = server.accept()
+        assert conn.recv(64).startswith(b"hello ")
+        conn.close()  # as a SIGKILLed run would, before saying resident or release
+    wait_until(lambda: "went away" in err_file.read_text())
+    time.sleep(0.3)  # it would have initialised and launched by now
+    assert prog.poll() is None
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0

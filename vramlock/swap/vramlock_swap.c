@@ -1188,10 +1188,16 @@ static void write_orphan_record(void)
 	close(members);
 }
 
-/* The wrapper is gone: nobody can tell us the token is ours again. */
+/* The wrapper is gone: nobody can tell us the token is ours again. Gone before it
+ * said where the command stands, it may have been released: the safe side is the
+ * same as released (nothing is on the GPU yet). */
 static void orphaned(void)
 {
 	pthread_mutex_lock(&mu);
+	if (!greeted) {
+		atomic_store(&closed, 1);
+		released = 1;
+	}
 	greeted = 1;
 	pthread_cond_broadcast(&greet_cv);
 	if (released) {
