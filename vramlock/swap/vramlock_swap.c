@@ -223,7 +223,6 @@ REAL(CUresult, cuCtxGetDevice, (CUdevice *));
 REAL(CUresult, cuCtxSynchronize, (void));
 REAL(CUresult, cuDeviceGetCount, (int *));
 REAL(CUresult, cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice));
-REAL(CUresult, cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice));
 REAL(CUresult, cuStreamCreate, (CUstream *, unsigned));
 REAL(CUresult, cuStreamSynchronize, (CUstream));
 REAL(CUresult, cuStreamIsCapturing, (CUstream, int *));
@@ -1744,7 +1743,6 @@ static CUresult primary_context(CUdevice dev, CUcontext *ctx)
 	return r;
 }
 
-REAL_OF(cuMemCreate_hook, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long));
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 			    const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1778,7 +1776,6 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 	return r;
 }
 
-REAL_OF(cuMemRelease_hook, (CUmemGenericAllocationHandle));
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
 	if (!ready())
@@ -1801,7 +1798,6 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 	return r;
 }
 
-REAL_OF(cuMemMap_hook, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long));
 EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h,
 			 unsigned long long flags)
 {
@@ -1820,7 +1816,6 @@ EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGeneri
 	return r;
 }
 
-REAL_OF(cuMemUnmap_hook, (CUdeviceptr, size_t));
 EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size)
 {
 	if (!ready())
@@ -1835,7 +1830,6 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size)
 	return r;
 }
 
-REAL_OF(cuMemSetAccess_hook, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t));
 EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc *desc, size_t n)
 {
 	if (!ready())
@@ -1948,7 +1942,6 @@ END_CAPTURE(cuStreamEndCapture_ptsz)
 
 /* cuInit: where a process joins. Until the wrapper says where the command stands,
  * it must not touch the GPU. */
-REAL_OF(cuInit_hook, (unsigned));
 EXPORT CUresult cuInit(unsigned flags)
 {
 	if (!ready())
@@ -1986,11 +1979,11 @@ static struct hook hooks[] = {
 	ENTRY(cuMemAllocFromPoolAsync, real_cuMemAllocFromPoolAsync)
 	ENTRY(cuMemAllocFromPoolAsync_ptsz, real_cuMemAllocFromPoolAsync_ptsz)
 	ENTRY(cuMemGetAddressRange_v2, real_cuMemGetAddressRange_v2)
-	ENTRY(cuMemCreate, real_cuMemCreate_hook)
-	ENTRY(cuMemRelease, real_cuMemRelease_hook)
-	ENTRY(cuMemMap, real_cuMemMap_hook)
-	ENTRY(cuMemUnmap, real_cuMemUnmap_hook)
-	ENTRY(cuMemSetAccess, real_cuMemSetAccess_hook)
+	ENTRY(cuMemCreate, real_cuMemCreate)
+	ENTRY(cuMemRelease, real_cuMemRelease)
+	ENTRY(cuMemMap, real_cuMemMap)
+	ENTRY(cuMemUnmap, real_cuMemUnmap)
+	ENTRY(cuMemSetAccess, real_cuMemSetAccess)
 	ENTRY(cuMemRetainAllocationHandle, real_cuMemRetainAllocationHandle)
 	ENTRY(cuMemGetAllocationPropertiesFromHandle, real_cuMemGetAllocationPropertiesFromHandle)
 	ENTRY(cuMemExportToShareableHandle, real_cuMemExportToShareableHandle)
@@ -2002,7 +1995,7 @@ static struct hook hooks[] = {
 	ENTRY(cuStreamBeginCaptureToGraph_ptsz, real_cuStreamBeginCaptureToGraph_ptsz)
 	ENTRY(cuStreamEndCapture, real_cuStreamEndCapture)
 	ENTRY(cuStreamEndCapture_ptsz, real_cuStreamEndCapture_ptsz)
-	ENTRY(cuInit, real_cuInit_hook)
+	ENTRY(cuInit, real_cuInit)
 	ENTRY(cuGetProcAddress, real_cuGetProcAddress)
 	ENTRY(cuGetProcAddress_v2, real_cuGetProcAddress_v2)
 };
