@@ -102,7 +102,7 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
     # the swap library's of the same names.
     _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
         str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
-    _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl")
+    _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
         str(out / "user_preload.c"), "-ldl")  # fmt: skip
@@ -472,3 +472,23 @@ def test_a_process_whose_run_goes_before_answering_stays_off_the_gpu(
     time.sleep(0.3)  # it would have initialised and launched by now
     assert prog.poll() is None
     assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+
+
+def test_threads_racing_the_releases_never_touch_memory_that_is_gone(
+    rig: Rig, spawn: Spawn
+) -> None:
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_THREADS="3", SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(8):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    # A wrong int, or a touch of unmapped memory (SIGSEGV), ends the program early.
+    assert job.returncode == 0, (out, err)
+    assert int(out.split()[out.split().index("worked") + 1]) > 0
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    assert int(rig.phys.read_text()) == 0

@@ -13,10 +13,14 @@
  * on a wrong byte, 4 when a driver call fails. With SWAP_PROG_START_AFTER=PATH it
  * waits for PATH to exist before it initialises CUDA; with SWAP_PROG_STOP=PATH it
  * ends early once PATH exists; with SWAP_PROG_CAPTURE=PATH it captures a graph
- * while PATH exists (saying "capturing", then "captured").
+ * while PATH exists (saying "capturing", then "captured"); with SWAP_PROG_THREADS=N,
+ * N more threads allocate, fill, launch on, check and free buffers of their own
+ * meanwhile, as fast as they can.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -112,6 +116,48 @@ static void check(size_t b, long rounds, int via_ptds)
 	free(host);
 }
 
+/* Entry points the worker threads use too. */
+static void *ctx;
+static CUresult (*cuCtxSetCurrent)(void *);
+static CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
+static CUresult (*cuMemFree)(CUdeviceptr);
+static CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+			  unsigned, void *, void **, void **);
+static atomic_int stopping;
+static atomic_long worked;
+
+/* Allocations, copies and launches from another thread, racing the releases. */
+static void *worker(void *arg)
+{
+	size_t sizes[] = {3000, 5 << 20, 100000};
+	size_t me = (size_t)(uintptr_t)arg;
+	CHECK(cuCtxSetCurrent(ctx));
+	while (!atomic_load(&stopping)) {
+		size_t bytes = sizes[atomic_load(&worked) % 3], n = bytes / sizeof(int);
+		int *host = malloc(bytes);
+		CUdeviceptr p;
+		if (!host)
+			exit(4);
+		for (size_t i = 0; i < n; i++)
+			host[i] = (int)(i + me);
+		CHECK(cuMemAlloc(&p, bytes));
+		CHECK(cuMemcpyHtoD(p, host, bytes));
+		void *params[] = {&p, &n};
+		for (int k = 0; k < 3; k++)
+			CHECK(launch((void *)add_one, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
+		CHECK(cuMemcpyDtoH(host, p, bytes));
+		for (size_t i = 0; i < n; i++)
+			if (host[i] != (int)(i + me + 3)) {
+				printf("MISMATCH thread %zu index %zu: %d\n", me, i, host[i]);
+				exit(3);
+			}
+		CHECK(cuMemFree(p));
+		free(host);
+		atomic_fetch_add(&worked, 1);
+	}
+	return NULL;
+}
+
 static double now(void)
 {
 	struct timespec ts;
@@ -145,10 +191,10 @@ int main(int argc, char **argv)
 
 	CUresult (*cuInit)(unsigned) = get("cuInit", 0);
 	CUresult (*cuDevicePrimaryCtxRetain)(void **, int) = get("cuDevicePrimaryCtxRetain", 0);
-	CUresult (*cuCtxSetCurrent)(void *) = get("cuCtxSetCurrent", 0);
+	cuCtxSetCurrent = get("cuCtxSetCurrent", 0);
 	CUresult (*cuStreamCreate)(void **, unsigned) = get("cuStreamCreate", 0);
-	CUresult (*cuMemAlloc)(CUdeviceptr *, size_t) = get("cuMemAlloc", 0);
-	CUresult (*cuMemFree)(CUdeviceptr) = get("cuMemFree", 0);
+	cuMemAlloc = get("cuMemAlloc", 0);
+	cuMemFree = get("cuMemFree", 0);
 	CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned) =
 		get("cuMemAllocPitch", 0);
 	CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, void *) = get("cuMemAllocAsync", 0);
@@ -173,8 +219,7 @@ int main(int argc, char **argv)
 		get("cuMemRetainAllocationHandle", 0);
 	CUresult (*cuMemGetAllocationPropertiesFromHandle)(Prop *, Handle) =
 		get("cuMemGetAllocationPropertiesFromHandle", 0);
-	CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-			   unsigned, void *, void **, void **) = get("cuLaunchKernel", 0);
+	launch = get("cuLaunchKernel", 0);
 	CUresult (*launch_ptsz)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
 				unsigned, void *, void **, void **) = get("cuLaunchKernel", 2);
 	CUresult (*cuStreamBeginCapture)(void *, int) = get("cuStreamBeginCapture", 0);
@@ -183,7 +228,7 @@ int main(int argc, char **argv)
 	cuMemcpyDtoH = get("cuMemcpyDtoH", 0);
 	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
 
-	void *ctx, *stream;
+	void *stream;
 	CHECK(cuInit(0));
 	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
 	CHECK(cuCtxSetCurrent(ctx));
@@ -264,6 +309,12 @@ int main(int argc, char **argv)
 		CHECK(cuMemcpyHtoD(bufs[b].ptr, host, bufs[b].count * sizeof *host));
 		free(host);
 	}
+	const char *threads = getenv("SWAP_PROG_THREADS");
+	pthread_t workers[16];
+	size_t nworkers = threads ? (size_t)atoi(threads) : 0;
+	for (size_t t = 0; t < nworkers && t < 16; t++)
+		if (pthread_create(&workers[t], NULL, worker, (void *)(uintptr_t)t))
+			return 4;
 	printf("ready\n");
 
 	long rounds = 0;
@@ -291,6 +342,9 @@ int main(int argc, char **argv)
 		struct timespec pause = {0, 2000000};
 		nanosleep(&pause, NULL);
 	}
+	atomic_store(&stopping, 1);
+	for (size_t t = 0; t < nworkers && t < 16; t++)
+		pthread_join(workers[t], NULL);
 	for (size_t b = 0; b < nbufs; b++)
 		check(b, rounds, 0);
 	for (size_t b = 0; b < nbufs; b++)
@@ -310,6 +364,8 @@ int main(int argc, char **argv)
 	CHECK(cuMemAddressFree(kept_va, g));
 	CHECK(cuMemUnmap(pool, pool_size));
 	CHECK(cuMemAddressFree(pool, pool_max));
+	if (nworkers)
+		printf("worked %ld\n", atomic_load(&worked));
 	printf("done %ld\n", rounds);
 	return 0;
 }
