@@ -306,8 +306,18 @@ def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
     assert not any(n.startswith(("gate_", "own_", "real_")) for n in names)
 
 
-def test_managed_memory_is_refused_and_the_program_keeps_the_gpu(rig: Rig, spawn: Spawn) -> None:
-    job = rig.run(spawn, "2", "managed")
+@pytest.mark.parametrize(
+    ("what", "why"),
+    [
+        ("managed", "it uses managed memory"),
+        ("ipc", "it shares GPU memory with another process (CUDA IPC)"),
+        ("export", "it shares GPU memory with another process (exported handle)"),
+    ],
+)
+def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
+    rig: Rig, spawn: Spawn, what: str, why: str
+) -> None:
+    job = rig.run(spawn, "2", what)
     assert read_line(job) == ["ready"]
     holder = rig.holder(spawn)  # queues; the command cannot let it in
     out, err = job.communicate(timeout=60)
@@ -315,7 +325,7 @@ def test_managed_memory_is_refused_and_the_program_keeps_the_gpu(rig: Rig, spawn
     assert out.split()[-2] == "done"  # every round ran, contents intact
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert "cannot be swapped: it uses managed memory" in lines[0]
+    assert f"cannot be swapped: {why}; it was left running" in lines[0]
     assert "holding the GPU until it exits" in lines[0]
     held = read_line(holder)
     assert held[0] == "held"

@@ -7,7 +7,10 @@
  * buffer with a pattern, then launches "add one" kernels in a loop for SECONDS,
  * checking one buffer's contents after each round and all of them at the end.
  *
- *   swap_prog SECONDS [managed]
+ *   swap_prog SECONDS [managed|ipc|export]
+ *
+ * The last argument adds what cannot be swapped: a managed allocation, a CUDA IPC
+ * handle to a buffer, or an exported VMM handle.
  *
  * Prints "ready" once its memory is filled, "done <rounds>" at the end; exits 3
  * on a wrong byte, 4 when a driver call fails. With SWAP_PROG_START_AFTER=PATH it
@@ -170,7 +173,7 @@ int main(int argc, char **argv)
 	if (argc < 2)
 		return 2;
 	double seconds = atof(argv[1]);
-	int managed = argc > 2 && !strcmp(argv[2], "managed");
+	const char *unswappable = argc > 2 ? argv[2] : "";
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	const char *start_after = getenv("SWAP_PROG_START_AFTER");
 	if (start_after) {
@@ -200,6 +203,9 @@ int main(int argc, char **argv)
 	CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, void *) = get("cuMemAllocAsync", 0);
 	CUresult (*cuMemFreeAsync)(CUdeviceptr, void *) = get("cuMemFreeAsync", 0);
 	CUresult (*cuMemAllocManaged)(CUdeviceptr *, size_t, unsigned) = get("cuMemAllocManaged", 0);
+	CUresult (*cuIpcGetMemHandle)(void *, CUdeviceptr) = get("cuIpcGetMemHandle", 0);
+	CUresult (*cuMemExportToShareableHandle)(void *, Handle, int, unsigned long long) =
+		get("cuMemExportToShareableHandle", 0);
 	CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr) =
 		get("cuMemGetAddressRange", 0);
 	CUresult (*cuMemGetAllocationGranularity)(size_t *, const Prop *, int) =
@@ -295,9 +301,15 @@ int main(int argc, char **argv)
 	CHECK(cuMemSetAccess(kept_va, g, &rw, 1));
 	add(kept_va, g);
 
-	if (managed) {
+	if (!strcmp(unswappable, "managed")) {
 		CHECK(cuMemAllocManaged(&p, 1 << 20, 1));
 		add(p, 1 << 20);
+	} else if (!strcmp(unswappable, "ipc")) {
+		char ipc[64];
+		CHECK(cuIpcGetMemHandle(ipc, bufs[0].ptr));
+	} else if (!strcmp(unswappable, "export")) {
+		int fd;
+		CHECK(cuMemExportToShareableHandle(&fd, kept, 1, 0));
 	}
 
 	for (size_t b = 0; b < nbufs; b++) {
