@@ -14,8 +14,11 @@ A release says ``release`` to every process and waits for each to answer:
     failed <why>      it tried and could not; it runs on, memory kept
 
 A refusal makes the member hold the GPU until the command exits, as a driver
-checkpoint that is not supported does. ``restore`` / ``restored`` bring it back.
-The CUDA context itself (a few hundred MiB per process) stays on the GPU.
+checkpoint that is not supported does; after a failure it stays resident and
+tries again. ``restore`` / ``restored`` bring it back; a process that finds no
+memory for its restore answers ``failed``, and the member releases them all
+again, gives the token back and queues again. The CUDA context itself (a few
+hundred MiB per process) stays on the GPU.
 """
 
 from __future__ import annotations
