@@ -1302,15 +1302,23 @@ static void after_fork_child(void)
 	active = 0;
 }
 
-__attribute__((constructor)) static void init(void)
+/* Once, from our constructor or from the first hook called, whichever comes first:
+ * another library's constructor may look the driver up before ours has run. */
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+
+static void setup(void)
 {
 	const char *dbg = getenv("VRAMLOCK_SWAP_DEBUG");
 	const char *sock = getenv("VRAMLOCK_SWAP_SOCKET");
 	debug_on = dbg && *dbg && strcmp(dbg, "0");
 	active = sock && *sock;
-	if (!real_dlsym)
-		find_real_dlsym();
+	find_real_dlsym();
 	pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+__attribute__((constructor)) static void init(void)
+{
+	pthread_once(&setup_once, setup);
 }
 
 /* ---- the hooks ------------------------------------------------------------------ */
@@ -1319,6 +1327,7 @@ static void resolve(void);
 
 static int ready(void)
 {
+	pthread_once(&setup_once, setup);
 	pthread_once(&resolve_once, resolve);
 	return libcuda != NULL;
 }
@@ -2037,10 +2046,8 @@ static const struct {
 static void resolve(void)
 {
 	resolving = 1;
-	if (!real_dlsym)
-		find_real_dlsym();
-	/* Loaded already by whoever calls us; RTLD_NOLOAD first so that a process that
-	 * merely looks a name up does not pull the driver in a second time. */
+	/* Loaded already by whoever calls us (RTLD_NOLOAD finds it whatever name it was
+	 * opened by); else a program calling our exports as its libcuda gets it now. */
 	libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
 	if (!libcuda)
 		libcuda = dlopen("libcuda.so.1", RTLD_NOW);
@@ -2079,8 +2086,7 @@ static void *wrapper_of(void *fn)
 
 EXPORT void *dlsym(void *handle, const char *name)
 {
-	if (!real_dlsym)
-		find_real_dlsym();
+	pthread_once(&setup_once, setup);
 	/* A tail call: glibc's dlsym finds RTLD_NEXT from its caller's address, which
 	 * must stay the program's, not ours. */
 	if (!active || name[0] != 'c' || name[1] != 'u' || resolving)
