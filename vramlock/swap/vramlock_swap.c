@@ -1210,6 +1210,7 @@ static void orphaned(void)
 static void handle(const char *word)
 {
 	char answer[256] = "";
+	TRACE("vramlock run says %s", word);
 	pthread_mutex_lock(&mu);
 	if (!strcmp(word, "release"))
 		do_release(answer, sizeof answer);
