@@ -87,6 +87,9 @@ def request(port: int, prompt: str) -> dict[str, Any]:
 def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[str, Any]:
     procs = []
     ports = []
+    # The tree under test first, then whatever the caller put on the path (pinned wheels).
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
     with tempfile.TemporaryDirectory() as arena:
         logs = [Path(arena) / f"server{i}.log" for i in range(2)]
         try:
@@ -103,7 +106,7 @@ def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[s
                             stdout=out,
                             stderr=out,
                             start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            env=env,
                         )
                     )
                 ports.append(port)
