@@ -192,6 +192,15 @@ def during(launches: list[tuple[int, int]], turns: list[Turn]) -> list[tuple[int
     return [(s, e) for s, e in launches for t in turns if s <= t.end and e >= t.start]
 
 
+def test_the_program_runs_on_the_fake_driver_alone(rig: Rig) -> None:
+    """The baseline: without vramlock, the program and the fake agree (every failure
+    below is the swap library's)."""
+    done = subprocess.run([str(rig.fakes.program), "0.3"], env=rig.env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done
+    assert done.stdout.split()[-2] == "done" and int(rig.phys.read_text()) == 0
+
+
 def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
     """Has the program launched again since it had launched ``seen`` times?"""
     return lambda: len(rig.launches()) > seen + 20

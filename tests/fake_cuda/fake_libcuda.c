@@ -173,7 +173,7 @@ struct handle {
 	int fd;
 	size_t size;
 	Prop prop;
-	int released, maps;
+	int refs, maps; /* the handle's references (create, retains) and mappings */
 	struct handle *next;
 };
 static struct handle *handles; /* live ones: a stale handle is an error, as on a GPU */
@@ -182,7 +182,7 @@ static struct handle *handles; /* live ones: a stale handle is an error, as on a
 static struct handle *live(Handle hh)
 {
 	for (struct handle *h = handles; h; h = h->next)
-		if ((Handle)(uintptr_t)h == hh && !h->released)
+		if ((Handle)(uintptr_t)h == hh && h->refs)
 			return h;
 	return NULL;
 }
@@ -197,7 +197,7 @@ static struct vmap *vmaps;
 
 static void handle_drop(struct handle *h)
 {
-	if (h->released && !h->maps) {
+	if (!h->refs && !h->maps) {
 		for (struct handle **pp = &handles; *pp; pp = &(*pp)->next)
 			if (*pp == h) {
 				*pp = h->next;
@@ -261,6 +261,7 @@ CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long l
 		abort();
 	h->size = size;
 	h->prop = *prop;
+	h->refs = 1;
 	h->next = handles;
 	handles = h;
 	phys_add((long long)size);
@@ -277,7 +278,7 @@ CUresult cuMemRelease(Handle hh)
 		pthread_mutex_unlock(&mu);
 		return INVALID;
 	}
-	h->released = 1;
+	h->refs--;
 	handle_drop(h);
 	pthread_mutex_unlock(&mu);
 	return OK;
@@ -345,6 +346,7 @@ CUresult cuMemRetainAllocationHandle(Handle *out, void *addr)
 	pthread_mutex_lock(&mu);
 	for (struct vmap *v = vmaps; v; v = v->next)
 		if (a >= v->va && a < v->va + v->size) {
+			v->h->refs++;
 			*out = (Handle)(uintptr_t)v->h;
 			pthread_mutex_unlock(&mu);
 			return OK;

@@ -18,7 +18,8 @@
  * ends early once PATH exists; with SWAP_PROG_CAPTURE=PATH it captures a graph
  * while PATH exists (saying "capturing", then "captured"); with SWAP_PROG_THREADS=N,
  * N more threads allocate, fill, launch on, check and free buffers of their own
- * meanwhile, as fast as they can.
+ * meanwhile, as fast as they can; with SWAP_PROG_BENCH=N it times N launches of an
+ * empty kernel first (what a launch costs through whatever is in front of the driver).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -71,6 +72,11 @@ static void *get(const char *name, unsigned long long flags)
 			exit(4);                                               \
 		}                                                              \
 	} while (0)
+
+static void nothing(void **params)
+{
+	(void)params;
+}
 
 static void add_one(void **params)
 {
@@ -327,6 +333,14 @@ int main(int argc, char **argv)
 	for (size_t t = 0; t < nworkers && t < 16; t++)
 		if (pthread_create(&workers[t], NULL, worker, (void *)(uintptr_t)t))
 			return 4;
+	const char *bench = getenv("SWAP_PROG_BENCH");
+	if (bench) {
+		long n = atol(bench);
+		double t0 = now();
+		for (long i = 0; i < n; i++)
+			CHECK(launch((void *)nothing, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL));
+		printf("ns_per_launch %.1f\n", (now() - t0) / (double)n * 1e9);
+	}
 	printf("ready\n");
 
 	long rounds = 0;
