@@ -176,26 +176,38 @@ static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left
 static atomic_int closed;
 static atomic_long inflight;
 
-static void gate_leave(void)
+/* The fast paths are inlined into every hook; what waits is not. */
+#define INLINE static inline __attribute__((always_inline))
+
+static void wake_releaser(void)
 {
-	if (atomic_fetch_sub(&inflight, 1) == 1 && atomic_load(&closed)) {
-		pthread_mutex_lock(&mu);
-		pthread_cond_broadcast(&drain_cv);
-		pthread_mutex_unlock(&mu);
-	}
+	pthread_mutex_lock(&mu);
+	pthread_cond_broadcast(&drain_cv);
+	pthread_mutex_unlock(&mu);
 }
 
-static void gate_enter(void)
+INLINE void gate_leave(void)
+{
+	if (__builtin_expect(atomic_fetch_sub(&inflight, 1) == 1 && atomic_load(&closed), 0))
+		wake_releaser();
+}
+
+static void wait_for_open_gate(void)
+{
+	gate_leave();
+	pthread_mutex_lock(&mu);
+	while (atomic_load(&closed))
+		pthread_cond_wait(&gate_cv, &mu);
+	pthread_mutex_unlock(&mu);
+}
+
+INLINE void gate_enter(void)
 {
 	for (;;) {
 		atomic_fetch_add(&inflight, 1);
-		if (!atomic_load(&closed))
+		if (__builtin_expect(!atomic_load(&closed), 1))
 			return;
-		gate_leave();
-		pthread_mutex_lock(&mu);
-		while (atomic_load(&closed))
-			pthread_cond_wait(&gate_cv, &mu);
-		pthread_mutex_unlock(&mu);
+		wait_for_open_gate();
 	}
 }
 
@@ -1326,11 +1338,23 @@ __attribute__((constructor)) static void init(void)
 
 static void resolve(void);
 
-static int ready(void)
+/* Every hook asks first: one load once set up (a launch-bound program calls hooks
+ * some hundred thousand times a second). */
+static atomic_int is_ready;
+
+static int get_ready(void)
 {
 	pthread_once(&setup_once, setup);
 	pthread_once(&resolve_once, resolve);
+	if (libcuda)
+		atomic_store_explicit(&is_ready, 1, memory_order_release);
 	return libcuda != NULL;
+}
+
+INLINE int ready(void)
+{
+	return __builtin_expect(atomic_load_explicit(&is_ready, memory_order_acquire), 1) ||
+	       get_ready();
 }
 
 /* Calls that touch device memory: through the gate, nothing else. */
