@@ -120,6 +120,9 @@ class Record:
     gpus: list[int] = field(default_factory=list)
     # The inode of the token.lock the member locks: who tells when it is not the arena's.
     token_ino: int | None = None
+    # What ``who`` should add about the member (the swap library writes one for a
+    # released process whose ``vramlock run`` is gone).
+    note: str | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -133,6 +136,7 @@ class Record:
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
             token_ino = data.get("token_ino")
+            note = data.get("note")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -151,6 +155,7 @@ class Record:
                 connections=None if connections is None else _bounded(connections, 0, 1 << 31),
                 gpus=[_bounded(g, 0, _MAX_GPU) for g in _typed(data.get("gpus", []), list)[:64]],
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
+                note=None if note is None else _typed(note, str),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -164,6 +169,7 @@ class Record:
         data["command"] = _clip_command(self.command, _CLIP_COMMAND)
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
         data["gpus"] = self.gpus[:64]
+        data["note"] = None if self.note is None else _clip(self.note, _CLIP_NAME)
         return json.dumps(data, allow_nan=False).encode()
 
 

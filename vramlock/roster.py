@@ -108,6 +108,8 @@ def _row(
         if rec.gpus:
             gpus = rec.gpus
             notes.append(f"GPUs {','.join(map(str, gpus))} together")
+        if rec.note:
+            notes.append(printable(rec.note, NAME_MAX))
     else:
         # No record we can believe: the kernel's state and /proc's facts only.
         state, strategy, since, child = kernel or "?", "-", None, None
