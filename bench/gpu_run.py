@@ -44,6 +44,7 @@ from vramlock.arena import Arena  # noqa: E402
 from vramlock.member import Member  # noqa: E402
 
 worker: Any = importlib.import_module("gpu_worker")  # tests/gpu_worker.py
+GIB = 1 << 30
 
 
 def bare(gib: float) -> dict[str, float]:
@@ -66,36 +67,50 @@ def bare(gib: float) -> dict[str, float]:
         w.close()
 
 
-def strategy(gib: float, arena: str) -> dict[str, float]:
-    run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", "checkpoint"]
+def strategy(
+    gib: float,
+    arena: str,
+    release: str = "checkpoint",
+    swaps: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, float]]:
+    """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
+    member arrives and takes the token (*out*), then gives it back (*back*)."""
+    run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release]
     proc = subprocess.Popen(
         [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     w = worker.Client(proc)
+    runs = []
     try:
         t = time.perf_counter()
         assert w.check() == w.checksum
         check_s = time.perf_counter() - t
         opened = Arena.open(arena)
-        me = Member(opened, name="bench", command=["bench"])
-        try:
-            t0 = time.perf_counter()
-            assert me.acquire(120)
-            t1 = time.perf_counter()
-            assert w.pid not in nvml.processes(0)
-            w.send("check")  # blocks while checkpointed
-            t2 = time.perf_counter()
-            me.token.release()
-            word, value = w.read(120).split()
-            t3 = time.perf_counter()
-            assert (word, int(value)) == ("sum", w.checksum)
-        finally:
-            me.close()
-            opened.close()
-        return {"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s}
+        for _ in range(swaps):
+            me = Member(opened, name="bench", command=["bench"])
+            try:
+                t0 = time.perf_counter()
+                assert me.acquire(120)
+                t1 = time.perf_counter()
+                left = nvml.processes(0).get(w.pid)
+                # Released: off the GPU (checkpoint), or holding its CUDA context alone.
+                assert left is None if release == "checkpoint" else (left or 0) < GIB, left
+                w.send("check")  # blocks while released
+                t2 = time.perf_counter()
+                me.token.release()
+                word, value = w.read(120).split()
+                t3 = time.perf_counter()
+                assert (word, int(value)) == ("sum", w.checksum)
+            finally:
+                me.close()
+            runs.append({"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s})
+        opened.close()
+        return runs
     finally:
         w.close()
         proc.wait(60)
@@ -117,7 +132,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as arena:
         for gib in sizes:
-            runs = [(bare(gib), strategy(gib, arena)) for _ in range(args.repeat)]
+            runs = [(bare(gib), strategy(gib, arena)[0]) for _ in range(args.repeat)]
             rows.append({
                 "gib": gib,
                 "bare": median([b for b, _ in runs]),

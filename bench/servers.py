@@ -1,15 +1,22 @@
-"""Two real llama-servers taking turns behind ``--demand listen``: restart vs the preset.
+"""Two real llama-servers taking turns behind ``--demand listen``: restart vs the preset,
+and on a GPU swap and checkpoint too.
 
     python bench/servers.py [--alternations 50] [--ctx 4096] [--json PATH]
+    python bench/servers.py --binary CUDA_SERVER --model GGUF --ngl 99 --ctx 8192 \
+        --prompt-tokens 3900 --alternations 20 --modes swap,checkpoint,preset,restart
 
-Needs the CPU llama-server that ``tools/llama_server.py`` builds and caches, and the tiny
-model ``tools/tiny_gguf.py`` writes. For each of ``--release restart`` and ``--release http
---preset llama-server`` (one after the other, in one run), two servers are wrapped as
+By default it runs the CPU llama-server that ``tools/llama_server.py`` builds and caches,
+with the tiny model ``tools/tiny_gguf.py`` writes (``--binary`` and ``--model`` name
+others; ``--ngl`` puts that many layers on the GPU). For each of ``--modes`` (one after
+the other, in one run: ``restart`` is ``--release restart``, ``preset`` is ``--release
+http --preset llama-server``, ``swap`` and ``checkpoint`` are those releases), two
+servers are wrapped as
 
     vramlock run --demand listen --listen L --upstream U --min-hold 0 --idle 100ms ...
 
 and a client alternates between them ``--alternations`` times, each time sending the same
-long prompt (about ``--ctx`` tokens) to the server that was just released. Per request:
+long prompt (about ``--prompt-tokens`` tokens, by default most of ``--ctx``) to the server
+that was just released. Per request:
 
 - **latency**: the whole request through the proxy, from send to the last byte, while the
   target was released (so it includes the other server's release and this one's restore);
@@ -46,6 +53,8 @@ from netutil import accepts  # noqa: E402
 MODES = {
     "restart": ["--release", "restart"],
     "preset": ["--release", "http", "--preset", "llama-server"],
+    "swap": ["--release", "swap"],
+    "checkpoint": ["--release", "checkpoint"],
 }
 
 
@@ -71,27 +80,31 @@ def request(port: int, prompt: str) -> dict[str, Any]:
     return timings
 
 
-def run_mode(mode: str, binary: str, model: str, ctx: int, n: int) -> dict[str, Any]:
+def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[str, Any]:
     procs = []
     ports = []
+    # The tree under test first, then whatever the caller put on the path (pinned wheels).
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
     with tempfile.TemporaryDirectory() as arena:
+        logs = [Path(arena) / f"server{i}.log" for i in range(2)]
         try:
-            for _ in range(2):
+            for log in logs:
                 port, upstream = free_port(), free_port()
                 argv = [sys.executable, "-m", "vramlock", "run", "--arena", arena,
                         "--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
                         "--min-hold", "0", "--idle", "100ms", *MODES[mode], "--",
-                        binary, "-m", model, "--host", "127.0.0.1", "--port", str(upstream),
-                        "-np", "1", "-c", str(ctx), "-t", "2"]  # fmt: skip
-                procs.append(
-                    subprocess.Popen(
-                        argv,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        start_new_session=True,
-                        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                        *server, "--host", "127.0.0.1", "--port", str(upstream)]  # fmt: skip
+                with open(log, "w") as out:
+                    procs.append(
+                        subprocess.Popen(
+                            argv,
+                            stdout=out,
+                            stderr=out,
+                            start_new_session=True,
+                            env=env,
+                        )
                     )
-                )
                 ports.append(port)
             for port in ports:
                 end = time.monotonic() + 30
@@ -99,10 +112,11 @@ def run_mode(mode: str, binary: str, model: str, ctx: int, n: int) -> dict[str, 
                     if time.monotonic() > end:
                         raise RuntimeError("the wrapper did not listen")
                     time.sleep(0.01)
-            words = "the quick brown fox jumps over the lazy dog " * (ctx // 12)
+            # About ten tokens a repetition.
+            words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
             prompts = [f"Server {i}: {words}" for i in range(2)]
-            for i in range(2):
-                request(ports[i], prompts[i])  # warm: each has its prompt in its slot once
+            # Warm: each has its prompt in its slot once.
+            warm = [int(request(ports[i], prompts[i])["prompt_n"]) for i in range(2)]
             latency, prefill, cached = [], [], []
             for k in range(n):
                 i = k % 2
@@ -111,7 +125,11 @@ def run_mode(mode: str, binary: str, model: str, ctx: int, n: int) -> dict[str, 
                 latency.append(time.perf_counter() - t0)
                 prefill.append(float(timings["prompt_ms"]) / 1000)
                 cached.append(int(timings.get("cache_n", 0)))
-            return {"latency": latency, "prefill": prefill, "cache_n": cached}
+            return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm}
+        except Exception:
+            for log in logs:  # why, before the arena and the logs go
+                print(f"--- {mode}, {log.name}:", *log.read_text().splitlines()[-20:], sep="\n")
+            raise
         finally:
             for p in procs:
                 try:
@@ -135,31 +153,47 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alternations", type=int, default=50)
     parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--prompt-tokens", type=int, help="default: ctx * 5 / 6")
+    parser.add_argument("--binary", help="llama-server (default: the cached CPU build)")
+    parser.add_argument("--model", help="GGUF (default: tools/tiny_gguf.py's)")
+    parser.add_argument("--ngl", type=int, help="layers on the GPU")
+    parser.add_argument("--modes", default="restart,preset", help=f"of {', '.join(MODES)}")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    binary = llama_server.cached_binary()
+    binary = args.binary or llama_server.cached_binary()
     if binary is None:
         print("no llama-server built: run python tools/llama_server.py", file=sys.stderr)
         return 1
-    import tiny_gguf
+    if args.model:
+        model = args.model
+    else:
+        import tiny_gguf
 
-    model = str(tiny_gguf.cached_model())
-    results = {m: run_mode(m, str(binary), model, args.ctx, args.alternations) for m in MODES}
-    print(f"{args.alternations} alternations between two llama-servers (CPU, tiny model, "
-          f"-c {args.ctx}), times in s")  # fmt: skip
-    print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for mode, r in results.items():
+        model = str(tiny_gguf.cached_model())
+    server = [str(binary), "-m", model, "-np", "1", "-c", str(args.ctx)]
+    server += ["-t", "2"] if args.ngl is None else ["-ngl", str(args.ngl)]
+    tokens = args.prompt_tokens or args.ctx * 5 // 6
+    where = "CPU" if args.ngl is None else f"-ngl {args.ngl}"
+    print(f"{args.alternations} alternations between two llama-servers ({where},"
+          f" {Path(model).name}, -c {args.ctx}), times in s")  # fmt: skip
+    print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50"
+          " | prompt tokens |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    results = {}
+    for mode in args.modes.split(","):  # each row as soon as it is measured
+        r = results[mode] = run_mode(mode, server, tokens, args.alternations)
         print(
             f"| {mode} | {statistics.median(r['latency']):.3f} | {pct(r['latency'], 0.95):.3f}"
             f" | {statistics.median(r['prefill']):.3f} | {pct(r['prefill'], 0.95):.3f}"
-            f" | {statistics.median(r['cache_n']):.0f} |"
+            f" | {statistics.median(r['cache_n']):.0f} | {max(r['prompt_n'])} |",
+            flush=True,
         )
-    rs, ps = results["restart"], results["preset"]
-    med = statistics.median
-    first = med(rs["prefill"]) / med(ps["prefill"])
-    whole = med(rs["latency"]) / med(ps["latency"])
-    print(f"preset vs restart: first token (prefill) {first:.1f}x faster, request {whole:.1f}x")
+    if "restart" in results and "preset" in results:
+        rs, ps = results["restart"], results["preset"]
+        med = statistics.median
+        first = med(rs["prefill"]) / med(ps["prefill"])
+        whole = med(rs["latency"]) / med(ps["latency"])
+        print(f"preset vs restart: first token (prefill) {first:.1f}x faster, request {whole:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -10,12 +10,15 @@ checksum of the model and optimizer state, drops the scratch buffer and offloads
 the rest with ``vramlock.offload``; on restore it takes both back and checks the
 checksum. It ends with one line: ``done steps=N swaps=K bad=B sum=S``. Two of
 them with the same arguments must end with the same sum, however they took turns.
+``--timed`` waits for each step's GPU work and adds ``step_ms=`` (the median step) to
+that line, for benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -95,17 +98,23 @@ def main() -> int:
         "--plain", action="store_true", help="an unmodified CUDA program: no vramlock at all"
     )
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds between steps")
+    parser.add_argument("--timed", action="store_true", help="report the median step time")
     args = parser.parse_args()
 
     def train(yield_turn: Any) -> str:
         job = Job(args.layers, args.width, args.scratch_gib)
+        took = []
         for n in range(1, args.steps):
+            started = time.perf_counter()
             job.step(n)
-            if args.step_sleep:
+            if args.step_sleep or args.timed:
                 torch.cuda.synchronize()
+                took.append(time.perf_counter() - started)
+            if args.step_sleep:
                 time.sleep(args.step_sleep)
             yield_turn(job)
-        return job.finish()
+        timed = f" step_ms={statistics.median(took) * 1000:.3f}" if args.timed else ""
+        return job.finish() + timed
 
     if args.plain:
         result = train(lambda j: None)

@@ -1,6 +1,6 @@
 """A PyTorch process with a known amount of VRAM, for the GPU tests and benchmarks.
 
-    python tests/gpu_worker.py --gib 2 [--devices 2] [--managed-mib 64]
+    python tests/gpu_worker.py --gib 2 [--devices 2] [--managed-mib 64] [--graph]
     python tests/gpu_worker.py --load FILE
 
 Fills ``--gib`` GiB of device memory (on each of the first ``--devices`` GPUs it
@@ -9,7 +9,9 @@ sees) with seeded random data and prints
 way a server reloads its weights, and prints ``loaded <pid> <seconds>``.
 Then it answers each line on stdin: ``check`` with ``sum <checksum>`` computed on
 the GPU again, ``spin SECONDS`` by queueing a kernel that keeps the GPU busy about
-that long and saying ``spinning``. It exits at end of input.
+that long and saying ``spinning``, and (with ``--graph``) ``replay`` by clearing the
+output of a CUDA graph captured at the start, replaying the graph and saying
+``replayed <checksum of the output>``. It exits at end of input.
 ``--managed-mib`` also takes that much managed (UVM) memory through the driver,
 which makes the process impossible to checkpoint.
 """
@@ -75,6 +77,27 @@ def take_managed(mib: int) -> None:
         raise SystemExit(f"cuMemsetD8: {err}")
 
 
+class Graph:
+    """A CUDA graph over the first and last chunk: its kernels hold their addresses (and
+    those of a temporary in the graph's private memory pool) from the capture on."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        first, last = chunks[0], chunks[-1]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capturing stream, as PyTorch asks
+            first * 2 + last
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = first * 2 + last
+
+    def replay(self) -> int:
+        self.out.zero_()
+        self.graph.replay()
+        return checksum([self.out])
+
+
 class Client:
     """The other end: talks to a worker started as ``[python, WORKER_PATH, ...]``."""
 
@@ -104,9 +127,15 @@ class Client:
         self.proc.stdin.flush()
 
     def check(self, timeout: float = 120) -> int:
-        self.send("check")
+        return self._ask("check", "sum", timeout)
+
+    def replay(self, timeout: float = 120) -> int:
+        return self._ask("replay", "replayed", timeout)
+
+    def _ask(self, request: str, answer: str, timeout: float) -> int:
+        self.send(request)
         word, value = self.read(timeout).split()
-        assert word == "sum", word
+        assert word == answer, word
         return int(value)
 
     def close(self) -> None:
@@ -121,7 +150,9 @@ def main() -> int:
     parser.add_argument("--load", metavar="FILE")
     parser.add_argument("--managed-mib", type=int, default=0)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--graph", action="store_true", help="capture a CUDA graph (replay)")
     args = parser.parse_args()
+    graph = None
     if args.load:
         started = time.perf_counter()
         chunks = load(args.load)
@@ -130,6 +161,8 @@ def main() -> int:
         chunks = [c for d in range(args.devices) for c in fill(args.gib, f"cuda:{d}")]
         if args.managed_mib:
             take_managed(args.managed_mib)
+        if args.graph:
+            graph = Graph(chunks)
         torch.cuda.synchronize()
         print("ready", os.getpid(), checksum(chunks), flush=True)
     for line in sys.stdin:
@@ -139,6 +172,8 @@ def main() -> int:
         elif word == "spin":
             torch.cuda._sleep(int(float(rest[0]) * SPIN_HZ))
             print("spinning", flush=True)
+        elif word == "replay" and graph is not None:
+            print("replayed", graph.replay(), flush=True)
     return 0
 
 

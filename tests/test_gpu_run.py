@@ -1,4 +1,4 @@
-"""``vramlock run`` on a real NVIDIA GPU: checkpoint, auto, verified release, ``who``.
+"""``vramlock run`` on a real NVIDIA GPU: checkpoint, swap, auto, verified release, ``who``.
 
 Skipped without a GPU (torch, NVML and the driver's checkpoint API are all needed).
 The witnesses are the kernel's lock table (who holds token.lock, read by the test),
@@ -7,6 +7,7 @@ NVML (which processes hold GPU memory) and the programs' own checksums.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -40,6 +41,52 @@ class TokenWatch(threading.Thread):
             if held and (not self.holders or self.holders[-1] != held[0]):
                 self.holders.append(held[0])
             time.sleep(0.01)
+
+
+class BothOnGpu(threading.Thread):
+    """Samples NVML every 20 ms: what each process held whenever two or more were on the
+    GPUs."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.crowded: list[dict[int, int]] = []
+        self.samples = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                held = nvml.processes()
+            except nvml.NvmlError as err:
+                self.errors.append(str(err))
+            else:
+                self.samples += 1
+                if len(held) > 1:
+                    self.crowded.append(held)
+            time.sleep(0.02)
+
+    def overlaps(self, a: int, b: int, keep: int = -1) -> list[dict[int, int]]:
+        """The samples in which ``a`` and ``b`` both held more than ``keep`` bytes (by
+        default: were on the GPU at all)."""
+        return [held for held in self.crowded if min(held.get(a, -1), held.get(b, -1)) > keep]
+
+
+# PyTorch's allocators, as PYTORCH_CUDA_ALLOC_CONF picks them: the caching allocator over
+# cudaMalloc (the default), over the driver's virtual memory management, and the
+# driver's stream-ordered allocator (cudaMallocAsync).
+ALLOCATORS = {
+    "caching": {},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+}
+# What a process released by swap keeps on the GPU, at most: its CUDA context, with the
+# code of the kernels it has loaded (under a GiB for PyTorch with cuBLAS).
+SWAP_KEEPS = 3 * GIB // 2
+
+
+def env_with(extra: dict[str, str]) -> dict[str, str]:
+    return {**os.environ, **extra}
 
 
 def run_worker(spawn: Spawn, arena: Path, *options: str, gib: str = "2") -> Any:
@@ -82,28 +129,47 @@ def waiter(arena: Path, timeout: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_checkpointed_trainers_that_do_not_fit_together_take_turns(
-    arena: Path, spawn: Spawn
+@pytest.mark.parametrize(
+    ("release", "allocator"),
+    [("checkpoint", "caching"), ("swap", "caching"), ("swap", "expandable")],
+    ids=["checkpoint", "swap", "swap-expandable"],
+)
+def test_trainers_that_do_not_fit_together_take_turns(
+    release: str, allocator: str, arena: Path, spawn: Spawn
 ) -> None:
-    """Two unmodified training jobs of ~8 GiB with ~12 GiB free: never both on the GPU,
-    and each ends with the same weights as an uninterrupted run would."""
+    """Two unmodified training jobs of ~8 GiB with ~12 GiB free: never both holding
+    their memory on the GPU (NVML), and each ends with the same weights as an
+    uninterrupted run would."""
     (arena / "token.lock").touch()
     big = ballast(spawn, leave_gib=12)
-    watch = TokenWatch(arena)
+    watch, sampler = TokenWatch(arena), BothOnGpu()
     watch.start()
+    sampler.start()
     job = [sys.executable, TRAINER, "--plain", "--layers", "2", "--scratch-gib", "7.5",
            "--steps", "120", "--step-sleep", "0.1"]  # fmt: skip
-    run = vramlock("run", "--arena", str(arena), "--release", "checkpoint", "--min-hold", "3s")
-    procs = [spawn([*run, "--", *job]) for _ in range(2)]
+    run = vramlock("run", "--arena", str(arena), "--release", release, "--min-hold", "3s")
+    procs = [spawn([*run, "--", *job], env=env_with(ALLOCATORS[allocator])) for _ in range(2)]
+
+    def trainers() -> list[int]:
+        return [r["child_pid"] for r in who_json(arena) if r["member"] and r["child_pid"]]
+
+    wait_until(lambda: len(trainers()) == 2, timeout=60, step=0.2)
+    a, b = trainers()
     sums = []
     for proc in procs:
         out, err = proc.communicate(timeout=280)
         assert proc.returncode == 0, err
         sums.append(out.split("sum=")[-1].strip())
     watch.stop.set()
-    print("token holders:", watch.holders)
+    sampler.stop.set()
+    sampler.join(5)
+    print("token holders:", watch.holders, "NVML samples:", sampler.samples)
     assert sums[0] == sums[1]
     assert len(watch.holders) >= 4  # they took turns, more than once each
+    # Released, a trainer keeps nothing (checkpoint) or its CUDA context (swap), not
+    # the 8 GiB it trains in.
+    assert sampler.overlaps(a, b, keep=SWAP_KEEPS if release == "swap" else -1) == []
+    assert sampler.errors == [] and sampler.samples > 100
     end(big)
 
 
@@ -122,8 +188,18 @@ def test_auto_checkpoints_a_cuda_program_and_brings_it_back(arena: Path, spawn: 
     assert rows[0]["vram"] >= 2 * GIB
 
 
-@pytest.mark.parametrize("options", [[], ["--release", "checkpoint"]], ids=["auto", "checkpoint"])
-def test_managed_memory_is_refused_unharmed(arena: Path, spawn: Spawn, options: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ([], "cannot be checkpointed"),
+        (["--release", "checkpoint"], "cannot be checkpointed"),
+        (["--release", "swap"], "managed memory"),
+    ],
+    ids=["auto", "checkpoint", "swap"],
+)
+def test_managed_memory_is_refused_unharmed(
+    arena: Path, spawn: Spawn, options: list[str], why: str
+) -> None:
     worker = __import__("gpu_worker")
     argv = vramlock("run", "--arena", str(arena), *options, "--", sys.executable, worker.PATH)
     proc = spawn([*argv, "--gib", "0.25", "--managed-mib", "64"], stdin=subprocess.PIPE)
@@ -135,7 +211,7 @@ def test_managed_memory_is_refused_unharmed(arena: Path, spawn: Spawn, options: 
     assert w.check() == w.checksum  # unharmed
     w.close()
     err = proc.stderr.read() if proc.stderr else ""
-    assert "cannot be checkpointed" in err, err
+    assert why in err, err
 
 
 def test_restore_waits_for_free_vram_instead_of_wedging(arena: Path, spawn: Spawn) -> None:

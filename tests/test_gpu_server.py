@@ -1,14 +1,16 @@
 """Two unmodified PyTorch servers share one GPU behind ``--demand listen`` with ``--release
-checkpoint``, and keep their weights and caches across every swap.
+checkpoint`` or ``swap``, and keep their weights and caches across every swap.
 
 Each server (tests/gpu_server.py) keeps its weights and a per-prompt cache on the GPU,
-and is wrapped as ``vramlock run --release checkpoint --demand listen --listen L
+and is wrapped as ``vramlock run --release checkpoint|swap --demand listen --listen L
 --upstream U``; clients only talk to the listen ports. Skipped without a GPU (torch,
 NVML and the driver's checkpoint API are all needed). The witnesses are independent of
 vramlock's own account: the servers' answers (the same process, the cache entry kept
 since the first request, checksums computed on the GPU now), NVML (sampled by the test
-every 20 ms: never both servers on the GPU; after each answer, only the server that
-answered) and the kernel's lock table (who held token.lock, in turn).
+every 20 ms: never both servers holding their memory on the GPU; after each answer, only
+the server that answered) and the kernel's lock table (who held token.lock, in turn). A
+server released by ``checkpoint`` leaves the GPU altogether; one released by ``swap``
+keeps its CUDA context there, not its 2 GiB of weights.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who_json
 from test_gpu import GIB, gpu
-from test_gpu_run import TokenWatch
+from test_gpu_run import ALLOCATORS, SWAP_KEEPS, BothOnGpu, TokenWatch, env_with
 
 from vramlock import nvml
 
@@ -38,32 +39,6 @@ SERVER = str(ROOT / "tests" / "gpu_server.py")
 # A request to a checkpointed server waits for the other one's checkpoint and its restore.
 REQUEST_TIMEOUT = 120.0
 ROUNDS = 3
-
-
-class BothOnGpu(threading.Thread):
-    """Samples NVML every 20 ms: every set of two or more processes seen on the GPUs."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.crowded: list[frozenset[int]] = []
-        self.samples = 0
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                pids = frozenset(nvml.processes())
-            except nvml.NvmlError as err:
-                self.errors.append(str(err))
-            else:
-                self.samples += 1
-                if len(pids) > 1:
-                    self.crowded.append(pids)
-            time.sleep(0.02)
-
-    def overlaps(self, a: int, b: int) -> list[frozenset[int]]:
-        return [pids for pids in self.crowded if {a, b} <= pids]
 
 
 def call(port: int, method: str, path: str, body: object = None) -> dict[str, Any]:
@@ -106,7 +81,7 @@ def watched(
 
 def end_in_turn(resident: subprocess.Popen[str], released: subprocess.Popen[str]) -> None:
     """Told to end, each wrapper ends cleanly: the resident one at once, then the
-    checkpointed one, which is restored first and only then gets the signal (its exit
+    released one, which is restored first and only then gets the signal (its exit
     path runs CUDA calls). One at a time here; both at once is tested without a GPU
     (test_run.py)."""
     resident.send_signal(signal.SIGTERM)
@@ -116,18 +91,26 @@ def end_in_turn(resident: subprocess.Popen[str], released: subprocess.Popen[str]
 
 
 def start(
-    spawn: Spawn, arena: Path, tmp_path: Path, name: str, listen: int, upstream: int
+    spawn: Spawn,
+    arena: Path,
+    tmp_path: Path,
+    name: str,
+    listen: int,
+    upstream: int,
+    release: str = "checkpoint",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """``vramlock run --release checkpoint --demand listen -- gpu_server.py``, its output
-    in ``tmp_path/NAME.log``; returns once its wrapper takes clients."""
+    """``vramlock run --release RELEASE --demand listen -- gpu_server.py``, its output in
+    ``tmp_path/NAME.log``; returns once its wrapper takes clients."""
     with open(tmp_path / f"{name}.log", "w") as log:
         wrapper = spawn(
-            vramlock("run", "--arena", str(arena), "--name", name, "--release", "checkpoint",
+            vramlock("run", "--arena", str(arena), "--name", name, "--release", release,
                      "--min-hold", "0", "--demand", "listen", "--listen", f"127.0.0.1:{listen}",
                      "--upstream", f"127.0.0.1:{upstream}", "--",
                      sys.executable, SERVER, "--port", str(upstream), "--gib", "2"),
             stdout=log,
             stderr=log,
+            env=env,
         )  # fmt: skip
     # The wrapper binds its listen address before it queues for the token; a client
     # that connects while it waits is held until the server serves.
@@ -135,31 +118,39 @@ def start(
     return wrapper
 
 
-def on_gpu() -> set[int]:
-    """The processes NVML sees on any GPU (CUDA's device 0 need not be NVML's GPU 0)."""
-    return set(nvml.processes())
+def on_gpu(keep: int = -1) -> set[int]:
+    """The processes NVML sees holding more than ``keep`` bytes on any GPU (by default:
+    there at all; CUDA's device 0 need not be NVML's GPU 0)."""
+    return {pid for pid, used in nvml.processes().items() if used > keep}
 
 
-def test_two_checkpointed_servers_keep_weights_and_cache_across_swaps(
-    arena: Path, spawn: Spawn, tmp_path: Path
+@pytest.mark.parametrize(
+    ("release", "allocator"),
+    [("checkpoint", "caching"), ("swap", "caching"), ("swap", "expandable")],
+    ids=["checkpoint", "swap", "swap-expandable"],
+)
+def test_two_servers_keep_weights_and_cache_across_swaps(
+    release: str, allocator: str, arena: Path, spawn: Spawn, tmp_path: Path
 ) -> None:
     (arena / "token.lock").touch()
+    keep = SWAP_KEEPS if release == "swap" else -1  # what a released server keeps
     listen_a, upstream_a, listen_b, upstream_b = free_ports(4)
+    env = env_with(ALLOCATORS[allocator])
     with watched(arena, tmp_path, ("sa", "sb")) as (tokens, sampler):
-        run_a = start(spawn, arena, tmp_path, "sa", listen_a, upstream_a)
+        run_a = start(spawn, arena, tmp_path, "sa", listen_a, upstream_a, release, env)
         assert call(listen_a, "GET", "/health") == {"status": "ok"}  # loaded, resident
-        run_b = start(spawn, arena, tmp_path, "sb", listen_b, upstream_b)  # a is checkpointed
-        assert call(listen_b, "GET", "/health") == {"status": "ok"}
+        run_b = start(spawn, arena, tmp_path, "sb", listen_b, upstream_b, release, env)
+        assert call(listen_b, "GET", "/health") == {"status": "ok"}  # a is released
 
         rows = {r["name"]: r for r in who_json(arena) if r["member"]}
         assert set(rows) == {"sa", "sb"}, rows
         for row in rows.values():
-            assert row["strategy"] == "checkpoint"
+            assert row["strategy"] == release
             assert row["listen"] is not None
         assert (rows["sa"]["state"], rows["sb"]["state"]) == ("released", "resident")
         a, b = rows["sa"]["child_pid"], rows["sb"]["child_pid"]  # the servers themselves
         wrappers = rows["sa"]["pid"], rows["sb"]["pid"]
-        assert b in on_gpu() and a not in on_gpu()
+        assert b in on_gpu(keep) and a not in on_gpu(keep)
         assert rows["sb"]["vram"] >= 2 * GIB
 
         servers = [(listen_a, a, b, "the first prompt"), (listen_b, b, a, "another prompt")]
@@ -169,7 +160,7 @@ def test_two_checkpointed_servers_keep_weights_and_cache_across_swaps(
                 started = time.monotonic()
                 got = call(port, "POST", "/complete", {"prompt": prompt})
                 took = time.monotonic() - started
-                seen = on_gpu()  # right after the answer: this server alone is resident
+                seen = on_gpu(keep)  # right after the answer: this server alone is resident
                 print(f"turn {turn} pid {me}: answered in {took:.2f} s, cached={got['cached']}")
                 assert me in seen and other not in seen, (me, other, seen)
                 assert got["pid"] == me
@@ -186,11 +177,11 @@ def test_two_checkpointed_servers_keep_weights_and_cache_across_swaps(
         assert stats == {"pid": b, "entries": 1, "weights": first[b]["weights"]}
         rows = {r["name"]: r for r in who_json(arena) if r["member"]}
         assert (rows["sa"]["child_pid"], rows["sb"]["child_pid"]) == (a, b)  # never restarted
-        assert all(r["strategy"] == "checkpoint" for r in rows.values())
+        assert all(r["strategy"] == release for r in rows.values())
         swaps = list(tokens.holders)
         end_in_turn(run_b, run_a)
     # a loaded, b started (a out), then a and b in turn for every round.
     assert swaps == list(wrappers) * (2 + ROUNDS)
     assert sampler.errors == []
     assert sampler.samples > 100
-    assert sampler.overlaps(a, b) == []
+    assert sampler.overlaps(a, b, keep) == []

@@ -8,6 +8,7 @@ never imports typer or rich, and ``bench/startup.py`` has the figures.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -141,7 +142,7 @@ def test_locks_are_flock_even_when_portalocker_is_switched_to_lockf(
         (
             "vramlock run --release ",
             3,
-            ["auto", "signal", "checkpoint", "http", "none", "restart", "stop", "exec"],
+            ["auto", "signal", "checkpoint", "swap", "http", "none", "restart", "stop", "exec"],
         ),
         ("vramlock run --demand c", 3, ["child"]),
     ],
@@ -283,3 +284,29 @@ def test_every_document_cited_is_in_the_repository() -> None:
         if not (ROOT / name).is_file() and not (ROOT / path.parent / name).is_file()
     )
     assert not missing, f"documents cited but not in the repository: {missing}"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hatchling") is None, reason="hatchling is not installed here"
+)
+@pytest.mark.parametrize("with_cc", [True, False], ids=["compiler", "no-compiler"])
+def test_a_wheel_carries_the_swap_library_where_it_can_be_built(
+    tmp_path: Path, with_cc: bool
+) -> None:
+    from vramlock import swap
+
+    if with_cc and swap.compiler() is None:
+        pytest.skip("no C compiler here")
+    env = dict(os.environ)
+    if not with_cc:
+        env["CC"] = str(tmp_path / "no-such-cc")
+    out = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(ROOT)],
+        env=env, check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = out.glob("*.whl")
+    carried = "vramlock/swap/libvramlock-swap.so" in zipfile.ZipFile(wheel).namelist()
+    assert carried == with_cc
+    assert wheel.name.endswith("-none-any.whl") != with_cc  # a platform wheel with it

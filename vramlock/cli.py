@@ -213,8 +213,8 @@ def run(
         str,
         typer.Option(
             metavar="STRATEGY",
-            help="How the command gives the GPU back: auto, signal, checkpoint, http, none,"
-            " restart, stop, exec.",
+            help="How the command gives the GPU back: auto, signal, checkpoint, swap, http,"
+            " none, restart, stop, exec.",
             autocompletion=_strategy_names,
         ),
     ] = "auto",

@@ -40,7 +40,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from . import procfs
-from .errors import VramlockError
+from .errors import Immovable, VramlockError
 
 LIBRARY = "libcuda.so.1"
 
@@ -112,7 +112,7 @@ class NotSupported(CudaError):
     code = 801
 
 
-class NotCheckpointable(NotSupported):
+class NotCheckpointable(NotSupported, Immovable):
     """The process uses something the driver cannot checkpoint (managed memory, MPS,
     MIG); it was unlocked again and keeps running."""
 

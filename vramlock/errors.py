@@ -9,6 +9,7 @@ library never prints and never exits.
     │   └── LockFileReplaced      a lock file was removed or replaced under us
     ├── LockError                 flock(2) failed, not because the lock is held (path, errno)
     ├── StrategyError             a release strategy cannot be used or failed
+    │   └── Immovable             the command's memory cannot be moved: it keeps the GPU
     ├── ControlError              the cooperative control channel broke its protocol
     ├── InvalidTransition         a member was told to change state in a way it may not
     ├── AddressError              --listen or --upstream cannot be used (option, address)
@@ -72,6 +73,11 @@ class LockError(VramlockError):
 
 class StrategyError(VramlockError):
     """A release strategy is unknown, does not fit, or failed."""
+
+
+class Immovable(StrategyError):
+    """The command uses memory the strategy cannot move (managed memory, CUDA IPC, MPS,
+    MIG): it was left running, and keeps the GPU until it exits."""
 
 
 class ControlError(VramlockError):

@@ -137,6 +137,9 @@ class Record:
     used: float | None = None
     # The inode of the token.lock the member locks: who tells when it is not the arena's.
     token_ino: int | None = None
+    # What ``who`` should add about the member (the swap library writes one for a
+    # released process whose ``vramlock run`` is gone).
+    note: str | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -155,6 +158,7 @@ class Record:
                 if not (math.isfinite(used) and 0 <= used < _LATEST_SINCE):
                     return None
             token_ino = data.get("token_ino")
+            note = data.get("note")
             return cls(
                 pid=_bounded(data["pid"], 1, _MAX_PID),
                 name=_typed(data["name"], str),
@@ -180,6 +184,7 @@ class Record:
                 busy=_flag(data.get("busy", False)),
                 used=used,
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
+                note=None if note is None else _typed(note, str),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -194,6 +199,7 @@ class Record:
         data["leftovers"] = self.leftovers[:_MAX_LEFTOVERS]
         data["gpus"] = self.gpus[:64]
         data["units"] = self.units[:_MAX_UNIT]
+        data["note"] = None if self.note is None else _clip(self.note, _CLIP_NAME)
         return json.dumps(data, allow_nan=False).encode()
 
 

@@ -112,6 +112,8 @@ def _row(
         if rec.gpus:
             gpus = rec.gpus
             notes.append(f"GPUs {','.join(map(str, gpus))} together")
+        if rec.note:
+            notes.append(printable(rec.note, NAME_MAX))
         if rec.vram is not None:
             footprint, units = rec.vram, rec.units
             notes.append(f"footprint {_size(rec.vram)}, {len(rec.units)} unit(s)")

@@ -25,7 +25,7 @@ from . import strategies
 from .arena import default_gpu, one_arena_or_gpus
 from .context import ChildExited, Context, Interrupted, ReleaseTimeout
 from .control import ParentEnd
-from .errors import ControlError, NotObtained, StrategyError, UsageError
+from .errors import ControlError, Immovable, NotObtained, StrategyError, UsageError
 from .hint import Hint, drain
 from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals, join
 from .process import Child, Terminal, become_subreaper, exit_code
@@ -473,7 +473,7 @@ class Scheduler:
             return None
         except strategies.Unverified as err:
             self.sup.warn(f"{err}; handing the GPU over anyway")
-        except (ControlError, strategies.NotCheckpointable) as err:
+        except (ControlError, Immovable) as err:
             self.sup.warn(f"{err}; holding the GPU until it exits")
             if not self.strategy.fall_back(err):
                 self.strategy = self.sup.strategy = NoneStrategy(self.ctx, self.opts.settings)

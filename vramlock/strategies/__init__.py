@@ -27,6 +27,7 @@ from .checkpoint import CheckpointStrategy, VramTaken, usable
 from .cooperative import SignalStrategy
 from .hooks import ExecStrategy
 from .presets import PRESETS
+from .swap import SwapStrategy
 from .webapi import HttpStrategy
 
 # By the names --release takes, in the order they are listed; a new strategy is one
@@ -37,6 +38,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         AutoStrategy,
         SignalStrategy,
         CheckpointStrategy,
+        SwapStrategy,
         HttpStrategy,
         NoneStrategy,
         RestartStrategy,

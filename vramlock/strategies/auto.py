@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
 from ..context import Context
-from ..cuda import NotCheckpointable
-from ..errors import ControlError
+from ..errors import ControlError, Immovable
 from .base import Settings, Strategy
 from .basic import NoneStrategy
 from .checkpoint import CheckpointStrategy
@@ -115,7 +114,7 @@ class AutoStrategy(Strategy):
         return CANNOT_RELEASE
 
     def fall_back(self, err: Exception) -> bool:
-        if isinstance(err, NotCheckpointable):
+        if isinstance(err, Immovable):
             self._refused.add(type(self.current))
         if isinstance(err, ControlError):
             self.ctx.hello = False  # a new hello upgrades it again

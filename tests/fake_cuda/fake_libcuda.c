@@ -1,0 +1,578 @@
+/*
+ * A fake libcuda.so.1 for testing the swap library without a GPU.
+ *
+ * "Device" memory is host memory at the same address: cuMemAddressReserve is an
+ * inaccessible mapping, cuMemCreate a memfd, cuMemMap maps it there (inaccessible
+ * until cuMemSetAccess, as on a GPU), cuMemUnmap puts the inaccessible mapping
+ * back. Copies are memcpy. A "kernel" is a host function, `void f(void **params)`,
+ * passed as the CUfunction; each launch is appended to the file named by
+ * FAKE_CUDA_LAUNCH_LOG as "launch <start ns> <end ns>" (CLOCK_MONOTONIC).
+ * The physical memory held (memfds and plain allocations) is written to the file
+ * named by FAKE_CUDA_PHYS at every change: the tests' witness that a released
+ * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
+ * cuLaunchKernel under an address no exported name has; while the file named by
+ * FAKE_CUDA_FULL exists, cuMemCreate finds no memory.
+ *
+ * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
+ * library's table of entry points must hold its own functions, not those.
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long Handle;
+
+typedef struct {
+	int type;
+	int requestedHandleTypes;
+	struct {
+		int type;
+		int id;
+	} location;
+	void *win32HandleMetaData;
+	unsigned char allocFlags[8];
+} Prop;
+
+typedef struct {
+	struct {
+		int type;
+		int id;
+	} location;
+	int flags;
+} Access;
+
+#define OK 0
+#define INVALID 1
+#define OOM 2
+#define NOT_FOUND 500
+#define GRANULE (2ULL << 20)
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static long long phys_bytes;
+static int phys_fd = -1, log_fd = -1;
+static char the_context;
+
+static long long now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static long long total_bytes(void)
+{
+	const char *t = getenv("FAKE_CUDA_TOTAL");
+	return t ? atoll(t) : 1LL << 30;
+}
+
+/* With mu held. */
+static void phys_add(long long n)
+{
+	phys_bytes += n;
+	if (phys_fd >= 0) {
+		char buf[32];
+		int len = snprintf(buf, sizeof buf, "%-20lld\n", phys_bytes);
+		if (pwrite(phys_fd, buf, (size_t)len, 0) != len)
+			abort();
+	}
+}
+
+__attribute__((constructor)) static void init(void)
+{
+	const char *p = getenv("FAKE_CUDA_PHYS");
+	const char *l = getenv("FAKE_CUDA_LAUNCH_LOG");
+	if (p && *p)
+		phys_fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+	if (l && *l)
+		log_fd = open(l, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+	pthread_mutex_lock(&mu);
+	phys_add(0);
+	pthread_mutex_unlock(&mu);
+}
+
+/* ---- plain allocations (what the swap library must replace) --------------- */
+
+struct plain {
+	CUdeviceptr ptr;
+	size_t size;
+	struct plain *next;
+};
+static struct plain *plains;
+
+static CUresult plain_alloc(CUdeviceptr *p, size_t n)
+{
+	if (!p || !n)
+		return INVALID;
+	pthread_mutex_lock(&mu);
+	if (phys_bytes + (long long)n > total_bytes()) {
+		pthread_mutex_unlock(&mu);
+		return OOM;
+	}
+	void *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	struct plain *pl = malloc(sizeof *pl);
+	if (m == MAP_FAILED || !pl)
+		abort();
+	*pl = (struct plain){(CUdeviceptr)(uintptr_t)m, n, plains};
+	plains = pl;
+	phys_add((long long)n);
+	pthread_mutex_unlock(&mu);
+	*p = pl->ptr;
+	return OK;
+}
+
+static CUresult plain_free(CUdeviceptr p)
+{
+	pthread_mutex_lock(&mu);
+	for (struct plain **pp = &plains; *pp; pp = &(*pp)->next) {
+		struct plain *pl = *pp;
+		if (pl->ptr != p)
+			continue;
+		*pp = pl->next;
+		munmap((void *)(uintptr_t)pl->ptr, pl->size);
+		phys_add(-(long long)pl->size);
+		free(pl);
+		pthread_mutex_unlock(&mu);
+		return OK;
+	}
+	pthread_mutex_unlock(&mu);
+	return INVALID;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return plain_alloc(p, n); }
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return plain_alloc(p, n); }
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *s) { (void)s; return plain_alloc(p, n); }
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *s) { (void)s; return plain_alloc(p, n); }
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *s)
+{
+	(void)pool, (void)s;
+	return plain_alloc(p, n);
+}
+CUresult cuMemFree_v2(CUdeviceptr p) { return plain_free(p); }
+CUresult cuMemFreeAsync(CUdeviceptr p, void *s) { (void)s; return plain_free(p); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *s) { (void)s; return plain_free(p); }
+
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
+{
+	(void)e;
+	*pitch = (w + 511) / 512 * 512;
+	return plain_alloc(p, *pitch * h);
+}
+
+/* ---- virtual memory management ---------------------------------------------- */
+
+struct handle {
+	int fd;
+	size_t size;
+	Prop prop;
+	int refs, maps; /* the handle's references (create, retains) and mappings */
+	struct handle *next;
+};
+static struct handle *handles; /* live ones: a stale handle is an error, as on a GPU */
+
+/* With mu held. */
+static struct handle *live(Handle hh)
+{
+	for (struct handle *h = handles; h; h = h->next)
+		if ((Handle)(uintptr_t)h == hh && h->refs)
+			return h;
+	return NULL;
+}
+
+struct vmap {
+	CUdeviceptr va;
+	size_t size;
+	struct handle *h;
+	struct vmap *next;
+};
+static struct vmap *vmaps;
+
+static void handle_drop(struct handle *h)
+{
+	if (!h->refs && !h->maps) {
+		for (struct handle **pp = &handles; *pp; pp = &(*pp)->next)
+			if (*pp == h) {
+				*pp = h->next;
+				break;
+			}
+		close(h->fd);
+		phys_add(-(long long)h->size);
+		free(h);
+	}
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *prop, int option)
+{
+	(void)prop, (void)option;
+	*g = GRANULE;
+	return OK;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+			     unsigned long long flags)
+{
+	(void)addr, (void)flags;
+	if (!size || size % GRANULE)
+		return INVALID;
+	if (align < GRANULE)
+		align = GRANULE;
+	char *m = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (m == MAP_FAILED)
+		return OOM;
+	uintptr_t start = ((uintptr_t)m + align - 1) / align * align;
+	if (start > (uintptr_t)m)
+		munmap(m, start - (uintptr_t)m);
+	munmap((char *)start + size, (uintptr_t)m + align - start);
+	*p = start;
+	return OK;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size)
+{
+	return munmap((void *)(uintptr_t)p, size) ? INVALID : OK;
+}
+
+CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long long flags)
+{
+	(void)flags;
+	if (!size || size % GRANULE)
+		return INVALID;
+	const char *full = getenv("FAKE_CUDA_FULL");
+	if (full && !access(full, F_OK))
+		return OOM; /* another process holds the GPU's memory */
+	pthread_mutex_lock(&mu);
+	if (phys_bytes + (long long)size > total_bytes()) {
+		pthread_mutex_unlock(&mu);
+		return OOM;
+	}
+	struct handle *h = calloc(1, sizeof *h);
+	if (!h)
+		abort();
+	h->fd = memfd_create("fake-vram", MFD_CLOEXEC);
+	if (h->fd < 0 || ftruncate(h->fd, (off_t)size))
+		abort();
+	h->size = size;
+	h->prop = *prop;
+	h->refs = 1;
+	h->next = handles;
+	handles = h;
+	phys_add((long long)size);
+	pthread_mutex_unlock(&mu);
+	*out = (Handle)(uintptr_t)h;
+	return OK;
+}
+
+CUresult cuMemRelease(Handle hh)
+{
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (!h) {
+		pthread_mutex_unlock(&mu);
+		return INVALID;
+	}
+	h->refs--;
+	handle_drop(h);
+	pthread_mutex_unlock(&mu);
+	return OK;
+}
+
+CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigned long long flags)
+{
+	(void)flags;
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (!h || offset + size > h->size) {
+		pthread_mutex_unlock(&mu);
+		return INVALID;
+	}
+	for (struct vmap *m = vmaps; m; m = m->next)
+		if (va < m->va + m->size && m->va < va + size) {
+			pthread_mutex_unlock(&mu);
+			return INVALID; /* already mapped there */
+		}
+	void *m = mmap((void *)(uintptr_t)va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, (off_t)offset);
+	struct vmap *v = malloc(sizeof *v);
+	if (m == MAP_FAILED || !v)
+		abort();
+	*v = (struct vmap){va, size, h, vmaps};
+	vmaps = v;
+	h->maps++;
+	pthread_mutex_unlock(&mu);
+	return OK;
+}
+
+CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+	pthread_mutex_lock(&mu);
+	int found = 0;
+	for (struct vmap **pp = &vmaps; *pp;) {
+		struct vmap *v = *pp;
+		if (v->va >= va && v->va + v->size <= va + size) {
+			*pp = v->next;
+			void *m = mmap((void *)(uintptr_t)v->va, v->size, PROT_NONE,
+				       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+			if (m == MAP_FAILED)
+				abort();
+			v->h->maps--;
+			handle_drop(v->h);
+			free(v);
+			found = 1;
+		} else {
+			pp = &v->next;
+		}
+	}
+	pthread_mutex_unlock(&mu);
+	return found ? OK : INVALID;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const Access *desc, size_t n)
+{
+	if (!n || desc[0].flags != 3)
+		return INVALID;
+	return mprotect((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE) ? INVALID : OK;
+}
+
+CUresult cuMemRetainAllocationHandle(Handle *out, void *addr)
+{
+	CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
+	pthread_mutex_lock(&mu);
+	for (struct vmap *v = vmaps; v; v = v->next)
+		if (a >= v->va && a < v->va + v->size) {
+			v->h->refs++;
+			*out = (Handle)(uintptr_t)v->h;
+			pthread_mutex_unlock(&mu);
+			return OK;
+		}
+	pthread_mutex_unlock(&mu);
+	return INVALID;
+}
+
+CUresult cuMemGetAllocationPropertiesFromHandle(Prop *prop, Handle hh)
+{
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (h)
+		*prop = h->prop;
+	pthread_mutex_unlock(&mu);
+	return h ? OK : INVALID;
+}
+
+CUresult cuMemExportToShareableHandle(void *out, Handle hh, int type, unsigned long long fl)
+{
+	(void)type, (void)fl;
+	pthread_mutex_lock(&mu);
+	struct handle *h = live(hh);
+	if (h)
+		*(int *)out = dup(h->fd);
+	pthread_mutex_unlock(&mu);
+	return h ? OK : INVALID;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+	CUresult r = INVALID;
+	pthread_mutex_lock(&mu);
+	for (struct plain *pl = plains; pl && r; pl = pl->next)
+		if (p >= pl->ptr && p < pl->ptr + pl->size)
+			*base = pl->ptr, *size = pl->size, r = OK;
+	for (struct vmap *v = vmaps; v && r; v = v->next)
+		if (p >= v->va && p < v->va + v->size)
+			*base = v->va, *size = v->size, r = OK;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total)
+{
+	pthread_mutex_lock(&mu);
+	*total = (size_t)total_bytes();
+	*free_ = (size_t)(total_bytes() - phys_bytes);
+	pthread_mutex_unlock(&mu);
+	return OK;
+}
+
+CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
+{
+	(void)p;
+	memset(h, 0, 64);
+	return OK;
+}
+
+/* ---- host memory, copies, launches -------------------------------------------- */
+
+static __thread void *current;
+#define NO_CONTEXT 201
+
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
+{
+	(void)fl;
+	if (!current)
+		return NO_CONTEXT; /* as the driver: pinning needs a context */
+	*p = malloc(n);
+	return *p ? OK : OOM;
+}
+CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+
+#define PTR(d) ((void *)(uintptr_t)(d))
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { memcpy(PTR(d), h, n); return OK; }
+CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *h, size_t n) { return cuMemcpyHtoD_v2(d, h, n); }
+CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { memcpy(h, PTR(d), n); return OK; }
+CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcpyDtoH_v2(h, d, n); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
+CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
+CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return current ? cuMemcpyDtoH_v2(h, d, n) : NO_CONTEXT; }
+CUresult cuMemcpyDtoHAsync_v2_ptsz(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove(PTR(d), PTR(s), n); return OK; }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { (void)st; return cuMemcpyDtoD_v2(d, s, n); }
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n)
+{
+	unsigned *p = PTR(d);
+	for (size_t i = 0; i < n; i++)
+		p[i] = v;
+	return OK;
+}
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { memset(PTR(d), v, n); return OK; }
+
+typedef void (*kernel)(void **);
+
+static CUresult launch(void *f, void **params)
+{
+	long long t0 = now_ns();
+	((kernel)f)(params);
+	long long t1 = now_ns();
+	if (log_fd >= 0) {
+		char line[64];
+		int n = snprintf(line, sizeof line, "launch %lld %lld\n", t0, t1);
+		if (write(log_fd, line, (size_t)n) != n)
+			abort();
+	}
+	return OK;
+}
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+			unsigned bz, unsigned sm, void *s, void **kp, void **ex)
+{
+	(void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)sm, (void)s, (void)ex;
+	return launch(f, kp);
+}
+
+CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+			     unsigned by, unsigned bz, unsigned sm, void *s, void **kp, void **ex)
+{
+	return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sm, s, kp, ex);
+}
+
+/* ---- context, streams, init ---------------------------------------------------- */
+
+CUresult cuInit(unsigned fl) { (void)fl; return OK; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
+CUresult cuDeviceGet(int *d, int i) { *d = i; return i == 0 ? OK : INVALID; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = &the_context; return OK; }
+CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
+CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
+CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
+CUresult cuCtxSynchronize(void) { return current ? OK : 201; }
+CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
+CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
+CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
+/* A stream is one byte: whether it is capturing a graph. */
+CUresult cuStreamIsCapturing(void *s, int *status) { *status = s ? *(char *)s : 0; return OK; }
+CUresult cuStreamBeginCapture_v2(void *s, int mode) { (void)mode; *(char *)s = 1; return OK; }
+CUresult cuStreamEndCapture(void *s, void **graph)
+{
+	if (!*(char *)s)
+		return 401; /* not capturing */
+	*(char *)s = 0;
+	*graph = NULL;
+	return OK;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s)
+{
+	*s = r == OOM ? "out of memory" : r == INVALID ? "invalid argument" : "fake error";
+	return OK;
+}
+
+/* ---- cuGetProcAddress, as the runtime uses it ----------------------------------- */
+
+CUresult cuGetProcAddress(const char *sym, void **fn, int version, unsigned long long flags);
+CUresult cuGetProcAddress_v2(const char *sym, void **fn, int version, unsigned long long flags,
+			     int *status);
+
+#define E(f) {#f, (void *)f}
+static const struct {
+	const char *name;
+	void *fn;
+} entries[] = {
+	E(cuMemAlloc_v2), E(cuMemAllocManaged), E(cuMemAllocAsync), E(cuMemAllocAsync_ptsz),
+	E(cuMemAllocFromPoolAsync), E(cuMemFree_v2), E(cuMemFreeAsync), E(cuMemFreeAsync_ptsz),
+	E(cuMemAllocPitch_v2), E(cuMemGetAllocationGranularity), E(cuMemAddressReserve),
+	E(cuMemAddressFree), E(cuMemCreate), E(cuMemRelease), E(cuMemMap), E(cuMemUnmap),
+	E(cuMemSetAccess), E(cuMemRetainAllocationHandle), E(cuMemGetAllocationPropertiesFromHandle),
+	E(cuMemExportToShareableHandle), E(cuMemGetAddressRange_v2), E(cuMemGetInfo_v2),
+	E(cuIpcGetMemHandle), E(cuMemHostAlloc), E(cuMemFreeHost), E(cuMemcpyHtoD_v2),
+	E(cuMemcpyHtoD_v2_ptds), E(cuMemcpyDtoH_v2), E(cuMemcpyDtoH_v2_ptds),
+	E(cuMemcpyHtoDAsync_v2), E(cuMemcpyHtoDAsync_v2_ptsz), E(cuMemcpyDtoHAsync_v2),
+	E(cuMemcpyDtoHAsync_v2_ptsz), E(cuMemcpyDtoD_v2), E(cuMemcpyAsync), E(cuMemsetD32_v2),
+	E(cuMemsetD8_v2), E(cuLaunchKernel), E(cuLaunchKernel_ptsz), E(cuInit),
+	E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
+	E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxGetDevice), E(cuCtxSynchronize),
+	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing), E(cuStreamBeginCapture_v2), E(cuStreamEndCapture),
+	E(cuGetErrorString), E(cuGetProcAddress), E(cuGetProcAddress_v2),
+};
+
+static void *entry(const char *name)
+{
+	for (size_t i = 0; i < sizeof entries / sizeof *entries; i++)
+		if (!strcmp(entries[i].name, name))
+			return entries[i].fn;
+	return NULL;
+}
+
+/* An entry point under no exported name, as a driver may hand out: with
+ * FAKE_CUDA_ALIASES set, cuGetProcAddress gives this for cuLaunchKernel. */
+static CUresult launch_alias(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+			     unsigned by, unsigned bz, unsigned sm, void *s, void **kp, void **ex)
+{
+	return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sm, s, kp, ex);
+}
+
+/* As the driver does: the per-thread-stream variant when asked for, the _v2 of a
+ * function whose ABI changed at 3.2 for callers that new. */
+CUresult cuGetProcAddress_v2(const char *sym, void **fn, int version, unsigned long long flags,
+			     int *status)
+{
+	static const char *ptds[] = {"_v2_ptds", "_v2_ptsz", "_ptds", "_ptsz"};
+	char name[128];
+	void *found = NULL;
+	for (size_t i = 0; (flags & 2) && !found && i < 4; i++) {
+		snprintf(name, sizeof name, "%s%s", sym, ptds[i]);
+		found = entry(name);
+	}
+	if (!found && version >= 3020) {
+		snprintf(name, sizeof name, "%s_v2", sym);
+		found = entry(name);
+	}
+	if (!found)
+		found = entry(sym);
+	if (found == (void *)cuLaunchKernel && getenv("FAKE_CUDA_ALIASES"))
+		found = (void *)launch_alias;
+	if (status)
+		*status = found ? 0 : 1;
+	*fn = found;
+	return found ? OK : NOT_FOUND;
+}
+
+CUresult cuGetProcAddress(const char *sym, void **fn, int version, unsigned long long flags)
+{
+	return cuGetProcAddress_v2(sym, fn, version, flags, NULL);
+}

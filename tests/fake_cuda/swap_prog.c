@@ -1,0 +1,397 @@
+/*
+ * A CUDA program as the runtime would drive the driver: it links nothing, dlopen()s
+ * libcuda.so.1 and finds every entry point through cuGetProcAddress_v2. It
+ * allocates in every way the swap library handles (big and small cuMemAlloc,
+ * pitched, stream-ordered, its own VMM pool as llama.cpp's, a VMM chunk whose
+ * handle it keeps as PyTorch's expandable segments do), fills each
+ * buffer with a pattern, then launches "add one" kernels in a loop for SECONDS,
+ * checking one buffer's contents after each round and all of them at the end.
+ *
+ *   swap_prog SECONDS [managed|ipc|export]
+ *
+ * The last argument adds what cannot be swapped: a managed allocation, a CUDA IPC
+ * handle to a buffer, or an exported VMM handle.
+ *
+ * Prints "ready" once its memory is filled, "done <rounds>" at the end; exits 3
+ * on a wrong byte, 4 when a driver call fails. With SWAP_PROG_START_AFTER=PATH it
+ * waits for PATH to exist before it initialises CUDA; with SWAP_PROG_STOP=PATH it
+ * ends early once PATH exists; with SWAP_PROG_CAPTURE=PATH it captures a graph
+ * while PATH exists (saying "capturing", then "captured"); with SWAP_PROG_THREADS=N,
+ * N more threads allocate, fill, launch on, check and free buffers of their own
+ * meanwhile, as fast as they can; with SWAP_PROG_BENCH=N it times N launches of an
+ * empty kernel first (what a launch costs through whatever is in front of the driver).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long Handle;
+typedef struct {
+	int type, requestedHandleTypes;
+	struct {
+		int type, id;
+	} location;
+	void *win32HandleMetaData;
+	unsigned char allocFlags[8];
+} Prop;
+typedef struct {
+	struct {
+		int type, id;
+	} location;
+	int flags;
+} Access;
+
+typedef CUresult (*gpa_fn)(const char *, void **, int, unsigned long long, int *);
+static gpa_fn gpa;
+
+static void *get(const char *name, unsigned long long flags)
+{
+	void *fn = NULL;
+	int status = 0;
+	if (gpa(name, &fn, 12080, flags, &status) || !fn) {
+		fprintf(stderr, "swap_prog: no %s\n", name);
+		exit(4);
+	}
+	return fn;
+}
+
+#define CHECK(call)                                                            \
+	do {                                                                   \
+		CUresult r_ = (call);                                          \
+		if (r_) {                                                      \
+			fprintf(stderr, "swap_prog: %s: error %d\n", #call, r_); \
+			exit(4);                                               \
+		}                                                              \
+	} while (0)
+
+static void nothing(void **params)
+{
+	(void)params;
+}
+
+static void add_one(void **params)
+{
+	int *a = (int *)(uintptr_t) * (CUdeviceptr *)params[0];
+	size_t n = *(size_t *)params[1];
+	for (size_t i = 0; i < n; i++)
+		a[i]++;
+}
+
+struct buffer {
+	CUdeviceptr ptr;
+	size_t count; /* ints */
+};
+
+#define MAX_BUFFERS 512
+static struct buffer bufs[MAX_BUFFERS];
+static size_t nbufs;
+
+static CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
+static CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+static CUresult (*cuMemcpyDtoH_ptds)(void *, CUdeviceptr, size_t);
+
+static void add(CUdeviceptr p, size_t bytes)
+{
+	bufs[nbufs++] = (struct buffer){p, bytes / sizeof(int)};
+}
+
+static int want(size_t b, size_t i, long rounds)
+{
+	return (int)(i * 7 + b + (size_t)rounds);
+}
+
+static void check(size_t b, long rounds, int via_ptds)
+{
+	size_t n = bufs[b].count;
+	int *host = malloc(n * sizeof *host);
+	if (!host)
+		exit(4);
+	CHECK((via_ptds ? cuMemcpyDtoH_ptds : cuMemcpyDtoH)(host, bufs[b].ptr, n * sizeof *host));
+	for (size_t i = 0; i < n; i++)
+		if (host[i] != want(b, i, rounds)) {
+			printf("MISMATCH buffer %zu index %zu: %d, not %d\n", b, i, host[i],
+			       want(b, i, rounds));
+			exit(3);
+		}
+	free(host);
+}
+
+/* Entry points the worker threads use too. */
+static void *ctx;
+static CUresult (*cuCtxSetCurrent)(void *);
+static CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
+static CUresult (*cuMemFree)(CUdeviceptr);
+static CUresult (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+			  unsigned, void *, void **, void **);
+static atomic_int stopping;
+static atomic_long worked;
+
+/* Allocations, copies and launches from another thread, racing the releases. */
+static void *worker(void *arg)
+{
+	size_t sizes[] = {3000, 5 << 20, 100000};
+	size_t me = (size_t)(uintptr_t)arg;
+	CHECK(cuCtxSetCurrent(ctx));
+	while (!atomic_load(&stopping)) {
+		size_t bytes = sizes[atomic_load(&worked) % 3], n = bytes / sizeof(int);
+		int *host = malloc(bytes);
+		CUdeviceptr p;
+		if (!host)
+			exit(4);
+		for (size_t i = 0; i < n; i++)
+			host[i] = (int)(i + me);
+		CHECK(cuMemAlloc(&p, bytes));
+		CHECK(cuMemcpyHtoD(p, host, bytes));
+		void *params[] = {&p, &n};
+		for (int k = 0; k < 3; k++)
+			CHECK(launch((void *)add_one, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
+		CHECK(cuMemcpyDtoH(host, p, bytes));
+		for (size_t i = 0; i < n; i++)
+			if (host[i] != (int)(i + me + 3)) {
+				printf("MISMATCH thread %zu index %zu: %d\n", me, i, host[i]);
+				exit(3);
+			}
+		CHECK(cuMemFree(p));
+		free(host);
+		atomic_fetch_add(&worked, 1);
+	}
+	return NULL;
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2)
+		return 2;
+	double seconds = atof(argv[1]);
+	const char *unswappable = argc > 2 ? argv[2] : "";
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	const char *start_after = getenv("SWAP_PROG_START_AFTER");
+	if (start_after) {
+		printf("waiting\n");
+		struct timespec tick = {0, 5000000};
+		while (access(start_after, F_OK))
+			nanosleep(&tick, NULL);
+	}
+
+	void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+	if (!lib) {
+		fprintf(stderr, "swap_prog: %s\n", dlerror());
+		return 4;
+	}
+	gpa = (gpa_fn)dlsym(lib, "cuGetProcAddress_v2");
+	if (!gpa)
+		return 4;
+
+	CUresult (*cuInit)(unsigned) = get("cuInit", 0);
+	CUresult (*cuDevicePrimaryCtxRetain)(void **, int) = get("cuDevicePrimaryCtxRetain", 0);
+	cuCtxSetCurrent = get("cuCtxSetCurrent", 0);
+	CUresult (*cuStreamCreate)(void **, unsigned) = get("cuStreamCreate", 0);
+	cuMemAlloc = get("cuMemAlloc", 0);
+	cuMemFree = get("cuMemFree", 0);
+	CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned) =
+		get("cuMemAllocPitch", 0);
+	CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, void *) = get("cuMemAllocAsync", 0);
+	CUresult (*cuMemFreeAsync)(CUdeviceptr, void *) = get("cuMemFreeAsync", 0);
+	CUresult (*cuMemAllocManaged)(CUdeviceptr *, size_t, unsigned) = get("cuMemAllocManaged", 0);
+	CUresult (*cuIpcGetMemHandle)(void *, CUdeviceptr) = get("cuIpcGetMemHandle", 0);
+	CUresult (*cuMemExportToShareableHandle)(void *, Handle, int, unsigned long long) =
+		get("cuMemExportToShareableHandle", 0);
+	CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr) =
+		get("cuMemGetAddressRange", 0);
+	CUresult (*cuMemGetAllocationGranularity)(size_t *, const Prop *, int) =
+		get("cuMemGetAllocationGranularity", 0);
+	CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+					unsigned long long) = get("cuMemAddressReserve", 0);
+	CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = get("cuMemAddressFree", 0);
+	CUresult (*cuMemCreate)(Handle *, size_t, const Prop *, unsigned long long) =
+		get("cuMemCreate", 0);
+	CUresult (*cuMemRelease)(Handle) = get("cuMemRelease", 0);
+	CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, Handle, unsigned long long) =
+		get("cuMemMap", 0);
+	CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = get("cuMemUnmap", 0);
+	CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const Access *, size_t) =
+		get("cuMemSetAccess", 0);
+	CUresult (*cuMemRetainAllocationHandle)(Handle *, void *) =
+		get("cuMemRetainAllocationHandle", 0);
+	CUresult (*cuMemGetAllocationPropertiesFromHandle)(Prop *, Handle) =
+		get("cuMemGetAllocationPropertiesFromHandle", 0);
+	launch = get("cuLaunchKernel", 0);
+	CUresult (*launch_ptsz)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+				unsigned, void *, void **, void **) = get("cuLaunchKernel", 2);
+	CUresult (*cuStreamBeginCapture)(void *, int) = get("cuStreamBeginCapture", 0);
+	CUresult (*cuStreamEndCapture)(void *, void **) = get("cuStreamEndCapture", 0);
+	cuMemcpyHtoD = get("cuMemcpyHtoD", 0);
+	cuMemcpyDtoH = get("cuMemcpyDtoH", 0);
+	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
+
+	void *stream;
+	CHECK(cuInit(0));
+	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
+	CHECK(cuCtxSetCurrent(ctx));
+	CHECK(cuStreamCreate(&stream, 0));
+
+	CUdeviceptr p;
+	CHECK(cuMemAlloc(&p, 6 << 20));
+	add(p, 6 << 20);
+	/* Small ones, some freed again: slabs are shared and reused. */
+	CUdeviceptr gone[100];
+	for (int i = 0; i < 200; i++) {
+		CHECK(cuMemAlloc(&p, 1000));
+		if (i % 2)
+			gone[i / 2] = p;
+		else
+			add(p, 1000);
+	}
+	for (int i = 0; i < 100; i++)
+		CHECK(cuMemFree(gone[i]));
+	CUdeviceptr base;
+	size_t size;
+	CHECK(cuMemGetAddressRange(&base, &size, bufs[1].ptr + 10));
+	if (base != bufs[1].ptr || size != 1000) {
+		printf("MISMATCH address range: 0x%llx+%zu for 0x%llx+1000\n", base, size, bufs[1].ptr);
+		return 3;
+	}
+	size_t pitch;
+	CHECK(cuMemAllocPitch(&p, &pitch, 1000, 20, 4));
+	add(p, pitch * 20);
+	CHECK(cuMemAllocAsync(&p, 3 << 20, stream));
+	add(p, 3 << 20);
+	CHECK(cuMemAllocAsync(&p, 1 << 20, stream));
+	CHECK(cuMemFreeAsync(p, stream));
+
+	/* A pool as llama.cpp's: a big reservation, chunks mapped at its end, each
+	 * handle released right after mapping. */
+	Prop prop;
+	memset(&prop, 0, sizeof prop);
+	prop.type = 1;
+	prop.location.type = 1;
+	size_t g;
+	CHECK(cuMemGetAllocationGranularity(&g, &prop, 0));
+	CUdeviceptr pool;
+	size_t pool_max = 64 * g, pool_size = 0;
+	CHECK(cuMemAddressReserve(&pool, pool_max, 0, 0, 0));
+	for (int i = 0; i < 2; i++) {
+		Handle h;
+		CHECK(cuMemCreate(&h, g, &prop, 0));
+		CHECK(cuMemMap(pool + pool_size, g, 0, h, 0));
+		CHECK(cuMemRelease(h));
+		Access access = {{1, 0}, 3};
+		CHECK(cuMemSetAccess(pool + pool_size, g, &access, 1));
+		pool_size += g;
+	}
+	add(pool, pool_size);
+	/* A chunk as PyTorch's expandable segments keep them: the handle is held, and
+	 * used again (retained, queried, released) after any number of swaps. */
+	CUdeviceptr kept_va;
+	Handle kept;
+	CHECK(cuMemAddressReserve(&kept_va, g, 0, 0, 0));
+	CHECK(cuMemCreate(&kept, g, &prop, 0));
+	CHECK(cuMemMap(kept_va, g, 0, kept, 0));
+	Access rw = {{1, 0}, 3};
+	CHECK(cuMemSetAccess(kept_va, g, &rw, 1));
+	add(kept_va, g);
+
+	if (!strcmp(unswappable, "managed")) {
+		CHECK(cuMemAllocManaged(&p, 1 << 20, 1));
+		add(p, 1 << 20);
+	} else if (!strcmp(unswappable, "ipc")) {
+		char ipc[64];
+		CHECK(cuIpcGetMemHandle(ipc, bufs[0].ptr));
+	} else if (!strcmp(unswappable, "export")) {
+		int fd;
+		CHECK(cuMemExportToShareableHandle(&fd, kept, 1, 0));
+	}
+
+	for (size_t b = 0; b < nbufs; b++) {
+		int *host = malloc(bufs[b].count * sizeof *host);
+		if (!host)
+			return 4;
+		for (size_t i = 0; i < bufs[b].count; i++)
+			host[i] = want(b, i, 0);
+		CHECK(cuMemcpyHtoD(bufs[b].ptr, host, bufs[b].count * sizeof *host));
+		free(host);
+	}
+	const char *threads = getenv("SWAP_PROG_THREADS");
+	pthread_t workers[16];
+	size_t nworkers = threads ? (size_t)atoi(threads) : 0;
+	for (size_t t = 0; t < nworkers && t < 16; t++)
+		if (pthread_create(&workers[t], NULL, worker, (void *)(uintptr_t)t))
+			return 4;
+	const char *bench = getenv("SWAP_PROG_BENCH");
+	if (bench) {
+		long n = atol(bench);
+		double t0 = now();
+		for (long i = 0; i < n; i++)
+			CHECK(launch((void *)nothing, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL));
+		printf("ns_per_launch %.1f\n", (now() - t0) / (double)n * 1e9);
+	}
+	printf("ready\n");
+
+	long rounds = 0;
+	double end = now() + seconds;
+	const char *stop = getenv("SWAP_PROG_STOP");
+	const char *capture = getenv("SWAP_PROG_CAPTURE");
+	int capturing = 0;
+	while (now() < end && !(stop && !access(stop, F_OK))) {
+		if (capture && capturing != !access(capture, F_OK)) {
+			void *graph;
+			if (!capturing)
+				CHECK(cuStreamBeginCapture(stream, 0));
+			else
+				CHECK(cuStreamEndCapture(stream, &graph));
+			capturing = !capturing;
+			printf(capturing ? "capturing\n" : "captured\n");
+		}
+		for (size_t b = 0; b < nbufs; b++) {
+			void *params[] = {&bufs[b].ptr, &bufs[b].count};
+			CHECK((b % 2 ? launch_ptsz : launch)((void *)add_one, 1, 1, 1, 1, 1, 1, 0,
+							       stream, params, NULL));
+		}
+		rounds++;
+		check((size_t)rounds % nbufs, rounds, rounds % 2);
+		struct timespec pause = {0, 2000000};
+		nanosleep(&pause, NULL);
+	}
+	atomic_store(&stopping, 1);
+	for (size_t t = 0; t < nworkers && t < 16; t++)
+		pthread_join(workers[t], NULL);
+	for (size_t b = 0; b < nbufs; b++)
+		check(b, rounds, 0);
+	for (size_t b = 0; b < nbufs; b++)
+		if (bufs[b].ptr != pool && bufs[b].ptr != kept_va)
+			CHECK(cuMemFree(bufs[b].ptr));
+	Handle again;
+	Prop asked;
+	CHECK(cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)kept_va));
+	CHECK(cuMemGetAllocationPropertiesFromHandle(&asked, kept));
+	if (again != kept || asked.type != 1) {
+		printf("MISMATCH handle: 0x%llx retained as 0x%llx\n", kept, again);
+		return 3;
+	}
+	CHECK(cuMemRelease(again));
+	CHECK(cuMemUnmap(kept_va, g));
+	CHECK(cuMemRelease(kept));
+	CHECK(cuMemAddressFree(kept_va, g));
+	CHECK(cuMemUnmap(pool, pool_size));
+	CHECK(cuMemAddressFree(pool, pool_max));
+	if (nworkers)
+		printf("worked %ld\n", atomic_load(&worked));
+	printf("done %ld\n", rounds);
+	return 0;
+}

@@ -1,0 +1,513 @@
+"""``--release swap`` against a fake driver: no GPU needed.
+
+tests/fake_cuda/fake_libcuda.c is a libcuda.so.1 whose device memory is host memory
+(see its header): a "kernel" runs on the CPU and logs each launch with its times,
+and the physical memory it holds is written to a file at every change. The
+program (tests/fake_cuda/swap_prog.c) finds the driver as the CUDA runtime does,
+allocates in every way the library handles, and checks its memory's contents as
+it goes. The other member is a process the test owns, holding the token itself;
+its times, the fake's launch log and its physical-memory file are the witnesses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Spawn, token_free, vramlock, wait_until, who_json
+
+from vramlock import swap
+from vramlock.procfs import descendants
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
+]
+
+FAKES = ROOT / "tests" / "fake_cuda"
+STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+
+# A member the test owns: queues as any waiter, says when it holds the token (and what
+# the fake driver holds then), and lets go when told on stdin.
+HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    arena, phys = sys.argv[1], sys.argv[2]
+    want = os.open(os.path.join(arena, "want.lock"), os.O_RDWR | os.O_CLOEXEC)
+    token = os.open(os.path.join(arena, "token.lock"), os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(want, fcntl.LOCK_SH)
+    fcntl.flock(token, fcntl.LOCK_EX)
+    got = time.monotonic_ns()
+    print("held", got, open(phys).read().strip(), flush=True)
+    sys.stdin.readline()
+    print("leaving", time.monotonic_ns(), open(phys).read().strip(), flush=True)
+    """
+)
+
+# A user's own preload library: it wraps nanosleep through dlsym(RTLD_NEXT), which
+# loops for ever if the swap library's dlsym answers RTLD_NEXT for itself.
+USER_PRELOAD = textwrap.dedent(
+    """
+    #define _GNU_SOURCE
+    #include <dlfcn.h>
+    #include <stdio.h>
+    #include <stdlib.h>
+    #include <time.h>
+    static int calls;
+    int nanosleep(const struct timespec *req, struct timespec *rem)
+    {
+        int (*next)(const struct timespec *, struct timespec *) = dlsym(RTLD_NEXT, "nanosleep");
+        calls++;
+        return next(req, rem);
+    }
+    __attribute__((destructor)) static void done(void)
+    {
+        const char *path = getenv("USER_PRELOAD_OUT");
+        FILE *f = path ? fopen(path, "a") : NULL;
+        if (f) {
+            fprintf(f, "%d\\n", calls);
+            fclose(f);
+        }
+    }
+    """
+)
+
+
+@dataclass
+class Fakes:
+    directory: Path  # holds libcuda.so.1
+    program: Path
+    user_preload: Path
+
+
+def _cc(*args: str) -> None:
+    cc = swap.compiler()
+    assert cc is not None
+    subprocess.run([cc, *args], check=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
+    out = tmp_path_factory.mktemp("fake_cuda")
+    # -Bsymbolic: the fake's table of entry points must hold its own functions, not
+    # the swap library's of the same names.
+    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
+        str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
+    _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
+    (out / "user_preload.c").write_text(USER_PRELOAD)
+    _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
+        str(out / "user_preload.c"), "-ldl")  # fmt: skip
+    return Fakes(out, out / "swap_prog", out / "user_preload.so")
+
+
+@dataclass
+class Rig:
+    """One test's fake GPU: the environment that selects it, and its witnesses."""
+
+    fakes: Fakes
+    arena: Path
+    env: dict[str, str]
+    phys: Path
+    launch_log: Path
+    tmp: Path
+
+    def launches(self) -> list[tuple[int, int]]:
+        if not self.launch_log.exists():
+            return []
+        out = []
+        for line in self.launch_log.read_text().splitlines():
+            _, start, end = line.split()
+            out.append((int(start), int(end)))
+        return out
+
+    def run(self, spawn: Spawn, *args: str, **kw: object) -> subprocess.Popen[str]:
+        """``vramlock run --release swap -- swap_prog ARGS``."""
+        kw.setdefault("env", self.env)
+        return spawn(
+            vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", "swap",
+                     "--", str(self.fakes.program), *args),
+            **kw,
+        )  # fmt: skip
+
+    def holder(self, spawn: Spawn) -> subprocess.Popen[str]:
+        script = self.tmp / "holder.py"
+        script.write_text(HOLDER)
+        return spawn(
+            [sys.executable, str(script), str(self.arena), str(self.phys)],
+            stdin=subprocess.PIPE,
+        )
+
+
+@pytest.fixture
+def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    phys, log = tmp_path / "phys", tmp_path / "launches"
+    env = dict(os.environ)
+    env.update(
+        LD_LIBRARY_PATH=str(fakes.directory),
+        FAKE_CUDA_PHYS=str(phys),
+        FAKE_CUDA_LAUNCH_LOG=str(log),
+    )
+    env.pop("LD_PRELOAD", None)
+    return Rig(fakes, arena, env, phys, log, tmp_path)
+
+
+def read_line(proc: subprocess.Popen[str]) -> list[str]:
+    assert proc.stdout is not None
+    return proc.stdout.readline().split()
+
+
+@dataclass
+class Turn:
+    """The test's member held the token from ``start`` to ``end`` (monotonic ns)."""
+
+    start: int
+    end: int
+    phys: tuple[int, int]  # the fake driver's physical memory then, at both ends
+
+
+def take_turn(rig: Rig, spawn: Spawn) -> Turn:
+    """Queue, hold the token a moment while the command runs on, let go."""
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held", held
+    time.sleep(0.2)  # the command's loop keeps trying to launch meanwhile
+    assert holder.stdin is not None
+    holder.stdin.write("\n")
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    return Turn(int(held[1]), int(left[1]), (int(held[2]), int(left[2])))
+
+
+def during(launches: list[tuple[int, int]], turns: list[Turn]) -> list[tuple[int, int]]:
+    return [(s, e) for s, e in launches for t in turns if s <= t.end and e >= t.start]
+
+
+def test_the_program_runs_on_the_fake_driver_alone(rig: Rig) -> None:
+    """The baseline: without vramlock, the program and the fake agree (every failure
+    below is the swap library's)."""
+    done = subprocess.run([str(rig.fakes.program), "0.3"], env=rig.env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done
+    assert done.stdout.split()[-2] == "done" and int(rig.phys.read_text()) == 0
+
+
+def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
+    """Has the program launched again since it had launched ``seen`` times?"""
+    return lambda: len(rig.launches()) > seen + 20
+
+
+@pytest.mark.parametrize("aliases", [False, True], ids=["exported", "aliased"])
+def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
+    rig: Rig, spawn: Spawn, aliases: bool
+) -> None:
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop))
+    if aliases:  # the driver hands out cuLaunchKernel at an address dlsym never gives
+        env["FAKE_CUDA_ALIASES"] = "1"
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(5):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    # The program checks a buffer after every round, and all of them at the end.
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    assert int(rig.phys.read_text()) == 0  # it freed everything: nothing leaked
+    assert err == ""  # nothing said on the happy path
+
+
+def test_a_process_joining_while_released_waits_for_its_turn(rig: Rig, spawn: Spawn) -> None:
+    go = rig.tmp / "go"
+    env = dict(rig.env, SWAP_PROG_START_AFTER=str(go))
+    job = rig.run(spawn, "1", env=env)
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    go.touch()  # CUDA starts now, while the test's member holds the token
+    time.sleep(0.5)
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert min(s for s, _ in rig.launches()) > int(left[1])
+
+
+def test_the_users_preload_is_kept(rig: Rig, spawn: Spawn) -> None:
+    out_file = rig.tmp / "user"
+    env = dict(rig.env, LD_PRELOAD=str(rig.fakes.user_preload), USER_PRELOAD_OUT=str(out_file))
+    job = rig.run(spawn, "1", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    # Theirs ran in the program (and in vramlock, which has it too: nothing to count
+    # there), and its RTLD_NEXT found libc's nanosleep.
+    assert max(map(int, out_file.read_text().split())) > 0
+    assert turn.phys == (0, 0)  # and ours swapped
+
+
+def test_a_library_that_cannot_be_built_fails_before_the_command(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    env = dict(rig.env, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here" in done.stderr and "no-such-cc" in done.stderr
+    assert not marker.exists()
+
+
+def _driver_here() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_here(), reason="a CUDA driver is installed here")
+def test_no_driver_fails_before_the_command(arena: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    done = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--release", "swap", "--", "touch", str(marker)),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here: cannot load libcuda.so.1" in done.stderr
+    assert not marker.exists()
+
+
+def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
+    swap.build(tmp_path / "lib.so", "-Werror")
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    exported = subprocess.run([nm, "-D", "--defined-only", str(tmp_path / "lib.so")],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    names = {line.split()[-1] for line in exported.splitlines()}
+    assert {"dlsym", "cuGetProcAddress_v2", "cuMemAlloc_v2", "cuLaunchKernel"} <= names
+    assert not any(n.startswith(("gate_", "own_", "real_")) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("what", "why"),
+    [
+        ("managed", "it uses managed memory"),
+        ("ipc", "it shares GPU memory with another process (CUDA IPC)"),
+        ("export", "it shares GPU memory with another process (exported handle)"),
+    ],
+)
+def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
+    rig: Rig, spawn: Spawn, what: str, why: str
+) -> None:
+    job = rig.run(spawn, "2", what)
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # every round ran, contents intact
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert f"cannot be swapped: {why}; it was left running" in lines[0]
+    assert "holding the GPU until it exits" in lines[0]
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    err_file = tmp_path / "stderr"
+    with err_file.open("w") as err:
+        job = rig.run(spawn, "60", stderr=err)
+    assert read_line(job) == ["ready"]
+    program = descendants(job.pid)
+    assert len(program) == 1
+    try:
+        holder = rig.holder(spawn)
+        assert read_line(holder)[0] == "held"  # the command is released
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        wait_until(lambda: "went away" in err_file.read_text())
+        launched = len(rig.launches())
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert read_line(holder)[0] == "leaving"
+        assert holder.wait(10) == 0
+        assert token_free(rig.arena)  # nobody holds the token, and still:
+        (row,) = [r for r in who_json(rig.arena) if r["pid"] == program[0]]
+        assert row["state"] == "released" and row["strategy"] == "swap"
+        assert "its vramlock run is gone" in row["note"]
+        time.sleep(0.5)  # the program's loop would have launched dozens of times
+        assert len(rig.launches()) == launched
+        assert int(rig.phys.read_text()) == 0
+        assert err_file.read_text().count("\n") == 1
+    finally:
+        for pid in program:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) -> None:
+    stop = rig.tmp / "stop"
+    prog = str(rig.fakes.program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "sh", "-c", f"{prog} 60 & {prog} 60; wait $!"),
+        env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
+    )  # fmt: skip
+    assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
+    turns = []
+    for _ in range(3):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert all(t.phys == (0, 0) for t in turns), turns  # both processes' memory was gone
+    assert not during(rig.launches(), turns)
+    assert out.split().count("done") == 2  # each checked every buffer at its end
+
+
+def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
+    rig: Rig, spawn: Spawn
+) -> None:
+    full, stop = rig.tmp / "full", rig.tmp / "stop"
+    env = dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop))
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    full.touch()  # somebody outside the arena took the GPU's memory...
+    # ...so the restore after the next turn fails: the member gives the token back rather
+    # than hold it with a program that cannot run (the waiter gets it), and tries again.
+    second = take_turn(rig, spawn)
+    third = take_turn(rig, spawn)
+    gone = time.monotonic_ns()
+    full.unlink()
+    wait_until(resumed(rig, len(rig.launches())))
+    assert third.phys == (0, 0)
+    assert not [s for s, _ in rig.launches() if second.start <= s <= gone]
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "could not be restored" in err and "queueing again" in err
+    assert not during(rig.launches(), [turn, second, third])
+
+
+def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn) -> None:
+    capture, stop = rig.tmp / "capture", rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_CAPTURE=str(capture), SWAP_PROG_STOP=str(stop))
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    capture.touch()
+    assert read_line(job) == ["capturing"]
+    holder = rig.holder(spawn)
+    # Synchronizing now would invalidate the program's graph: the release fails, and
+    # the member stays resident and tries again.
+    assert job.stderr is not None
+    warning = job.stderr.readline()
+    assert "release failed" in warning and "a CUDA graph is being captured" in warning
+    ended = time.monotonic_ns()
+    capture.unlink()
+    assert read_line(job) == ["captured"]
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > ended and int(held[2]) == 0
+    assert holder.stdin is not None
+    holder.stdin.close()
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+
+
+def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
+    import socket
+
+    from vramlock.strategies.swap import Hub
+
+    path = str(tmp_path / "control")
+    hub = Hub(path)
+    hub.close()
+    assert not hub._thread.is_alive()  # not left blocked in accept()
+    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):
+        sock.connect(path)
+
+
+def test_a_library_path_ld_preload_cannot_carry_fails_before_the_command(
+    rig: Rig, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    env = dict(rig.env, XDG_CACHE_HOME=str(tmp_path / "my cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1 and "cannot go in LD_PRELOAD" in done.stderr
+    assert not marker.exists()
+
+
+def test_a_process_whose_run_goes_before_answering_stays_off_the_gpu(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    import socket
+
+    path, err_file = tmp_path / "control", tmp_path / "stderr"
+    env = dict(rig.env, LD_PRELOAD=str(swap.library_path()), VRAMLOCK_SWAP_SOCKET=str(path))
+    with socket.socket(socket.AF_UNIX) as server, err_file.open("w") as err:
+        server.bind(str(path))
+        server.listen()
+        server.settimeout(30)
+        prog = spawn([str(rig.fakes.program), "5"], env=env, stderr=err)
+        conn, _ = server.accept()
+        assert conn.recv(64).startswith(b"hello ")
+        conn.close()  # as a SIGKILLed run would, before saying resident or release
+    wait_until(lambda: "went away" in err_file.read_text())
+    time.sleep(0.3)  # it would have initialised and launched by now
+    assert prog.poll() is None
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+
+
+def test_threads_racing_the_releases_never_touch_memory_that_is_gone(
+    rig: Rig, spawn: Spawn
+) -> None:
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_THREADS="3", SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(8):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    # A wrong int, or a touch of unmapped memory (SIGSEGV), ends the program early.
+    assert job.returncode == 0, (out, err)
+    assert int(out.split()[out.split().index("worked") + 1]) > 0
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    assert int(rig.phys.read_text()) == 0

@@ -1,0 +1,262 @@
+"""``swap``: a preloaded library moves the command's GPU memory to pinned host memory.
+
+``prepare`` puts the swap library in front of the command (``LD_PRELOAD``, before
+any the user set) and listens on a unix socket in a private directory, named to
+the command by ``VRAMLOCK_SWAP_SOCKET``. Each process of the command that
+initialises CUDA connects once and says ``hello <pid>``; the hub answers
+``resident``, or ``release`` when the command is released at that moment, so a
+process that starts while another member holds the token never touches the GPU.
+
+A release says ``release`` to every process and waits for each to answer:
+
+    released          its memory is in host memory, its GPU calls blocked
+    refused <why>     it cannot be swapped (managed memory, IPC, ...): it runs on
+    failed <why>      it tried and could not; it runs on, memory kept
+
+A refusal makes the member hold the GPU until the command exits, as a driver
+checkpoint that is not supported does; after a failure it stays resident and
+tries again. ``restore`` / ``restored`` bring it back; a process that finds no
+memory for its restore answers ``failed``, and the member releases them all
+again, gives the token back and queues again. The CUDA context itself (a few
+hundred MiB per process) stays on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from .. import cuda
+from ..control import LineChannel
+from ..errors import Immovable, StrategyError
+from ..swap import SwapUnavailable, library_path
+from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
+from .checkpoint import VramTaken
+
+ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
+# A process that connected says hello at once; one told to release as it joins has
+# nothing to copy yet.
+HELLO_WITHIN = 2.0
+JOIN_WITHIN = 5.0
+# Virtual memory management came with CUDA 10.2.
+VMM_VERSION = 10020
+
+
+class Refused(Immovable):
+    """A process of the command cannot be swapped; every process was left running."""
+
+
+class NotRestored(VramTaken):
+    """A process could not take its memory back (another process holds the GPU's
+    memory): every process of the command is released again, and the member gives the
+    token back and queues again rather than hold it with a program that cannot run."""
+
+    def __init__(self, pid: int, why: str) -> None:
+        StrategyError.__init__(
+            self,
+            f"process {pid} of the command could not be restored ({why});"
+            " giving the GPU back and queueing again",
+        )
+        self.need = self.free = self.gpu = 0
+        self.pid = pid
+
+
+@dataclass
+class Peer:
+    """One CUDA process of the command, connected to the hub."""
+
+    pid: int
+    channel: LineChannel
+
+
+class Hub:
+    """The socket the command's CUDA processes join, and the word to all of them.
+
+    ``released`` and the list of peers change under ``lock`` only, so a process
+    either is among those a release speaks to, or joins after it and is told to
+    release as it joins.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.peers: list[Peer] = []
+        self.released = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(64)
+        self._thread = threading.Thread(target=self._serve, name="vramlock-swap", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed: the run is over
+            self._join(LineChannel(conn))
+
+    def _join(self, channel: LineChannel) -> None:
+        lines = channel.wait_lines(HELLO_WITHIN)
+        words = lines[0].split() if lines else []
+        if len(words) != 2 or words[0] != "hello" or not words[1].isdigit():
+            channel.close()  # not ours; if it was, it stays blocked: the safe side
+            return
+        peer = Peer(int(words[1]), channel)
+        with self.lock:
+            if not self.released:
+                channel.send("resident")
+            else:
+                channel.send("release")
+                answer = channel.wait_lines(JOIN_WITHIN)
+                if answer[:1] != ["released"]:
+                    channel.close()  # it cannot run unless we say so
+                    return
+            self.peers.append(peer)
+
+    def tell(self, word: str, *, released: bool) -> list[Peer]:
+        """Say ``word`` to every process, with ``released`` as the new state for any
+        that joins from now on; the processes told (stale lines dropped first)."""
+        with self.lock:
+            self.released = released
+            live = []
+            for peer in self.peers:
+                peer.channel.read_lines()
+                if not peer.channel.closed and peer.channel.send(word):
+                    live.append(peer)
+            self.peers = live
+            return list(live)
+
+    def reset(self) -> None:
+        """The command was ended: what joins next is a fresh start, resident."""
+        with self.lock:
+            for peer in self.peers:
+                peer.channel.close()
+            self.peers = []
+            self.released = False
+
+    def close(self) -> None:
+        # shutdown wakes the accepting thread (close alone would leave it blocked on
+        # a socket that still takes connections).
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(1.0)
+        self._sock.close()
+        self.reset()
+
+
+_HUBS: dict[str, Hub] = {}
+
+
+class SwapStrategy(Strategy):
+    """Swap every CUDA process of the command out to host memory, and back."""
+
+    name = "swap"
+
+    def __init__(self, ctx: Context, settings: Settings) -> None:
+        super().__init__(ctx, settings)
+        self.hub = _HUBS[ctx.child.env[ENV_SOCKET]]
+
+    @classmethod
+    def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
+        try:
+            version = cuda.driver_version()
+        except cuda.CudaUnavailable as err:
+            raise SwapUnavailable(err.reason) from None
+        except cuda.CudaError as err:
+            raise SwapUnavailable(str(err)) from None
+        if version < VMM_VERSION:
+            raise SwapUnavailable(
+                f"the driver supports CUDA {version // 1000}.{version % 1000 // 10};"
+                " swapping needs 10.2 or newer"
+            )
+        library = str(library_path())
+        if any(c in library for c in " :"):  # LD_PRELOAD splits at both
+            raise SwapUnavailable(f"the swap library's path {library!r} cannot go in LD_PRELOAD")
+
+    @classmethod
+    def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
+        library = str(library_path())
+        directory = tempfile.mkdtemp(prefix="vramlock-swap-")  # private: mode 0700
+        scratch.callback(shutil.rmtree, directory, ignore_errors=True)
+        path = os.path.join(directory, "control")
+        hub = Hub(path)
+        _HUBS[path] = hub
+        scratch.callback(_HUBS.pop, path, None)
+        scratch.callback(hub.close)
+        env[ENV_SOCKET] = path
+        # Ours first: its dlsym must see the program's lookups before anybody's.
+        theirs = env.get("LD_PRELOAD", "").strip()
+        env["LD_PRELOAD"] = f"{library}:{theirs}" if theirs else library
+        return command
+
+    def release(self, deadline: float | None) -> None:
+        bad = self._tell("release", "released", deadline)
+        if not bad:
+            return
+        # Whoever released comes back: one process cannot be swapped, so none is.
+        if self._tell("restore", "restored", None):
+            raise StrategyError("the command could be neither swapped out nor restored")
+        pid, word, why = bad[0]
+        if word == "refused":
+            raise Refused(
+                f"process {pid} of the command cannot be swapped: {why}; it was left running"
+            )
+        raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
+
+    def _restore(self) -> None:
+        bad = self._tell("restore", "restored", None)
+        if not bad:
+            return
+        # Those that came back must not run without the token we are about to give back.
+        if self._tell("release", "released", None):
+            raise StrategyError("the command could be neither restored nor released again")
+        pid, _, why = bad[0]
+        raise NotRestored(pid, why)
+
+    def _tell(self, word: str, answer: str, deadline: float | None) -> list[tuple[int, str, str]]:
+        """Say ``word`` to every process and wait for them all: (pid, first word, the
+        rest) of each that did not answer ``answer``."""
+        peers = self.hub.tell(word, released=word == "release")
+        return [
+            (pid, words[0], " ".join(words[1:]) or "no reason given")
+            for pid, words in self._answers(peers, deadline).items()
+            if words[0] != answer
+        ]
+
+    def restore(self) -> None:
+        if self.killed:
+            self.hub.reset()
+        super().restore()
+
+    def _answers(self, peers: list[Peer], deadline: float | None) -> dict[int, list[str]]:
+        """Each live process's answer (its words), by pid; a process that closed its
+        connection (it exited) has none."""
+        answers: dict[int, list[str]] = {}
+        waiting = {p.channel.fileno(): p for p in peers}
+        while waiting:
+            if not self.ctx.child.alive:
+                raise ChildExited
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ReleaseTimeout
+            step = 0.05 if left is None else min(0.05, left)
+            ready, _, _ = select.select(list(waiting), [], [], step)
+            for fd in ready:
+                peer = waiting[fd]
+                lines = peer.channel.read_lines()
+                if lines:
+                    answers[peer.pid] = lines[0].split() or ["?"]
+                if lines or peer.channel.closed:
+                    del waiting[fd]
+        return answers

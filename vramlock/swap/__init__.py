@@ -1,0 +1,56 @@
+"""The preload library behind ``--release swap``: where it is, and building it.
+
+A wheel built where a C compiler exists carries the library, compiled at install
+(``libvramlock-swap.so`` beside this file). Anywhere else (a source checkout, a
+wheel built without a compiler) it is compiled once from ``vramlock_swap.c`` into
+the user's cache directory, under a name that changes with the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ..errors import StrategyError
+from .build import CFLAGS, LIBRARY, SOURCE, BuildError, compiler
+
+__all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]
+
+
+class SwapUnavailable(StrategyError):
+    """The preload library is not there and cannot be built here."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"--release swap cannot be used here: {reason}")
+        self.reason = reason
+
+
+def build(target: Path, *extra: str) -> None:
+    """Compile the library to ``target``; SwapUnavailable when it cannot be."""
+    from .build import build as compile_to
+
+    try:
+        compile_to(target, *extra)
+    except BuildError as err:
+        raise SwapUnavailable(f"the swap library is not built, and {err}") from None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vramlock"
+
+
+def library_path() -> Path:
+    """The library to preload, built first if needed; SwapUnavailable when it cannot be."""
+    packaged = SOURCE.with_name(LIBRARY)
+    if packaged.is_file():
+        return packaged
+    try:
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+    except OSError as err:
+        raise SwapUnavailable(f"the swap library's source is missing ({err.strerror})") from None
+    cached = cache_dir() / f"libvramlock-swap-{digest[:16]}.so"
+    if not cached.is_file():
+        build(cached)
+    return cached
