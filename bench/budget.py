@@ -27,7 +27,6 @@ import http.client
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
 from netutil import accepts, free_port  # noqa: E402
+from servers import end_jobs  # noqa: E402  (beside this file)
 
 SERVERS = 3
 FOOTPRINT = "1G"
@@ -132,17 +132,7 @@ def run_once(binary: str, model: str, budget: str, order: list[int]) -> dict[str
             seconds = time.monotonic() - t0
             after = sum(len(p.read_text().splitlines()) for p in starts if p.exists())
         finally:
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            for p in procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            end_jobs(procs)
     room = 1 if budget == "none" else int(budget.rstrip("G")) // int(FOOTPRINT.rstrip("G"))
     # The warm-up loaded all three: with room for two, one was already out.
     warm = list(range(SERVERS))

@@ -131,17 +131,23 @@ def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[s
                 print(f"--- {mode}, {log.name}:", *log.read_text().splitlines()[-20:], sep="\n")
             raise
         finally:
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            for p in procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            end_jobs(procs)
+
+
+def end_jobs(procs: list[subprocess.Popen[Any]]) -> None:
+    """End the wrappers (SIGTERM to each group, so each ends its server and cleans up),
+    SIGKILL what is still there 30 s later."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def pct(values: list[float], q: float) -> float:

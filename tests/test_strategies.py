@@ -166,16 +166,15 @@ def test_command_exit_keeps_the_token_until_its_workers_are_gone(
     assert "the command exited and left 1 process(es) running" in err
 
 
-def test_stopped_command_dies_with_its_wrapper(
-    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+def _kill_the_wrapper_of_a_stopped_command(
+    arena: Path, spawn: Spawn, tmp_path: Path, log: Path, command: list[str]
 ) -> None:
-    """--release stop: the wrapper is SIGKILLed while another member holds the token.
-    The kernel resumes an orphaned stopped group (SIGHUP + SIGCONT); a command that
-    ignores SIGHUP must not run again without the token."""
-    log = tmp_path / "ticks"
+    """``command`` (which ticks into ``log``) runs under --release stop; its wrapper is
+    SIGKILLed while a witness member holds the token: no tick during the witness's hold,
+    and the ticking worker dies."""
     job = spawn(
         vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
-                 "--", sys.executable, str(ticker), str(log), "SIGHUP")
+                 "--", *command)
     )  # fmt: skip
     wait_until(lambda: len(ticks(log)) > 5)
     worker = ticks(log)[-1][1]
@@ -186,6 +185,18 @@ def test_stopped_command_dies_with_its_wrapper(
     assert ticks_inside(log, span) == []
     wait_until(lambda: not procfs.living(worker))
     job.wait(10)
+
+
+def test_stopped_command_dies_with_its_wrapper(
+    arena: Path, spawn: Spawn, tmp_path: Path, ticker: Path
+) -> None:
+    """--release stop: the wrapper is SIGKILLed while another member holds the token.
+    The kernel resumes an orphaned stopped group (SIGHUP + SIGCONT); a command that
+    ignores SIGHUP must not run again without the token."""
+    log = tmp_path / "ticks"
+    _kill_the_wrapper_of_a_stopped_command(
+        arena, spawn, tmp_path, log, [sys.executable, str(ticker), str(log), "SIGHUP"]
+    )
 
 
 def test_stop_keeper_lets_the_command_go_on_after_its_turn(
@@ -256,19 +267,9 @@ def test_stopped_workers_that_left_the_session_die_with_the_wrapper(
     ticks again."""
     log = tmp_path / "ticks"
     leader = _escaping_leader(tmp_path, ticker, log, "SIGHUP")
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--release", "stop", "--min-hold", "0",
-                 "--", sys.executable, str(leader))
-    )  # fmt: skip
-    wait_until(lambda: len(ticks(log)) > 5)
-    worker = ticks(log)[-1][1]
-    witness = Witness(tmp_path, arena, hold=1.0)
-    witness.wait_held()
-    os.kill(job.pid, signal.SIGKILL)
-    span = witness.interval()
-    assert ticks_inside(log, span) == []
-    wait_until(lambda: not procfs.living(worker))
-    job.wait(10)
+    _kill_the_wrapper_of_a_stopped_command(
+        arena, spawn, tmp_path, log, [sys.executable, str(leader)]
+    )
 
 
 def test_a_deleted_token_lock_is_noticed_and_the_resident_steps_aside(
