@@ -202,6 +202,15 @@ def test_unknown_model_404_lists_the_known_ones(
     assert reply["models"] == ["a", "b", "c", "a-alias", "b-alias", "c-alias"]
     status, reply = served.call("POST", "/v1/completions", {"prompt": "x"})
     assert status == 400
+    # JSON nested deeper than Python's parser recurses: a 400 too, not a 500 and a traceback
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=b"[" * 100_000 + b"]" * 100_000)
+        reply = conn.getresponse()
+        assert (reply.status, json.loads(reply.read())["error"]["code"]) == (400, 400)
+    finally:
+        conn.close()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
 def test_streaming_passes_through(start: Any, tmp_path: Path, models: list[Path]) -> None:
