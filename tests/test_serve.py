@@ -210,6 +210,13 @@ def test_unknown_model_404_lists_the_known_ones(
         assert (reply.status, json.loads(reply.read())["error"]["code"]) == (400, 400)
     finally:
         conn.close()
+    # a request aiohttp cannot parse: a 400, and one line on serve's output
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.0 400 Bad Request")
+    wait_until(
+        lambda: "Invalid character in Content-Length" in (tmp_path / "serve.log").read_text()
+    )
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
