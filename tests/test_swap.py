@@ -341,6 +341,30 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
 
 
+def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The shell removes LD_PRELOAD, as a setuid program or an env scrub would: the program
+    # runs on the driver with no library to release it.
+    prog = str(rig.fakes.program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "sh", "-c", f"env -u LD_PRELOAD {prog} 2"),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "uses CUDA without the swap library" in lines[0]
+    assert "holding the GPU until it exits" in lines[0]
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
 def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
     rig: Rig, spawn: Spawn, tmp_path: Path
 ) -> None:
