@@ -280,6 +280,23 @@ def test_a_library_that_cannot_be_built_fails_before_the_command(
     assert not marker.exists()
 
 
+def test_a_cache_directory_that_cannot_be_made_fails_before_the_command(
+    rig: Rig, tmp_path: Path
+) -> None:
+    marker, plain = tmp_path / "started", tmp_path / "a-file"
+    plain.touch()
+    env = dict(rig.env, XDG_CACHE_HOME=str(plain / "cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here" in done.stderr
+    assert f"{plain}/cache/vramlock cannot be made: Not a directory" in done.stderr
+    assert not marker.exists()
+
+
 def _driver_here() -> bool:
     import ctypes
 
