@@ -358,15 +358,17 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
 
 
+@pytest.mark.parametrize("variable", ["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET"])
 def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
-    rig: Rig, spawn: Spawn
+    rig: Rig, spawn: Spawn, variable: str
 ) -> None:
-    # The shell removes LD_PRELOAD, as a setuid program or an env scrub would: the program
-    # runs on the driver with no library to release it.
+    # The shell removes LD_PRELOAD (as a setuid program or an env scrub would), or the
+    # socket's name: the program runs on the driver with no library to release it, or a
+    # library that cannot reach its run.
     prog = str(rig.fakes.program)
     job = spawn(
         vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "sh", "-c", f"env -u LD_PRELOAD {prog} 2"),
+                 "sh", "-c", f"env -u {variable} {prog} 2"),
         env=rig.env,
     )  # fmt: skip
     assert read_line(job) == ["ready"]

@@ -173,6 +173,17 @@ def mapped(pid: int) -> set[str]:
     return {f[5].decode(errors="replace") for f in fields if len(f) == 6 and f[5][:1] == b"/"}
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with; empty when it is gone or not ours."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0"))
+    return {name: value for name, eq, value in pairs if eq}
+
+
 def text(pid: int, what: str, limit: int = 4096) -> str:
     """``comm`` or ``cmdline`` (arguments joined by spaces), at most ``limit`` bytes read."""
     try:

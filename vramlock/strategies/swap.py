@@ -205,8 +205,8 @@ class SwapStrategy(Strategy):
         outsider = self._outsider()
         if outsider is not None:
             raise Refused(
-                f"process {outsider} of the command uses CUDA without the swap library (was"
-                " LD_PRELOAD removed on the way?); it was left running"
+                f"process {outsider} of the command uses CUDA without the swap library (were"
+                f" LD_PRELOAD or {ENV_SOCKET} removed on the way?); it was left running"
             )
         bad = self._tell("release", "released", deadline)
         if not bad:
@@ -223,11 +223,13 @@ class SwapStrategy(Strategy):
 
     def _outsider(self) -> int | None:
         """A process of the command that has the CUDA driver loaded but not the swap
-        library: a release cannot reach it, and it would run on without the token."""
+        library, or not the name of this run's socket: a release cannot reach it, and it
+        would run on without the token."""
         for pid in self.ctx.child.processes():
             paths = procfs.mapped(pid)
-            cuda = any(os.path.basename(p).startswith("libcuda.so") for p in paths)
-            if cuda and self.library not in paths:
+            if not any(os.path.basename(p).startswith("libcuda.so") for p in paths):
+                continue
+            if self.library not in paths or procfs.environ(pid).get(ENV_SOCKET) != self.hub.path:
                 return pid
         return None
 
