@@ -202,6 +202,22 @@ def test_unknown_model_404_lists_the_known_ones(
     assert reply["models"] == ["a", "b", "c", "a-alias", "b-alias", "c-alias"]
     status, reply = served.call("POST", "/v1/completions", {"prompt": "x"})
     assert status == 400
+    # JSON nested deeper than Python's parser recurses: a 400 too, not a 500 and a traceback
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=b"[" * 100_000 + b"]" * 100_000)
+        reply = conn.getresponse()
+        assert (reply.status, json.loads(reply.read())["error"]["code"]) == (400, 400)
+    finally:
+        conn.close()
+    # a request aiohttp cannot parse: a 400, and one line on serve's output
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.0 400 Bad Request")
+    wait_until(
+        lambda: "Invalid character in Content-Length" in (tmp_path / "serve.log").read_text()
+    )
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
 def test_streaming_passes_through(start: Any, tmp_path: Path, models: list[Path]) -> None:

@@ -228,9 +228,15 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ("models:\n  a:\n    cmd: srv ${PORT}\n  a:\n    cmd: srv ${PORT}\n", 4, "appears twice"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    env: [NOEQUALS]\n", 4, "is not NAME=value"),
         ("models:\n  a:\n    cmd: srv ${env.SERVE_TEST_UNSET}\n", 3, "SERVE_TEST_UNSET is not set"),
+        ("models:\n  a:\n    cmd: srv ${PORT} -m \"x\n", 3, "cmd: No closing quotation"),
+        ('models:\n  a:\n    cmd: "srv\\0 ${PORT}"\n', 3, "cmd: a NUL character cannot"),
+        ('models:\n  a:\n    cmd: srv ${PORT}\n    env: ["A=\\0"]\n', 4, "is not NAME=value"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: .inf\n", 4, "ttl must be a number"),
+        ("healthCheckTimeout: .inf\nmodels: {}\n", 1, "healthCheckTimeout must be a number"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "no-proxy", "macro", "https", "ttl",
-         "duration", "vram", "alias-clash", "twice", "env", "env-macro"],
+         "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
+         "env-nul", "ttl-inf", "health-inf"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -280,6 +280,23 @@ def test_a_library_that_cannot_be_built_fails_before_the_command(
     assert not marker.exists()
 
 
+def test_a_cache_directory_that_cannot_be_made_fails_before_the_command(
+    rig: Rig, tmp_path: Path
+) -> None:
+    marker, plain = tmp_path / "started", tmp_path / "a-file"
+    plain.touch()
+    env = dict(rig.env, XDG_CACHE_HOME=str(plain / "cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--", "touch", str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap cannot be used here" in done.stderr
+    assert f"{plain}/cache/vramlock cannot be made: Not a directory" in done.stderr
+    assert not marker.exists()
+
+
 def _driver_here() -> bool:
     import ctypes
 
@@ -335,6 +352,32 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     lines = err.splitlines()
     assert len(lines) == 1, err
     assert f"cannot be swapped: {why}; it was left running" in lines[0]
+    assert "holding the GPU until it exits" in lines[0]
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+@pytest.mark.parametrize("variable", ["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET"])
+def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
+    rig: Rig, spawn: Spawn, variable: str
+) -> None:
+    # The shell removes LD_PRELOAD (as a setuid program or an env scrub would), or the
+    # socket's name: the program runs on the driver with no library to release it, or a
+    # library that cannot reach its run.
+    prog = str(rig.fakes.program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "sh", "-c", f"env -u {variable} {prog} 2"),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "uses CUDA without the swap library" in lines[0]
     assert "holding the GPU until it exits" in lines[0]
     held = read_line(holder)
     assert held[0] == "held"

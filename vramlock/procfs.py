@@ -160,6 +160,30 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def mapped(pid: int) -> set[str]:
+    """The paths of the files ``pid`` has mapped (its libraries); empty when it is gone or
+    not ours to read."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    # ADDRESS PERMS OFFSET DEV INODE PATH, the path possibly with spaces
+    fields = (line.split(maxsplit=5) for line in lines)
+    return {f[5].decode(errors="replace") for f in fields if len(f) == 6 and f[5][:1] == b"/"}
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with; empty when it is gone or not ours."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0"))
+    return {name: value for name, eq, value in pairs if eq}
+
+
 def text(pid: int, what: str, limit: int = 4096) -> str:
     """``comm`` or ``cmdline`` (arguments joined by spaces), at most ``limit`` bytes read."""
     try:

@@ -9,6 +9,7 @@ one address and passes each request to its model's wrapper. Needs the ``serve`` 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -76,6 +77,28 @@ def _check(config: Config, w: Wrapper) -> None:
         raise ConfigError(config.path, m.line, f"model {m.name!r}: {err}") from None
 
 
+class _OneLine(logging.Handler):
+    """Each record as one line through ``warn``, its exception reduced to its words: a
+    malformed request from any client must not put a traceback on serve's output."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.warn = warn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        why = "" if exc is None else f": {type(exc).__name__}: {' '.join(str(exc).split())}"
+        self.warn(f"{record.getMessage()}{why}")
+
+
+def _one_line_logger(warn: Callable[[str], None]) -> logging.Logger:
+    """aiohttp's server logger for serve's requests: one line each, nowhere else."""
+    logger = logging.getLogger("vramlock.serve")
+    logger.propagate = False
+    logger.handlers[:] = [_OneLine(warn)]
+    return logger
+
+
 async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
@@ -92,7 +115,11 @@ async def _main(
 
     router = Router(config, wrappers)
     runner = web.AppRunner(
-        router.app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE
+        router.app,
+        access_log=None,
+        logger=_one_line_logger(warn),
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
     # Bound before any model starts: a client arriving meanwhile is held, not refused.

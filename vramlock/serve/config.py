@@ -22,6 +22,7 @@ ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -198,7 +199,8 @@ class _Reader:
 
     def number(self, node: yaml.Node, what: str, low: float) -> float:
         value = self.value(node)
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= low:
+        if (not isinstance(value, int | float) or isinstance(value, bool) or not value >= low
+                or not math.isfinite(value)):  # fmt: skip
             raise self.fail(node, f"{what} must be a number of seconds, at least {low:g}")
         return float(value)
 
@@ -286,7 +288,10 @@ def _command(text: str) -> list[str]:
     """llama-swap's ``cmd``: comment lines dropped, line continuations joined, split as
     a shell would (quotes, no expansion)."""
     lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.strip().startswith("#")]
-    return shlex.split(" ".join(lines))
+    words = shlex.split(" ".join(lines))  # ValueError: an unclosed quote
+    if any("\0" in word for word in words):
+        raise ValueError("a NUL character cannot be passed to a program")
+    return words
 
 
 def _upstream(reader: _Reader, node: yaml.Node, url: str, where: str) -> tuple[str, str]:
@@ -389,7 +394,10 @@ def _model(
         raise reader.fail(key, f"{where}: no proxy, and its cmd has no ${{PORT}}: say where its"
                                " server listens (proxy: http://127.0.0.1:PORT)")  # fmt: skip
     filled = {"PORT": str(port), "MODEL_ID": name}
-    command = _command(macros.expand(cmd_text, cmd_node, f"{where}: cmd", filled))
+    try:
+        command = _command(macros.expand(cmd_text, cmd_node, f"{where}: cmd", filled))
+    except ValueError as err:
+        raise reader.fail(cmd_node, f"{where}: cmd: {err}") from None
     if not command:
         raise reader.fail(cmd_node, f"{where}: cmd is empty")
     upstream, prefix = _upstream(
@@ -416,7 +424,7 @@ def _model(
         env_node = fields["env"][1]
         for item in reader.strings(env_node, f"{where}: env"):
             var, eq, value = item.partition("=")
-            if not eq or not var:
+            if not eq or not var or "\0" in item:
                 raise reader.fail(env_node, f"{where}: env entry {item!r} is not NAME=value")
             env[var] = macros.expand(value, env_node, where, filled)
 

@@ -170,7 +170,7 @@ class Router:
         body = await request.read()
         try:
             name = json.loads(body).get("model")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: nested deep
             name = None
         if not isinstance(name, str):
             return _error(400, 'the request body must be JSON with a "model" field')

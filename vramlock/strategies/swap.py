@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from .. import cuda
+from .. import cuda, procfs
 from ..control import LineChannel
 from ..errors import Immovable, StrategyError
 from ..swap import SwapUnavailable, library_path
@@ -166,6 +166,7 @@ class SwapStrategy(Strategy):
     def __init__(self, ctx: Context, settings: Settings) -> None:
         super().__init__(ctx, settings)
         self.hub = _HUBS[ctx.child.env[ENV_SOCKET]]
+        self.library = os.path.realpath(library_path())
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
@@ -201,6 +202,12 @@ class SwapStrategy(Strategy):
         return command
 
     def release(self, deadline: float | None) -> None:
+        outsider = self._outsider()
+        if outsider is not None:
+            raise Refused(
+                f"process {outsider} of the command uses CUDA without the swap library (were"
+                f" LD_PRELOAD or {ENV_SOCKET} removed on the way?); it was left running"
+            )
         bad = self._tell("release", "released", deadline)
         if not bad:
             return
@@ -213,6 +220,18 @@ class SwapStrategy(Strategy):
                 f"process {pid} of the command cannot be swapped: {why}; it was left running"
             )
         raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
+
+    def _outsider(self) -> int | None:
+        """A process of the command that has the CUDA driver loaded but not the swap
+        library, or not the name of this run's socket: a release cannot reach it, and it
+        would run on without the token."""
+        for pid in self.ctx.child.processes():
+            paths = procfs.mapped(pid)
+            if not any(os.path.basename(p).startswith("libcuda.so") for p in paths):
+                continue
+            if self.library not in paths or procfs.environ(pid).get(ENV_SOCKET) != self.hub.path:
+                return pid
+        return None
 
     def _restore(self) -> None:
         bad = self._tell("restore", "restored", None)

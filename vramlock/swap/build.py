@@ -32,7 +32,10 @@ def build(target: Path, *extra: str) -> None:
     cc = compiler()
     if cc is None:
         raise BuildError("there is no C compiler (cc)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BuildError(f"{target.parent} cannot be made: {err.strerror}") from None
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         done = subprocess.run(
