@@ -206,6 +206,25 @@ def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
     return lambda: len(rig.launches()) > seen + 20
 
 
+def swap_turns(
+    rig: Rig, spawn: Spawn, job: subprocess.Popen[str], stop: Path, rounds: int
+) -> tuple[str, str]:
+    """``rounds`` turns of the test's member while ``job`` runs (each time the program
+    launches again in between), then ``stop`` ends the program: its stdout and stderr.
+    Checked here: it exited 0, and no physical memory was held and no launch ran during a
+    turn (the fake driver's own witnesses)."""
+    turns = []
+    for _ in range(rounds):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    return out, err
+
+
 @pytest.mark.parametrize("aliases", [False, True], ids=["exported", "aliased"])
 def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
     rig: Rig, spawn: Spawn, aliases: bool
@@ -216,17 +235,9 @@ def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
         env["FAKE_CUDA_ALIASES"] = "1"
     job = rig.run(spawn, "60", env=env)
     assert read_line(job) == ["ready"]
-    turns = []
-    for _ in range(5):
-        turns.append(take_turn(rig, spawn))
-        wait_until(resumed(rig, len(rig.launches())))
-    stop.touch()
-    out, err = job.communicate(timeout=60)
     # The program checks a buffer after every round, and all of them at the end.
-    assert job.returncode == 0, (out, err)
+    out, err = swap_turns(rig, spawn, job, stop, 5)
     assert out.split()[-2] == "done"
-    assert all(t.phys == (0, 0) for t in turns), turns
-    assert not during(rig.launches(), turns)
     assert int(rig.phys.read_text()) == 0  # it freed everything: nothing leaked
     assert err == ""  # nothing said on the happy path
 
@@ -426,15 +437,7 @@ def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) ->
         env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
     )  # fmt: skip
     assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
-    turns = []
-    for _ in range(3):
-        turns.append(take_turn(rig, spawn))
-        wait_until(resumed(rig, len(rig.launches())))
-    stop.touch()
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert all(t.phys == (0, 0) for t in turns), turns  # both processes' memory was gone
-    assert not during(rig.launches(), turns)
+    out, _ = swap_turns(rig, spawn, job, stop, 3)  # both processes' memory was gone
     assert out.split().count("done") == 2  # each checked every buffer at its end
 
 
@@ -542,15 +545,7 @@ def test_threads_racing_the_releases_never_touch_memory_that_is_gone(
     stop = rig.tmp / "stop"
     job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_THREADS="3", SWAP_PROG_STOP=str(stop)))
     assert read_line(job) == ["ready"]
-    turns = []
-    for _ in range(8):
-        turns.append(take_turn(rig, spawn))
-        wait_until(resumed(rig, len(rig.launches())))
-    stop.touch()
-    out, err = job.communicate(timeout=60)
     # A wrong int, or a touch of unmapped memory (SIGSEGV), ends the program early.
-    assert job.returncode == 0, (out, err)
+    out, _ = swap_turns(rig, spawn, job, stop, 8)
     assert int(out.split()[out.split().index("worked") + 1]) > 0
-    assert all(t.phys == (0, 0) for t in turns), turns
-    assert not during(rig.launches(), turns)
     assert int(rig.phys.read_text()) == 0
