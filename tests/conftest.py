@@ -153,14 +153,15 @@ WORKER = textwrap.dedent(
     name = sys.argv[2]
     def note(what):
         os.write(log, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    ctl = child.connect()
-    note("start" if ctl else "no-control")
-    want = os.environ.get("WORKER_WANT", "1") == "1"
     # WORKER_LINGER=S: on SIGTERM, go on (obeying requests) for S seconds, then exit 0.
+    # Set before "start" is noted: a test sends SIGTERM as soon as it reads it.
     linger, ending = float(os.environ.get("WORKER_LINGER", "0")), []
     if linger:
         import signal
         signal.signal(signal.SIGTERM, lambda *a: ending.append(time.monotonic() + linger))
+    ctl = child.connect()
+    note("start" if ctl else "no-control")
+    want = os.environ.get("WORKER_WANT", "1") == "1"
     while True:
         time.sleep(0.005)
         if ending and time.monotonic() > ending[0]:
