@@ -118,17 +118,7 @@ def test_restart_ends_workers_that_left_the_group(
     """A worker that ignores SIGTERM and left the process group (setsid) must be gone
     before anyone else is resident."""
     log = tmp_path / "ticks"
-    leader = tmp_path / "leader.py"
-    leader.write_text(
-        textwrap.dedent(
-            f"""
-            import subprocess, sys, time
-            subprocess.Popen([sys.executable, {str(ticker)!r}, {str(log)!r}, "SIGTERM"],
-                             start_new_session=True)
-            time.sleep(600)
-            """
-        )
-    )
+    leader = _escaping_leader(tmp_path, ticker, log, "SIGTERM")
     job = spawn(
         vramlock("run", "--arena", str(arena), "--release", "restart", "--min-hold", "0",
                  "--", sys.executable, str(leader))

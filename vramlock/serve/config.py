@@ -156,6 +156,21 @@ class _Reader:
     def warn(self, node: yaml.Node, what: str) -> None:
         self.warnings.append(f"{self.path}:{node.start_mark.line + 1}: {what}")
 
+    def check_keys(
+        self,
+        entries: dict[str, tuple[yaml.Node, yaml.Node]],
+        known: frozenset[str],
+        ignored: dict[str, str],
+        where: str,
+    ) -> None:
+        """One warning for each key of ``entries`` (name -> (key node, value node)) that is
+        llama-swap's but means nothing here (``ignored``: why), or that nobody knows."""
+        for name, (key, _) in entries.items():
+            if name in ignored:
+                self.warn(key, f"{where}{name} ignored: {ignored[name]}")
+            elif name not in known:
+                self.warn(key, f"{where}unknown key {name} ignored")
+
     def root(self, text: str) -> yaml.MappingNode:
         try:
             self._loader = yaml.SafeLoader(text)
@@ -321,11 +336,7 @@ def load(path: str, duration: Duration) -> Config:
     reader = _Reader(path, duration)
     root = reader.root(text)
     top = {name: (key, value) for name, key, value in reader.pairs(root, "the file")}
-    for name, (key, _) in top.items():
-        if name in IGNORED_TOP:
-            reader.warn(key, f"{name} ignored: {IGNORED_TOP[name]}")
-        elif name not in TOP_KEYS:
-            reader.warn(key, f"unknown key {name} ignored")
+    reader.check_keys(top, TOP_KEYS, IGNORED_TOP, "")
     if "models" not in top:
         raise reader.fail(root, "no models: key (the models to serve)")
     macros = _Macros(reader)
@@ -372,11 +383,7 @@ def _model(
     """One ``models:`` entry, and whether it took the automatic port ``port``."""
     where = f"model {name!r}"
     fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, where)}
-    for k, (kn, _) in fields.items():
-        if k in IGNORED_MODEL:
-            reader.warn(kn, f"{where}: {k} ignored: {IGNORED_MODEL[k]}")
-        elif k not in MODEL_KEYS:
-            reader.warn(kn, f"{where}: unknown key {k} ignored")
+    reader.check_keys(fields, MODEL_KEYS, IGNORED_MODEL, f"{where}: ")
     if "cmd" not in fields:
         raise reader.fail(key, f"{where}: no cmd (the command that starts its server)")
     macros = _Macros(reader, global_macros.values)
