@@ -94,6 +94,7 @@ def strategy(
         for _ in range(swaps):
             me = Member(opened, name="bench", command=["bench"])
             try:
+                held = nvml.processes(0).get(w.pid) or 0
                 t0 = time.perf_counter()
                 assert me.acquire(120)
                 t1 = time.perf_counter()
@@ -108,7 +109,9 @@ def strategy(
                 assert (word, int(value)) == ("sum", w.checksum)
             finally:
                 me.close()
-            runs.append({"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s})
+            moved = held - (left or 0)  # what left the GPU, as NVML saw it
+            runs.append({"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s,
+                         "moved": moved})  # fmt: skip
         opened.close()
         return runs
     finally:

@@ -1,0 +1,212 @@
+"""What ``--release swap``'s library costs a resident program, side by side in one run.
+
+    python bench/interpose.py [--pairs 6] [--cpus 2-5] [--json PATH]
+    python bench/interpose.py --binary CUDA_LLAMA_SERVER --model GGUF [--ngl 99] ...
+
+Each workload runs as a fresh command under ``vramlock run --release none`` (nothing in
+front of it) and under ``vramlock run --release swap`` (the library in front of it, the
+program resident all along), ``--pairs`` times each, alternating none/swap then
+swap/none so that drift in the machine's state falls on both alike. Every command is
+pinned to the same CPUs (``--cpus``), since a launch-bound program's speed is its CPU's.
+The cost is the median of the pairs' ratios (swap / none - 1), beside the medians:
+
+- **launches**: a loop of tiny PyTorch kernels (``x.add_(1)`` on 256 floats), about
+  5 µs each on the CPU side and nothing on the GPU: what the library's gate costs one
+  launch, the worst case;
+- **launch-bound step**, **GEMM-bound step**: the median training step of
+  tests/gpu_trainer.py (8 layers of 256 and of 4096, Adam);
+- **llama-server** (with ``--binary`` and ``--model``): a CUDA llama-server's own
+  ``timings`` for a prompt of ``--prompt-tokens`` (prefill tokens/s) and ``--predict``
+  generated tokens (tokens/s), the median of ``--requests`` requests a start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = str(ROOT / "tests" / "gpu_trainer.py")
+MODELS = {"launch-bound step": ["--layers", "8", "--width", "256"],
+          "GEMM-bound step": ["--layers", "8", "--width", "4096"]}  # fmt: skip
+
+
+def launches(n: int) -> None:
+    """The child: ``n`` tiny launches a block, five blocks; the best block's µs a launch."""
+    torch: Any = importlib.import_module("torch")
+    x = torch.zeros(256, device="cuda")
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    print(f"launch_us={best:.4f}")
+
+
+def wrapped(release: str, command: list[str], cpus: set[int]) -> str:
+    """``command``'s output, run under ``vramlock run --release RELEASE`` on ``cpus``."""
+    with tempfile.TemporaryDirectory() as arena:
+        return subprocess.run(
+            [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release,
+             "--", *command],
+            capture_output=True, text=True, check=True, timeout=600,
+            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+        ).stdout  # fmt: skip
+
+
+def step_of(command: list[str], cpus: set[int]) -> Callable[[str], dict[str, float]]:
+    return lambda release: {"ms a step": figure("step_ms", wrapped(release, command, cpus))}
+
+
+def figure(name: str, out: str) -> float:
+    found = re.search(rf"{name}=([0-9.]+)", out)
+    assert found, out
+    return float(found.group(1))
+
+
+def side_by_side(pairs: int, measure: Callable[[str], dict[str, float]]) -> dict[str, Any]:
+    """``measure(release)`` for none and swap, ``pairs`` times each, alternating."""
+    runs: dict[str, list[dict[str, float]]] = {"none": [], "swap": []}
+    for i in range(pairs):
+        for release in ("none", "swap") if i % 2 == 0 else ("swap", "none"):
+            runs[release].append(measure(release))
+            print(f"  {release}: {runs[release][-1]}", flush=True)
+    out: dict[str, Any] = {"runs": runs}
+    for key in runs["none"][0]:
+        none = [r[key] for r in runs["none"]]
+        swap = [r[key] for r in runs["swap"]]
+        out[key] = {
+            "none": statistics.median(none),
+            "swap": statistics.median(swap),
+            "cost": statistics.median(s / n - 1 for s, n in zip(swap, none, strict=True)),
+        }
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def complete(port: int, prompt: str, predict: int) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        body = {"prompt": prompt, "n_predict": predict, "cache_prompt": False,
+                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        status, data = reply.status, reply.read()
+    finally:
+        conn.close()
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+    timings: dict[str, Any] = json.loads(data)["timings"]
+    return timings
+
+
+def llama(args: argparse.Namespace, cpus: set[int]) -> Callable[[str], dict[str, float]]:
+    words = "the quick brown fox jumps over the lazy dog " * (args.prompt_tokens // 10)
+
+    def measure(release: str) -> dict[str, float]:
+        port = free_port()
+        with tempfile.TemporaryDirectory() as arena:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release,
+                 "--", args.binary, "-m", args.model, "-ngl", str(args.ngl), "-c", str(args.ctx),
+                 "--host", "127.0.0.1", "--port", str(port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+            )  # fmt: skip
+            try:
+                end = time.monotonic() + 120
+                while True:
+                    try:
+                        complete(port, "hi", 1)
+                        break
+                    except (OSError, RuntimeError):
+                        if time.monotonic() > end or proc.poll() is not None:
+                            raise RuntimeError("llama-server did not come up") from None
+                        time.sleep(0.2)
+                got = [complete(port, words, args.predict) for _ in range(args.requests)]
+            finally:
+                proc.terminate()
+                proc.wait(60)
+        return {
+            "prefill tokens/s": statistics.median(t["prompt_per_second"] for t in got),
+            "tokens/s": statistics.median(t["predicted_per_second"] for t in got),
+        }
+
+    return measure
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--cpus", default="2-5", help="CPUs every command runs on (taskset form)")
+    parser.add_argument("--launches", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--binary", help="a CUDA llama-server")
+    parser.add_argument("--model", help="a GGUF for it")
+    parser.add_argument("--ngl", type=int, default=99)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--predict", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--child-launches", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_launches:
+        launches(args.child_launches)
+        return 0
+    first, _, last = args.cpus.partition("-")
+    cpus = set(range(int(first), int(last or first) + 1))
+    me = [sys.executable, os.path.abspath(__file__)]
+    work: dict[str, Callable[[str], dict[str, float]]] = {
+        "launches": lambda r: {
+            "µs a launch": figure(
+                "launch_us", wrapped(r, [*me, "--child-launches", str(args.launches)], cpus)
+            )
+        },
+    }
+    for name, model in MODELS.items():
+        command = [sys.executable, TRAINER, "--plain", "--timed", "--scratch-gib", "0",
+                   "--steps", str(args.steps), *model]  # fmt: skip
+        work[name] = step_of(command, cpus)
+    if args.binary and args.model:
+        work["llama-server"] = llama(args, cpus)
+    results = {}
+    for name, measure in work.items():
+        print(f"{name}:", flush=True)
+        results[name] = side_by_side(args.pairs, measure)
+    print(f"\n{args.pairs} pairs each, CPUs {args.cpus}; cost: median of the pairs' ratios")
+    print("| workload | figure | none | swap | swap vs none |")
+    print("|---|---|---:|---:|---:|")
+    for name, result in results.items():
+        for key, r in result.items():
+            if key != "runs":
+                print(f"| {name} | {key} | {r['none']:.4g} | {r['swap']:.4g} | {r['cost']:+.2%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
