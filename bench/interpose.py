@@ -2,6 +2,7 @@
 
     python bench/interpose.py [--pairs 6] [--cpus 2-5] [--json PATH]
     python bench/interpose.py --binary CUDA_LLAMA_SERVER --model GGUF [--ngl 99] ...
+    python bench/interpose.py --only launches,launch-bound ...
 
 Each workload runs as a fresh command under ``vramlock run --release none`` (nothing in
 front of it) and under ``vramlock run --release swap`` (the library in front of it, the
@@ -170,6 +171,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--predict", type=int, default=128)
     parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument(
+        "--only", help="the workloads to run, by the start of their names: launches,launch-bound"
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child-launches", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -192,6 +196,9 @@ def main() -> int:
         work[name] = step_of(command, cpus)
     if args.binary and args.model:
         work["llama-server"] = llama(args, cpus)
+    if args.only:
+        chosen = tuple(args.only.split(","))
+        work = {name: measure for name, measure in work.items() if name.startswith(chosen)}
     results = {}
     for name, measure in work.items():
         print(f"{name}:", flush=True)
