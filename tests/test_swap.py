@@ -347,7 +347,6 @@ def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
     ("what", "why"),
     [
         ("managed", "it uses managed memory"),
-        ("ipc", "it shares GPU memory with another process (CUDA IPC)"),
         ("export", "it shares GPU memory with another process (exported handle)"),
     ],
 )
@@ -367,6 +366,20 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     held = read_line(holder)
     assert held[0] == "held"
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def test_legacy_cuda_ipc_fails_with_a_line_saying_what_to_do(rig: Rig, spawn: Spawn) -> None:
+    # The driver's legacy IPC refuses memory the library made with the virtual memory
+    # management API (the fake does as the driver does): the program gets the error,
+    # and the user is told why and what to use instead.
+    job = rig.run(spawn, "2", "ipc")
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 4, (out, err)  # swap_prog's own exit on a CUDA error
+    assert "swap_prog: cuIpcGetMemHandle" in err, err
+    hint = [line for line in err.splitlines() if line.startswith("vramlock-swap: ")]
+    assert len(hint) == 1, err
+    assert "cuIpcGetMemHandle: invalid argument: legacy CUDA IPC cannot share" in hint[0]
+    assert "--release checkpoint" in hint[0]
 
 
 @pytest.mark.parametrize("variable", ["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET"])

@@ -399,9 +399,17 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total)
 	return OK;
 }
 
+/* As on a GPU: legacy IPC shares cuMemAlloc memory, never memory the virtual memory
+ * management API mapped. */
 CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
 {
-	(void)p;
+	pthread_mutex_lock(&mu);
+	int mapped = 0;
+	for (struct vmap *m = vmaps; m; m = m->next)
+		mapped |= p >= m->va && p < m->va + m->size;
+	pthread_mutex_unlock(&mu);
+	if (mapped)
+		return INVALID;
 	memset(h, 0, 64);
 	return OK;
 }

@@ -1539,6 +1539,17 @@ INLINE int ready(void)
 	}
 GATED(DEFINE_GATED)
 
+/* The legacy IPC API does not take memory the virtual memory management API made,
+ * which all of a swapped program's is: the program gets the driver's error, and the
+ * user a line saying why and what to do instead. */
+static void refusing_failed(const char *name, CUresult r)
+{
+	if (!strcmp(name, "cuIpcGetMemHandle"))
+		say("%s: %s: legacy CUDA IPC cannot share memory that --release swap manages;"
+		    " run this command under --release checkpoint (or none) instead",
+		    name, errname(r));
+}
+
 /* What cannot be moved: the call goes through, and from then on a release is
  * refused (the program keeps the GPU and runs on). */
 #define REFUSING(X)                                                                        \
@@ -1583,6 +1594,8 @@ GATED(DEFINE_GATED)
 		gate_leave();                                 \
 		if (r == CUDA_SUCCESS && active)              \
 			refuse(why);                          \
+		else if (active)                              \
+			refusing_failed(#name, r);            \
 		return r;                                     \
 	}
 REFUSING(DEFINE_REFUSING)
