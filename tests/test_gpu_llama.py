@@ -1,9 +1,9 @@
 """Two unmodified CUDA llama-servers share one GPU behind ``--demand listen`` with
-``--release checkpoint`` or ``swap``, and keep their weights and KV caches across every
-swap.
+``--release checkpoint``, ``swap`` or ``auto`` (which swaps them), and keep their weights
+and KV caches across every swap.
 
 Each llama-server (all layers on the GPU, one slot) is wrapped as ``vramlock run
---release checkpoint|swap --demand listen --listen L --upstream U``; clients only talk to
+--release checkpoint|swap|auto --demand listen --listen L --upstream U``; clients only talk to
 the listen ports. Nothing in llama.cpp knows: the driver's checkpoint, or the swap
 library in front of the server, moves the server's GPU memory (weights, KV cache,
 llama.cpp's own pool) to host memory and back. Skipped without a GPU
@@ -151,10 +151,15 @@ def deviation(got: dict[str, Any], ref: dict[str, Any]) -> float:
     return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
 
 
-@pytest.mark.parametrize("release", ["checkpoint", "swap"])
+@pytest.mark.parametrize("release", ["checkpoint", "swap", "auto"])
 def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
     release: str, arena: Path, spawn: Spawn, tmp_path: Path, model: Path
 ) -> None:
+    # auto (the README's recipe) swaps them: the llama-server preset it recognised until
+    # a server is released for the first time, swap from then on.
+    how = "swap" if release == "auto" else release
+    label = "auto:swap" if release == "auto" else release
+    before = "auto:http:llama-server" if release == "auto" else release
     (arena / "token.lock").touch()
     listen_a, upstream_a, listen_b, upstream_b = free_ports(4)
     with watched(arena, tmp_path, ("la", "lb")) as (tokens, sampler):
@@ -165,14 +170,14 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
 
         rows = {r["name"]: r for r in who_json(arena) if r["member"]}
         assert set(rows) == {"la", "lb"}, rows
+        assert (rows["la"]["strategy"], rows["lb"]["strategy"]) == (label, before)
         for row in rows.values():
-            assert row["strategy"] == release
             assert row["listen"] is not None
         assert (rows["la"]["state"], rows["lb"]["state"]) == ("released", "resident")
         a, b = rows["la"]["child_pid"], rows["lb"]["child_pid"]  # the llama-servers themselves
         wrappers = rows["la"]["pid"], rows["lb"]["pid"]
         seen = nvml.processes()
-        assert b in seen and (release == "swap" or a not in seen), (a, b, seen)
+        assert b in seen and (how == "swap" or a not in seen), (a, b, seen)
         assert rows["lb"]["vram"] > 0
         print(f"llama-server b holds {rows['lb']['vram'] / GIB:.2f} GiB")
         # (turn, the server that answered, the other, what NVML showed right after)
@@ -222,15 +227,15 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
 
         rows = {r["name"]: r for r in who_json(arena) if r["member"]}
         assert (rows["la"]["child_pid"], rows["lb"]["child_pid"]) == (a, b)  # never restarted
-        assert all(r["strategy"] == release for r in rows.values())
+        assert all(r["strategy"] == label for r in rows.values())
         swaps = list(tokens.holders)
         end_in_turn(run_b, run_a)
     # What a released server keeps: nothing (checkpoint), its context (swap).
     keep = -1
-    if release == "swap":
+    if how == "swap":
         keep = max(seen.get(other, 0) for turn, _, other, seen in held if turn > 0)
     for _, me, other, seen in held:
-        assert seen.get(me, -1) > keep + (RESIDENT_MORE if release == "swap" else 0), seen
+        assert seen.get(me, -1) > keep + (RESIDENT_MORE if how == "swap" else 0), seen
         assert seen.get(other, -1) <= keep, seen
     # a loaded, b started (a out), then a and b in turn for every round.
     assert swaps == list(wrappers) * (2 + ROUNDS)

@@ -173,8 +173,13 @@ def test_trainers_that_do_not_fit_together_take_turns(
     end(big)
 
 
-def test_auto_checkpoints_a_cuda_program_and_brings_it_back(arena: Path, spawn: Spawn) -> None:
-    w = run_worker(spawn, arena, gib="2")
+def test_auto_checkpoints_a_cuda_program_swap_cannot_reach(arena: Path, spawn: Spawn) -> None:
+    """Its LD_PRELOAD removed, the worker runs CUDA without the swap library (auto swaps
+    a program that has it: test_gpu_swap.py): auto leaves swap alone, and checkpoints it."""
+    worker = __import__("gpu_worker")
+    argv = vramlock("run", "--arena", str(arena), "--", "env", "-u", "LD_PRELOAD",
+                    sys.executable, worker.PATH, "--gib", "2")  # fmt: skip
+    w = worker.Client(spawn(argv, stdin=subprocess.PIPE))
     assert w.pid in nvml.processes(0)
     time.sleep(1.2)  # auto waits a moment for a hello before it looks for CUDA
     started = time.monotonic()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, vramlock, waiting_holder, who_json
+from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
 from test_gpu import GIB, gpu
 from test_gpu_run import ALLOCATORS, SWAP_KEEPS, env_with
 
@@ -95,6 +95,37 @@ def test_swap_keeps_a_pytorch_program_and_its_cuda_graph(
     assert w.proc.wait(30) == 0
     err = w.proc.stderr.read() if w.proc.stderr else ""
     assert "vramlock-swap" not in err, err  # the library says nothing on the happy path
+
+
+def test_auto_swaps_a_pytorch_program(arena: Path, spawn: Spawn) -> None:
+    """Under plain ``vramlock run`` (auto, no --release) a PyTorch worker is released by
+    swap: while a flock(1) member holds the token NVML shows its 2 GiB gone but its CUDA
+    context, its kernels wait, and it comes back with the same checksum."""
+    worker = __import__("gpu_worker")
+    run = vramlock("run", "--arena", str(arena), "--min-hold", "0")
+    proc = spawn([*run, "--", sys.executable, worker.PATH, "--gib", "2"], stdin=subprocess.PIPE)
+    w = worker.Client(proc)
+    full = nvml.processes()[w.pid]
+    assert full >= 2 * GIB
+    for n in range(SWAPS):
+        started = time.monotonic()
+        holder = waiting_holder(spawn, arena)  # auto gives the command a second to say hello
+        out_s = time.monotonic() - started
+        held = nvml.processes().get(w.pid, 0)
+        assert held <= SWAP_KEEPS and full - held >= 2 * GIB - (16 << 20), (full, held)
+        wait_until(lambda: row_of(arena, w.pid)["strategy"] == "auto:swap")
+        w.send("check")
+        assert w.silent(1.0)
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+        word, value = w.read(120).split()
+        assert (word, int(value)) == ("sum", w.checksum)
+        print(f"auto swap {n}: out {out_s:.3f} s; GPU MiB {full >> 20} -> {held >> 20}")
+    w.close()
+    assert w.proc.wait(30) == 0
+    err = w.proc.stderr.read() if w.proc.stderr else ""
+    assert "vramlock" not in err, err  # neither the wrapper nor the library said anything
 
 
 def test_a_released_program_whose_wrapper_dies_stays_off_the_gpu(arena: Path, spawn: Spawn) -> None:

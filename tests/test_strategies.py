@@ -676,6 +676,24 @@ def test_command_that_closes_its_channel_keeps_the_gpu(arena: Path, spawn: Spawn
     assert "closed its control channel" in job.stderr.read()
 
 
+def test_auto_prefers_signal_to_a_preset_for_a_command_that_says_hello(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    # Named llama-server, it gets that preset from its command line; it speaks the
+    # control protocol, which knows best what to keep.
+    server = tmp_path / "llama-server"
+    server.write_text(
+        f"#!{sys.executable}\nimport time\nfrom vramlock import child\n"
+        "ctl = child.connect()\nprint('hello', flush=True)\ntime.sleep(60)\n"
+    )
+    server.chmod(0o755)
+    job = spawn(vramlock("run", "--arena", str(arena), "--", str(server)))
+    assert job.stdout is not None and job.stdout.readline().strip() == "hello"
+    wait_until(lambda: who_json(arena)[0]["strategy"] == "auto:signal")
+    job.send_signal(signal.SIGTERM)  # passed on; the wrapper removes the preset's slot directory
+    assert job.wait(30) == 128 + signal.SIGTERM
+
+
 def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
     """With NVML, a release is done when the memory is gone: a CUDA context's worth per
     process may stay; more than that after the timeout is Unverified (the runner warns)."""

@@ -97,7 +97,11 @@ def _cc(*args: str) -> None:
 
 @pytest.fixture(scope="session")
 def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
-    out = tmp_path_factory.mktemp("fake_cuda")
+    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
+
+
+def build_fakes(out: Path) -> Fakes:
+    """Compile the fake driver, the program and a user's preload library into ``out``."""
     # -Bsymbolic: the fake's table of entry points must hold its own functions, not
     # the swap library's of the same names.
     _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
@@ -151,6 +155,10 @@ class Rig:
 
 @pytest.fixture
 def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    return make_rig(fakes, arena, tmp_path)
+
+
+def make_rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
     phys, log = tmp_path / "phys", tmp_path / "launches"
     env = dict(os.environ)
     env.update(
@@ -541,7 +549,7 @@ def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
     from vramlock.strategies.swap import Hub
 
     path = str(tmp_path / "control")
-    hub = Hub(path)
+    hub = Hub(path, str(tmp_path / "lib.so"))
     hub.close()
     assert not hub._thread.is_alive()  # not left blocked in accept()
     with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):

@@ -334,7 +334,8 @@ class Scheduler:
         self._describe()
 
     def _describe(self) -> None:
-        self.member.describe(strategy=self.strategy.label, child_pid=self.child.pid)
+        self._shown = self.strategy.label
+        self.member.describe(strategy=self._shown, child_pid=self.child.pid)
 
     def _releases_now(self) -> bool:
         """Resident, able to release, past min_hold and any retry delay, wanted, and not
@@ -382,6 +383,9 @@ class Scheduler:
             status = sup.ended_while_away()
             if status is not None:
                 return status
+            if self.strategy.label != self._shown:  # auto chose another way as it released
+                self._shown = self.strategy.label
+                member.describe(strategy=self._shown)
 
             ctx.take_lines(ctx.control.read_lines())
             if member.state is State.RESIDENT:
@@ -474,9 +478,12 @@ class Scheduler:
         except strategies.Unverified as err:
             self.sup.warn(f"{err}; handing the GPU over anyway")
         except (ControlError, Immovable) as err:
-            self.sup.warn(f"{err}; holding the GPU until it exits")
             if not self.strategy.fall_back(err):
                 self.strategy = self.sup.strategy = NoneStrategy(self.ctx, self.opts.settings)
+            if self.strategy.releases:
+                self.sup.warn(f"{err}; releasing it with {self.strategy.label} instead")
+            else:
+                self.sup.warn(f"{err}; holding the GPU until it exits")
             self._describe()
             self._resident_again()
             return None

@@ -3,13 +3,21 @@ its mind as it learns more. It never picks a strategy that throws away a job's w
 
 - Before the command starts: the first of ``AT_START`` that recognises it from its
   command line (an engine's preset), else ``none``: the command holds the GPU until it
-  exits, as under ``flock(1)``, until one of these:
-- it says hello on the control channel: ``signal``;
-- somebody waits, and it has not said hello within ``HELLO_GRACE`` of its start: the
-  first of ``FOR_A_WAITER`` that finds work in it (``checkpoint`` for a CUDA program the
-  driver can checkpoint); when none does, the user is told once that the waiter waits;
-- a release fails for good (the channel broke, the driver refused the checkpoint):
-  ``none`` again; a strategy refused is not tried again.
+  exits, as under ``flock(1)``, until one of the events below. Where ``swap`` can work
+  here (a driver with virtual memory management, its library built or buildable), the
+  library goes in front of the command as well, unless a preset sees the engine spread
+  over several GPU processes (they share memory in a way the library cannot serve).
+- The command says hello on the control channel: ``signal`` (in place of ``none`` or a
+  preset: a program that speaks the protocol knows best what to keep).
+- Somebody waits, and it has not said hello within ``HELLO_GRACE`` of its start, or its
+  preset is about to release it: the first of ``FOR_A_WAITER`` that finds work in it:
+  ``swap`` once its CUDA processes joined the library (and none runs CUDA without it),
+  its engine's preset, ``checkpoint`` for a CUDA program the driver can checkpoint.
+  When none does, the user is told once that the waiter waits.
+- A release is refused for good (a process that cannot be swapped, a checkpoint the
+  driver refuses): the next of ``FOR_A_WAITER`` that finds work, else ``none``; a
+  strategy refused is not tried again. The control channel broke: ``none``, until a
+  new hello or the next waiter.
 """
 
 from __future__ import annotations
@@ -25,10 +33,13 @@ from .basic import NoneStrategy
 from .checkpoint import CheckpointStrategy
 from .cooperative import SignalStrategy
 from .presets import PRESETS
+from .swap import SwapStrategy
+from .swap import usable as swap_usable
+from .webapi import Preset
 
 # In order of preference, each list: the first that fits is taken.
 AT_START: tuple[type[Strategy], ...] = (*PRESETS.values(),)
-FOR_A_WAITER: tuple[type[Strategy], ...] = (CheckpointStrategy,)
+FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), CheckpointStrategy)
 # A command that has not said hello this long after it started is taken not to speak
 # the control protocol.
 HELLO_GRACE = 1.0
@@ -36,9 +47,17 @@ HELLO_GRACE = 1.0
 CANNOT_RELEASE = (
     "somebody is waiting for the GPU, but this command keeps it until it exits:"
     " --release auto found no way to release it (it does not speak the control"
-    " protocol, and is no CUDA program the driver can checkpoint); see --release"
-    " restart, stop or exec"
+    " protocol, and is no CUDA program that can be swapped or checkpointed); see"
+    " --release restart, stop or exec"
 )
+
+
+def swaps(command: list[str]) -> bool:
+    """Does ``auto`` put the swap library in front of ``command``? Where it cannot work
+    nothing is said: that is for an explicit ``--release swap``."""
+    if any(engine.spreads(command) for engine in PRESETS.values()):
+        return False
+    return swap_usable() is None
 
 
 class AutoStrategy(Strategy):
@@ -64,7 +83,10 @@ class AutoStrategy(Strategy):
 
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
-        return cls.first(command).prepare(command, env, scratch)
+        prepared = cls.first(command).prepare(command, env, scratch)
+        if swaps(command):
+            prepared = SwapStrategy.prepare(prepared, env, scratch)
+        return prepared
 
     # -- what the runner sees: the chosen strategy's facts -------------------------------
 
@@ -99,31 +121,51 @@ class AutoStrategy(Strategy):
     # -- changing its mind ---------------------------------------------------------------
 
     def settle(self, wanted: Callable[[], bool]) -> str | None:
-        if not isinstance(self.current, NoneStrategy):
+        if not isinstance(self.current, (NoneStrategy, Preset)):
             return None
         if self.ctx.hello and not self.ctx.control.closed:
             self.current = SignalStrategy(self.ctx, self.settings)
             return None
+        if isinstance(self.current, Preset):
+            return None  # swap is considered as it releases
         if self._told or time.monotonic() - self._started < HELLO_GRACE or not wanted():
             return None
-        for cls in FOR_A_WAITER:
-            if cls not in self._refused and cls.finds_work(self.ctx):
-                self.current = cls(self.ctx, self.settings)
-                return None
+        found = self._found()
+        if found is not None:
+            self.current = found(self.ctx, self.settings)
+            return None
         self._told = True
         return CANNOT_RELEASE
 
+    def _found(self) -> type[Strategy] | None:
+        """The first of FOR_A_WAITER, not refused, that finds work in the command."""
+        fits = (c for c in FOR_A_WAITER if c not in self._refused and c.finds_work(self.ctx))
+        return next(fits, None)
+
     def fall_back(self, err: Exception) -> bool:
-        if isinstance(err, Immovable):
-            self._refused.add(type(self.current))
         if isinstance(err, ControlError):
             self.ctx.hello = False  # a new hello upgrades it again
-        self.current = NoneStrategy(self.ctx, self.settings)
+            self.current = NoneStrategy(self.ctx, self.settings)
+            return True
+        if isinstance(err, Immovable):
+            self._refused.add(type(self.current))
+        found = self._found()
+        if found is None:
+            self.current = NoneStrategy(self.ctx, self.settings)
+            self._told = True  # the runner says that it holds the GPU until it exits
+        else:
+            self.current = found(self.ctx, self.settings)
         return True
 
     # -- releasing: the chosen strategy's own ---------------------------------------------
 
     def release(self, deadline: float | None) -> None:
+        if isinstance(self.current, Preset):
+            # Taken from the command line alone; swap, once the command joined it, keeps
+            # more and restarts nothing.
+            found = self._found()
+            if found is not None and found is not type(self.current):
+                self.current = found(self.ctx, self.settings)
         self.current.release(deadline)
 
     def verify(self, deadline: float | None) -> None:

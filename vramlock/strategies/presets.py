@@ -205,6 +205,8 @@ class Vllm(Preset):
     name = "http:vllm"
     engine = "vllm"
     default_port = 8000
+    parallel = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                "--data-parallel-size", "-dp")  # fmt: skip
 
     @classmethod
     def identifies(cls, command: list[str]) -> bool:
@@ -258,6 +260,9 @@ class Sglang(Preset):
     name = "http:sglang"
     engine = "sglang"
     default_port = 30000
+    parallel = ("--tp-size", "--tensor-parallel-size", "--tp", "--pp-size",
+                "--pipeline-parallel-size", "--dp-size", "--data-parallel-size", "--dp",
+                "--ep-size", "--expert-parallel-size", "--ep")  # fmt: skip
 
     @classmethod
     def identifies(cls, command: list[str]) -> bool:

@@ -87,8 +87,9 @@ class Hub:
     release as it joins.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, library: str) -> None:
         self.path = path
+        self.library = os.path.realpath(library)  # as /proc/PID/maps names it
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.released = False
@@ -127,6 +128,26 @@ class Hub:
                     return
             self.peers.append(peer)
 
+    def joined(self) -> bool:
+        """Is a process of the command connected (those that exited are dropped)?"""
+        with self.lock:
+            for peer in self.peers:
+                peer.channel.read_lines()  # stale: each answer is read after its word
+            self.peers = [p for p in self.peers if not p.channel.closed]
+            return bool(self.peers)
+
+    def outsider(self, pids: list[int]) -> int | None:
+        """One of ``pids`` that has the CUDA driver loaded but not the swap library, or
+        not the name of this hub's socket: a release cannot reach it, and it would run
+        on without the token."""
+        for pid in pids:
+            paths = procfs.mapped(pid)
+            if not any(os.path.basename(p).startswith("libcuda.so") for p in paths):
+                continue
+            if self.library not in paths or procfs.environ(pid).get(ENV_SOCKET) != self.path:
+                return pid
+        return None
+
     def tell(self, word: str, *, released: bool) -> list[Peer]:
         """Say ``word`` to every process, with ``released`` as the new state for any
         that joins from now on; the processes told (stale lines dropped first)."""
@@ -140,7 +161,7 @@ class Hub:
             self.peers = live
             return list(live)
 
-    def prepare(self) -> None:
+    def pin_ahead(self) -> None:
         """Have every process, and each that joins, pin the host copies its release
         will need while it runs (no answer is awaited): the first release is then as
         fast as the later ones. It costs host memory the size of the GPU memory, which
@@ -170,7 +191,35 @@ class Hub:
         self.reset()
 
 
+def usable() -> str | None:
+    """Why the swap strategy cannot be used here, or None when it can (the library is
+    built first where it has to be)."""
+    try:
+        version = cuda.driver_version()
+    except cuda.CudaUnavailable as err:
+        return err.reason
+    except cuda.CudaError as err:
+        return str(err)
+    if version < VMM_VERSION:
+        return (
+            f"the driver supports CUDA {version // 1000}.{version % 1000 // 10};"
+            " swapping needs 10.2 or newer"
+        )
+    try:
+        library = str(library_path())
+    except SwapUnavailable as err:
+        return err.reason
+    if any(c in library for c in " :"):  # LD_PRELOAD splits at both
+        return f"the swap library's path {library!r} cannot go in LD_PRELOAD"
+    return None
+
+
 _HUBS: dict[str, Hub] = {}
+
+
+def hub_of(ctx: Context) -> Hub | None:
+    """The hub ``prepare`` made for the command, or None: it was started without one."""
+    return _HUBS.get(ctx.child.env.get(ENV_SOCKET, ""))
 
 
 class SwapStrategy(Strategy):
@@ -180,26 +229,23 @@ class SwapStrategy(Strategy):
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
         super().__init__(ctx, settings)
-        self.hub = _HUBS[ctx.child.env[ENV_SOCKET]]
-        self.hub.prepare()
-        self.library = os.path.realpath(library_path())
+        hub = hub_of(ctx)
+        assert hub is not None, "the command was started without the swap library"
+        self.hub = hub
+        hub.pin_ahead()
+
+    @classmethod
+    def finds_work(cls, ctx: Context) -> bool:
+        """Did the command's CUDA processes join this run's hub, and does none of them
+        use CUDA without the library? (For ``auto``.)"""
+        hub = hub_of(ctx)
+        return hub is not None and hub.joined() and hub.outsider(ctx.child.processes()) is None
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
-        try:
-            version = cuda.driver_version()
-        except cuda.CudaUnavailable as err:
-            raise SwapUnavailable(err.reason) from None
-        except cuda.CudaError as err:
-            raise SwapUnavailable(str(err)) from None
-        if version < VMM_VERSION:
-            raise SwapUnavailable(
-                f"the driver supports CUDA {version // 1000}.{version % 1000 // 10};"
-                " swapping needs 10.2 or newer"
-            )
-        library = str(library_path())
-        if any(c in library for c in " :"):  # LD_PRELOAD splits at both
-            raise SwapUnavailable(f"the swap library's path {library!r} cannot go in LD_PRELOAD")
+        why = usable()
+        if why is not None:
+            raise SwapUnavailable(why)
 
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
@@ -207,7 +253,7 @@ class SwapStrategy(Strategy):
         directory = tempfile.mkdtemp(prefix="vramlock-swap-")  # private: mode 0700
         scratch.callback(shutil.rmtree, directory, ignore_errors=True)
         path = os.path.join(directory, "control")
-        hub = Hub(path)
+        hub = Hub(path, library)
         _HUBS[path] = hub
         scratch.callback(_HUBS.pop, path, None)
         scratch.callback(hub.close)
@@ -218,7 +264,7 @@ class SwapStrategy(Strategy):
         return command
 
     def release(self, deadline: float | None) -> None:
-        outsider = self._outsider()
+        outsider = self.hub.outsider(self.ctx.child.processes())
         if outsider is not None:
             raise Refused(
                 f"process {outsider} of the command uses CUDA without the swap library (were"
@@ -236,18 +282,6 @@ class SwapStrategy(Strategy):
                 f"process {pid} of the command cannot be swapped: {why}; it was left running"
             )
         raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
-
-    def _outsider(self) -> int | None:
-        """A process of the command that has the CUDA driver loaded but not the swap
-        library, or not the name of this run's socket: a release cannot reach it, and it
-        would run on without the token."""
-        for pid in self.ctx.child.processes():
-            paths = procfs.mapped(pid)
-            if not any(os.path.basename(p).startswith("libcuda.so") for p in paths):
-                continue
-            if self.library not in paths or procfs.environ(pid).get(ENV_SOCKET) != self.hub.path:
-                return pid
-        return None
 
     def _restore(self) -> None:
         bad = self._tell("restore", "restored", None)

@@ -310,6 +310,8 @@ class Preset(HttpStrategy):
     default_port: ClassVar[int]
     # What answers 2xx once the server serves (--demand listen forwards from then on).
     ready_path: ClassVar[str] = "/health"
+    # The options that run the engine over several GPU processes (``spreads``).
+    parallel: ClassVar[tuple[str, ...]] = ()
     keeps_state = True
 
     def __init__(self, ctx: Context, settings: Settings) -> None:
@@ -333,6 +335,23 @@ class Preset(HttpStrategy):
     def refusal(cls, command: list[str]) -> str | None:
         """Why the preset cannot work with the options on ``command``, or None."""
         return None
+
+    @classmethod
+    def finds_work(cls, ctx: Context) -> bool:
+        return cls.recognises(ctx.child.argv)
+
+    @classmethod
+    def spreads(cls, command: list[str]) -> bool:
+        """Does ``command`` run this engine over several GPU processes? Those share GPU
+        memory through the legacy CUDA IPC API (NCCL, custom all-reduce), which memory
+        the swap library makes cannot serve: ``auto`` keeps the library out. A
+        configuration file may set the sizes: with one, assume it does."""
+        if not cls.parallel or not cls.identifies(command):
+            return False
+        if option(command, "--config") is not None:
+            return True
+        sizes = (option(command, name) for name in cls.parallel)
+        return any(size is not None and size.strip() != "1" for size in sizes)
 
     @classmethod
     def recognises(cls, command: list[str]) -> bool:
