@@ -252,15 +252,8 @@ def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
     assert err == ""  # nothing said on the happy path
 
 
-def test_host_copies_are_pinned_ahead_so_the_first_release_pins_nothing(
-    rig: Rig, spawn: Spawn
-) -> None:
-    # Pinning costs ~0.5 s a GiB on a GPU: done during the first release, a waiter
-    # would wait for it. The program's memory is pinned while it runs, once its
-    # allocations are quiet; the release then only copies.
-    stop = rig.tmp / "stop"
-    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
-    assert read_line(job) == ["ready"]
+def pinning_done(rig: Rig) -> list[tuple[int, int]]:
+    """Once the program has begun pinning ahead, what it pinned when that stopped."""
     wait_until(lambda: rig.logged("pin") != [], timeout=10)
     pinned: list[tuple[int, int]] = []
 
@@ -270,6 +263,19 @@ def test_host_copies_are_pinned_ahead_so_the_first_release_pins_nothing(
         return pinned == before
 
     wait_until(settled, timeout=10, step=0.3)
+    return pinned
+
+
+def test_host_copies_are_pinned_ahead_so_the_first_release_pins_nothing(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Pinning costs ~0.5 s a GiB on a GPU: done during the first release, a waiter
+    # would wait for it. The program's memory is pinned while it runs, once its
+    # allocations are quiet; the release then only copies.
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    pinned = pinning_done(rig)
     turn = take_turn(rig, spawn)
     assert turn.phys == (0, 0)  # it was released, by copying alone
     wait_until(resumed(rig, len(rig.launches())))
