@@ -524,6 +524,31 @@ def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
     assert not during(rig.launches(), [turn, second, third])
 
 
+def test_a_release_that_keeps_failing_is_given_up_and_the_program_keeps_the_gpu(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # No host memory to pin: each release fails, the member stays resident and tries
+    # again a second later; three in a row, and swap is given up as refused (one line),
+    # rather than keep the waiter waiting for a release that cannot come.
+    host_full = rig.tmp / "host-full"
+    host_full.touch()
+    job = rig.run(spawn, "12", env=dict(rig.env, FAKE_CUDA_HOST_FULL=str(host_full)))
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # it ran on, contents intact
+    assert err.count("vramlock-swap: ") == 3, err  # the library's own word on each try
+    lines = [line for line in err.splitlines() if line.startswith("vramlock: ")]
+    assert len(lines) == 2, err  # the first failure, then giving up
+    assert "release failed" in lines[0] and "cuMemHostAlloc" in lines[0]
+    assert "could not be swapped out 3 times in a row" in lines[1]
+    assert lines[1].endswith("holding the GPU until it exits")
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
 def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn) -> None:
     capture, stop = rig.tmp / "capture", rig.tmp / "stop"
     env = dict(rig.env, SWAP_PROG_CAPTURE=str(capture), SWAP_PROG_STOP=str(stop))

@@ -12,7 +12,8 @@
  * named by FAKE_CUDA_PHYS at every change: the tests' witness that a released
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
  * cuLaunchKernel under an address no exported name has; while the file named by
- * FAKE_CUDA_FULL exists, cuMemCreate finds no memory.
+ * FAKE_CUDA_FULL exists, cuMemCreate finds no memory, and while the file named by
+ * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none.
  *
  * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
  * library's table of entry points must hold its own functions, not those.
@@ -426,6 +427,9 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 	(void)fl;
 	if (!current)
 		return NO_CONTEXT; /* as the driver: pinning needs a context */
+	const char *full = getenv("FAKE_CUDA_HOST_FULL");
+	if (full && !access(full, F_OK))
+		return OOM;
 	*p = malloc(n);
 	if (*p && log_fd >= 0) {
 		char line[64];

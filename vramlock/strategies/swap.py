@@ -48,6 +48,9 @@ ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
 # nothing to copy yet.
 HELLO_WITHIN = 2.0
 JOIN_WITHIN = 5.0
+# Releases that failed in a row (each a second apart) before swap is given up as
+# refused: the member then releases another way, or holds the GPU until it exits.
+GIVE_UP_AFTER = 3
 # Virtual memory management came with CUDA 10.2.
 VMM_VERSION = 10020
 
@@ -233,6 +236,7 @@ class SwapStrategy(Strategy):
         assert hub is not None, "the command was started without the swap library"
         self.hub = hub
         hub.pin_ahead()
+        self._failures = 0  # releases that failed in a row
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
@@ -272,6 +276,7 @@ class SwapStrategy(Strategy):
             )
         bad = self._tell("release", "released", deadline)
         if not bad:
+            self._failures = 0
             return
         # Whoever released comes back: one process cannot be swapped, so none is.
         if self._tell("restore", "restored", None):
@@ -280,6 +285,14 @@ class SwapStrategy(Strategy):
         if word == "refused":
             raise Refused(
                 f"process {pid} of the command cannot be swapped: {why}; it was left running"
+            )
+        self._failures += 1
+        if self._failures >= GIVE_UP_AFTER:
+            # Not a passing moment (a graph being captured) but a lasting lack (host
+            # memory to pin): a way that can release it is better than none.
+            raise Refused(
+                f"process {pid} of the command could not be swapped out {self._failures}"
+                f" times in a row ({why}); it was left running"
             )
         raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
 
