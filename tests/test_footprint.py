@@ -192,3 +192,15 @@ def test_run_that_outgrows_its_units_when_none_are_free_asks_for_more_next_time(
         member.wait_for("resident", 3, timeout=DEADLINE)
     assert [t for t, _, w in events(room.log) if w == "OVER" and t > stepped_aside] == []
     assert " uses " not in _stderr_after_sigterm(m)  # once, and its units cover it since
+
+
+def test_a_residency_where_nvml_sees_nothing_keeps_the_whole_budget(room: Budgeted) -> None:
+    # As where NVML's pids name nobody here (a container): 0 is not a measurement.
+    m = _run(room, "m", 0)
+    m.wait_for("resident")
+    b = _run(room, "b", GIB, vram="1G")
+    b.wait_for("resident")
+    m.wait_for("release")
+    wait_until(lambda: room.count("m", "resident") == 2 or room.count("b", "release") == 1)
+    assert _footprints(room)["m"] == (3 * GIB, WHOLE)
+    assert "m" not in room.resident() or "b" not in room.resident()

@@ -6,7 +6,8 @@ took on an idle H200 host). Only what vramlock calls is here.
 
 The processes on the GPU are what ``$FAKE_NVML_DIR`` says: a file named after a pid
 holds the bytes that process uses (a test's command writes its own). Without the
-variable, or for a pid that is gone, nobody uses the GPU.
+variable, or for a pid that is gone, nobody uses the GPU. ``FAKE_NVML_DIR=none``: a
+machine without the driver (``nvmlInit`` fails).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class _Memory:
 
 
 def nvmlInit() -> None:
-    pass
+    if os.environ.get("FAKE_NVML_DIR") == "none":
+        raise NVMLError("Driver Not Loaded")
 
 
 def nvmlSystemGetDriverVersion() -> str:
