@@ -247,7 +247,7 @@ def main() -> int:
         "latency_p95_ms": round(pct(latencies, 0.95) * 1e3, 1),
         "samples": sampler.samples,
         "nvml_errors": len(sampler.errors),
-        "footprints": {n: (m["footprint"], m["footprint_from"]) for n, m in members.items()},
+        "footprints": {n: (m["footprint"], m.get("footprint_from")) for n, m in members.items()},
     }
     for key, value in result.items():
         print(f"{key:>22}: {value}")
