@@ -49,7 +49,7 @@ from netutil import accepts, free_port  # noqa: E402
 from servers import end_jobs, pct  # noqa: E402  (beside this file)
 
 from vramlock import nvml, procfs  # noqa: E402
-from vramlock.budget import parse_size  # noqa: E402
+from vramlock.budget import parse_size, show_size  # noqa: E402
 
 SERVERS = 3
 GIB = 1 << 30
@@ -148,6 +148,13 @@ def who(arena: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     return members
 
 
+def footprint(member: dict[str, Any]) -> str:
+    """``31G declared``, ``33.55G measured`` (as ``who`` has it at the end)."""
+    if member["footprint"] is None:
+        return "none"
+    return f"{show_size(member['footprint'])} {member.get('footprint_from') or 'declared'}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=30.0)
@@ -167,7 +174,8 @@ def main() -> int:
         print(f"budget_gpu.py: cannot run here: {why}", file=sys.stderr)
         return 1
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=nvml.gpu(args.gpu).uuid)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES=nvml.gpu(args.gpu).uuid)
     procs: list[subprocess.Popen[bytes]] = []
     latencies: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,7 +255,7 @@ def main() -> int:
         "latency_p95_ms": round(pct(latencies, 0.95) * 1e3, 1),
         "samples": sampler.samples,
         "nvml_errors": len(sampler.errors),
-        "footprints": {n: (m["footprint"], m.get("footprint_from")) for n, m in members.items()},
+        "footprints": {n: footprint(m) for n, m in sorted(members.items())},
     }
     for key, value in result.items():
         print(f"{key:>22}: {value}")
