@@ -646,14 +646,16 @@ def test_run_larger_than_the_budget_is_a_usage_error(errcli: ErrCli, room: Budge
     expect_error(out, USAGE, "--vram 4G is more than the arena's budget (3G)")
 
 
-def test_run_without_vram_in_a_budget_arena_takes_the_whole_gpu(room: Budgeted) -> None:
+def test_run_without_vram_or_nvml_in_a_budget_arena_takes_the_whole_gpu(room: Budgeted) -> None:
     a = _run(room, "a", "1G", 4)
     a.wait_for("resident")
+    no_nvml = str(Path(__file__).parent / "fake_nvml")  # a machine without the driver
     whole = room.spawn(
         vramlock("run", "--arena", str(room.arena), "--release", "signal", "--name", "whole",
                  "--", sys.executable, "-c", RUN_CHILD, str(room.witness), str(room.log),
                  "whole", str(room.units)),
         graceful=True,
+        env={**os.environ, "PYTHONPATH": no_nvml, "FAKE_NVML_DIR": "none"},
     )  # fmt: skip
     Member(room, "whole", whole).wait_for("resident")
     a.wait_for("release")

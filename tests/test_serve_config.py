@@ -151,9 +151,9 @@ def test_readme_full_example(tmp_path: Path) -> None:
         f"{path}:4: logLevel ignored: the wrappers and servers write to serve's standard output"
         " and error",
         f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
-        " at a time, unless the arena has a budget (vramlock arena --budget) and they declare"
-        " vram:, when they stay resident together while they fit; models on different GPUs"
-        " (gpu:) run together",
+        " at a time, unless the arena has a budget (vramlock arena --budget), when they stay"
+        " resident together while they fit (vram: declared, or measured with NVML); models on"
+        " different GPUs (gpu:) run together",
         f"{path}:27: model 'llama': useModelName ignored: requests are passed to the model"
         " unchanged",
         f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"

@@ -10,6 +10,7 @@ This is also the Python API for programs that join an arena themselves::
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -18,10 +19,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from types import FrameType
 
-from . import lockfd
+from . import lockfd, nvml
 from .arena import Arena, one_arena_or_gpus
 from .budget import Budget, read_budget
 from .errors import InvalidTransition, LockFileReplaced, NotObtained
+from .footprint import DECLARED, WHOLE, Footprint, after_residency
 from .records import Record, RecordWriter
 from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
 from .share import Share
@@ -66,14 +68,23 @@ class Member:
         strategy: str = "api",
         token_fd: int | None = None,
         vram: int | None = None,
+        measure: bool = False,
     ) -> None:
         """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``).
         ``vram``: the footprint in bytes; in an arena with a budget the member is then
         resident beside others while they fit (a budget share), else it takes the
-        whole GPU (the token)."""
+        whole GPU (the token). ``measure``: without ``vram``, where NVML works, be a
+        budget share of the whole budget until the caller measures a footprint
+        (``resize``)."""
         self.arena = arena
         self.budget: Budget | None = read_budget(arena)
-        need = None if self.budget is None or vram is None else self.budget.units_for(vram)
+        self.declared = vram
+        footprint: Footprint | None = None  # None: not a budget share
+        if self.budget is not None:
+            if vram is not None:
+                footprint = Footprint(vram, DECLARED)
+            elif measure and nvml.available():
+                footprint = Footprint(self.budget.total, WHOLE)
         self.min_hold = min_hold
         self.token = Token(arena, fd=token_fd)
         self.want = Want(arena)
@@ -93,12 +104,16 @@ class Member:
             ),
         )
         self.share: Share | None = None
-        if self.budget is not None and need is not None:
+        if self.budget is not None and footprint is not None:
             try:
+                need = self.budget.units_for(footprint.size)
                 self.share = Share(arena, self.budget, need, records=self.records)
             except BaseException:
                 self.close()
                 raise
+            # The size as given, where the share's record says what its units cover.
+            self.records.update(vram=footprint.size, vram_from=footprint.source)
+        self.footprint = footprint
 
     def _set(self, state: State) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
@@ -195,6 +210,38 @@ class Member:
 
     def releasing(self) -> None:
         self._set(State.RELEASING)
+
+    # -- a budget share's footprint ----------------------------------------------------
+
+    def _sized(self) -> tuple[Share, Budget]:
+        if self.share is None or self.budget is None:
+            raise ValueError("not a budget share: it has no footprint")
+        return self.share, self.budget
+
+    def footprint_after(self, peak: int) -> Footprint:
+        """The footprint to ask for after a residency that used at most ``peak`` bytes."""
+        _, budget = self._sized()
+        return after_residency(self.declared, peak, budget.unit, budget.total)
+
+    def resize(self, footprint: Footprint) -> None:
+        """Ask for ``footprint`` at the next admission (between residencies)."""
+        share, budget = self._sized()
+        share.resize(budget.units_for(footprint.size))
+        self.footprint = footprint
+        self.records.update(vram=footprint.size, vram_from=footprint.source)
+
+    def grow(self, used: int) -> bool:
+        """Resident and using ``used`` bytes: take free units until ours cover them.
+        False when too few are free, or ``used`` is more than the budget."""
+        share, budget = self._sized()
+        need = math.ceil(used / budget.unit)
+        return share.grow(min(need, budget.units)) and need <= budget.units
+
+    @property
+    def share_bytes(self) -> int:
+        """What the units we hold cover."""
+        share, budget = self._sized()
+        return len(share.units) * budget.unit
 
     def release(self) -> None:
         """Drop the token (the GPU memory must already be free)."""
@@ -454,6 +501,7 @@ def join(
     min_hold: float = DEFAULT_MIN_HOLD,
     token_fd: int | None = None,
     vram: int | None = None,
+    measure: bool = False,
 ) -> Member | Members:
     """Become a member of ``arena`` (None: the default one), or of each GPU's default
     arena for several ``gpus`` (as given: ``who`` shows them so), opened in ascending
@@ -461,7 +509,8 @@ def join(
     ``stack``, which leaves the arenas again (a join that fails half-way included).
 
     ``token_fd``: lock through a caller's descriptor of token.lock (one arena only).
-    ``vram``: the footprint in bytes, for arenas with a budget."""
+    ``vram``: the footprint in bytes, for arenas with a budget; ``measure``: without
+    it, one arena's footprint is measured (Member)."""
     order: list[int | None] = [*sorted(gpus)] or [None]
     one_arena_or_gpus(arena, order)
     joined: list[Member] = []
@@ -476,6 +525,7 @@ def join(
             strategy=strategy,
             token_fd=token_fd,
             vram=vram,
+            measure=measure and len(order) == 1,
         )
         stack.callback(member.close)
         if len(order) > 1:

@@ -128,11 +128,13 @@ class Record:
     # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
     gpus: list[int] = field(default_factory=list)
     # A budget arena: the capacity units it holds while resident, its footprint in
-    # bytes, whether it is working now, and when it last worked (Unix time). Budget
+    # bytes and where that comes from, whether it is working now, and when it last
+    # worked (Unix time). Budget
     # waiters choose whom to ask to step aside from these; a false value can only
     # make that choice worse, never put two members on one unit.
     units: list[int] = field(default_factory=list)
     vram: int | None = None
+    vram_from: str | None = None  # "declared", "measured", or "whole budget" (not yet measured)
     busy: bool = False
     used: float | None = None
     # The inode of the token.lock the member locks: who tells when it is not the arena's.
@@ -153,6 +155,7 @@ class Record:
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
             vram, used = data.get("vram"), data.get("used")
+            vram_from = data.get("vram_from")
             if used is not None:
                 used = float(_typed(used, (int, float)))
                 if not (math.isfinite(used) and 0 <= used < _LATEST_SINCE):
@@ -181,6 +184,7 @@ class Record:
                     for u in _typed(data.get("units", []), list)[:_MAX_UNIT]
                 ],
                 vram=None if vram is None else _bounded(vram, 0, 1 << 62),
+                vram_from=None if vram_from is None else _typed(vram_from, str),
                 busy=_flag(data.get("busy", False)),
                 used=used,
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
@@ -200,6 +204,7 @@ class Record:
         data["gpus"] = self.gpus[:64]
         data["units"] = self.units[:_MAX_UNIT]
         data["note"] = None if self.note is None else _clip(self.note, _CLIP_NAME)
+        data["vram_from"] = None if self.vram_from is None else _clip(self.vram_from, _CLIP_NAME)
         return json.dumps(data, allow_nan=False).encode()
 
 

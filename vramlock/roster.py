@@ -60,7 +60,8 @@ class Row:
     listen: str | None = None  # --demand listen: where its clients connect
     connections: int | None = None  # --demand listen: its clients' open connections
     gpus: list[int] | None = None  # a member of several GPUs' arenas: all of them
-    footprint: int | None = None  # a budget member: its declared footprint in bytes
+    footprint: int | None = None  # a budget member: its footprint in bytes
+    footprint_from: str | None = None  # "declared", "measured" or "whole budget"
     units: list[int] | None = None  # a budget member: the budget units it holds
 
     def as_json(self, now: float) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def _row(
 ) -> Row:
     notes = [note] if note else []
     listen, connections, gpus = None, None, None
-    footprint, units = None, None
+    footprint, footprint_from, units = None, None, None
     if found is not None and found[1]:
         rec = found[0]
         state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
@@ -116,7 +117,8 @@ def _row(
             notes.append(printable(rec.note, NAME_MAX))
         if rec.vram is not None:
             footprint, units = rec.vram, rec.units
-            notes.append(f"footprint {_size(rec.vram)}, {len(rec.units)} unit(s)")
+            footprint_from = None if rec.vram_from is None else printable(rec.vram_from, NAME_MAX)
+            notes.append(f"footprint {_footprint(rec.vram, footprint_from)}, {len(units)} unit(s)")
             if not rec.units and kernel == State.RESIDENT.value:
                 # The head budget waiter holds the token shared while it gathers units.
                 state = State.WAITING.value
@@ -148,6 +150,7 @@ def _row(
         connections=connections,
         gpus=gpus,
         footprint=footprint,
+        footprint_from=footprint_from,
         units=units,
     )
 
@@ -226,6 +229,15 @@ def _size(size: int) -> str:
     from .budget import show_size
 
     return show_size(size)
+
+
+def _footprint(size: int, source: str | None) -> str:
+    """``6G`` (declared), ``5.3G measured``, ``40G whole budget`` (nothing measured yet)."""
+    from .footprint import DECLARED
+
+    if source in (None, DECLARED):
+        return _size(size)
+    return f"{_size(size)} {source}"
 
 
 @dataclass

@@ -21,8 +21,10 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from . import demand as demands
+from . import footprint as footprints
 from . import records, strategies
 from .arena import default_gpu, one_arena_or_gpus
+from .budget import show_size
 from .context import ChildExited, Context, Interrupted, ReleaseTimeout
 from .control import ParentEnd
 from .errors import ControlError, Immovable, NotObtained, StrategyError, UsageError
@@ -199,6 +201,7 @@ class Runner:
                         strategy=opts.release,
                         min_hold=opts.min_hold,
                         vram=opts.vram,
+                        measure=opts.vram is None,
                     )
                     self._say_whole_gpu(self.member)
                     self.proxy = self._listen(self.member)
@@ -226,12 +229,20 @@ class Runner:
             self._close()
 
     def _say_whole_gpu(self, member: Member | Members) -> None:
-        """In an arena with a budget, a command without a footprint takes the whole GPU."""
+        """In an arena with a budget, a command without a footprint takes the whole GPU,
+        or, where its footprint is measured, the whole budget until it is."""
         for m in member.members if isinstance(member, Members) else [member]:
-            if m.budget is not None and m.share is None:
+            if m.budget is None:
+                continue
+            if m.share is None:
                 self.opts.warn(
                     f"{m.arena.path} has a budget ({m.budget}); without --vram this"
                     " command takes the whole GPU"
+                )
+            elif m.footprint is not None and m.footprint.source == footprints.WHOLE:
+                self.opts.warn(
+                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
+                    " command takes the whole budget until its footprint is measured"
                 )
 
     def _listen(self, member: Member | Members) -> Proxy | None:
@@ -348,7 +359,16 @@ class Scheduler:
         self._busy_left = 0.0  # the demand asked to put the release off this long
         self._started = time.monotonic()  # when the command was (last) started
         self._lost_run = 0.0  # how long the run a release ended had lasted
+        self.meter = self._meter()
+        self._told_outgrown = False  # this residency's use past its units was reported
         self._describe()
+
+    def _meter(self) -> footprints.Meter | None:
+        """NVML's sampler of the command's memory, for a budget share in one arena."""
+        member = self.member
+        if not isinstance(member, Member) or member.share is None:
+            return None
+        return footprints.meter(self.child.owns, self.opts.settings.gpus)
 
     def _describe(self) -> None:
         self._shown = self.strategy.label
@@ -406,6 +426,7 @@ class Scheduler:
 
             ctx.take_lines(ctx.control.read_lines())
             if member.state is State.RESIDENT:
+                self._measure()
                 label = self.strategy.label
                 said = self.strategy.settle(member.wanted)  # auto may change its mind
                 if said is not None:
@@ -456,6 +477,9 @@ class Scheduler:
                             return status
                     continue
 
+            if member.state is State.RESIDENT and self.meter is not None:
+                due = self.meter.due()
+                timeout = due if timeout is None else min(timeout, due)
             self._wait(watch, timeout)
             hint.drain()
 
@@ -466,11 +490,46 @@ class Scheduler:
         for fd in self.demand.fds():  # hints only: wants() decides
             drain(fd)
 
+    # -- a budget share's footprint ------------------------------------------------
+
+    def _measure(self) -> None:
+        """Sample the command's memory when due; past its units, take free units, or say
+        once this residency that too few are free."""
+        meter, member = self.meter, self.member
+        if meter is None or not isinstance(member, Member) or member.footprint is None:
+            return
+        if meter.due() > 0:
+            return
+        used = meter.sample()
+        if used is None or used <= member.share_bytes or member.grow(used):
+            return
+        if not self._told_outgrown:
+            self._told_outgrown = True
+            asks = member.footprint_after(used)
+            self.sup.warn(
+                f"{member.records.record.name} uses {show_size(used)}, more than its"
+                f" footprint of {show_size(member.footprint.size)}, and too few units of"
+                f" the budget are free; it asks for {show_size(asks.size)} at its next"
+                " admission"
+            )
+
+    def _resize(self) -> None:
+        """After a release: the footprint the residency measured, for the next admission."""
+        meter, member = self.meter, self.member
+        if meter is None or not isinstance(member, Member):
+            return
+        self._told_outgrown = False
+        peak = meter.take_peak()
+        if peak > 0:  # else nothing was seen: NVML's pids may not be ours to see
+            member.resize(member.footprint_after(peak))
+
     # -- transitions -------------------------------------------------------------
 
     def _release(self) -> int | None:
         """RESIDENT -> RELEASED. Returns an exit status if the command ended meanwhile."""
         member = self.member
+        if self.meter is not None:
+            self.meter.sample()  # the peak, with the memory as it is before it goes
         member.releasing()
         self.demand.releasing()
         y = self.opts.yield_within
@@ -513,6 +572,7 @@ class Scheduler:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
         member.release()
+        self._resize()
         return None
 
     def _resident_again(self) -> None:

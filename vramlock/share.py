@@ -271,14 +271,7 @@ class Share:
         dropped, and the token taken again behind it); False: the deadline."""
         pause: float | None = 0.0005
         while True:
-            for unit in range(self.budget.units):
-                if len(self.units) >= self.need:
-                    break
-                if unit not in self.units and lockfd.try_lock_bytes(
-                    self.capacity, unit, write=True
-                ):
-                    self.units.append(unit)
-            if len(self.units) >= self.need:
+            if self._take_free(self.need):
                 return True
             if self.exclusive_waiting():
                 return None
@@ -286,6 +279,15 @@ class Share:
             pause = self._pause(pause or POLL_MAX, left)
             if pause is None:
                 return False
+
+    def _take_free(self, need: int) -> bool:
+        """Take free units (never waiting) until we hold ``need``; True once we do."""
+        for unit in range(self.budget.units):
+            if len(self.units) >= need:
+                break
+            if unit not in self.units and lockfd.try_lock_bytes(self.capacity, unit, write=True):
+                self.units.append(unit)
+        return len(self.units) >= need
 
     def _candidates(self) -> list[Candidate]:
         """Residents by their records (advisory), then units nobody's record claims."""
@@ -344,6 +346,20 @@ class Share:
         """Say whether we are working now (waiters ask idle residents first)."""
         if self.records is not None:
             self.records.update(busy=busy, used=time.time())
+
+    def resize(self, need: int) -> None:
+        """Ask for ``need`` units at the next admission (between residencies only)."""
+        if self.resident:
+            raise ValueError("a resident share keeps its size until it releases")
+        self.need = need
+
+    def grow(self, need: int) -> bool:
+        """Resident: take free units, never asking anybody, until we hold ``need``; True
+        once we do. Units taken are kept until the release, even when too few were free:
+        they are memory in use, which nobody else may count on."""
+        got = self._take_free(need)
+        self._publish()
+        return got
 
     def release(self) -> None:
         """Drop the units and the token (the GPU memory must already be free)."""

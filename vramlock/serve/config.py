@@ -47,8 +47,8 @@ _RESERVED = frozenset({"PORT", "MODEL_ID"})
 _NO_UI = "vramlock serve has no web UI, metrics or request log"
 _ONE_AT_A_TIME = (
     "models of one arena take turns by its token, one resident at a time, unless the arena"
-    " has a budget (vramlock arena --budget) and they declare vram:, when they stay resident"
-    " together while they fit; models on different GPUs (gpu:) run together"
+    " has a budget (vramlock arena --budget), when they stay resident together while they fit"
+    " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
 )
 _UNCHANGED = "requests are passed to the model unchanged"
 IGNORED_TOP = {

@@ -1,0 +1,206 @@
+"""Measured footprints in a budget arena: NVML's peak for a member's command at its last
+residency, plus a margin, is what it asks for at its next admission.
+
+NVML is the stand-in of ``tests/fake_nvml``: each command writes the bytes it "uses" to
+a file named after its pid, and writes 0 before it says it released. The witness is the
+test's own file, as in test_budget.py: a command takes one byte of it (an OFD write
+lock) per unit of memory it really uses, among as many bytes as the budget has units,
+and says "OVER" when it cannot get them all: members whose real use went past the
+budget together.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json
+from test_budget import DEADLINE, Budgeted, Member
+
+from vramlock.budget import UNIT
+from vramlock.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
+
+FAKE_NVML = str(Path(__file__).parent / "fake_nvml")
+GIB = 1 << 30
+
+# The command of a run: ``WITNESS LOG NAME USE BUDGET_UNITS``; "uses" USE bytes (the
+# stand-in NVML's file) and holds one witness byte per unit of them while it may use the
+# GPU, from its start and each restore to each release.
+COMMAND = textwrap.dedent(
+    """
+    import fcntl, os, struct, sys, time
+    from vramlock import child
+    witness, log, name = sys.argv[1:4]
+    use, budget_units = int(sys.argv[4]), int(sys.argv[5])
+    units = -(-use // (256 << 20))
+    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    wfd = os.open(witness, os.O_RDWR)
+    usage = os.path.join(os.environ["FAKE_NVML_DIR"], str(os.getpid()))
+    def note(what):
+        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
+    def lock(kind, start, length):
+        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+    def say(size):
+        tmp = usage + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(size))
+        os.rename(tmp, usage)
+    def take():
+        say(use)
+        got = 0
+        for unit in range(budget_units):
+            if got < units:
+                try:
+                    lock(fcntl.F_WRLCK, unit, 1)
+                    got += 1
+                except OSError:
+                    pass
+        note("resident" if got == units else "OVER")
+    def drop():
+        say(0)
+        lock(fcntl.F_UNLCK, 0, 0)
+        note("release")
+    ctl = child.connect()
+    take()
+    while True:
+        time.sleep(0.005)
+        ctl.yield_if_asked(drop, take)
+    """
+)
+
+
+@pytest.fixture
+def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
+    return Budgeted(spawn, arena, tmp_path, "3G")  # 12 units
+
+
+def _run(room: Budgeted, name: str, use: int, vram: str | None = None) -> Member:
+    """``vramlock run`` of COMMAND using ``use`` bytes, with ``--vram`` when given."""
+    nvml_dir = room.log.parent / "nvml"
+    nvml_dir.mkdir(exist_ok=True)
+    declared = [] if vram is None else ["--vram", vram]
+    proc = room.spawn(
+        vramlock("run", "--arena", str(room.arena), *declared, "--release", "signal",
+                 "--name", name, "--", sys.executable, "-c", COMMAND, str(room.witness),
+                 str(room.log), name, str(use), str(room.units)),
+        graceful=True,
+        env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir)},
+    )  # fmt: skip
+    return Member(room, name, proc)
+
+
+def _footprints(room: Budgeted) -> dict[str, tuple[int, str]]:
+    return {r["name"]: (r["footprint"], r["footprint_from"]) for r in who_json(room.arena)}
+
+
+def _next_line(member: Member, timeout: float = DEADLINE) -> str:
+    """The next line the member's ``vramlock run`` writes on stderr, within ``timeout``."""
+    assert member.proc.stderr is not None
+    ready, _, _ = select.select([member.proc.stderr], [], [], timeout)
+    assert ready, f"{member.name} said nothing on stderr within {timeout} s"
+    return member.proc.stderr.readline()
+
+
+def _stderr_after_sigterm(member: Member) -> str:
+    os.kill(member.proc.pid, signal.SIGTERM)
+    member.proc.wait(30)
+    assert member.proc.stderr is not None
+    return member.proc.stderr.read()
+
+
+def test_after_residency_keeps_a_declared_footprint_until_the_use_passes_it() -> None:
+    assert with_margin(10 * GIB, UNIT) == 11 * GIB  # 10 %
+    assert with_margin(GIB, UNIT) == GIB + UNIT  # at least a unit
+    total = 3 * GIB
+    assert after_residency(None, GIB, UNIT, total).source == MEASURED
+    assert after_residency(None, GIB, UNIT, total).size == GIB + UNIT
+    assert after_residency(2 * GIB, GIB, UNIT, total).size == 2 * GIB  # within: declared
+    assert after_residency(2 * GIB, GIB, UNIT, total).source == DECLARED
+    assert after_residency(GIB, 2 * GIB, UNIT, total).size == 2 * GIB + UNIT  # past it
+    assert after_residency(None, 3 * GIB, UNIT, total).size == total  # never past the budget
+
+
+def test_run_without_vram_takes_the_budget_then_its_measured_footprint(room: Budgeted) -> None:
+    m = _run(room, "m", GIB)
+    m.wait_for("resident")
+    wait_until(lambda: room.capacity_bytes_held() == room.units)  # nothing measured yet
+    assert _footprints(room)["m"] == (3 * GIB, WHOLE)
+    b = _run(room, "b", GIB, vram="1G")
+    b.wait_for("resident")
+    m.wait_for("release")
+    # Measured at its release: 1G and a unit of margin, 5 units beside b's 4.
+    m.wait_for("resident", 2)
+    wait_until(lambda: room.resident() == {"m", "b"})
+    assert room.capacity_bytes_held() == 9
+    assert _footprints(room) == {"m": (GIB + UNIT, MEASURED), "b": (GIB, DECLARED)}
+    out = subprocess.run(
+        vramlock("who", "--arena", str(room.arena)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert "footprint 1.25G measured, 5 unit(s)" in out
+    assert "footprint 1G, 4 unit(s)" in out
+    assert room.over() == []
+    said = _stderr_after_sigterm(m)
+    assert "without --vram this command takes the whole budget until its footprint is measured" in (
+        said
+    )
+
+
+def test_run_that_outgrows_its_units_takes_free_ones(room: Budgeted) -> None:
+    m = _run(room, "m", 2 * GIB, vram="1G")
+    m.wait_for("resident")
+    wait_until(lambda: room.capacity_bytes_held() == 8)  # 2G, not the 1G declared
+    b = _run(room, "b", GIB, vram="1G")
+    b.wait_for("resident")  # fits in the last 4
+    c = _run(room, "c", GIB, vram="1G")
+    c.wait_for("resident")  # somebody had to step aside for it
+    assert room.count("m", "release") + room.count("b", "release") >= 1
+    assert room.over() == []
+    assert "uses" not in _stderr_after_sigterm(m)  # covered: nothing to say
+
+
+def test_run_that_outgrows_its_units_when_none_are_free_asks_for_more_next_time(
+    room: Budgeted, spawn: Spawn
+) -> None:
+    a = _run(room, "a", 2 * GIB, vram="2G")
+    a.wait_for("resident")
+    m = _run(room, "m", 2 * GIB, vram="1G")  # takes the 4 free units, needs 8
+    m.wait_for("OVER")  # the risk: until it releases, more is in use than the budget
+    assert _next_line(m) == (
+        "vramlock: m uses 2G, more than its footprint of 1G, and too few units of the budget"
+        " are free; it asks for 2.25G at its next admission\n"
+    )
+    shell = waiting_holder(spawn, room.arena)  # both step aside for the whole GPU
+    a.wait_for("release")
+    m.wait_for("release")
+    stepped_aside = time.monotonic()
+    assert _footprints(room)["m"] == (2 * GIB + UNIT, MEASURED)
+    assert shell.stdin is not None
+    shell.stdin.close()
+    # 8 + 9 units do not fit in 12: they take turns from now on, never over the budget.
+    for member in (a, m):
+        member.wait_for("resident", 3, timeout=DEADLINE)
+    assert [t for t, _, w in events(room.log) if w == "OVER" and t > stepped_aside] == []
+    assert " uses " not in _stderr_after_sigterm(m)  # once, and its units cover it since
+
+
+def test_a_residency_where_nvml_sees_nothing_keeps_the_whole_budget(room: Budgeted) -> None:
+    # As where NVML's pids name nobody here (a container): 0 is not a measurement.
+    m = _run(room, "m", 0)
+    m.wait_for("resident")
+    b = _run(room, "b", GIB, vram="1G")
+    b.wait_for("resident")
+    m.wait_for("release")
+    wait_until(lambda: room.count("m", "resident") == 2 or room.count("b", "release") == 1)
+    assert _footprints(room)["m"] == (3 * GIB, WHOLE)
+    assert "m" not in room.resident() or "b" not in room.resident()
