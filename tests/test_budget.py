@@ -857,6 +857,99 @@ def test_mixed_members_never_go_over_budget_and_all_get_turns(room: Budgeted) ->
     assert room.over() == []
 
 
+def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
+    arena: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Units freed between the waiter's scan and its choice are taken by the next
+    scan: asking a resident for them would make it step aside for nothing."""
+    from vramlock.share import Share
+
+    set_budget(arena, "3G")  # 12 units
+    opened = Arena.open(str(arena))
+    others = os.open(arena / "capacity.lock", os.O_RDWR)
+    budget = read_budget(opened)
+    assert budget is not None
+    share = Share(opened, budget, 4)
+    try:
+        assert lockfd.try_lock_bytes(others, 0, 8, write=True)  # residents on units 0-7
+        real = lockfd.try_lock_bytes
+        asks_at_scan: list[int] = []
+
+        def scan(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+            if fd == share.capacity:
+                if start == 0:
+                    asks_at_scan.append(_asks(arena))  # the kernel's view, as a scan begins
+                if len(asks_at_scan) == 1 and start >= 8:
+                    return False  # held at the first scan, freed just after it
+            return real(fd, start, length, write=write)
+
+        monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
+        assert share.acquire(5)
+        assert asks_at_scan[:2] == [0, 0]  # nobody was asked: units 8-11 were free
+        assert sorted(share.units) == [8, 9, 10, 11]
+    finally:
+        share.close()
+        os.close(others)
+        opened.close()
+
+
+def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_stranger(
+    arena: Path, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resident steps aside between the waiter's two looks, at its units' locks and at
+    the records: its units must look free, not held by somebody without a record (who
+    would be asked last, after the other, idle resident)."""
+    from vramlock import procfs, share
+    from vramlock.records import Record, read_live, record_name
+
+    set_budget(arena, "2G")  # 8 units
+    opened = Arena.open(str(arena))
+    budget = read_budget(opened)
+    assert budget is not None
+    members = opened.members_dir(create=True)
+    assert members is not None
+    os.close(members)
+    residents = {}
+    for name, first, used in (("old", 0, 1.0), ("new", 4, 2.0)):
+        proc = spawn(["sleep", "60"])
+        fd = os.open(arena / "capacity.lock", os.O_RDWR)
+        assert lockfd.try_lock_bytes(fd, first, 4, write=True)
+        rec = Record(pid=proc.pid, name=name, command=["sleep"], strategy="test",
+                     state="resident", since=1.0, starttime=procfs.starttime(proc.pid) or 0,
+                     units=list(range(first, first + 4)), used=used)  # fmt: skip
+        path = arena / "members" / record_name(rec.pid, rec.starttime)
+        path.write_bytes(rec.dump())
+        residents[name] = (fd, rec, path)
+    waiter = share.Share(opened, budget, 4)
+    real_lock = lockfd.try_lock_bytes
+    asks_at_scan: list[int] = []
+
+    def look(dirfd: int) -> list[tuple[Record, bool]]:
+        fd, rec, path = residents["old"]
+        if rec.units:  # "old" steps aside now: its units, then its record
+            lockfd.unlock_bytes(fd, 0, 0)
+            rec.units = []
+            path.write_bytes(rec.dump())
+        return read_live(dirfd)
+
+    def scan(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+        if fd == waiter.capacity and start == 0:
+            asks_at_scan.append(_asks(arena))
+        return real_lock(fd, start, length, write=write)
+
+    monkeypatch.setattr("vramlock.share.read_live", look)
+    monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
+    try:
+        assert waiter.acquire(5)
+        assert asks_at_scan[:2] == [0, 0]  # "new" was not asked: units 0-3 were free
+        assert sorted(waiter.units) == [0, 1, 2, 3]
+    finally:
+        waiter.close()
+        for fd, _, _ in residents.values():
+            os.close(fd)
+        opened.close()
+
+
 def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:
     from vramlock.share import Share
 

@@ -18,7 +18,7 @@ from . import lockfd
 from .arena import TOKEN, WANT, Arena
 from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
 from .errors import ArenaError, UsageError
-from .records import RecordWriter, read_live
+from .records import Record, RecordWriter, read_live
 
 # ``--budget auto``: what NVML calls total, less this much for the driver and for
 # processes outside the arena.
@@ -311,41 +311,55 @@ class Share:
             if self.exclusive_waiting():
                 return None
             now = time.time()
-            asked, later = choose(self._candidates(), self.need - len(self.units), now)
+            candidates, free = self._candidates()
+            # Units freed since the scan above are taken by the next one: ask only for
+            # the rest, or a resident would step aside for units nobody needs.
+            missing = self.need - len(self.units) - free
+            asked, later = choose(candidates, missing, now)
             self._ask(asked)
             # Awake when the minimum hold of those to ask ends, to ask them then.
-            pause = self._pause(min(pause or POLL_MAX, max(0.0, later - now)), left)
+            wait = 0.0 if free else min(pause or POLL_MAX, max(0.0, later - now))
+            pause = self._pause(wait, left)
             if pause is None:
                 return False
 
-    def _candidates(self) -> list[Candidate]:
-        """Residents by their records (advisory), then units nobody's record claims."""
+    def _candidates(self) -> tuple[list[Candidate], int]:
+        """Residents by their records (advisory), then units nobody's record claims;
+        and how many units nobody holds.
+
+        The records are read before the units' locks: while we gather, units only go
+        free, and one given up between the two looks then looks free, not held by
+        somebody without a record (asked last: after a resident that would do).
+        """
+        records: list[Record] = []
+        dirfd = self.arena.members_dir(create=False)
+        if dirfd is not None:
+            try:
+                records = [rec for rec, _ in read_live(dirfd) if rec.pid != os.getpid()]
+            finally:
+                os.close(dirfd)
         held = {
             u
             for u in range(self.budget.units)
             if u not in self.units and lockfd.bytes_locked_elsewhere(self.capacity, u, write=True)
         }
+        free = self.budget.units - len(self.units) - len(held)
         out: list[Candidate] = []
-        dirfd = self.arena.members_dir(create=False)
-        if dirfd is not None:
-            try:
-                for rec, _ in read_live(dirfd):
-                    units = [u for u in rec.units if u in held]
-                    if units and rec.pid != os.getpid():
-                        out.append(
-                            Candidate(
-                                units=units,
-                                busy=rec.busy,
-                                used=rec.used or 0.0,
-                                hold_until=rec.hold_until or 0.0,
-                                yield_within=rec.yield_within,
-                            )
-                        )
-                        held -= set(units)
-            finally:
-                os.close(dirfd)
+        for rec in records:
+            units = [u for u in rec.units if u in held]
+            if units:
+                out.append(
+                    Candidate(
+                        units=units,
+                        busy=rec.busy,
+                        used=rec.used or 0.0,
+                        hold_until=rec.hold_until or 0.0,
+                        yield_within=rec.yield_within,
+                    )
+                )
+                held -= set(units)
         out += [Candidate(units=[u], busy=True, used=0.0, known=False) for u in sorted(held)]
-        return out
+        return out, free
 
     def _ask(self, units: set[int]) -> None:
         """Hold read locks on want.lock at exactly ``units`` (the kernel never refuses a
