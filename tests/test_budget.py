@@ -9,6 +9,8 @@ them. Two members over budget at once cannot both get their bytes, and say "OVER
 from __future__ import annotations
 
 import fcntl
+import json
+import math
 import os
 import re
 import shutil
@@ -36,7 +38,8 @@ DEADLINE = 20.0
 # asked, and leaves; busy: the same, saying it works; cycle: resident $HOLD s whether
 # asked or not (a holder between safe points), then steps aside and queues again;
 # deaf: never steps aside; liar: like idle, but its record claims units it does not
-# hold and that it has been idle the longest.
+# hold and that it has been idle the longest. $MIN_HOLD: it refuses to step aside for
+# that long after it became resident, and says so in its record.
 MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
@@ -58,6 +61,7 @@ MEMBER = textwrap.dedent(
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
     hold = float(os.environ.get("HOLD", "0"))
+    min_hold = float(os.environ.get("MIN_HOLD", "0"))
     note("waiting")
     while True:
         share.acquire()
@@ -70,6 +74,7 @@ MEMBER = textwrap.dedent(
                 except OSError:
                     pass
         note("resident" if got == need else "OVER")
+        record.update(hold_until=time.time() + min_hold)
         if mode == "liar":
             others = [u for u in range(budget.units) if u not in share.units]
             record.update(units=others[:need], used=1.0, busy=False)
@@ -83,7 +88,7 @@ MEMBER = textwrap.dedent(
             if mode == "cycle":
                 if time.monotonic() - start > hold:
                     break
-            elif mode != "deaf" and share.wanted():
+            elif mode != "deaf" and time.monotonic() - start >= min_hold and share.wanted():
                 break
         witness(fcntl.F_UNLCK, 0, 0)
         note("release")
@@ -151,11 +156,13 @@ class Budgeted:
         self.witness.write_bytes(b"")
         self.log = tmp_path / "events.log"
 
-    def member(self, name: str, units: int, mode: str = "idle", hold: float = 0.0) -> Member:
+    def member(
+        self, name: str, units: int, mode: str = "idle", hold: float = 0.0, min_hold: float = 0.0
+    ) -> Member:
         proc = self.spawn(
             [sys.executable, "-c", MEMBER, str(self.arena), name, str(units),
              str(self.witness), str(self.log), mode],
-            env={**os.environ, "HOLD": str(hold)},
+            env={**os.environ, "HOLD": str(hold), "MIN_HOLD": str(min_hold)},
         )  # fmt: skip
         return Member(self, name, proc)
 
@@ -182,18 +189,27 @@ class Budgeted:
                 now.discard(n)
         return now
 
+    def witness_bytes_held(self) -> int:
+        """Bytes of the witness locked by members, by /proc/locks."""
+        return _bytes_locked(self.witness)
+
     def capacity_bytes_held(self) -> int:
         """Units held, by /proc/locks (OFD locks on capacity.lock)."""
-        st = os.stat(self.arena / "capacity.lock")
-        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        total = 0
-        with open("/proc/locks") as f:
-            for line in f:
-                fields = line.split()
-                if "->" not in fields and "OFDLCK" in fields and inode in fields:
-                    start, end = fields[-2:]
-                    total += int(end) - int(start) + 1
-        return total
+        return _bytes_locked(self.arena / "capacity.lock")
+
+
+def _bytes_locked(path: Path) -> int:
+    """Bytes of ``path`` under OFD locks, by /proc/locks."""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    total = 0
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if "->" not in fields and "OFDLCK" in fields and inode in fields:
+                start, end = fields[-2:]
+                total += int(end) - int(start) + 1
+    return total
 
 
 class Member:
@@ -275,17 +291,74 @@ def test_byte_lock_of_a_killed_process_is_freed_and_shown_in_proc_locks(tmp_path
         child.communicate(timeout=10)
 
 
+def test_a_change_waiters_choose_by_is_written_without_settling(
+    arena: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramlock import records
+
+    monkeypatch.setattr(records, "_SETTLE", 30.0)  # a plain update waits that long
+    opened = Arena.open(str(arena))
+    record = records.Record(
+        pid=os.getpid(), name="m", command=["m"], strategy="test", state="resident", since=1.0
+    )
+    writer = records.RecordWriter(opened, record)
+    try:
+        path = arena / "members" / writer.name
+
+        def on_disk() -> dict[str, object]:
+            data: dict[str, object] = json.loads(path.read_bytes())
+            return data
+
+        writer.update(used=5.0)
+        writer.update_at_once(busy=True)
+        wait_until(lambda: on_disk()["busy"] is True, timeout=10)
+        assert on_disk()["used"] == 5.0  # the latest version, earlier changes with it
+        writer.update(busy=False)
+        time.sleep(0.3)
+        assert on_disk()["busy"] is True  # plain updates still settle
+    finally:
+        writer.close()
+        opened.close()
+
+
 def test_choose_asks_idle_then_least_recently_used_then_unknown() -> None:
     busy_old = Candidate(units=[0, 1], busy=True, used=1.0)
     idle_new = Candidate(units=[2, 3], busy=False, used=30.0)
     idle_old = Candidate(units=[4], busy=False, used=20.0)
     unknown = Candidate(units=[5], busy=True, used=0.0, known=False)
+
+    def choose_now(cands: list[Candidate], missing: int) -> set[int]:
+        asked, later = choose(cands, missing, 100.0)
+        assert later == math.inf
+        return asked
+
     cands = [busy_old, unknown, idle_new, idle_old]
-    assert choose(cands, 1) == {4}
-    assert choose(cands, 2) == {2, 3, 4}
-    assert choose(cands, 5) == {0, 1, 2, 3, 4}
-    assert choose(cands, 6) == {0, 1, 2, 3, 4, 5}
-    assert choose([], 3) == set()
+    assert choose_now(cands, 1) == {4}
+    assert choose_now(cands, 2) == {2, 3}  # idle_old, taken first, is not needed then
+    assert choose_now(cands, 3) == {2, 3, 4}
+    assert choose_now(cands, 5) == {0, 1, 2, 3, 4}
+    assert choose_now(cands, 6) == {0, 1, 2, 3, 4, 5}
+    assert choose_now([], 3) == set()
+
+
+def test_choose_passes_over_min_hold_and_orders_busy_by_yield_within() -> None:
+    now = 100.0
+    held_old = Candidate(units=[0, 1, 2, 3], busy=False, used=1.0, hold_until=130.0)
+    past_new = Candidate(units=[4, 5, 6, 7], busy=False, used=90.0, hold_until=95.0)
+    # Inside its minimum hold it would refuse: another that would do is asked.
+    assert choose([held_old, past_new], 1, now) == ({4, 5, 6, 7}, math.inf)
+    # Only it would do: nobody is asked before its hold ends, then it is.
+    assert choose([held_old], 1, now) == (set(), 130.0)
+    assert choose([held_old], 1, 130.0) == ({0, 1, 2, 3}, math.inf)
+    # Both are needed: the other goes on working until then.
+    assert choose([held_old, past_new], 5, now) == (set(), 130.0)
+    # Busy after idle; among busy, the one whose --yield-within bounds the wait first.
+    unbounded = Candidate(units=[8], busy=True, used=1.0)
+    bounded = Candidate(units=[9], busy=True, used=50.0, yield_within=2.0)
+    idle = Candidate(units=[10], busy=False, used=99.0)
+    assert choose([unbounded, bounded, idle], 1, now) == ({10}, math.inf)
+    assert choose([unbounded, bounded, idle], 2, now) == ({9, 10}, math.inf)
+    assert choose([unbounded, bounded, idle], 3, now) == ({8, 9, 10}, math.inf)
 
 
 # -- the budget file ---------------------------------------------------------------------
@@ -475,6 +548,45 @@ def test_waiter_asks_the_least_recently_used_idle_resident(room: Budgeted) -> No
     assert room.over() == []
 
 
+def _asks(arena: Path) -> int:
+    """Budget waiters' asks, by /proc/locks: OFD read locks on want.lock."""
+    st = os.stat(arena / "want.lock")
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return sum(
+            1 for ln in f if "->" not in ln.split() and {"OFDLCK", "READ", inode} <= set(ln.split())
+        )
+
+
+def test_a_resident_inside_its_min_hold_is_passed_over(room: Budgeted) -> None:
+    held = room.member("held", 4, min_hold=60)  # the least recently used, but it would refuse
+    held.wait_for("resident")
+    past = room.member("past", 4)
+    past.wait_for("resident")
+    waiter = room.member("waiter", 5)  # 4 units free: one more is needed
+    waiter.wait_for("resident", timeout=10)
+    assert room.count("past", "release") == 1 and room.count("held", "release") == 0
+    assert room.witness_bytes_held() == 4 + 5  # held's are still locked, past's are free
+    assert room.over() == []
+
+
+def test_a_waiter_that_needs_a_resident_inside_its_min_hold_asks_when_it_ends(
+    room: Budgeted,
+) -> None:
+    held = room.member("held", 8, min_hold=1.5)
+    held.wait_for("resident")
+    came = next(t for t, n, w in events(room.log) if n == "held" and w == "resident")
+    waiter = room.member("waiter", 5)  # 4 units free: held must go
+    wait_until(lambda: _queue_head(room.arena) == waiter.proc.pid)
+    while time.monotonic() < came + 1.3:  # nobody is asked inside the hold: it would refuse
+        assert _asks(room.arena) == 0
+        time.sleep(0.01)
+    waiter.wait_for("resident", timeout=10)
+    admitted = next(t for t, n, w in events(room.log) if n == "waiter" and w == "resident")
+    assert came + 1.5 <= admitted < came + 1.5 + 1.0  # just after the hold, not before
+    assert room.over() == []
+
+
 def test_big_member_is_not_starved_by_a_stream_of_small_ones(room: Budgeted) -> None:
     smalls = [room.member(f"s{i}", 3, "cycle", hold=0.03) for i in range(5)]
     for s in smalls:
@@ -616,14 +728,36 @@ RUN_CHILD = textwrap.dedent(
 )
 
 
-def _run(room: Budgeted, name: str, vram: str, units: int) -> Member:
+def _run(room: Budgeted, name: str, vram: str, units: int, *options: str) -> Member:
     proc = room.spawn(
         vramlock("run", "--arena", str(room.arena), "--vram", vram, "--release", "signal",
-                 "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
+                 "--name", name, *options, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
                  str(room.log), name, str(units)),
         graceful=True,
     )  # fmt: skip
     return Member(room, name, proc)
+
+
+def test_a_run_publishes_its_min_hold_its_yield_within_and_that_a_job_works(
+    room: Budgeted,
+) -> None:
+    """What budget waiters choose by, in the record (the protocol's interface)."""
+    before = time.time()
+    job = _run(room, "job", "1G", 4, "--demand", "always", "--min-hold", "30",
+               "--yield-within", "2")  # fmt: skip
+    job.wait_for("resident")
+    members = room.arena / "members"
+
+    def record() -> dict[str, object]:
+        [path] = list(members.glob("*.json"))
+        data: dict[str, object] = json.loads(path.read_bytes())
+        return data
+
+    wait_until(lambda: record()["busy"] is True)  # a job taking turns works while resident
+    rec = record()
+    assert rec["yield_within"] == 2.0
+    hold_until = rec["hold_until"]
+    assert isinstance(hold_until, float) and before + 30 <= hold_until <= time.time() + 30
 
 
 def test_runs_that_fit_are_resident_together_and_who_shows_footprints(room: Budgeted) -> None:
@@ -723,6 +857,99 @@ def test_mixed_members_never_go_over_budget_and_all_get_turns(room: Budgeted) ->
     for m in [*members, whole]:
         m.wait_for("resident", 2, timeout=DEADLINE)
     assert room.over() == []
+
+
+def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
+    arena: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Units freed between the waiter's scan and its choice are taken by the next
+    scan: asking a resident for them would make it step aside for nothing."""
+    from vramlock.share import Share
+
+    set_budget(arena, "3G")  # 12 units
+    opened = Arena.open(str(arena))
+    others = os.open(arena / "capacity.lock", os.O_RDWR)
+    budget = read_budget(opened)
+    assert budget is not None
+    share = Share(opened, budget, 4)
+    try:
+        assert lockfd.try_lock_bytes(others, 0, 8, write=True)  # residents on units 0-7
+        real = lockfd.try_lock_bytes
+        asks_at_scan: list[int] = []
+
+        def scan(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+            if fd == share.capacity:
+                if start == 0:
+                    asks_at_scan.append(_asks(arena))  # the kernel's view, as a scan begins
+                if len(asks_at_scan) == 1 and start >= 8:
+                    return False  # held at the first scan, freed just after it
+            return real(fd, start, length, write=write)
+
+        monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
+        assert share.acquire(5)
+        assert asks_at_scan[:2] == [0, 0]  # nobody was asked: units 8-11 were free
+        assert sorted(share.units) == [8, 9, 10, 11]
+    finally:
+        share.close()
+        os.close(others)
+        opened.close()
+
+
+def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_stranger(
+    arena: Path, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resident steps aside between the waiter's two looks, at its units' locks and at
+    the records: its units must look free, not held by somebody without a record (who
+    would be asked last, after the other, idle resident)."""
+    from vramlock import procfs, share
+    from vramlock.records import Record, read_live, record_name
+
+    set_budget(arena, "2G")  # 8 units
+    opened = Arena.open(str(arena))
+    budget = read_budget(opened)
+    assert budget is not None
+    members = opened.members_dir(create=True)
+    assert members is not None
+    os.close(members)
+    residents = {}
+    for name, first, used in (("old", 0, 1.0), ("new", 4, 2.0)):
+        proc = spawn(["sleep", "60"])
+        fd = os.open(arena / "capacity.lock", os.O_RDWR)
+        assert lockfd.try_lock_bytes(fd, first, 4, write=True)
+        rec = Record(pid=proc.pid, name=name, command=["sleep"], strategy="test",
+                     state="resident", since=1.0, starttime=procfs.starttime(proc.pid) or 0,
+                     units=list(range(first, first + 4)), used=used)  # fmt: skip
+        path = arena / "members" / record_name(rec.pid, rec.starttime)
+        path.write_bytes(rec.dump())
+        residents[name] = (fd, rec, path)
+    waiter = share.Share(opened, budget, 4)
+    real_lock = lockfd.try_lock_bytes
+    asks_at_scan: list[int] = []
+
+    def look(dirfd: int) -> list[tuple[Record, bool]]:
+        fd, rec, path = residents["old"]
+        if rec.units:  # "old" steps aside now: its units, then its record
+            lockfd.unlock_bytes(fd, 0, 0)
+            rec.units = []
+            path.write_bytes(rec.dump())
+        return read_live(dirfd)
+
+    def scan(fd: int, start: int, length: int = 1, *, write: bool) -> bool:
+        if fd == waiter.capacity and start == 0:
+            asks_at_scan.append(_asks(arena))
+        return real_lock(fd, start, length, write=write)
+
+    monkeypatch.setattr("vramlock.share.read_live", look)
+    monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
+    try:
+        assert waiter.acquire(5)
+        assert asks_at_scan[:2] == [0, 0]  # "new" was not asked: units 0-3 were free
+        assert sorted(waiter.units) == [0, 1, 2, 3]
+    finally:
+        waiter.close()
+        for fd, _, _ in residents.values():
+            os.close(fd)
+        opened.close()
 
 
 def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:

@@ -486,6 +486,43 @@ def test_yield_within_cuts_a_response_before_the_release(
     eng.assert_free_during(turn)
 
 
+def test_a_budget_waiter_asks_an_idle_server_before_one_answering(
+    arena: Path, spawn: Spawn, tmp_path: Path, engine: MakeEngine
+) -> None:
+    """Two servers on a budget, one more member that fits only if one goes: the one
+    answering a request is passed over for the idle one, although that one was used
+    last and keeps a connection open (a connection is not work)."""
+    from test_budget import Budgeted
+
+    room = Budgeted(spawn, arena, tmp_path, "3G")  # 12 units: 4 for each server, 4 free
+    engines, ports = {}, {}
+    for name in ("answering", "idle"):
+        eng, port = engine("generic"), free_port()
+        base = f"http://127.0.0.1:{eng.port}"
+        wrap(spawn, arena, eng, "--vram", "1G", "--name", name, "--on-release-url",
+             f"{base}/off", "--on-restore-url", f"{base}/on", "--demand", "listen",
+             "--listen", str(port), "--upstream", str(eng.port))  # fmt: skip
+        engines[name], ports[name] = eng, port
+    reader = threading.Thread(
+        target=read_stream, args=(ports["answering"], "/stream?n=30&gap=1"), daemon=True
+    )
+    reader.start()
+    wait_until(lambda: engines["answering"].count("chunk 0") == 1)
+    kept = http.client.HTTPConnection("127.0.0.1", ports["idle"], timeout=30)
+    try:
+        kept.request("GET", "/health")
+        assert kept.getresponse().read() is not None
+        wait_until(lambda: {r["name"]: r.get("connections") for r in who_json(arena)}["idle"] == 1)
+        waiter = room.member("waiter", 5)
+        waiter.wait_for("resident", timeout=10)
+        assert engines["idle"].count("req POST /off") == 1
+        assert engines["answering"].count("req POST /off") == 0
+        assert reader.is_alive()  # still answering: nothing cut it
+    finally:
+        kept.close()
+    assert room.over() == []
+
+
 def ask(port: int, method: str = "GET", path: str = "/health", body: object = None) -> int:
     """One request through the proxy on ``port``: the status it got."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

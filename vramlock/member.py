@@ -123,9 +123,23 @@ class Member:
     def describe(self, **changes: object) -> None:
         """Update this member's record (strategy, child pid) as shown by ``who``."""
         self.records.update(**changes)
-        if self.share is not None and "connections" in changes:
-            # Clients connected: busy, and budget waiters ask idle residents first.
-            self.share.touch(busy=bool(changes["connections"]))
+
+    def working(self, busy: bool) -> None:
+        """Say whether the command works now (a request in flight, a job running):
+        budget waiters ask idle residents first. Safe from any thread."""
+        if self.share is not None:
+            self.share.touch(busy)
+
+    def set_min_hold(self, seconds: float) -> None:
+        """Change the minimum hold, of this residency too."""
+        self.min_hold = seconds
+        self._say_hold()
+
+    def _say_hold(self) -> None:
+        # Budget waiters do not ask a resident inside its minimum hold: it would refuse.
+        if self.share is not None:
+            left = self.resident_since + self.min_hold - time.monotonic()
+            self.records.update(hold_until=time.time() + max(0.0, left))
 
     def acquire(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
         """Queue for the token; True once resident, False if ``timeout`` ran out."""
@@ -190,6 +204,7 @@ class Member:
     def resident(self) -> None:
         self.resident_since = time.monotonic()
         self._set(State.RESIDENT)
+        self._say_hold()
 
     def wanted(self) -> bool:
         """Does anybody wait for the token (or, for a budget share, for our units)?
@@ -383,6 +398,13 @@ class Members:
 
     def describe(self, **changes: object) -> None:
         self._each(lambda m: m.describe(**changes))
+
+    def working(self, busy: bool) -> None:
+        self._each(lambda m: m.working(busy))
+
+    def set_min_hold(self, seconds: float) -> None:
+        self.min_hold = seconds
+        self._each(lambda m: m.set_min_hold(seconds))
 
     def waiting(self) -> None:
         self._set(State.WAITING)

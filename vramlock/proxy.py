@@ -135,9 +135,11 @@ class Proxy:
 
     The gate starts closed; ``ready_url`` is the path that answers 2xx once the upstream
     serves (None: accepting a connection is ready). ``report(n)`` is told the number of
-    open client connections when it changes (at most every ``REPORT_EVERY``), from the
-    proxy's thread; ``warn`` gets diagnostics. Raises AddressError when an address cannot
-    be resolved or bound.
+    open client connections when it changes (at most every ``REPORT_EVERY``), and
+    ``working(busy)`` at once whenever the proxy starts or stops being busy (a client
+    waits for the gate, or an exchange is in progress), both from the proxy's thread;
+    ``warn`` gets diagnostics. Raises AddressError when an address cannot be resolved
+    or bound.
     """
 
     def __init__(
@@ -150,11 +152,12 @@ class Proxy:
         ready_url: str | None = None,
         report: Callable[[int], None],
         warn: Callable[[str], None],
+        working: Callable[[bool], None] | None = None,
     ) -> None:
         self.idle = idle
         self.ready_within = ready_within
         self.ready_url = ready_url
-        self._report, self._warn = report, warn
+        self._report, self._warn, self._working = report, warn, working
         self._upstreams = resolve(upstream, "--upstream", connect=True)
         family, where = resolve(listen, "--listen")[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -184,6 +187,7 @@ class Proxy:
         self._awaited = False  # the runner waits for the exchanges in progress to end
         self._cutting: threading.Event | None = None  # set once busy connections are cut
         self._reported, self._last_report = 0, 0.0
+        self._active: set[_Conn] = set()  # connections in an exchange or at the gate
         self._report_at: float | None = None
         self._handlers: dict[socket.socket, Callable[[int], None]] = {}
         self._masks: dict[socket.socket, int] = {}
@@ -413,6 +417,7 @@ class Proxy:
     def _hold(self, conn: _Conn, gate: Gate) -> None:
         # Watched only to see a client that hangs up while it waits (see _on_client).
         self._arm(conn.client, _READ)
+        self._mark(conn)
         if gate is Gate.CLOSED:
             self._poke(self._wake_runner)
 
@@ -456,6 +461,7 @@ class Proxy:
         writing = conn.connecting or up.buf
         reading = flowing and not down.eof and not down.buf
         self._arm(upstream, (_WRITE if writing else 0) | (_READ if reading else 0))
+        self._mark(conn)
 
     def _on_client(self, conn: _Conn, events: int) -> None:
         if events & _WRITE and conn.down is not None:
@@ -543,6 +549,7 @@ class Proxy:
 
     def _over(self, conn: _Conn) -> None:
         """Wake the runner once an exchange it waits for has ended."""
+        self._mark(conn)
         if self._awaited and not conn.in_progress():
             self._awaited = False
             self._poke(self._wake_runner)
@@ -581,7 +588,22 @@ class Proxy:
         self._forget(conn.client)
         if conn.upstream is not None:
             self._forget(conn.upstream)
+        self._mark(conn)
         self._count_changed()
+
+    def _mark(self, conn: _Conn) -> None:
+        """Keep ``_active`` up to date for ``conn``, and say at once when the proxy
+        starts or stops being busy (budget waiters ask idle residents first)."""
+        was = bool(self._active)
+        if conn in self._conns and (conn.waiting or conn.connecting or conn.in_progress()):
+            self._active.add(conn)
+        else:
+            self._active.discard(conn)
+        if bool(self._active) != was and self._working is not None:
+            try:
+                self._working(not was)
+            except Exception:
+                pass  # advisory only
 
     def _count_changed(self) -> None:
         now = time.monotonic()

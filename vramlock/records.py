@@ -44,6 +44,8 @@ _MAX_UNIT = 4096  # a budget's units at most: its record stays well under MAX_RE
 # How long the writer lets a burst of changes settle before it writes: the next holder
 # gets the CPU first, a handoff is one write, and a member that changes state thousands
 # of times a second writes at most 50 times a second. A 20 ms lag is invisible in `who`.
+# A change budget waiters choose by is written without settling: a budget resident that
+# starts or stops working (twice a request at most) or gives up its units.
 _SETTLE = 0.02
 
 # O_EXCL and a random name: never open, truncate or follow what somebody planted
@@ -91,6 +93,16 @@ def _bounded(value: Any, low: int, high: int) -> int:
     return number
 
 
+def _time(value: Any) -> float | None:
+    """A time or a duration in seconds: finite, not negative, and not absurd."""
+    if value is None:
+        return None
+    number = float(_typed(value, (int, float)))
+    if not (math.isfinite(number) and 0 <= number < _LATEST_SINCE):
+        raise ValueError("out of range")
+    return number
+
+
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -128,15 +140,19 @@ class Record:
     # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
     gpus: list[int] = field(default_factory=list)
     # A budget arena: the capacity units it holds while resident, its footprint in
-    # bytes and where that comes from, whether it is working now, and when it last
-    # worked (Unix time). Budget
-    # waiters choose whom to ask to step aside from these; a false value can only
-    # make that choice worse, never put two members on one unit.
+    # bytes and where that comes from, whether it is working now (a request in flight,
+    # a job running), when it last worked (Unix time), until when its minimum hold keeps
+    # it resident (Unix time), and how long it may put a release off while busy
+    # (seconds; None: until its work is done). Budget waiters choose whom to ask to
+    # step aside from these; a false value can only make that choice worse, never put
+    # two members on one unit.
     units: list[int] = field(default_factory=list)
     vram: int | None = None
     vram_from: str | None = None  # "declared", "measured", or "whole budget" (not yet measured)
     busy: bool = False
     used: float | None = None
+    hold_until: float | None = None
+    yield_within: float | None = None
     # The inode of the token.lock the member locks: who tells when it is not the arena's.
     token_ino: int | None = None
     # What ``who`` should add about the member (the swap library writes one for a
@@ -154,12 +170,9 @@ class Record:
                 return None
             child = data.get("child_pid")
             listen, connections = data.get("listen"), data.get("connections")
-            vram, used = data.get("vram"), data.get("used")
-            vram_from = data.get("vram_from")
-            if used is not None:
-                used = float(_typed(used, (int, float)))
-                if not (math.isfinite(used) and 0 <= used < _LATEST_SINCE):
-                    return None
+            vram, vram_from = data.get("vram"), data.get("vram_from")
+            used, hold_until = _time(data.get("used")), _time(data.get("hold_until"))
+            yield_within = _time(data.get("yield_within"))
             token_ino = data.get("token_ino")
             note = data.get("note")
             return cls(
@@ -187,6 +200,8 @@ class Record:
                 vram_from=None if vram_from is None else _typed(vram_from, str),
                 busy=_flag(data.get("busy", False)),
                 used=used,
+                hold_until=hold_until,
+                yield_within=yield_within,
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
                 note=None if note is None else _typed(note, str),
             )
@@ -298,8 +313,9 @@ class RecordWriter:
     """Keeps one member's record current from a daemon thread; never raises, never blocks.
 
     ``update`` changes the record in memory and wakes the writer, which writes the
-    latest version once changes have settled for a few milliseconds. ``flush``
-    writes it now. Silent when the arena has no usable ``members/``.
+    latest version once changes have settled for a few milliseconds (``update_at_once``:
+    without settling). ``flush`` writes it now. Silent when the arena has no
+    usable ``members/``.
     """
 
     def __init__(self, arena: Arena, record: Record) -> None:
@@ -311,6 +327,7 @@ class RecordWriter:
         self._version = 0  # bumped by every update
         self._written = -1  # the version on disk (or that failed to get there)
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # cuts the settling short: at_once, or close
         self._io = threading.Lock()  # one write at a time, so an older one never lands last
         self._thread: threading.Thread | None = None
         if self.dirfd is None:
@@ -322,12 +339,22 @@ class RecordWriter:
 
     def update(self, **changes: Any) -> None:
         """Change the record in memory; it reaches the disk soon after."""
+        self._change(changes, at_once=False)
+
+    def update_at_once(self, **changes: Any) -> None:
+        """``update``, written as soon as the writer may: a change budget waiters choose
+        by, where a stale record makes them ask the wrong resident."""
+        self._change(changes, at_once=True)
+
+    def _change(self, changes: dict[str, Any], *, at_once: bool) -> None:
         with self._changed:
             for key, value in changes.items():
                 setattr(self.record, key, value)
             if "state" in changes and "since" not in changes:
                 self.record.since = time.time()
             self._version += 1
+            if at_once:
+                self._hurry.set()
             self._changed.notify()
 
     def flush(self) -> None:
@@ -349,7 +376,9 @@ class RecordWriter:
         while True:
             with self._changed:
                 self._changed.wait_for(self._due)
-            if self._stop.wait(_SETTLE):
+            self._hurry.wait(_SETTLE)
+            self._hurry.clear()  # a change made after this is in the flush below
+            if self._stop.is_set():
                 return
             self.flush()
 
@@ -380,6 +409,7 @@ class RecordWriter:
     def close(self) -> None:
         """Stop the writer and remove the record."""
         self._stop.set()
+        self._hurry.set()
         with self._changed:
             self._changed.notify()
         if self._thread is not None:

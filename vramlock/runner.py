@@ -262,6 +262,7 @@ class Runner:
             ready_url=opts.ready_url or ready_url(opts.command, opts.preset),
             report=lambda count: member.describe(connections=count),
             warn=opts.warn,
+            working=member.working,
         )
         member.describe(listen=proxy.address, connections=0)
         return proxy
@@ -406,6 +407,11 @@ class Scheduler:
         member, ctx, sup = self.member, self.ctx, self.sup
         # The proxy itself holds clients until the server is ready (--ready-url).
         self.demand = demands.make(self.opts.demand, self.ctx, self.proxy)
+        # For budget waiters choosing whom to ask: how long a busy release may wait,
+        # and a job taking turns works whenever it is resident.
+        member.describe(yield_within=self.opts.yield_within)
+        if self.demand.takes_turns:
+            member.working(True)
         while True:
             status = sup.gone()
             if status is not None:
@@ -634,7 +640,7 @@ class Scheduler:
         if self.child.pid != pid:  # started again
             self._started = time.monotonic()
             if self.demand.takes_turns:
-                member.min_hold = max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run)
+                member.set_min_hold(max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run))
         self._resident_again()
         return None
 

@@ -8,6 +8,7 @@ the old one meanwhile.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +18,7 @@ from . import lockfd
 from .arena import TOKEN, WANT, Arena
 from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
 from .errors import ArenaError, UsageError
-from .records import RecordWriter, read_live
+from .records import Record, RecordWriter, read_live
 
 # ``--budget auto``: what NVML calls total, less this much for the driver and for
 # processes outside the arena.
@@ -116,17 +117,43 @@ class Candidate:
     busy: bool
     used: float  # Unix time it last worked; 0 when unknown
     known: bool = True  # False: units held by somebody without a record
+    hold_until: float = 0.0  # Unix time its minimum hold ends: it refuses to go before
+    yield_within: float | None = None  # how long it may stay while busy; None: no bound
 
 
-def choose(candidates: Iterable[Candidate], missing: int) -> set[int]:
-    """The units to ask for: idle before busy, least recently used first, residents
-    without a record last, until ``missing`` units would be freed."""
-    asked: set[int] = set()
-    for c in sorted(candidates, key=lambda c: (not c.known, c.busy, c.used)):
-        if len(asked) >= missing:
+def _preference(c: Candidate, now: float) -> tuple[float, ...]:
+    """Whom to ask first: those past their minimum hold, idle before busy (a busy one
+    by the bound its --yield-within puts on the wait), least recently used first; then
+    those inside their minimum hold, by when it ends; units without a record last."""
+    if not c.known:
+        return (2.0,)
+    if c.hold_until > now:
+        return (1.0, c.hold_until, c.busy, c.used)
+    bound = 0.0 if not c.busy else math.inf if c.yield_within is None else c.yield_within
+    return (0.0, 0.0, c.busy, bound, c.used)
+
+
+def choose(candidates: Iterable[Candidate], missing: int, now: float) -> tuple[set[int], float]:
+    """Whom to ask so that ``missing`` units would be freed: the units to ask for now,
+    and when to ask (inf: now, or nobody to ask).
+
+    Candidates are taken in ``_preference`` order until they would do; one taken early
+    that those after it make unnecessary is left resident. A resident inside its
+    minimum hold would refuse: when one is needed, nobody is asked until its hold ends,
+    and the others chosen with it go on working meanwhile.
+    """
+    chosen: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: _preference(c, now)):
+        if sum(len(k.units) for k in chosen) >= missing:
             break
-        asked.update(c.units)
-    return asked
+        chosen.append(c)
+    for c in list(chosen):
+        if sum(len(k.units) for k in chosen) - len(c.units) >= missing:
+            chosen.remove(c)
+    ready = max((c.hold_until for c in chosen if c.known), default=0.0)
+    if ready > now:
+        return set(), ready
+    return {u for c in chosen for u in c.units}, math.inf
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -156,6 +183,7 @@ class Share:
         self.records = records
         self.units: list[int] = []
         self.resident = False
+        self.busy = False
         self._asked: set[int] = set()
         fds: list[int] = []
         try:
@@ -275,8 +303,16 @@ class Share:
                 return True
             if self.exclusive_waiting():
                 return None
-            self._ask(choose(self._candidates(), self.need - len(self.units)))
-            pause = self._pause(pause or POLL_MAX, left)
+            now = time.time()
+            candidates, free = self._candidates()
+            # Units freed since the scan above are taken by the next one: ask only for
+            # the rest, or a resident would step aside for units nobody needs.
+            missing = self.need - len(self.units) - free
+            asked, later = choose(candidates, missing, now)
+            self._ask(asked)
+            # Awake when the minimum hold of those to ask ends, to ask them then.
+            wait = 0.0 if free else min(pause or POLL_MAX, max(0.0, later - now))
+            pause = self._pause(wait, left)
             if pause is None:
                 return False
 
@@ -289,26 +325,43 @@ class Share:
                 self.units.append(unit)
         return len(self.units) >= need
 
-    def _candidates(self) -> list[Candidate]:
-        """Residents by their records (advisory), then units nobody's record claims."""
+    def _candidates(self) -> tuple[list[Candidate], int]:
+        """Residents by their records (advisory), then units nobody's record claims;
+        and how many units nobody holds.
+
+        The records are read before the units' locks: while we gather, units only go
+        free, and one given up between the two looks then looks free, not held by
+        somebody without a record (asked last: after a resident that would do).
+        """
+        records: list[Record] = []
+        dirfd = self.arena.members_dir(create=False)
+        if dirfd is not None:
+            try:
+                records = [rec for rec, _ in read_live(dirfd) if rec.pid != os.getpid()]
+            finally:
+                os.close(dirfd)
         held = {
             u
             for u in range(self.budget.units)
             if u not in self.units and lockfd.bytes_locked_elsewhere(self.capacity, u, write=True)
         }
+        free = self.budget.units - len(self.units) - len(held)
         out: list[Candidate] = []
-        dirfd = self.arena.members_dir(create=False)
-        if dirfd is not None:
-            try:
-                for rec, _ in read_live(dirfd):
-                    units = [u for u in rec.units if u in held]
-                    if units and rec.pid != os.getpid():
-                        out.append(Candidate(units=units, busy=rec.busy, used=rec.used or 0.0))
-                        held -= set(units)
-            finally:
-                os.close(dirfd)
+        for rec in records:
+            units = [u for u in rec.units if u in held]
+            if units:
+                out.append(
+                    Candidate(
+                        units=units,
+                        busy=rec.busy,
+                        used=rec.used or 0.0,
+                        hold_until=rec.hold_until or 0.0,
+                        yield_within=rec.yield_within,
+                    )
+                )
+                held -= set(units)
         out += [Candidate(units=[u], busy=True, used=0.0, known=False) for u in sorted(held)]
-        return out
+        return out, free
 
     def _ask(self, units: set[int]) -> None:
         """Hold read locks on want.lock at exactly ``units`` (the kernel never refuses a
@@ -330,7 +383,7 @@ class Share:
 
     def _publish(self) -> None:
         if self.records is not None:
-            self.records.update(units=sorted(self.units), used=time.time())
+            self.records.update(units=sorted(self.units), busy=self.busy, used=time.time())
 
     # -- resident -----------------------------------------------------------------------
 
@@ -343,9 +396,14 @@ class Share:
         return self.exclusive_waiting()
 
     def touch(self, busy: bool) -> None:
-        """Say whether we are working now (waiters ask idle residents first)."""
+        """Say whether we are working now (waiters ask idle residents first); it holds
+        for our next residencies too, until said otherwise."""
+        changed, self.busy = busy != self.busy, busy
         if self.records is not None:
-            self.records.update(busy=busy, used=time.time())
+            # A change is written at once: a waiter that takes an idle resident for busy,
+            # or a busy one for idle, asks the wrong one.
+            change = self.records.update_at_once if changed else self.records.update
+            change(busy=busy, used=time.time())
 
     def resize(self, need: int) -> None:
         """Ask for ``need`` units at the next admission (between residencies only)."""
@@ -366,7 +424,9 @@ class Share:
         self._drop()
         os.sched_yield()  # let the waiter that gets our units run first
         if self.records is not None:
-            self.records.update(units=[], busy=False)
+            # At once: until it is written, our record names units somebody else may
+            # hold by now, and a waiter would ask that one as if it were us.
+            self.records.update_at_once(units=[], busy=False)
 
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
         """After a release, wait until queueing again cannot barge past the waiter that
