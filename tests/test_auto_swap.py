@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from test_swap import (
     build_fakes,
     during,
     make_rig,
-    pinning_done,
     read_line,
     resumed,
     swap_turns,
@@ -36,7 +34,7 @@ from test_swap import (
 )
 
 from vramlock import swap
-from vramlock.procfs import descendants, starttime
+from vramlock.procfs import descendants
 from vramlock.strategies.presets import PRESETS
 
 pytestmark = [
@@ -89,26 +87,6 @@ def test_auto_swaps_a_cuda_program(rig: Rig, spawn: Spawn) -> None:
     assert not during(rig.launches(), [first])
     assert out.split().count("done") == 1
     assert err == ""  # nothing said: auto chose, nothing failed
-
-
-def test_auto_pins_ahead_once_the_arena_is_shared(rig: Rig, spawn: Spawn) -> None:
-    # Alone in its arena, a command takes no host memory; once another member is there
-    # a swap is to be expected, and the host copies are pinned before it, not during.
-    stop = rig.tmp / "stop"
-    job = auto(
-        rig, spawn, str(rig.fakes.program), "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop))
-    )
-    assert read_line(job) == ["ready"]
-    time.sleep(3)  # past the library's quiet second and auto's look at the arena
-    assert rig.logged("pin") == []
-    other = spawn(["sleep", "60"])  # another member, as its record says
-    members = rig.arena / "members"
-    (members / f"{other.pid}-{starttime(other.pid)}.json").write_text("{}")
-    pinned = pinning_done(rig)
-    assert int(rig.phys.read_text()) > 0  # pinned while resident: nobody asked
-    out, err = swap_turns(rig, spawn, job, stop, 2)
-    assert rig.logged("pin") == pinned  # the releases found them pinned
-    assert out.split()[-2] == "done" and err == ""
 
 
 def test_auto_falls_back_when_swap_refuses_and_the_program_runs_on(rig: Rig, spawn: Spawn) -> None:

@@ -43,7 +43,6 @@ class Context:
     child: Child
     control: ParentEnd
     started: Callable[[int], None] = lambda pid: None  # told each new pid of the command
-    shared: Callable[[], bool] = lambda: False  # has the arena another member now?
     hello: bool = False  # the child said it speaks the control protocol
     wants: bool = False  # the child said `want` since the last restore
     endings: int = 0  # ending signals (TERM, INT, HUP, QUIT) the wrapper has had

@@ -278,16 +278,6 @@ def _read(dirfd: int, name: str) -> tuple[Record, int] | None:
         os.close(fd)
 
 
-def others_live(dirfd: int, pid: int) -> bool:
-    """Does a living process other than ``pid`` have a record here? (Judged by the
-    names alone: cheap enough to ask every few seconds.)"""
-    for name in _listdir(dirfd):
-        owner = _owner_of(name)
-        if owner is not None and owner[0] != pid and procfs.alive(*owner):
-            return True
-    return False
-
-
 def read_live(dirfd: int) -> list[tuple[Record, bool]]:
     """The records of living processes, each with whether it is trusted.
 

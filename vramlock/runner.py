@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import demand as demands
 from . import footprint as footprints
-from . import records, strategies
+from . import strategies
 from .arena import default_gpu, one_arena_or_gpus
 from .budget import show_size
 from .context import ChildExited, Context, Interrupted, ReleaseTimeout
@@ -77,20 +77,6 @@ def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
             "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         }
-
-
-def others_in(member: Member | Members) -> bool:
-    """Has one of the member's arenas another member (a record of another process)?"""
-    for arena in member.arenas:
-        fd = arena.members_dir(create=False)
-        if fd is None:
-            continue
-        try:
-            if records.others_live(fd, os.getpid()):
-                return True
-        finally:
-            os.close(fd)
-    return False
 
 
 def _quiet(message: str) -> None:
@@ -309,10 +295,7 @@ class Runner:
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
             ctx = Context(
-                child=child,
-                control=control,
-                started=lambda pid: member.describe(child_pid=pid),
-                shared=functools.partial(others_in, member),
+                child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
             )
             sup = self._supervision = Supervision(child, ctx, member, opts.warn)
             for signum in self._early_signals:

@@ -6,8 +6,7 @@
  * until cuMemSetAccess, as on a GPU), cuMemUnmap puts the inaccessible mapping
  * back. Copies are memcpy. A "kernel" is a host function, `void f(void **params)`,
  * passed as the CUfunction; each launch is appended to the file named by
- * FAKE_CUDA_LAUNCH_LOG as "launch <start ns> <end ns>" (CLOCK_MONOTONIC), and each
- * pinned host allocation as "pin <ns> <bytes>".
+ * FAKE_CUDA_LAUNCH_LOG as "launch <start ns> <end ns>" (CLOCK_MONOTONIC).
  * The physical memory held (memfds and plain allocations) is written to the file
  * named by FAKE_CUDA_PHYS at every change: the tests' witness that a released
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
@@ -421,7 +420,6 @@ CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
 static __thread void *current;
 #define NO_CONTEXT 201
 
-
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 {
 	(void)fl;
@@ -431,12 +429,6 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 	if (full && !access(full, F_OK))
 		return OOM;
 	*p = malloc(n);
-	if (*p && log_fd >= 0) {
-		char line[64];
-		int len = snprintf(line, sizeof line, "pin %lld %zu\n", now_ns(), n);
-		if (write(log_fd, line, (size_t)len) != len)
-			abort();
-	}
 	return *p ? OK : OOM;
 }
 CUresult cuMemFreeHost(void *p) { free(p); return OK; }

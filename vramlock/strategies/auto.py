@@ -7,9 +7,6 @@ its mind as it learns more. It never picks a strategy that throws away a job's w
   here (a driver with virtual memory management, its library built or buildable), the
   library goes in front of the command as well, unless a preset sees the engine spread
   over several GPU processes (they share memory in a way the library cannot serve).
-- The arena has another member, and the command's processes joined the swap library:
-  they pin their host copies now (``swap``'s ``pin_ahead``), so that the first swap
-  copies instead of pinning; alone, the command takes no host memory.
 - The command says hello on the control channel: ``signal`` (in place of ``none`` or a
   preset: a program that speaks the protocol knows best what to keep).
 - Somebody waits, and it has not said hello within ``HELLO_GRACE`` of its start, or its
@@ -36,7 +33,7 @@ from .basic import NoneStrategy
 from .checkpoint import CheckpointStrategy
 from .cooperative import SignalStrategy
 from .presets import PRESETS
-from .swap import SwapStrategy, hub_of
+from .swap import SwapStrategy
 from .swap import usable as swap_usable
 from .webapi import Preset
 
@@ -46,8 +43,6 @@ FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), Che
 # A command that has not said hello this long after it started is taken not to speak
 # the control protocol.
 HELLO_GRACE = 1.0
-# How often a command alone in its arena looks whether it still is (a directory listing).
-SHARED_LOOK = 2.0
 
 CANNOT_RELEASE = (
     "somebody is waiting for the GPU, but this command keeps it until it exits:"
@@ -76,7 +71,6 @@ class AutoStrategy(Strategy):
         self._started = time.monotonic()  # the command's (last) start: the hello grace
         self._told = False  # the user was told that the waiter will wait
         self._refused: set[type[Strategy]] = set()
-        self._next_look = 0.0  # when to look again whether the arena is shared
 
     @classmethod
     def first(cls, command: list[str]) -> type[Strategy]:
@@ -127,7 +121,6 @@ class AutoStrategy(Strategy):
     # -- changing its mind ---------------------------------------------------------------
 
     def settle(self, wanted: Callable[[], bool]) -> str | None:
-        self._pin_ahead_if_shared()
         if not isinstance(self.current, (NoneStrategy, Preset)):
             return None
         if self.ctx.hello and not self.ctx.control.closed:
@@ -143,18 +136,6 @@ class AutoStrategy(Strategy):
             return None
         self._told = True
         return CANNOT_RELEASE
-
-    def _pin_ahead_if_shared(self) -> None:
-        """Once the arena has another member, a swap is to be expected: the command's
-        processes pin their host copies now, so that the first one does not wait for
-        that (about half a second a GiB). Alone, the command takes no host memory."""
-        hub = hub_of(self.ctx)
-        now = time.monotonic()
-        if hub is None or hub.ahead or now < self._next_look:
-            return
-        self._next_look = now + SHARED_LOOK
-        if hub.joined() and self.ctx.shared():
-            hub.pin_ahead()
 
     def _found(self) -> type[Strategy] | None:
         """The first of FOR_A_WAITER, not refused, that finds work in the command."""

@@ -15,9 +15,7 @@ A release says ``release`` to every process and waits for each to answer:
 
 A refusal makes the member hold the GPU until the command exits, as a driver
 checkpoint that is not supported does; after a failure it stays resident and
-tries again. ``prepare`` (unanswered) has each process pin its host copies while
-it runs, once its allocations are quiet, so the first release does not wait for
-the pinning. ``restore`` / ``restored`` bring it back; a process that finds no
+tries again. ``restore`` / ``restored`` bring it back; a process that finds no
 memory for its restore answers ``failed``, and the member releases them all
 again, gives the token back and queues again. The CUDA context itself (a few
 hundred MiB per process) stays on the GPU.
@@ -96,7 +94,6 @@ class Hub:
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.released = False
-        self.ahead = False  # every process is told to pin its host copies ahead
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         self._sock.listen(64)
@@ -121,8 +118,6 @@ class Hub:
         with self.lock:
             if not self.released:
                 channel.send("resident")
-                if self.ahead:
-                    channel.send("prepare")
             else:
                 channel.send("release")
                 answer = channel.wait_lines(JOIN_WITHIN)
@@ -163,16 +158,6 @@ class Hub:
                     live.append(peer)
             self.peers = live
             return list(live)
-
-    def pin_ahead(self) -> None:
-        """Have every process, and each that joins, pin the host copies its release
-        will need while it runs (no answer is awaited): the first release is then as
-        fast as the later ones. It costs host memory the size of the GPU memory, which
-        the first release would have taken anyway."""
-        with self.lock:
-            self.ahead = True
-            for peer in self.peers:
-                peer.channel.send("prepare")
 
     def reset(self) -> None:
         """The command was ended: what joins next is a fresh start, resident."""
@@ -235,7 +220,6 @@ class SwapStrategy(Strategy):
         hub = hub_of(ctx)
         assert hub is not None, "the command was started without the swap library"
         self.hub = hub
-        hub.pin_ahead()
         self._failures = 0  # releases that failed in a row
 
     @classmethod

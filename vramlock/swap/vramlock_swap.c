@@ -22,8 +22,7 @@
  *    VRAMLOCK_SWAP_SOCKET, says `hello <pid>`, and a thread of its own answers
  *    `release` with `released` (or `refused <why>`, `failed <why>`) and `restore`
  *    with `restored`. The first word it gets is `resident` or `release`: until
- *    then the process does not touch the GPU. `prepare` (no answer) has the host
- *    copies pinned ahead of the first release.
+ *    then the process does not touch the GPU.
  *
  * Without VRAMLOCK_SWAP_SOCKET the library stays out of the way: every hook
  * passes straight to the driver.
@@ -278,7 +277,6 @@ struct phys {
 	size_t copy_len;
 	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
 	int lost;                           /* released by a swap that then failed */
-	unsigned long serial;               /* which this is, for the pinning thread */
 };
 
 /* A mapping of (part of) a physical allocation at a virtual address. */
@@ -448,19 +446,11 @@ static struct phys *phys_by_handle(unsigned long long h)
 	return NULL;
 }
 
-static unsigned long phys_serial;
-static pthread_cond_t phys_cv = PTHREAD_COND_INITIALIZER; /* a physical allocation came */
-static double phys_last_ms; /* when */
-static double now_ms(void);
-
 static struct phys *phys_new(size_t size, const CUmemAllocationProp *prop, CUcontext ctx)
 {
 	struct phys *p = calloc(1, sizeof *p);
 	if (!p)
 		return NULL;
-	p->serial = ++phys_serial;
-	phys_last_ms = now_ms();
-	pthread_cond_broadcast(&phys_cv);
 	p->size = size;
 	p->prop = *prop;
 	p->ctx = ctx;
@@ -986,90 +976,6 @@ static double now_ms(void)
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* ---- pinning ahead ------------------------------------------------------------
- *
- * `prepare` (from a run that expects to swap) pins the host copies a release needs
- * while the program runs, so that its first release is as fast as the later ones
- * rather than waiting ~0.5 s a GiB for the pinning. A thread does it once the
- * program's allocations have been quiet a while (a loading program is left to load),
- * one allocation at a time with `mu` dropped: the program's own allocations must not
- * wait for it, and a release that comes meanwhile pins the rest itself. */
-
-#define PIN_QUIET_MS 1000.0
-
-static int pinning; /* the thread runs */
-
-static struct phys *to_pin(void)
-{
-	for (struct phys *p = physes; p; p = p->next)
-		if (!p->host && p->real)
-			return p;
-	return NULL;
-}
-
-static void *pin_thread(void *arg)
-{
-	(void)arg;
-	pthread_mutex_lock(&mu);
-	for (;;) {
-		struct phys *p = to_pin();
-		double quiet = phys_last_ms + PIN_QUIET_MS - now_ms();
-		if (!p || quiet > 0) {
-			struct timespec until;
-			clock_gettime(CLOCK_REALTIME, &until);
-			long long ns = until.tv_nsec + (long long)((p ? quiet : 60e3) * 1e6);
-			until.tv_sec += (time_t)(ns / 1000000000LL);
-			until.tv_nsec = (long)(ns % 1000000000LL);
-			pthread_cond_timedwait(&phys_cv, &mu, &until);
-			continue;
-		}
-		unsigned long serial = p->serial;
-		size_t size = p->size;
-		CUcontext ctx = p->ctx;
-		pthread_mutex_unlock(&mu);
-		void *host = NULL;
-		CUresult r = real_cuCtxSetCurrent(ctx);
-		if (!r)
-			r = real_cuMemHostAlloc(&host, size, CU_MEMHOSTALLOC_PORTABLE);
-		pthread_mutex_lock(&mu);
-		if (r) {
-			/* Out of host memory, say: a release will try again, and say why. */
-			TRACE("pinning ahead stopped: %s", errname(r));
-			break;
-		}
-		struct phys *q = physes;
-		while (q && q->serial != serial)
-			q = q->next;
-		if (q && !q->host) {
-			q->host = host;
-			host = NULL;
-		}
-		if (host) { /* freed, or pinned by a release meanwhile */
-			pthread_mutex_unlock(&mu);
-			real_cuMemFreeHost(host);
-			pthread_mutex_lock(&mu);
-		}
-	}
-	pinning = 0;
-	pthread_mutex_unlock(&mu);
-	return NULL;
-}
-
-/* Answers a `prepare` (nothing is said back). With `mu` held. */
-static void do_prepare(void)
-{
-	if (pinning)
-		return;
-	pthread_t t;
-	pthread_attr_t attr;
-	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-	pinning = !pthread_create(&t, &attr, pin_thread, NULL);
-	pthread_attr_destroy(&attr);
-	if (!pinning)
-		TRACE("cannot start the pinning thread");
-}
-
 /* Answers a `release`. With `mu` held and the gate open. */
 static void do_release(char *answer, size_t len)
 {
@@ -1318,11 +1224,6 @@ static void handle(const char *word)
 	char answer[256] = "";
 	TRACE("vramlock run says %s", word);
 	pthread_mutex_lock(&mu);
-	if (!strcmp(word, "prepare")) { /* says nothing of where the command stands */
-		do_prepare();
-		pthread_mutex_unlock(&mu);
-		return;
-	}
 	if (!strcmp(word, "release"))
 		do_release(answer, sizeof answer);
 	else if (!strcmp(word, "restore"))
