@@ -693,22 +693,35 @@ def test_a_shell_waiter_takes_the_whole_gpu_from_budget_residents(
 
 # -- vramlock run --vram -----------------------------------------------------------------
 
-# The command of a run: ``WITNESS LOG NAME UNITS``; holds UNITS free bytes of the witness
-# while it may use the GPU (from its start and each restore to each release).
+# The command of a run: ``WITNESS LOG NAME UNITS BUDGET_UNITS [USE]``; holds UNITS free
+# bytes of the witness, among its first BUDGET_UNITS, while it may use the GPU (from its
+# start and each restore to each release), and says OVER when it cannot get them all. With
+# USE, it also "uses" USE bytes meanwhile for the stand-in NVML (tests/fake_nvml), in a file
+# named after its pid in FAKE_NVML_DIR, and 0 once it released.
 RUN_CHILD = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
     from vramlock import child
-    witness, log, name, units = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    witness, log, name = sys.argv[1:4]
+    units, budget_units = int(sys.argv[4]), int(sys.argv[5])
+    use = int(sys.argv[6]) if len(sys.argv) > 6 else None
     logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     wfd = os.open(witness, os.O_RDWR)
     def note(what):
         os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
     def lock(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+    def say(size):
+        if use is None:
+            return
+        usage = os.path.join(os.environ["FAKE_NVML_DIR"], str(os.getpid()))
+        with open(usage + ".tmp", "w") as f:
+            f.write(str(size))
+        os.rename(usage + ".tmp", usage)
     def take():
+        say(use)
         got = 0
-        for unit in range(64):
+        for unit in range(budget_units):
             if got < units:
                 try:
                     lock(fcntl.F_WRLCK, unit, 1)
@@ -717,6 +730,7 @@ RUN_CHILD = textwrap.dedent(
                     pass
         note("resident" if got == units else "OVER")
     def drop():
+        say(0)
         lock(fcntl.F_UNLCK, 0, 0)
         note("release")
     ctl = child.connect()
@@ -732,7 +746,7 @@ def _run(room: Budgeted, name: str, vram: str, units: int, *options: str) -> Mem
     proc = room.spawn(
         vramlock("run", "--arena", str(room.arena), "--vram", vram, "--release", "signal",
                  "--name", name, *options, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
-                 str(room.log), name, str(units)),
+                 str(room.log), name, str(units), str(room.units)),
         graceful=True,
     )  # fmt: skip
     return Member(room, name, proc)
@@ -787,7 +801,7 @@ def test_run_without_vram_or_nvml_in_a_budget_arena_takes_the_whole_gpu(room: Bu
     whole = room.spawn(
         vramlock("run", "--arena", str(room.arena), "--release", "signal", "--name", "whole",
                  "--", sys.executable, "-c", RUN_CHILD, str(room.witness), str(room.log),
-                 "whole", str(room.units)),
+                 "whole", str(room.units), str(room.units)),
         graceful=True,
         env={**os.environ, "PYTHONPATH": no_nvml, "FAKE_NVML_DIR": "none"},
     )  # fmt: skip

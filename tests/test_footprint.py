@@ -16,64 +16,18 @@ import select
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json
-from test_budget import DEADLINE, Budgeted, Member
+from test_budget import DEADLINE, RUN_CHILD, Budgeted, Member
 
 from vramlock.budget import UNIT
 from vramlock.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
 
 FAKE_NVML = str(Path(__file__).parent / "fake_nvml")
 GIB = 1 << 30
-
-# The command of a run: ``WITNESS LOG NAME USE BUDGET_UNITS``; "uses" USE bytes (the
-# stand-in NVML's file) and holds one witness byte per unit of them while it may use the
-# GPU, from its start and each restore to each release.
-COMMAND = textwrap.dedent(
-    """
-    import fcntl, os, struct, sys, time
-    from vramlock import child
-    witness, log, name = sys.argv[1:4]
-    use, budget_units = int(sys.argv[4]), int(sys.argv[5])
-    units = -(-use // (256 << 20))
-    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    wfd = os.open(witness, os.O_RDWR)
-    usage = os.path.join(os.environ["FAKE_NVML_DIR"], str(os.getpid()))
-    def note(what):
-        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    def lock(kind, start, length):
-        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
-    def say(size):
-        tmp = usage + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(size))
-        os.rename(tmp, usage)
-    def take():
-        say(use)
-        got = 0
-        for unit in range(budget_units):
-            if got < units:
-                try:
-                    lock(fcntl.F_WRLCK, unit, 1)
-                    got += 1
-                except OSError:
-                    pass
-        note("resident" if got == units else "OVER")
-    def drop():
-        say(0)
-        lock(fcntl.F_UNLCK, 0, 0)
-        note("release")
-    ctl = child.connect()
-    take()
-    while True:
-        time.sleep(0.005)
-        ctl.yield_if_asked(drop, take)
-    """
-)
 
 
 @pytest.fixture
@@ -82,14 +36,15 @@ def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
 
 
 def _run(room: Budgeted, name: str, use: int, vram: str | None = None) -> Member:
-    """``vramlock run`` of COMMAND using ``use`` bytes, with ``--vram`` when given."""
+    """``vramlock run`` of test_budget's RUN_CHILD "using" ``use`` bytes, with ``--vram``
+    when given."""
     nvml_dir = room.log.parent / "nvml"
     nvml_dir.mkdir(exist_ok=True)
     declared = [] if vram is None else ["--vram", vram]
     proc = room.spawn(
         vramlock("run", "--arena", str(room.arena), *declared, "--release", "signal",
-                 "--name", name, "--", sys.executable, "-c", COMMAND, str(room.witness),
-                 str(room.log), name, str(use), str(room.units)),
+                 "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
+                 str(room.log), name, str(-(-use // UNIT)), str(room.units), str(use)),
         graceful=True,
         env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir)},
     )  # fmt: skip
