@@ -4,7 +4,8 @@ A member of a budget arena that declares no footprint is admitted with the whole
 until something is measured; from then on NVML's peak for its command's processes during
 its last residency, plus a margin, is its footprint at its next admission. A member that
 uses more than its units while resident takes free units at once, and where too few are
-free it is told so (once a residency) and asks for what it used at its next admission.
+free it is told so (once a residency), steps aside at once, and asks for what it used at
+its next admission.
 docs/protocol.md, "The budget", says what this promises and what it risks.
 
 Sampling is cheap: one NVML process query (about 25 µs on an H200 host) and, for the

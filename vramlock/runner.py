@@ -344,7 +344,8 @@ class Scheduler:
         self._started = time.monotonic()  # when the command was (last) started
         self._lost_run = 0.0  # how long the run a release ended had lasted
         self.meter = self._meter()
-        self._told_outgrown = False  # this residency's use past its units was reported
+        # This residency uses more than its units and no more are free: it steps aside.
+        self._outgrown = False
         self._describe()
 
     def _meter(self) -> footprints.Meter | None:
@@ -366,7 +367,7 @@ class Scheduler:
             self.member.state is State.RESIDENT
             and self.strategy.releases
             and time.monotonic() >= self._retry_at
-            and self.member.should_release()
+            and (self._outgrown or self.member.should_release())
         ):
             self._wanted_since = None
             return False
@@ -482,8 +483,10 @@ class Scheduler:
     # -- a budget share's footprint ------------------------------------------------
 
     def _measure(self) -> None:
-        """Sample the command's memory when due; past its units, take free units, or say
-        once this residency that too few are free."""
+        """Sample the command's memory when due; past its units, take free units, or,
+        where too few are free, step aside (as for a waiter, min-hold aside) and ask for
+        what it used at the next admission: the GPU holds more than the budget counts
+        only until that release."""
         meter, member = self.meter, self.member
         if meter is None or not isinstance(member, Member) or member.footprint is None:
             return
@@ -492,14 +495,14 @@ class Scheduler:
         used = meter.sample()
         if used is None or used <= member.share_bytes or member.grow(used):
             return
-        if not self._told_outgrown:
-            self._told_outgrown = True
+        if not self._outgrown:
+            self._outgrown = True
             asks = member.footprint_after(used)
+            then = "it steps aside and asks for" if self.strategy.releases else "it asks for"
             self.sup.warn(
                 f"{member.records.record.name} uses {show_size(used)}, more than its"
                 f" footprint of {show_size(member.footprint.size)}, and too few units of"
-                f" the budget are free; it asks for {show_size(asks.size)} at its next"
-                " admission"
+                f" the budget are free; {then} {show_size(asks.size)} at its next admission"
             )
 
     def _resize(self) -> None:
@@ -507,7 +510,7 @@ class Scheduler:
         meter, member = self.meter, self.member
         if meter is None or not isinstance(member, Member):
             return
-        self._told_outgrown = False
+        self._outgrown = False
         peak = meter.take_peak()
         if peak > 0:  # else nothing was seen: NVML's pids may not be ours to see
             member.resize(member.footprint_after(peak))
