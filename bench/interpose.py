@@ -24,12 +24,10 @@ The cost is the median of the pairs' ratios (swap / none - 1), beside the median
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +38,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from netutil import free_port  # noqa: E402
+from servers import request  # noqa: E402  (beside this file)
+
 TRAINER = str(ROOT / "tests" / "gpu_trainer.py")
 MODELS = {"launch-bound step": ["--layers", "8", "--width", "256"],
           "GEMM-bound step": ["--layers", "8", "--width", "4096"]}  # fmt: skip
@@ -100,27 +103,10 @@ def side_by_side(pairs: int, measure: Callable[[str], dict[str, float]]) -> dict
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def complete(port: int, prompt: str, predict: int) -> dict[str, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        body = {"prompt": prompt, "n_predict": predict, "cache_prompt": False,
-                "ignore_eos": True, "temperature": 0}  # fmt: skip
-        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        status, data = reply.status, reply.read()
-    finally:
-        conn.close()
-    if status != 200:
-        raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
-    timings: dict[str, Any] = json.loads(data)["timings"]
-    return timings
+    """``predict`` tokens after all of ``prompt``, nothing from the prompt cache."""
+    return request(port, prompt, n_predict=predict, cache_prompt=False, ignore_eos=True,
+                   temperature=0)  # fmt: skip
 
 
 def llama(args: argparse.Namespace, cpus: set[int]) -> Callable[[str], dict[str, float]]:

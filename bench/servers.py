@@ -34,7 +34,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
-from netutil import accepts  # noqa: E402
+from netutil import accepts, free_port  # noqa: E402
 
 MODES = {
     "restart": ["--release", "restart"],
@@ -58,17 +57,12 @@ MODES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def request(port: int, prompt: str) -> dict[str, Any]:
+def request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
+    """POST /completion of ``prompt`` (one token, from the prompt cache, unless ``fields``
+    say otherwise): the server's ``timings``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True})
+        body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True, **fields})
         conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
         reply = conn.getresponse()
         status, data = reply.status, reply.read()
