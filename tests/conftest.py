@@ -193,6 +193,17 @@ def _no_constants(name: str) -> None:
     raise ValueError(f"not strict JSON: {name}")
 
 
+def who_plain(arena: Path) -> str:
+    """``vramlock who``'s plain text (not a terminal)."""
+    return subprocess.run(
+        vramlock("who", "--arena", str(arena)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+
+
 def who_json(arena: Path) -> list[dict[str, Any]]:
     """``vramlock who --json``'s members, parsed as strict JSON (no NaN or Infinity)."""
     out = subprocess.run(

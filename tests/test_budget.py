@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json
+from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json, who_plain
 from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
 
 from vramlock import lockfd
@@ -840,13 +840,7 @@ def test_killed_run_leaves_its_share_to_the_command_until_it_exits(room: Budgete
 def test_who_shows_the_budget_and_what_is_held(room: Budgeted) -> None:
     a = _run(room, "a", "1G", 4)
     a.wait_for("resident")
-    out = subprocess.run(
-        vramlock("who", "--arena", str(room.arena)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
+    out = who_plain(room.arena)
     assert "budget 3G (12 units of 256M): 4 held, 8 free" in out.splitlines()
     assert "footprint 1G, 4 unit(s)" in out
 

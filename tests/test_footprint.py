@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until, who_json
+from conftest import Spawn, events, vramlock, wait_until, who_json, who_plain
 from test_budget import DEADLINE, RUN_CHILD, Budgeted, Member
 
 from vramlock.budget import UNIT
@@ -95,13 +94,7 @@ def test_run_without_vram_takes_the_budget_then_its_measured_footprint(room: Bud
     wait_until(lambda: room.resident() == {"m", "b"})
     assert room.capacity_bytes_held() == 9
     assert _footprints(room) == {"m": (GIB + UNIT, MEASURED), "b": (GIB, DECLARED)}
-    out = subprocess.run(
-        vramlock("who", "--arena", str(room.arena)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
+    out = who_plain(room.arena)
     assert "footprint 1.25G measured, 5 unit(s)" in out
     assert "footprint 1G, 4 unit(s)" in out
     assert room.over() == []

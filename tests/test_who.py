@@ -24,7 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, hold, kill_group, token_free, vramlock, wait_until, who_json
+from conftest import (
+    ROOT,
+    Spawn,
+    hold,
+    kill_group,
+    token_free,
+    vramlock,
+    wait_until,
+    who_json,
+    who_plain,
+)
 
 from vramlock import procfs, roster
 from vramlock.arena import Arena
@@ -49,16 +59,6 @@ m.records.flush()
 print("ready", flush=True)
 time.sleep(60)
 """
-
-
-def who_plain(arena: Path) -> str:
-    return subprocess.run(
-        vramlock("who", "--arena", str(arena)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
 
 
 def who_in_terminal(arena: Path) -> str:
