@@ -17,7 +17,7 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 def _swap_build(root: str) -> ModuleType:
     # By path: the package itself (and its dependencies) need not be importable here.
-    path = Path(root, "vramlock", "swap", "build.py")
+    path = Path(root, "vramlock", "gpu", "swap", "build.py")
     spec = importlib.util.spec_from_file_location("_vramlock_swap_build", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -38,7 +38,7 @@ class SwapLibraryHook(BuildHookInterface):  # type: ignore[type-arg]
         except swap.BuildError as err:
             self.app.display_warning(f"vramlock: no swap library in this wheel: {err}")
             return
-        build_data["force_include"][str(target)] = f"vramlock/swap/{swap.LIBRARY}"
+        build_data["force_include"][str(target)] = f"vramlock/gpu/swap/{swap.LIBRARY}"
         build_data["pure_python"] = False
         # Any Python 3, this platform only: the library does not link Python.
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")

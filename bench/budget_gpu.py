@@ -48,8 +48,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netutil import accepts, free_port  # noqa: E402
 from servers import end_jobs, pct  # noqa: E402  (beside this file)
 
-from vramlock import nvml, procfs  # noqa: E402
-from vramlock.budget import parse_size, show_size  # noqa: E402
+from vramlock import procfs  # noqa: E402
+from vramlock.arena.budget import parse_size, show_size  # noqa: E402
+from vramlock.gpu import nvml  # noqa: E402
 
 SERVERS = 3
 GIB = 1 << 30

@@ -42,7 +42,7 @@
 #include <unistd.h>
 
 #define OFLAGS (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY)
-#define PROBE_INTERVAL_MS 250 /* as vramlock/runner.py's PROBE_INTERVAL */
+#define PROBE_INTERVAL_MS 250 /* as vramlock/run/scheduler.py's PROBE_INTERVAL */
 
 struct stamps {
     int64_t t0, t1, t2, t3;

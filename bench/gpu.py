@@ -8,7 +8,7 @@
 2. **offload**: ``vramlock.offload.Offloader`` on a module holding SIZE GiB of
    parameters: pinning its host buffer once (``prepare``), then the medians of 3
    offloads and restores, as a share of the pinned bandwidth in the same direction.
-3. **checkpoint**: the bare driver API (``vramlock.cuda``) on a PyTorch process that
+3. **checkpoint**: the bare driver API (``vramlock.gpu.cuda``) on a PyTorch process that
    holds SIZE GiB (tests/gpu_worker.py): lock+checkpoint and restore+unlock, with its
    footprint as NVML reports it (data plus CUDA context); the data checked afterwards.
 4. **restart**: what ``restart`` costs instead: a fresh process that reads the same
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from vramlock import cuda, nvml  # noqa: E402
+from vramlock.gpu import cuda, nvml  # noqa: E402
 from vramlock.offload import Offloader  # noqa: E402
 
 worker: Any = importlib.import_module("gpu_worker")  # tests/gpu_worker.py; imports torch

@@ -5,7 +5,7 @@
 For each SIZE (GiB), on one NVIDIA GPU:
 
 - **bare**: a PyTorch process holding SIZE GiB (tests/gpu_worker.py) is checkpointed
-  and restored with ``vramlock.cuda`` directly (lock+checkpoint, restore+unlock).
+  and restored with ``vramlock.gpu.cuda`` directly (lock+checkpoint, restore+unlock).
 - **strategy**: the same kind of process under
   ``vramlock run --release checkpoint --min-hold 0``. This process joins the arena as
   a member: *release* runs from its arrival (it takes want.lock) to owning the token,
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from vramlock import cuda, nvml  # noqa: E402
-from vramlock.arena import Arena  # noqa: E402
-from vramlock.member import Member  # noqa: E402
+from vramlock.arena.directory import Arena  # noqa: E402
+from vramlock.arena.member import Member  # noqa: E402
+from vramlock.gpu import cuda, nvml  # noqa: E402
 
 worker: Any = importlib.import_module("gpu_worker")  # tests/gpu_worker.py
 GIB = 1 << 30

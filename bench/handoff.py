@@ -4,7 +4,8 @@ Two modes (``--mode``, default both): ``protocol``, the overhead of the want/tok
 between ``Member`` objects, against a bare flock ping-pong; and ``e2e``, what a program feels
 through real ``vramlock run`` wrappers, against a bare-flock C pair (``bench/floor.c``).
 
-**protocol.** N member processes use ``vramlock.member.Member`` directly (no ``vramlock run``),
+**protocol.** N member processes use ``vramlock.arena.member.Member`` directly (no
+``vramlock run``),
 with ``min_hold=0`` and no simulated work. Each loops as a holder does in ``vramlock run``:
 sleep in poll() on the inotify hint descriptor for at most ``PROBE_INTERVAL`` (250 ms), drain
 it, then ``yield_if_wanted``: when somebody waits, release at once, re-queue politely
@@ -98,11 +99,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vramlock.arena import Arena
-from vramlock.hint import Hint
-from vramlock.member import Member
-from vramlock.runner import PROBE_INTERVAL
-from vramlock.want import Token, Want
+from vramlock.arena.directory import Arena
+from vramlock.arena.hint import Hint
+from vramlock.arena.locks import Token, Want
+from vramlock.arena.member import Member
+from vramlock.run.scheduler import PROBE_INTERVAL
 
 WARMUP = 0.3  # seconds of each run left out of the figures
 Stamp = tuple[str, int]  # (kind, monotonic ns)

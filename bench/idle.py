@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vramlock.runner import PROBE_INTERVAL  # noqa: E402
+from vramlock.run.scheduler import PROBE_INTERVAL  # noqa: E402
 
 CHILD = "from vramlock import child; import time; c = child.connect(); time.sleep(3600)"
 BARE = f"import select\nwhile True: select.select([], [], [], {PROBE_INTERVAL})"

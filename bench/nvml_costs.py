@@ -14,7 +14,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from vramlock import nvml, procfs
+from vramlock import procfs
+from vramlock.gpu import nvml
 
 
 def timed(call: Callable[[], object], n: int) -> str:

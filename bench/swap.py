@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu  # noqa: E402  (bench/gpu.py: imports torch)
 import gpu_run  # noqa: E402
 
-from vramlock import nvml  # noqa: E402
+from vramlock.gpu import nvml  # noqa: E402
 
 
 def switch(gib: float, repeat: int) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Wall time of ``vramlock who`` with N members, beside ``python -c pass`` in the same run.
 
 The target: ``who`` with 64 members in at most 150 ms. One member holds the token, the
-others wait for it (each a process using ``vramlock.member.Member``, so each has a record),
+others wait for it (each a process using ``vramlock.arena.member.Member``, so each has a record),
 and both commands are run alternately ``--runs`` times; the medians are reported.
 
     python bench/who.py [--members 64] [--runs 20]
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MEMBER = """
 import sys, time
-from vramlock.arena import Arena
-from vramlock.member import Member
+from vramlock.arena.directory import Arena
+from vramlock.arena.member import Member
 m = Member(Arena.open(sys.argv[1]), name=f"member-{sys.argv[2]}", command=["sleep", "600"])
 m.acquire()
 print("resident", flush=True)

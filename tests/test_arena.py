@@ -29,7 +29,7 @@ from test_cli_errors import (
     still_held_by_us,
 )
 
-from vramlock import arena as arena_mod
+from vramlock.arena import directory as arena_mod
 from vramlock.errors import ArenaError, UnsupportedFilesystem
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,8 +223,8 @@ def test_check_dir_accepts_local_filesystem(monkeypatch: pytest.MonkeyPatch, are
 
 _ON_NFS = """\
 import sys
-import vramlock.arena
-vramlock.arena._fs_type = lambda fd: 0x6969
+import vramlock.arena.directory
+vramlock.arena.directory._fs_type = lambda fd: 0x6969
 from vramlock.cli import main
 main(sys.argv[1:])
 """

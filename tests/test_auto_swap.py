@@ -33,7 +33,7 @@ from test_swap import (
     take_turn,
 )
 
-from vramlock import swap
+from vramlock.gpu import swap
 from vramlock.procfs import descendants
 from vramlock.strategies.presets import PRESETS
 

@@ -26,11 +26,11 @@ import pytest
 from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json, who_plain
 from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
 
-from vramlock import lockfd
-from vramlock.arena import Arena
-from vramlock.budget import Budget, read_budget
+from vramlock.arena import lockfd
+from vramlock.arena.budget import Budget, read_budget
+from vramlock.arena.directory import Arena
+from vramlock.arena.units import Candidate, choose
 from vramlock.errors import ArenaError
-from vramlock.share import Candidate, choose
 
 DEADLINE = 20.0
 
@@ -43,10 +43,10 @@ DEADLINE = 20.0
 MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
-    from vramlock.arena import Arena
-    from vramlock.budget import read_budget
-    from vramlock.share import Share
-    from vramlock.records import Record, RecordWriter
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.budget import read_budget
+    from vramlock.arena.units import Share
+    from vramlock.arena.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
     need = int(need)
     logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -104,8 +104,8 @@ MEMBER = textwrap.dedent(
 EXCLUSIVE = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
-    from vramlock.arena import Arena
-    from vramlock.member import Member
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.member import Member
     path, name, units, witness, log = sys.argv[1:6]
     logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     def note(what):
@@ -230,7 +230,7 @@ class Member:
 def _ofd_child(path: Path) -> subprocess.Popen[str]:
     code = (
         "import os, sys\n"
-        "from vramlock import lockfd\n"
+        "from vramlock.arena import lockfd\n"
         "fd = os.open(sys.argv[1], os.O_RDWR)\n"
         "assert lockfd.try_lock_bytes(fd, 3, write=True)\n"
         "print('held', flush=True)\n"
@@ -294,7 +294,7 @@ def test_byte_lock_of_a_killed_process_is_freed_and_shown_in_proc_locks(tmp_path
 def test_a_change_waiters_choose_by_is_written_without_settling(
     arena: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vramlock import records
+    from vramlock.arena import records
 
     monkeypatch.setattr(records, "_SETTLE", 30.0)  # a plain update waits that long
     opened = Arena.open(str(arena))
@@ -414,8 +414,8 @@ def test_arena_bad_budget_is_a_usage_error(
 
 
 def test_arena_budget_auto_without_nvml_says_so(errcli: ErrCli, arena: Path) -> None:
-    pytest.importorskip("vramlock.nvml")
-    from vramlock import nvml
+    pytest.importorskip("vramlock.gpu.nvml")
+    from vramlock.gpu import nvml
 
     if nvml.available():
         pytest.skip("NVML is available here")
@@ -872,7 +872,7 @@ def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
 ) -> None:
     """Units freed between the waiter's scan and its choice are taken by the next
     scan: asking a resident for them would make it step aside for nothing."""
-    from vramlock.share import Share
+    from vramlock.arena.units import Share
 
     set_budget(arena, "3G")  # 12 units
     opened = Arena.open(str(arena))
@@ -909,8 +909,9 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
     """A resident steps aside between the waiter's two looks, at its units' locks and at
     the records: its units must look free, not held by somebody without a record (who
     would be asked last, after the other, idle resident)."""
-    from vramlock import procfs, share
-    from vramlock.records import Record, read_live, record_name
+    from vramlock import procfs
+    from vramlock.arena import units as share
+    from vramlock.arena.records import Record, read_live, record_name
 
     set_budget(arena, "2G")  # 8 units
     opened = Arena.open(str(arena))
@@ -947,7 +948,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
             asks_at_scan.append(_asks(arena))
         return real_lock(fd, start, length, write=write)
 
-    monkeypatch.setattr("vramlock.share.read_live", look)
+    monkeypatch.setattr("vramlock.arena.units.read_live", look)
     monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
     try:
         assert waiter.acquire(5)
@@ -961,7 +962,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
 
 
 def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:
-    from vramlock.share import Share
+    from vramlock.arena.units import Share
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))
@@ -986,7 +987,7 @@ def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Pa
 
 @pytest.mark.parametrize("change", ["lowered", "removed"])
 def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: str) -> None:
-    from vramlock.share import Share
+    from vramlock.arena.units import Share
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))

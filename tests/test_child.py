@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from vramlock import child
-from vramlock.control import ENV_CONTROL_FD, LineChannel
+from vramlock.command.control import ENV_CONTROL_FD, LineChannel
 
 pytestmark = pytest.mark.timeout(30)
 

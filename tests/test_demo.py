@@ -16,9 +16,9 @@ from conftest import kill_group, vramlock, wait_until
 from rich.cells import cell_len
 from rich.console import Console
 
+from vramlock.arena.roster import Row
 from vramlock.cli import demo_frame
 from vramlock.demo import NAMES, Demo
-from vramlock.roster import Row
 
 pytestmark = pytest.mark.timeout(90)
 

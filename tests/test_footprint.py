@@ -22,8 +22,8 @@ import pytest
 from conftest import Spawn, events, vramlock, wait_until, who_json, who_plain
 from test_budget import DEADLINE, RUN_CHILD, Budgeted, Member
 
-from vramlock.budget import UNIT
-from vramlock.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
+from vramlock.arena.budget import UNIT
+from vramlock.arena.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
 
 FAKE_NVML = str(Path(__file__).parent / "fake_nvml")
 GIB = 1 << 30

@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from vramlock.framing import Framing
+from vramlock.net.framing import Framing
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;x=y\r\nhello\r\n0\r\nT: 1\r\n\r\n"

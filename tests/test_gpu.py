@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, Spawn, vramlock
 
-from vramlock import cuda, nvml
+from vramlock.gpu import cuda, nvml
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -226,7 +226,7 @@ def test_nvml_waits(fresh_nvml: None, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_importing_the_gpu_modules_imports_no_gpu_library() -> None:
     code = (
-        "import sys, vramlock.cuda, vramlock.nvml, vramlock.offload;"
+        "import sys, vramlock.gpu.cuda, vramlock.gpu.nvml, vramlock.offload;"
         "print(sorted({'torch', 'pynvml'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -35,7 +35,7 @@ from conftest import Spawn, accepts, free_ports, vramlock, wait_until, who_json
 from test_gpu import GIB, gpu
 from test_gpu_server import REQUEST_TIMEOUT, call, end_in_turn, watched
 
-from vramlock import nvml
+from vramlock.gpu import nvml
 
 LLAMA = os.environ.get("VRAMLOCK_LLAMA_CUDA", "")
 

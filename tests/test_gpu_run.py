@@ -19,7 +19,8 @@ import pytest
 from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
 from test_gpu import GIB, TRAINER, gpu
 
-from vramlock import cuda, nvml, procfs
+from vramlock import procfs
+from vramlock.gpu import cuda, nvml
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
 

@@ -31,7 +31,7 @@ from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who
 from test_gpu import GIB, gpu
 from test_gpu_run import ALLOCATORS, SWAP_KEEPS, BothOnGpu, TokenWatch, env_with
 
-from vramlock import nvml
+from vramlock.gpu import nvml
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
 

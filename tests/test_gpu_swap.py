@@ -24,7 +24,7 @@ from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
 from test_gpu import GIB, gpu
 from test_gpu_run import ALLOCATORS, SWAP_KEEPS, env_with
 
-from vramlock import nvml
+from vramlock.gpu import nvml
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
 

@@ -18,8 +18,8 @@ import typer.main
 from typer.core import TyperGroup
 
 import vramlock.cli
-from vramlock import runner
 from vramlock.cli import parse_duration
+from vramlock.run import options, scheduler
 
 MAN = Path(__file__).resolve().parent.parent / "man"
 OVERVIEW = MAN / "man1" / "vramlock.1"
@@ -224,8 +224,8 @@ def test_page_renders_without_warnings(page: Path) -> None:
 # Options whose parameter default is None because the real one is applied further in; their
 # help text says "(default X)", and X must be the code's value.
 APPLIED_DEFAULTS = {
-    ("run", "--idle"): runner.DEFAULT_IDLE,
-    ("run", "--ready-within"): runner.DEFAULT_READY_WITHIN,
+    ("run", "--idle"): options.DEFAULT_IDLE,
+    ("run", "--ready-within"): options.DEFAULT_READY_WITHIN,
 }
 _HELP_DEFAULT = re.compile(r"\(default (\S+?)\)")
 
@@ -303,8 +303,8 @@ def test_every_help_default_is_pinned() -> None:
 
 def test_overview_states_the_probe_interval() -> None:
     text = " ".join(_lines(OVERVIEW))
-    assert f"at least every {runner.PROBE_INTERVAL * 1000:g}\\ ms" in text
-    assert f"({runner.PROBE_INTERVAL_NO_HINT * 1000:g}\\ ms without inotify)" in text
+    assert f"at least every {scheduler.PROBE_INTERVAL * 1000:g}\\ ms" in text
+    assert f"({scheduler.PROBE_INTERVAL_NO_HINT * 1000:g}\\ ms without inotify)" in text
 
 
 def test_who_example_has_every_column() -> None:

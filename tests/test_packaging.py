@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, vramlock
 
-from vramlock import lockfd, procfs
+from vramlock import procfs
+from vramlock.arena import lockfd
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.timeout(60)
 def test_core_imports_neither_typer_nor_rich() -> None:
     code = (
         "import sys\n"
-        "import vramlock, vramlock.member, vramlock.runner, vramlock.child, vramlock.roster\n"
+        "import vramlock, vramlock.arena.member, vramlock.run.runner, vramlock.child\n"
+        "import vramlock.arena.roster\n"
         "import vramlock.demo, vramlock.strategies\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'click'))\n"
         "print(bad)\n"
@@ -57,9 +59,9 @@ with open(sys.argv[1], "w") as f:
 # serve's HTTP and YAML libraries.
 SERVE = ["vramlock.serve", "aiohttp", "yaml"]
 NOT_LOADED = {
-    "who": ["portalocker", "rich", "importlib.metadata", "vramlock.runner",
-            "vramlock.strategies", "vramlock.cuda", *SERVE],
-    "wait": ["rich", "vramlock.cuda", *SERVE],
+    "who": ["portalocker", "rich", "importlib.metadata", "vramlock.run.runner",
+            "vramlock.strategies", "vramlock.gpu.cuda", *SERVE],
+    "wait": ["rich", "vramlock.gpu.cuda", *SERVE],
     "run": ["rich", *SERVE],
 }  # fmt: skip
 
@@ -293,7 +295,7 @@ def test_every_document_cited_is_in_the_repository() -> None:
 def test_a_wheel_carries_the_swap_library_where_it_can_be_built(
     tmp_path: Path, with_cc: bool
 ) -> None:
-    from vramlock import swap
+    from vramlock.gpu import swap
 
     if with_cc and swap.compiler() is None:
         pytest.skip("no C compiler here")
@@ -307,6 +309,6 @@ def test_a_wheel_carries_the_swap_library_where_it_can_be_built(
         env=env, check=True, timeout=120, capture_output=True,
     )  # fmt: skip
     (wheel,) = out.glob("*.whl")
-    carried = "vramlock/swap/libvramlock-swap.so" in zipfile.ZipFile(wheel).namelist()
+    carried = "vramlock/gpu/swap/libvramlock-swap.so" in zipfile.ZipFile(wheel).namelist()
     assert carried == with_cc
     assert wheel.name.endswith("-none-any.whl") != with_cc  # a platform wheel with it

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import Spawn, hold, kill_group, wait_until
 
-from vramlock import lockfd, procfs
-from vramlock.arena import Arena
+from vramlock import procfs
+from vramlock.arena import lockfd
+from vramlock.arena.directory import Arena
+from vramlock.arena.locks import Token, Want, wait_turn
+from vramlock.arena.member import Member, State, resident
 from vramlock.errors import ArenaError, InvalidTransition, LockError, NotObtained
-from vramlock.member import Member, State, resident
-from vramlock.want import Token, Want, wait_turn
 
 pytestmark = pytest.mark.timeout(60)
 

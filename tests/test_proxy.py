@@ -29,7 +29,7 @@ import pytest
 from conftest import Spawn, free_ports, kill_group, token_free, vramlock, wait_until, who_json
 
 from vramlock import procfs
-from vramlock.address import same_socket
+from vramlock.net.address import same_socket
 
 pytestmark = pytest.mark.timeout(90)
 

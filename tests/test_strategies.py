@@ -32,7 +32,7 @@ from conftest import (
 )
 
 from vramlock import procfs
-from vramlock.roster import STALE_TOKEN
+from vramlock.arena.roster import STALE_TOKEN
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -407,7 +407,8 @@ def test_a_diagnostic_never_ends_the_wrapper(arena: Path, spawn: Spawn, tmp_path
     """A warn callback that raises (a closed stderr) must not kill the wrapper."""
     code = (
         "import sys\n"
-        "from vramlock.runner import RunOptions, run\n"
+        "from vramlock.run.options import RunOptions\n"
+        "from vramlock.run.runner import run\n"
         "def warn(message):\n"
         "    raise BrokenPipeError(32, 'Broken pipe')\n"
         f"opts = RunOptions(command=['sleep', '2'], arena={str(arena)!r}, min_hold=0.0,\n"
@@ -436,9 +437,10 @@ def test_signals_wait_for_the_restore_where_the_strategy_defers_them(
     )
     code = (
         "import sys\n"
-        "from vramlock.strategies.hooks import ExecStrategy\n"
+        "from vramlock.strategies.exec import ExecStrategy\n"
         "ExecStrategy.defers_signals = True\n"
-        "from vramlock.runner import RunOptions, run\n"
+        "from vramlock.run.options import RunOptions\n"
+        "from vramlock.run.runner import run\n"
         f"opts = RunOptions(command=['sh', '-c', {script!r}], arena={str(arena)!r},\n"
         f"    min_hold=0.0, release='exec', on_release='echo release >> {log}',\n"
         f"    on_restore='echo restore >> {log}')\n"
@@ -699,7 +701,7 @@ def test_verified_release_believes_nvml_not_the_strategy(monkeypatch: pytest.Mon
     process may stay; more than that after the timeout is Unverified (the runner warns)."""
     from typing import Any, cast
 
-    from vramlock import nvml
+    from vramlock.gpu import nvml
     from vramlock.strategies import Settings, SignalStrategy, Unverified
 
     held = {4242: 3 << 30, 999: 5 << 30}  # 999 is not the command's
@@ -731,7 +733,7 @@ def test_a_process_of_the_command_is_told_without_a_scan_of_every_process(
 ) -> None:
     """Child.owns (for NVML's pids, at a release): the command, a worker that left its
     group, not the wrapper's own helpers, not a process that is no descendant."""
-    from vramlock.process import Child
+    from vramlock.command.process import Child
 
     pids = tmp_path / "pids"
     script = (
@@ -756,7 +758,7 @@ def test_a_process_of_the_command_is_told_without_a_scan_of_every_process(
 
 
 def test_checkpoint_is_refused_where_the_driver_cannot(arena: Path) -> None:
-    from vramlock import cuda
+    from vramlock.gpu import cuda
 
     if cuda.has_checkpoint_api():
         pytest.skip("this machine's driver has the checkpoint API")

@@ -30,7 +30,8 @@ the test is a child subreaper, so orphans are reaped here. Everything is killed 
 the end, with deadlines.
 
 ``test_member_api_exclusive`` runs the same checks on K processes using
-``vramlock.member.Member`` and ``yield_if_wanted`` directly: no wrappers, no kills, thousands of
+``vramlock.arena.member.Member`` and ``yield_if_wanted`` directly: no wrappers, no kills,
+thousands of
 handoffs quickly.
 
 Checks (a) and (b), mutual exclusion, are hard assertions in every mode. For (c) the
@@ -168,8 +169,8 @@ API_WORKER = _COMMON + textwrap.dedent(
     """
     import select
 
-    from vramlock.arena import Arena
-    from vramlock.member import Member
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.member import Member
 
     arena = Arena.open(sys.argv[4])
     member = Member(arena, name=NAME, min_hold=0.0, command=["stress", NAME])

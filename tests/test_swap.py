@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Spawn, token_free, vramlock, wait_until, who_json
 
-from vramlock import swap
+from vramlock.gpu import swap
 from vramlock.procfs import descendants
 
 pytestmark = [

@@ -33,7 +33,8 @@ from test_cli_errors import (
     still_held_by_us,
 )
 
-from vramlock import lockfd, procfs
+from vramlock import procfs
+from vramlock.arena import lockfd
 
 pytestmark = pytest.mark.timeout(60)
 

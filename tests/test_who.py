@@ -36,10 +36,11 @@ from conftest import (
     who_plain,
 )
 
-from vramlock import procfs, roster
-from vramlock.arena import Arena
-from vramlock.member import Member, State
-from vramlock.records import record_name
+from vramlock import procfs
+from vramlock.arena import roster
+from vramlock.arena.directory import Arena
+from vramlock.arena.member import Member, State
+from vramlock.arena.records import record_name
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,8 +50,8 @@ NO_PID = 4194304
 # A member in a process of its own; its name and command come from a JSON file.
 MEMBER = """
 import json, sys, time
-from vramlock.arena import Arena
-from vramlock.member import Member
+from vramlock.arena.directory import Arena
+from vramlock.arena.member import Member
 spec = json.load(open(sys.argv[2]))
 m = Member(Arena.open(sys.argv[1]), name=spec["name"], command=spec["command"])
 if spec.get("acquire"):
@@ -309,7 +310,8 @@ def test_the_record_writer_neither_outlives_close_nor_keeps_a_process_alive(
     assert os.listdir(arena / "members") == []
 
     code = (
-        "import sys\nfrom vramlock.arena import Arena\nfrom vramlock.member import Member\n"
+        "import sys\nfrom vramlock.arena.directory import Arena\n"
+        "from vramlock.arena.member import Member\n"
         "m = Member(Arena.open(sys.argv[1]))\nm.acquire()\nm.describe(strategy='x')\n"
     )  # ends without close()
     done = subprocess.run([sys.executable, "-c", code, str(arena)], timeout=30)
@@ -503,9 +505,15 @@ def test_who_imports_no_lock_layer_nvml_or_rich(arena: Path) -> None:
         capture_output=True, text=True, timeout=30, check=True, cwd=ROOT,
     )  # fmt: skip
     loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-    heavy = {"portalocker", "vramlock.lockfd", "vramlock.member", "vramlock.want", "rich"}
-    assert "vramlock.roster" in loaded
-    assert not loaded & (heavy | {"pynvml", "vramlock.nvml", "vramlock.runner"})
+    heavy = {
+        "portalocker",
+        "vramlock.arena.lockfd",
+        "vramlock.arena.member",
+        "vramlock.arena.locks",
+        "rich",
+    }
+    assert "vramlock.arena.roster" in loaded
+    assert not loaded & (heavy | {"pynvml", "vramlock.gpu.nvml", "vramlock.run.runner"})
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -556,9 +564,9 @@ def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> Non
 def test_vram_per_member_and_foreign_gpu_processes(arena: Path, spawn: Spawn) -> None:
     """NVML's pid -> bytes becomes each member's VRAM (its processes together) and a
     ``foreign`` row for any GPU process of no member; a pid nobody here can see is said so."""
-    from vramlock.arena import Arena
-    from vramlock.nvml import Gpu
-    from vramlock.roster import GpuView, snapshot, with_vram
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.roster import GpuView, snapshot, with_vram
+    from vramlock.gpu.nvml import Gpu
 
     spawn(vramlock("run", "--arena", str(arena), "--name", "job", "--", "sleep", "30"))
     wait_until(lambda: who_json(arena) and who_json(arena)[0]["child_pid"])

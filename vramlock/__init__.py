@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .arena import Arena
+    from .arena.directory import Arena
+    from .arena.member import Member, resident
+    from .arena.records import State
     from .errors import ArenaError, NotObtained, VramlockError
-    from .member import Member, resident
-    from .records import State
 
 __all__ = ["Arena", "ArenaError", "Member", "NotObtained", "State", "VramlockError", "resident"]
 
 _WHERE = {
-    "Arena": "arena",
+    "Arena": "arena.directory",
     "ArenaError": "errors",
     "NotObtained": "errors",
     "VramlockError": "errors",
-    "Member": "member",
-    "State": "records",
-    "resident": "member",
+    "Member": "arena.member",
+    "State": "arena.records",
+    "resident": "arena.member",
 }
 
 

@@ -31,7 +31,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from .control import LineChannel, child_socket
+from .command.control import LineChannel, child_socket
 
 
 class ControlLost(RuntimeError):

@@ -19,8 +19,8 @@ import tempfile
 import textwrap
 import time
 
-from .arena import Arena
-from .roster import Row, snapshot
+from .arena.directory import Arena
+from .arena.roster import Row, snapshot
 
 NAMES = ("llama", "comfy", "trainer", "vllm", "whisper", "sglang", "ollama", "torch")
 COLORS = ("green", "magenta", "cyan", "yellow", "blue", "red", "white", "bright_green")

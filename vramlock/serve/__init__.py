@@ -36,7 +36,7 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
         raise VramlockError(
             f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
         ) from None
-    from ..address import parse
+    from ..net.address import parse
     from .config import load
     from .members import Wrapper
 
@@ -52,8 +52,8 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
 
 def _check(config: Config, w: Wrapper) -> None:
     """What ``vramlock run`` would refuse, refused now, naming the model's line."""
-    from ..arena import parse_gpus
-    from ..runner import RunOptions
+    from ..arena.directory import parse_gpus
+    from ..run.options import RunOptions
     from .config import ConfigError
 
     m = w.model
@@ -109,7 +109,7 @@ async def _main(
 ) -> int:
     from aiohttp import web
 
-    from ..address import show
+    from ..net.address import show
     from .members import stop_all
     from .router import Router
 

@@ -247,7 +247,7 @@ class _Reader:
 
     def size(self, node: yaml.Node, what: str) -> str:
         """A memory size as ``vramlock run --vram`` takes it (checked here): 6G, 512M."""
-        from ..budget import parse_size
+        from ..arena.budget import parse_size
 
         text = self.text(node, what)
         try:

@@ -19,9 +19,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from ..arena import Arena, parse_gpus
-from ..records import HOLDING
-from ..roster import snapshot
+from ..arena.directory import Arena, parse_gpus
+from ..arena.records import HOLDING
+from ..arena.roster import snapshot
 from .config import Config, Model
 
 # How long a wrapper just started may take to listen (Python's start, the arena joined).

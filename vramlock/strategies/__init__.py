@@ -9,8 +9,8 @@ import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 
-from ..cuda import NotCheckpointable
 from ..errors import StrategyError, UsageError
+from ..gpu.cuda import NotCheckpointable
 from .auto import AutoStrategy
 from .base import (
     ChildExited,
@@ -22,13 +22,15 @@ from .base import (
     StrategyOptions,
     Unverified,
 )
-from .basic import NoneStrategy, RestartStrategy, StopStrategy
 from .checkpoint import CheckpointStrategy, VramTaken, usable
-from .cooperative import SignalStrategy
-from .hooks import ExecStrategy
+from .exec import ExecStrategy
+from .http import HttpStrategy
+from .none import NoneStrategy
 from .presets import PRESETS
+from .restart import RestartStrategy
+from .signal import SignalStrategy
+from .stop import StopStrategy
 from .swap import SwapStrategy
-from .webapi import HttpStrategy
 
 # By the names --release takes, in the order they are listed; a new strategy is one
 # more line here (and, for auto to choose it, a place in auto's lists).

@@ -26,16 +26,16 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
-from ..context import Context
+from ..command.context import Context
 from ..errors import ControlError, Immovable
 from .base import Settings, Strategy
-from .basic import NoneStrategy
 from .checkpoint import CheckpointStrategy
-from .cooperative import SignalStrategy
+from .http import Preset
+from .none import NoneStrategy
 from .presets import PRESETS
+from .signal import SignalStrategy
 from .swap import SwapStrategy
 from .swap import usable as swap_usable
-from .webapi import Preset
 
 # In order of preference, each list: the first that fits is taken.
 AT_START: tuple[type[Strategy], ...] = (*PRESETS.values(),)

@@ -7,11 +7,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..context import CLOSE_TO_EXIT as CLOSE_TO_EXIT
-from ..context import ChildExited as ChildExited
-from ..context import Context as Context
-from ..context import Interrupted as Interrupted
-from ..context import ReleaseTimeout as ReleaseTimeout
+from ..command.context import CLOSE_TO_EXIT as CLOSE_TO_EXIT
+from ..command.context import ChildExited as ChildExited
+from ..command.context import Context as Context
+from ..command.context import Interrupted as Interrupted
+from ..command.context import ReleaseTimeout as ReleaseTimeout
 from ..errors import StrategyError
 
 # How long a forceful release lets the process group act on SIGTERM before SIGKILL.
@@ -153,7 +153,7 @@ class Strategy:
         This is on the handoff path: memory that is free already (the usual case) costs
         one NVML query, and only the few pids NVML lists are looked at, never every
         process on the machine. Nothing to check without NVML."""
-        from .. import nvml
+        from ..gpu import nvml
 
         try:
             if not nvml.available():

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from .. import cuda, nvml
 from ..errors import StrategyError
+from ..gpu import cuda, nvml
 from .base import Context, ReleaseTimeout, Settings, Strategy
 
 # How long a lock waits for submitted GPU work when --yield-within is not given.

@@ -18,19 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..address import Address, connect_host
 from ..errors import StrategyError
+from ..net.address import Address, connect_host
 from .base import Context, Interrupted, ReleaseTimeout, Settings
-from .basic import RestartStrategy
-from .webapi import (
-    QUERY_TIMEOUT,
-    SETTLE_TIMEOUT,
-    Preset,
-    flag,
-    option,
-    program,
-    python_module,
-)
+from .http import QUERY_TIMEOUT, SETTLE_TIMEOUT, Preset, flag, option, program, python_module
+from .restart import RestartStrategy
 
 # How long a restarted llama-server may take to load its model (/health 200).
 READY_TIMEOUT = 300.0

@@ -34,10 +34,11 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from .. import cuda, procfs
-from ..control import LineChannel
+from .. import procfs
+from ..command.control import LineChannel
 from ..errors import Immovable, StrategyError
-from ..swap import SwapUnavailable, library_path
+from ..gpu import cuda
+from ..gpu.swap import SwapUnavailable, library_path
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
 from .checkpoint import VramTaken
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import time
 
+from ..errors import UsageError
 from . import lockfd
-from .arena import TOKEN, WANT, Arena
-from .errors import UsageError
+from .directory import TOKEN, WANT, Arena
 
 
 def _open(arena: Arena, name: str) -> int:

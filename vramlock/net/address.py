@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import AddressError, UsageError
+from ..errors import AddressError, UsageError
 
 _ADDRESS = re.compile(r"(?:(?P<host>[^\[\]:]*)|\[(?P<v6>[^\[\]]+)\]):(?P<port>[0-9]+)")
 

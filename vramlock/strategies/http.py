@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ..address import Address, connect_host, server, split_url
 from ..errors import StrategyError
-from ..framing import Framing
+from ..net.address import Address, connect_host, server, split_url
+from ..net.framing import Framing
 from .base import (
     CLOSE_TO_EXIT,
     ChildExited,

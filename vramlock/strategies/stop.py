@@ -1,4 +1,4 @@
-"""Strategies that need nothing from the command: none, restart, stop."""
+"""``stop``: SIGSTOP the command, SIGCONT it on its turn (frees compute, not memory)."""
 
 from __future__ import annotations
 
@@ -6,37 +6,10 @@ import os
 import signal
 import time
 
+from ..command.keeper import Keeper
 from ..procfs import pgrp, session
 from ..procfs import stopped as is_stopped
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
-from .keeper import Keeper
-
-
-class NoneStrategy(Strategy):
-    """Hold the token until the command exits, as flock(1) does; waiters wait."""
-
-    name = "none"
-    releases = False
-
-
-class RestartStrategy(Strategy):
-    """End every process of the command; start it again when the token is back."""
-
-    name = "restart"
-    keeps_state = False
-
-    def release(self, deadline: float | None) -> None:
-        child = self.ctx.child
-        child.signal_group(signal.SIGTERM)
-        child.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
-        grace = self.settings.restart_grace
-        if deadline is not None:
-            grace = max(0.0, deadline - time.monotonic())
-        if child.wait(grace) is None and deadline is not None:
-            raise ReleaseTimeout
-        # The token is dropped only once every process of the command is gone,
-        # workers that ignore SIGTERM or left the group included.
-        self.end_command(0.0)
 
 
 class StopStrategy(Strategy):

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import nvml
+from ..gpu import nvml
 
 # What a measured peak is given on top: allocators grow in steps, and a peak sampled
 # every half second misses short spikes. 10 %, and never less than one budget unit.

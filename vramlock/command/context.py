@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..errors import ControlError
 from .control import ParentEnd
-from .errors import ControlError
 from .process import Child
 
 # A command whose control socket closed is given this long to be seen exiting.

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-from .errors import NotObtained, UsageError
+from ..errors import NotObtained, UsageError
 from .member import Members, harmless_signals, join
 
 

@@ -19,15 +19,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from types import FrameType
 
-from . import lockfd, nvml
-from .arena import Arena, one_arena_or_gpus
+from ..errors import InvalidTransition, LockFileReplaced, NotObtained
+from ..gpu import nvml
+from . import lockfd
 from .budget import Budget, read_budget
-from .errors import InvalidTransition, LockFileReplaced, NotObtained
+from .directory import Arena, one_arena_or_gpus
 from .footprint import DECLARED, WHOLE, Footprint, after_residency
+from .locks import Token, Want, wait_turn
 from .records import Record, RecordWriter
-from .records import State as State  # re-exported: vramlock.State, vramlock.member.State
-from .share import Share
-from .want import Token, Want, wait_turn
+from .records import State as State  # re-exported: vramlock.State, vramlock.arena.member.State
+from .units import Share
 
 DEFAULT_MIN_HOLD = 0.1
 # The state changes a member may make; any other is a bug, refused (llama-swap checks

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from .errors import VramlockError
+from ..errors import VramlockError
 
 POLL_INTERVAL = 0.05
 

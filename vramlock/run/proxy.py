@@ -34,10 +34,10 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
-from .address import Target, resolve, show
-from .errors import AddressError
-from .framing import Framing
-from .hint import drain
+from ..arena.hint import drain
+from ..errors import AddressError
+from ..net.address import Target, resolve, show
+from ..net.framing import Framing
 
 # How often the upstream is probed while a restored server is starting, and how long
 # one probe may take (a server that accepts and does not answer yet).

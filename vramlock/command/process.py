@@ -10,8 +10,8 @@ import shutil
 import signal
 import time
 
-from . import procfs
-from .errors import CommandNotExecutable, CommandNotFound, StrategyError
+from .. import procfs
+from ..errors import CommandNotExecutable, CommandNotFound, StrategyError
 
 # Python ignores these; an exec'd program must start with the defaults, as under a shell.
 _RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)

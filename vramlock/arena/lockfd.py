@@ -25,7 +25,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .errors import ArenaError, LockError, LockFileReplaced
+from ..errors import ArenaError, LockError, LockFileReplaced
 
 if TYPE_CHECKING:
     from portalocker.constants import LockFlags

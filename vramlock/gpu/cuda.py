@@ -39,8 +39,8 @@ import math
 import threading
 from collections.abc import Iterable, Sequence
 
-from . import procfs
-from .errors import Immovable, VramlockError
+from .. import procfs
+from ..errors import Immovable, VramlockError
 
 LIBRARY = "libcuda.so.1"
 

@@ -25,8 +25,8 @@ import re
 import stat
 from dataclasses import dataclass
 
-from .arena import Arena
-from .errors import ArenaError, UsageError
+from ..errors import ArenaError, UsageError
+from .directory import Arena
 
 BUDGET = "budget"
 CAPACITY = "capacity.lock"

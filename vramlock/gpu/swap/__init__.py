@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..errors import StrategyError
+from ...errors import StrategyError
 from .build import CFLAGS, LIBRARY, SOURCE, BuildError, compiler
 
 __all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]

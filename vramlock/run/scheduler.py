@@ -1,38 +1,24 @@
-"""``vramlock run`` and ``vramlock wait``: the wrapper around a command, and the shell's waiter.
-
-The runner takes the token as a waiter *before* it starts the command, then loops:
-probe want.lock while resident, release through the strategy when somebody
-waits, drop the token, come back by ``--demand``. The command inherits the
-token's open file description, so a SIGKILLed runner cannot leave it resident
-without the token: the lock lives as long as the command does.
-"""
+"""The token loop around a running command: probe, release, re-queue, restore."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import select
-import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from types import FrameType
 from typing import TYPE_CHECKING
 
+from .. import strategies
+from ..arena import footprint as footprints
+from ..arena.budget import show_size
+from ..arena.hint import Hint, drain
+from ..arena.member import Member, State
+from ..command.context import ChildExited, Interrupted, ReleaseTimeout
+from ..command.process import exit_code
+from ..errors import ControlError, Immovable, StrategyError
+from ..strategies.none import NoneStrategy
 from . import demand as demands
-from . import footprint as footprints
-from . import strategies
-from .arena import default_gpu, one_arena_or_gpus
-from .budget import show_size
-from .context import ChildExited, Context, Interrupted, ReleaseTimeout
-from .control import ParentEnd
-from .errors import ControlError, Immovable, NotObtained, StrategyError, UsageError
-from .hint import Hint, drain
-from .member import DEFAULT_MIN_HOLD, Member, Members, State, harmless_signals, join
-from .process import Child, Terminal, become_subreaper, exit_code
-from .strategies.basic import NoneStrategy
-from .supervise import FORWARDED, WATCHED, Supervision, Woken
+from .options import RunOptions
+from .supervision import Supervision, Woken
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -45,10 +31,6 @@ PROBE_INTERVAL = 0.25
 PROBE_INTERVAL_NO_HINT = 0.05  # no inotify: probing is all there is
 # After a failed release (a hook exited non-zero), stay resident this long before retrying.
 RETRY_AFTER_FAILURE = 1.0
-# --demand listen: a connection is busy until this long without traffic, and clients wait
-# this long for a restored server to accept connections before they are closed.
-DEFAULT_IDLE = 0.3
-DEFAULT_READY_WITHIN = 120.0
 # A command told to end (SIGTERM, Ctrl-C) keeps the GPU this long for its exit, as a busy
 # one would (--yield-within still bounds it): two members told to end at once would
 # otherwise hand the token back and forth, each getting only as far as the next request.
@@ -57,265 +39,6 @@ ENDING_GRACE = 10.0
 # least this many times as long as the run it lost, whatever --min-hold says: a job
 # longer than --min-hold would otherwise be ended before its end, again and again.
 LOST_RUN_FACTOR = 2.0
-
-DEMANDS = tuple(demands.DEMANDS)
-
-
-def visible_devices(gpus: tuple[int, ...]) -> dict[str, str]:
-    """The environment that shows a command the GPUs ``gpus`` (nvidia-smi's numbers)
-    alone, in that order (the first is the command's device 0).
-
-    CUDA numbers GPUs fastest first, nvidia-smi and NVML by PCI bus: name the GPUs by
-    UUID where NVML can tell them, else by number in PCI bus order.
-    """
-    from . import nvml
-
-    try:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(nvml.gpu(g).uuid for g in gpus)}
-    except (nvml.NvmlUnavailable, nvml.NvmlError):
-        return {
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        }
-
-
-def _quiet(message: str) -> None:
-    """The library never prints: the command line passes a ``warn`` that does."""
-
-
-@dataclass(kw_only=True)
-class RunOptions(strategies.StrategyOptions):
-    """``vramlock run``'s options (those about the strategy are StrategyOptions')."""
-
-    command: list[str]
-    arena: str | None = None
-    gpus: tuple[int, ...] = ()  # --gpu: in the order given; () for --arena or the default
-    name: str | None = None
-    release: str = "auto"
-    demand: str = "always"
-    timeout: float | None = None  # None: wait forever; 0: -n
-    min_hold: float = DEFAULT_MIN_HOLD
-    yield_within: float | None = None
-    listen: str | None = None  # --demand listen: where clients connect (and --upstream)
-    idle: float | None = None  # --demand listen; None: DEFAULT_IDLE
-    ready_within: float | None = None  # --demand listen; None: DEFAULT_READY_WITHIN
-    ready_url: str | None = None  # --demand listen; None: the engine's (presets.ready_url)
-    vram: int | None = None  # --vram: the footprint in bytes, for an arena with a budget
-    warn: Callable[[str], None] = field(default=_quiet)
-
-    @functools.cached_property
-    def settings(self) -> strategies.Settings:
-        """The strategy's settings: made once, from the options."""
-        given = {f.name: getattr(self, f.name) for f in fields(strategies.StrategyOptions)}
-        gpus = self.gpus or (None if self.arena else (default_gpu(),))
-        return strategies.Settings(**given, gpus=gpus)
-
-    def check(self) -> None:
-        """Reject option mixes that cannot work, before anything is locked or started."""
-        if not self.command:
-            raise UsageError("no command given (usage: vramlock run [OPTIONS] -- COMMAND...)")
-        one_arena_or_gpus(self.arena, self.gpus)
-        self.release = strategies.check(self.release, self.settings, self.command)
-        demands.check(self.demand)
-        self._check_listen()
-
-    def _check_listen(self) -> None:
-        # --upstream alone is the http strategy's business.
-        if self.demand != "listen":
-            if (self.listen, self.idle, self.ready_within, self.ready_url) != (None,) * 4:
-                raise UsageError(
-                    "--listen, --idle, --ready-within and --ready-url need --demand listen"
-                )
-            return
-        from .address import same_socket
-
-        if self.ready_url is not None and not self.ready_url.startswith("/"):
-            raise UsageError(f"--ready-url: a path is wanted (/health), not {self.ready_url!r}")
-        if self.listen is None or self.upstream is None:
-            raise UsageError("--demand listen needs --listen ADDR and --upstream ADDR")
-        if same_socket(self.listen, self.upstream):
-            raise UsageError(
-                f"--listen {self.listen} and --upstream {self.upstream} are the same socket:"
-                " the proxy would forward to itself"
-            )
-
-
-class _Terminated(Exception):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-
-
-class _Once:
-    """A handler that raises on the first ending signal only: a second one arriving
-    while we clean up after the first must not interrupt the cleanup."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum = signum
-            raise _Terminated(signum)
-
-
-class Runner:
-    """One ``vramlock run``: take the token, start the command, then Supervision and Scheduler."""
-
-    def __init__(self, opts: RunOptions) -> None:
-        self.opts = opts
-        self.member: Member | Members | None = None
-        self._joined = contextlib.ExitStack()  # the arenas and our membership of each
-        self.proxy: Proxy | None = None
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._supervision: Supervision | None = None
-        self._early_signals: list[int] = []
-
-    def run(self) -> int:
-        opts = self.opts
-        opts.check()
-        once = _Once()
-        old = {s: signal.signal(s, once) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-        try:
-            try:
-                with harmless_signals():
-                    self.member = join(
-                        self._joined,
-                        opts.arena,
-                        opts.gpus,
-                        name=opts.name,
-                        command=opts.command,
-                        strategy=opts.release,
-                        min_hold=opts.min_hold,
-                        vram=opts.vram,
-                        measure=opts.vram is None,
-                    )
-                    self._say_whole_gpu(self.member)
-                    self.proxy = self._listen(self.member)
-                    if not self.member.acquire(opts.timeout):
-                        raise NotObtained(opts.timeout or 0.0)
-            except (_Terminated, KeyboardInterrupt) as err:
-                self._close()
-                return 128 + (err.signum if isinstance(err, _Terminated) else signal.SIGINT)
-            except BaseException:
-                self._close()
-                raise
-        except _Terminated as t:  # a second signal during the cleanup of the first
-            return 128 + t.signum
-        finally:
-            if once.signum is None:
-                for s, h in old.items():
-                    signal.signal(s, h)
-            # else: we are ending on that signal; _Once ignores further ones until we exit
-        if once.signum is not None:  # arrived between the lock and here
-            self._close()
-            return 128 + once.signum
-        try:
-            return self._supervise(self.member)
-        finally:
-            self._close()
-
-    def _say_whole_gpu(self, member: Member | Members) -> None:
-        """In an arena with a budget, a command without a footprint takes the whole GPU,
-        or, where its footprint is measured, the whole budget until it is."""
-        for m in member.members if isinstance(member, Members) else [member]:
-            if m.budget is None:
-                continue
-            if m.share is None:
-                self.opts.warn(
-                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
-                    " command takes the whole GPU"
-                )
-            elif m.footprint is not None and m.footprint.source == footprints.WHOLE:
-                self.opts.warn(
-                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
-                    " command takes the whole budget until its footprint is measured"
-                )
-
-    def _listen(self, member: Member | Members) -> Proxy | None:
-        """--demand listen: the proxy, listening before the command starts (and before we
-        wait for the token: clients are held meanwhile, and a busy address fails at once)."""
-        opts = self.opts
-        if opts.listen is None or opts.upstream is None:
-            return None
-        from .proxy import Proxy
-        from .strategies.presets import ready_url
-
-        proxy = Proxy(
-            opts.listen,
-            opts.upstream,
-            idle=DEFAULT_IDLE if opts.idle is None else opts.idle,
-            ready_within=DEFAULT_READY_WITHIN if opts.ready_within is None else opts.ready_within,
-            ready_url=opts.ready_url or ready_url(opts.command, opts.preset),
-            report=lambda count: member.describe(connections=count),
-            warn=opts.warn,
-            working=member.working,
-        )
-        member.describe(listen=proxy.address, connections=0)
-        return proxy
-
-    def _close(self) -> None:
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
-        self.member = None
-        self._joined.close()
-        if self._wake_r >= 0:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._supervision is None:
-            if signum != signal.SIGCHLD:
-                self._early_signals.append(signum)  # the command is being started
-        else:
-            self._supervision.on_signal(signum)
-
-    def _supervise(self, member: Member | Members) -> int:
-        opts, arenas = self.opts, member.arenas
-        control = ParentEnd()
-        env = dict(os.environ)
-        env.update(control.child_env(member.token_fds[0]))
-        env["VRAMLOCK_ARENA"] = arenas[0].path
-        if opts.gpus:
-            env.update(visible_devices(opts.gpus))
-        # Orphans of the command become our children: none can slip away unseen.
-        become_subreaper()
-        # Handlers first: a signal that arrives while the command starts must be
-        # passed on, not kill us with the default action.
-        old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
-        old_handlers.update({s: signal.signal(s, self._on_signal) for s in WATCHED})
-        hint = Hint(*(a.dirfd for a in arenas))
-        child: Child | None = None
-        scratch = contextlib.ExitStack()  # what the strategy made for the run
-        try:
-            command = strategies.prepare(opts.release, opts.settings, opts.command, env, scratch)
-            fds = (control.child_fd, *member.token_fds)
-            child = Child(command, env, fds, terminal=Terminal.if_foreground())
-            control.started()
-            ctx = Context(
-                child=child, control=control, started=lambda pid: member.describe(child_pid=pid)
-            )
-            sup = self._supervision = Supervision(child, ctx, member, opts.warn)
-            for signum in self._early_signals:
-                sup.on_signal(signum)
-            return Scheduler(opts, sup, self._wake_r, self.proxy).loop(hint)
-        finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            signal.set_wakeup_fd(old_wakeup)
-            hint.close()
-            gone = child is None or (self._supervision is not None and self._supervision.all_gone)
-            # Gone: explicitly, so that a descendant that outlived the command while
-            # sharing this open file description does not keep the token. Else we are
-            # failing while the command runs: it keeps the token (the description it
-            # shares with us) until it exits - no LOCK_UN.
-            member.drop_token(unlock=gone)
-            control.close()
-            if child is not None:
-                child.close()
-            scratch.close()
 
 
 class Scheduler:
@@ -629,8 +352,3 @@ class Scheduler:
                 member.set_min_hold(max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run))
         self._resident_again()
         return None
-
-
-def run(opts: RunOptions) -> int:
-    """``vramlock run``: the command's exit status (128+N if killed by signal N)."""
-    return Runner(opts).run()

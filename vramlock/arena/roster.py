@@ -19,13 +19,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import procfs
-from .arena import TOKEN, WANT, Arena
+from .. import procfs
+from .directory import TOKEN, WANT, Arena
 from .records import HOLDING, Record, State, read_live
 
 if TYPE_CHECKING:
+    from ..gpu.nvml import Gpu
     from .budget import Budget
-    from .nvml import Gpu
 
 NAME_MAX = 64
 STRATEGY_MAX = 32
@@ -184,7 +184,7 @@ def gpu_view(index: int | None) -> GpuView | None:
     """
     if importlib.util.find_spec("pynvml") is None:
         return None
-    from . import nvml
+    from ..gpu import nvml
 
     try:
         if not nvml.available():

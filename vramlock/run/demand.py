@@ -21,8 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from .context import Context
-from .errors import UsageError
+from ..command.context import Context
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     from .proxy import Proxy

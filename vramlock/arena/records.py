@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import procfs
-from .arena import Arena
+from .. import procfs
+from .directory import Arena
 
 RECORD_VERSION = 1
 MAX_RECORD = 64 * 1024  # readers ignore larger files; writers clip to stay well below

@@ -13,11 +13,11 @@ import signal
 import time
 from collections.abc import Callable
 
-from .context import Context
-from .errors import StrategyError
-from .member import Member, Members, State
-from .process import Child
-from .strategies.base import KILL_WAIT, Strategy
+from ..arena.member import Member, Members, State
+from ..command.context import Context
+from ..command.process import Child
+from ..errors import StrategyError
+from ..strategies.base import KILL_WAIT, Strategy
 
 # SIGCHLD only wakes the loop (through the wakeup fd): exits and keyboard stops.
 WATCHED = (signal.SIGCHLD,)

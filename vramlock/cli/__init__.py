@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TextIO
 import typer
 from typer.core import TyperGroup
 
-from . import __version__
-from .errors import NotObtained, UsageError, VramlockError
+from .. import __version__
 
 # Imported here, not in _warn: a warning about running out of descriptors must not need
 # one to import its formatting.
-from .roster import printable
+from ..arena.roster import printable
+from ..errors import NotObtained, UsageError, VramlockError
 
 if TYPE_CHECKING:
-    from .arena import Arena
-    from .demo import Demo
-    from .roster import GpuView, Row
+    from ..arena.directory import Arena
+    from ..arena.roster import GpuView, Row
+    from ..demo import Demo
 
 
 class _ReaderGone(Exception):
@@ -79,7 +79,7 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
 
 def parse_duration(text: str, option: str) -> float:
     """Seconds from ``2``, ``0.5``, ``250ms``, ``1.5s``, ``2m``, ``1h``; at most ``MAX_TIMEOUT``."""
-    from .lockfd import MAX_TIMEOUT
+    from ..arena.lockfd import MAX_TIMEOUT
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|)\s*", text)
     if not m:
@@ -93,7 +93,7 @@ def parse_duration(text: str, option: str) -> float:
 
 
 def _maybe_size(text: str | None, option: str) -> int | None:
-    from .budget import parse_size
+    from ..arena.budget import parse_size
 
     return None if text is None else parse_size(text, option)
 
@@ -154,19 +154,19 @@ ConflictOpt = Annotated[
 
 
 def _strategy_names() -> list[str]:
-    from .strategies import NAMES
+    from ..strategies import NAMES
 
     return list(NAMES)
 
 
 def _preset_names() -> list[str]:
-    from .strategies import PRESETS
+    from ..strategies import PRESETS
 
     return list(PRESETS)
 
 
 def _demand_names() -> list[str]:
-    from .runner import DEMANDS
+    from ..run.options import DEMANDS
 
     return list(DEMANDS)
 
@@ -335,9 +335,9 @@ def run(
     ] = None,
 ) -> None:
     """Run COMMAND while it holds the GPU; release it whenever someone else waits."""
-    from .arena import parse_gpus
-    from .runner import RunOptions
-    from .runner import run as run_command
+    from ..arena.directory import parse_gpus
+    from ..run.options import RunOptions
+    from ..run.runner import run as run_command
 
     opts = RunOptions(
         command=command,
@@ -393,8 +393,8 @@ def wait(
     ] = None,
 ) -> None:
     """Queue for the GPU (residents step aside) and return once the token is obtained."""
-    from .arena import parse_gpus
-    from .waiter import wait as wait_for_token
+    from ..arena.directory import parse_gpus
+    from ..arena.waiter import wait as wait_for_token
 
     gpus = None if gpu is None else parse_gpus(gpu)
     try:
@@ -441,13 +441,13 @@ def _cells(row: Row, now: float) -> list[str]:
 
 
 def _title(path: str) -> str:
-    from .roster import printable
+    from ..arena.roster import printable
 
     return f"arena {printable(path, 4096)}"
 
 
 def _gpu_lines(view: GpuView | None) -> list[str]:
-    from .roster import printable
+    from ..arena.roster import printable
 
     if view is None:
         return []
@@ -501,7 +501,7 @@ def _rich_table(
 def _arenas(arena: str | None, gpu: str | None) -> list[tuple[Arena, int | None]]:
     """The arenas ``--arena``/``--gpu`` name (several GPUs: each one's, ascending), each with
     the GPU whose memory to show: the arena's where that is known, else None (every GPU)."""
-    from .arena import Arena, default_gpu, locate, one_arena_or_gpus, parse_gpus
+    from ..arena.directory import Arena, default_gpu, locate, one_arena_or_gpus, parse_gpus
 
     gpus: list[int | None] = [*sorted(parse_gpus(gpu))] if gpu is not None else []
     one_arena_or_gpus(arena, gpus)
@@ -529,7 +529,7 @@ def who(
     """Show who is resident, who waits and who is released, from kernel lock state."""
     from dataclasses import asdict
 
-    from .roster import budget_view, gpu_view, snapshot, with_vram
+    from ..arena.roster import budget_view, gpu_view, snapshot, with_vram
 
     arenas = _arenas(arena, gpu)
     tty = sys.stdout.isatty() and not as_json
@@ -605,12 +605,12 @@ def arena_path(
 ) -> None:
     """Print the arena's directory, with its lock files created, for shell scripts
     (several GPUs: each one's, a line each)."""
-    from .arena import default_gpu
-    from .want import Token, Want
+    from ..arena.directory import default_gpu
+    from ..arena.locks import Token, Want
 
     size = None
     if budget is not None and budget.strip() != "auto":
-        from .budget import parse_size
+        from ..arena.budget import parse_size
 
         size = parse_size(budget, "--budget")
     arenas = _arenas(arena, gpu)
@@ -619,7 +619,7 @@ def arena_path(
             Token(opened).close()
             Want(opened).close()
             if budget is not None:
-                from .share import auto_size, store_budget
+                from ..arena.units import auto_size, store_budget
 
                 chosen = store_budget(
                     opened,
@@ -642,7 +642,7 @@ def demo(
     seconds: Annotated[str, typer.Option(metavar="SECONDS", help="How long to run.")] = "8",
 ) -> None:
     """Simulated GPU programs share a temporary arena; watch the token move. No GPU needed."""
-    from .demo import Demo
+    from ..demo import Demo
 
     show = Demo(members=members, seconds=parse_duration(seconds, "--seconds"))
     show.start()
@@ -681,7 +681,7 @@ def _demo_table(path: str, rows: list[Row], now: float) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from .demo import WIDTH
+    from ..demo import WIDTH
 
     picked = [_COLUMNS.index(c) for c in _DEMO_COLUMNS[:-1]]
     cells = [[_cells(row, now)[i] for i in picked] for row in rows]
@@ -720,7 +720,7 @@ def _demo_live(show: Demo) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from .demo import WIDTH
+    from ..demo import WIDTH
 
     def frame() -> Any:
         return demo_frame(show, show.snapshot(), time.time())
@@ -750,7 +750,7 @@ def serve(
     ] = "127.0.0.1:8080",
 ) -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
-    from .serve import serve as serve_models
+    from ..serve import serve as serve_models
 
     raise typer.Exit(serve_models(config, listen, duration=parse_duration, warn=_warn))
 

@@ -16,7 +16,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import ArenaError, UnsupportedFilesystem, UsageError
+from ..errors import ArenaError, UnsupportedFilesystem, UsageError
 
 TOKEN = "token.lock"
 WANT = "want.lock"

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..errors import ArenaError, UsageError
 from . import lockfd
-from .arena import TOKEN, WANT, Arena
 from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
-from .errors import ArenaError, UsageError
+from .directory import TOKEN, WANT, Arena
 from .records import Record, RecordWriter, read_live
 
 # ``--budget auto``: what NVML calls total, less this much for the driver and for
@@ -103,7 +103,7 @@ def store_budget(arena: Arena, size: int) -> Budget:
 
 def auto_size(gpu: int) -> int:
     """``--budget auto``: the GPU's total memory as NVML reports it, less a margin."""
-    from . import nvml
+    from ..gpu import nvml
 
     total = nvml.gpu(gpu).total
     return total - max(AUTO_MARGIN_MIN, int(total * AUTO_MARGIN_FRACTION))
