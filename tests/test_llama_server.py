@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, free_port, llama_binary, needs_llama
+from helpers.llama import llama_binary, needs_llama
+from helpers.net import free_port
+from helpers.processes import Spawn
 
 BINARY = llama_binary()
 

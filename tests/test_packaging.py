@@ -21,7 +21,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, vramlock
+from helpers import ROOT
+from helpers.commands import vramlock
 
 from vramlock import procfs
 from vramlock.arena import lockfd

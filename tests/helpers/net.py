@@ -1,4 +1,4 @@
-"""Loopback helpers shared by the tests (through conftest) and the benchmarks."""
+"""Loopback helpers shared by the tests and the benchmarks."""
 
 from __future__ import annotations
 
