@@ -110,8 +110,11 @@ class Rig:
     def launches(self) -> list[tuple[int, int]]:
         if not self.launch_log.exists():
             return []
+        text = self.launch_log.read_text()
         out = []
-        for line in self.launch_log.read_text().splitlines():
+        # Complete lines only: a read can see the first part of a line that a launch is
+        # appending (one write, but not atomic against a read where it crosses a page).
+        for line in text[: text.rfind("\n") + 1].splitlines():
             _, start, end = line.split()
             out.append((int(start), int(end)))
         return out
