@@ -11,6 +11,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import ROOT
 from helpers.llama import llama_binary, needs_llama
 from helpers.net import free_port
 from helpers.processes import Spawn
@@ -177,3 +180,14 @@ def test_a_second_server_on_a_taken_port_exits(serve: Serve) -> None:
     assert second.proc.wait(READY_TIMEOUT) == 1
     assert "couldn't bind" in second.tail()
     assert first.call("GET", "/health")[0] == 200
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="no ldd here")
+def test_it_links_the_libraries_the_docs_name() -> None:
+    """docs/llama-server.md names every shared library the cached binary loads."""
+    out = subprocess.run(
+        ["ldd", str(BINARY)], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    linked = {line.split()[0] for line in out.splitlines() if "=>" in line}
+    doc = (ROOT / "docs" / "llama-server.md").read_text()
+    assert set(re.findall(r"`(lib[\w+-]+\.so\.\d+)`", doc)) == linked, out

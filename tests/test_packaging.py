@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 from helpers.commands import vramlock
+from helpers.llama import needs_llama
 
 from vramlock import procfs
 from vramlock.arena import lockfd
@@ -266,6 +267,28 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
+
+
+def test_the_readme_says_what_builds_the_llama_server_the_tests_skip_without() -> None:
+    """The command the skip reason gives opens the README too, and CI runs it."""
+    reason = needs_llama(None).mark.kwargs["reason"]
+    found = re.search(r"`(python [^`]+)`", reason)
+    assert found is not None, reason
+    command = found.group(1)
+    opening = (ROOT / "README.md").read_text().split("\n## ", 1)[0]
+    assert f"`{command}`" in opening
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.startswith(command) for line in ci), f".ci/run does not run {command!r}"
+
+
+def test_the_readme_names_every_extra() -> None:
+    """The README's list of extras is pyproject.toml's."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = re.findall(r"^([\w-]+) = ", section, re.MULTILINE)
+    listed = re.search(r"\(extras: ([^)]*)\)", (ROOT / "README.md").read_text())
+    assert listed is not None, "the README lists no extras"
+    assert re.findall(r"`([\w-]+)`", listed.group(1)) == extras
 
 
 def test_every_document_cited_is_in_the_repository() -> None:
