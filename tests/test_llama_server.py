@@ -189,5 +189,5 @@ def test_it_links_the_libraries_the_docs_name() -> None:
         ["ldd", str(BINARY)], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     linked = {line.split()[0] for line in out.splitlines() if "=>" in line}
-    doc = (ROOT / "docs" / "llama-server.md").read_text()
+    doc = (ROOT / "docs/llama-server.md").read_text()
     assert set(re.findall(r"`(lib[\w+-]+\.so\.\d+)`", doc)) == linked, out
