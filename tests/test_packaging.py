@@ -312,6 +312,19 @@ def test_every_document_cited_is_in_the_repository() -> None:
     assert not missing, f"documents cited but not in the repository: {missing}"
 
 
+def test_every_source_file_the_documents_name_is_in_the_repository() -> None:
+    """A module or C file named by path in the READMEs or docs/ is where they say."""
+    texts = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
+    source = re.compile(r"(?<![\w/.$-])((?:vramlock|tests|bench|tools)/[\w/-]*\.(?:py|c))\b")
+    named = {
+        (str(path.relative_to(ROOT)), name)
+        for path in texts
+        for name in source.findall(path.read_text(encoding="utf-8"))
+    }
+    missing = sorted((path, name) for path, name in named if not (ROOT / name).is_file())
+    assert not missing, f"source files named but not in the repository: {missing}"
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("hatchling") is None, reason="hatchling is not installed here"
 )
