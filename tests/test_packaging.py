@@ -269,6 +269,26 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
 
 
+@pytest.mark.parametrize(
+    ("pip", "pytest_status"), [(1, 0), (0, 1), (0, 5)], ids=["install", "tests", "no-tests"]
+)
+def test_ci_fails_when_the_test_command_fails(pip: int, pytest_status: int) -> None:
+    """.ci/run's lines around the README's test command, with pip and pytest stubbed: a
+    failed install, a failed test and pytest's "no tests collected" (5) each end CI with
+    their status, before the linters."""
+    command = _readme_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = next(part for part in ci.split("\n\n") if command in part.splitlines())
+    script = (
+        f"set -euo pipefail\npip() {{ return {pip}; }}\npython() {{ return {pytest_status}; }}\n"
+        f"{block}\necho linted\n"
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == (pip or pytest_status), done
+    assert "linted" not in done.stdout
+    assert ("collected no tests" in done.stderr) == (pytest_status == 5), done.stderr
+
+
 def test_the_readme_says_what_builds_the_llama_server_the_tests_skip_without() -> None:
     """The command the skip reason gives opens the README too, and CI runs it."""
     reason = needs_llama(None).mark.kwargs["reason"]
