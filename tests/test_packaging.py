@@ -7,6 +7,7 @@ never imports typer or rich, and ``bench/startup.py`` has the figures.
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import importlib.util
 import json
@@ -309,6 +310,23 @@ def test_the_readme_names_every_extra() -> None:
     listed = re.search(r"\(extras: ([^)]*)\)", (ROOT / "README.md").read_text())
     assert listed is not None, "the README lists no extras"
     assert re.findall(r"`([\w-]+)`", listed.group(1)) == extras
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share is in tests/helpers/ (and fixtures in conftest.py), so that moving
+    or deleting one test module breaks no other."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(ROOT)}: {name}"
+                for name in names
+                if name.split(".")[0] == "conftest" or name.startswith("test_")
+            ]
+    assert not found, found
 
 
 def test_every_document_cited_is_in_the_repository() -> None:
