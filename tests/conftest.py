@@ -54,6 +54,7 @@ def errcli(tmp_path: Path) -> ErrCli:
 
 @pytest.fixture
 def arena(tmp_path: Path) -> Path:
+    """An empty arena directory of the test's own (mode 0700)."""
     path = tmp_path / "arena"
     path.mkdir(mode=0o700)
     return path
@@ -110,6 +111,7 @@ def model() -> Path:
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Path:
+    """The signal worker (helpers/worker.py's WORKER) as a script in the test's directory."""
     path = tmp_path / "worker.py"
     path.write_text(WORKER)
     return path

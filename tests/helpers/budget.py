@@ -119,6 +119,7 @@ EXCLUSIVE = textwrap.dedent(
 
 
 def set_budget(arena: Path, size: str) -> None:
+    """``vramlock arena --budget SIZE`` on ``arena``."""
     subprocess.run(
         vramlock("arena", "--arena", str(arena), "--budget", size),
         check=True,
@@ -145,6 +146,7 @@ class Budgeted:
     def member(
         self, name: str, units: int, mode: str = "idle", hold: float = 0.0, min_hold: float = 0.0
     ) -> Member:
+        """Start a budget member (MEMBER) of ``units`` units behaving as ``mode``."""
         proc = self.spawn(
             [sys.executable, "-c", MEMBER, str(self.arena), name, str(units),
              str(self.witness), str(self.log), mode],
@@ -153,6 +155,7 @@ class Budgeted:
         return Member(self, name, proc)
 
     def exclusive(self, name: str) -> Member:
+        """Start an exclusive member (EXCLUSIVE), which takes every unit while resident."""
         proc = self.spawn(
             [sys.executable, "-c", EXCLUSIVE, str(self.arena), name, str(self.units),
              str(self.witness), str(self.log)]
@@ -160,9 +163,11 @@ class Budgeted:
         return Member(self, name, proc)
 
     def count(self, name: str, what: str) -> int:
+        """How many times ``name`` logged ``what``."""
         return sum(1 for _, n, w in events(self.log) if n == name and w == what)
 
     def over(self) -> list[str]:
+        """The members that logged OVER: resident without all of their units."""
         return [n for _, n, w in events(self.log) if w == "OVER"]
 
     def resident(self) -> set[str]:
@@ -199,13 +204,17 @@ def _bytes_locked(path: Path) -> int:
 
 
 class Member:
+    """One member process of a Budgeted arena, known by its name in the log."""
+
     def __init__(self, room: Budgeted, name: str, proc: subprocess.Popen[str]) -> None:
         self.room, self.name, self.proc = room, name, proc
 
     def wait_for(self, what: str, times: int = 1, timeout: float = DEADLINE) -> None:
+        """Wait until the member has logged ``what`` ``times`` times."""
         wait_until(lambda: self.room.count(self.name, what) >= times, timeout=timeout)
 
     def kill(self) -> None:
+        """SIGKILL the member and reap it."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 
 def vramlock(*args: str) -> list[str]:
+    """The command line of ``python -m vramlock ARGS`` (the tree under test)."""
     return [sys.executable, "-m", "vramlock", *args]
 
 

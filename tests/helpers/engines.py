@@ -51,6 +51,9 @@ WITNESS = textwrap.dedent(
 
 @dataclass
 class Turn:
+    """The witness's turn: when it asked, held and let go of the token, and which of the
+    server's processes were alive when it got it."""
+
     asked: float
     start: float
     end: float
@@ -58,6 +61,9 @@ class Turn:
 
 
 class Witness:
+    """A process that takes the token with plain flock calls, as any member, and notes
+    which of the server's processes (logged at their start) were alive then."""
+
     def __init__(self, tmp: Path, arena: Path, log: Path, hold: float = 0.3) -> None:
         script = tmp / "witness.py"
         script.write_text(WITNESS)
@@ -68,6 +74,7 @@ class Witness:
         )
 
     def turn(self, timeout: float = 60) -> Turn:
+        """Wait for the witness to have held the token; what it saw."""
         self.proc.wait(timeout)
         asked, start, end, alive = self.out.read_text().split(" ")
         return Turn(float(asked), float(start), float(end), [p for p in alive.split(",") if p])
@@ -84,6 +91,7 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
 
     def events(self) -> list[tuple[float, str]]:
+        """The fake's log: (monotonic time, event) in order."""
         if not self.log.exists():
             return []
         lines = self.log.read_text().splitlines()
@@ -98,9 +106,11 @@ class Engine:
         return out
 
     def when(self, event: str, nth: int = 1) -> float:
+        """When ``event`` was logged for the ``nth`` time."""
         return [t for t, e in self.events() if e == event][nth - 1]
 
     def count(self, event: str) -> int:
+        """How many times ``event`` was logged."""
         return sum(e == event for _, e in self.events())
 
     def assert_free_during(self, turn: Turn) -> None:

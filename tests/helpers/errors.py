@@ -29,6 +29,8 @@ OWN_FAILURE = 125
 
 @dataclass
 class Outcome:
+    """What one ``python -m vramlock`` run did: its status, output and wall time."""
+
     args: tuple[str, ...]
     code: int
     stdout: str
@@ -97,6 +99,7 @@ def expect_error(out: Outcome, code: int, *fragments: str) -> str:
 
 
 def create_lock_file(path: Path) -> int:
+    """Open (creating) ``path`` as vramlock does a lock file, mode 0644."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     os.fchmod(fd, 0o644)
     return fd
@@ -126,6 +129,7 @@ def still_held_by_us(token: Path) -> bool:
 
 
 def needs_root(what: str) -> None:
+    """Skip the test unless it runs as root (``what`` says what needs it)."""
     if os.geteuid() != 0:
         pytest.skip(f"{what} needs root (chown to another uid)")
 

@@ -58,6 +58,7 @@ class TokenWatch(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        """Sample /proc/locks until stopped."""
         while not self.stop.is_set():
             entries = procfs.parse_proc_locks(procfs.read_proc_locks(), *self.key)
             held = [e.pid for e in entries if not e.blocked]
@@ -78,6 +79,7 @@ class BothOnGpu(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        """Sample NVML until stopped."""
         while not self.stop.is_set():
             try:
                 held = nvml.processes()
@@ -111,6 +113,7 @@ SWAP_KEEPS = 3 * GIB // 2
 
 
 def env_with(extra: dict[str, str]) -> dict[str, str]:
+    """The test's environment with ``extra`` set."""
     return {**os.environ, **extra}
 
 

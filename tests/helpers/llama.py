@@ -35,6 +35,7 @@ BINARY = llama_binary()
 
 
 def needs_llama(binary: Path | None) -> pytest.MarkDecorator:
+    """The mark that skips a module when ``binary`` is None, saying how to build it."""
     import llama_server
 
     return pytest.mark.skipif(
@@ -48,6 +49,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
 
 def call(port: int, method: str, path: str, body: object = None) -> tuple[int, Any]:
+    """One request on a fresh connection: (status, decoded JSON body)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         data = None if body is None else json.dumps(body)
@@ -69,6 +71,7 @@ class BothAlive(threading.Thread):
         self.stop = threading.Event()
 
     def servers(self) -> list[int]:
+        """The pids of the watched servers alive now."""
         alive = []
         for pid in procfs.all_pids():
             cmd = procfs.text(pid, "cmdline").split()
@@ -79,6 +82,7 @@ class BothAlive(threading.Thread):
         return alive
 
     def run(self) -> None:
+        """Sample /proc every 3 ms until stopped."""
         while not self.stop.is_set():
             alive = self.servers()
             self.samples += 1

@@ -72,5 +72,6 @@ def waiting_holder(spawn: Spawn, arena: Path) -> subprocess.Popen[str]:
 
 
 def token_free(arena: Path) -> bool:
+    """Could a flock(1) take the token at once?"""
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     return probe.returncode == 0

@@ -72,6 +72,8 @@ USER_PRELOAD = textwrap.dedent(
 
 @dataclass
 class Fakes:
+    """The compiled fakes: the driver's directory, the program and a user's preload library."""
+
     directory: Path  # holds libcuda.so.1
     program: Path
     user_preload: Path
@@ -108,6 +110,7 @@ class Rig:
     tmp: Path
 
     def launches(self) -> list[tuple[int, int]]:
+        """The fake driver's launches so far: (start, end) in monotonic ns."""
         if not self.launch_log.exists():
             return []
         text = self.launch_log.read_text()
@@ -129,6 +132,7 @@ class Rig:
         )  # fmt: skip
 
     def holder(self, spawn: Spawn) -> subprocess.Popen[str]:
+        """Start the test's own member (HOLDER), talked to over its stdin."""
         script = self.tmp / "holder.py"
         script.write_text(HOLDER)
         return spawn(
@@ -138,6 +142,7 @@ class Rig:
 
 
 def make_rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    """A fake GPU for one test: the environment that selects the fake driver, and its logs."""
     phys, log = tmp_path / "phys", tmp_path / "launches"
     env = dict(os.environ)
     env.update(
@@ -150,6 +155,7 @@ def make_rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
 
 
 def read_line(proc: subprocess.Popen[str]) -> list[str]:
+    """The next line of ``proc``'s stdout, split into words."""
     assert proc.stdout is not None
     return proc.stdout.readline().split()
 
@@ -178,6 +184,7 @@ def take_turn(rig: Rig, spawn: Spawn) -> Turn:
 
 
 def during(launches: list[tuple[int, int]], turns: list[Turn]) -> list[tuple[int, int]]:
+    """The launches that overlapped any of ``turns``."""
     return [(s, e) for s, e in launches for t in turns if s <= t.end and e >= t.start]
 
 

@@ -42,6 +42,7 @@ WORKER = textwrap.dedent(
 
 
 def events(log: Path) -> list[tuple[float, str, str]]:
+    """The worker log: (monotonic time, name, event) in order."""
     if not log.exists():
         return []
     out = []
@@ -52,6 +53,7 @@ def events(log: Path) -> list[tuple[float, str, str]]:
 
 
 def whats(log: Path, name: str) -> list[str]:
+    """The events ``name`` logged, in order."""
     return [w for _, n, w in events(log) if n == name]
 
 
