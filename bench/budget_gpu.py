@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from netutil import accepts, free_port  # noqa: E402
+from helpers.net import accepts, free_port  # noqa: E402
 from servers import end_jobs, pct  # noqa: E402  (beside this file)
 
 from vramlock import procfs  # noqa: E402

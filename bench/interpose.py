@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from netutil import free_port  # noqa: E402
+from helpers.net import free_port  # noqa: E402
 from servers import request  # noqa: E402  (beside this file)
 
 TRAINER = str(ROOT / "tests" / "gpu_trainer.py")

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from netutil import accepts, free_ports  # noqa: E402
+from helpers.net import accepts, free_ports  # noqa: E402
 
 REQUEST = b"GET /x HTTP/1.1\r\nHost: bench\r\n\r\n"
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
 import tiny_gguf  # noqa: E402
-from netutil import free_ports  # noqa: E402
+from helpers.net import free_ports  # noqa: E402
 
 from vramlock import procfs  # noqa: E402
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
-from netutil import accepts, free_port  # noqa: E402
+from helpers.net import accepts, free_port  # noqa: E402
 
 MODES = {
     "restart": ["--release", "restart"],

@@ -4,28 +4,24 @@ process a test starts is reaped by the end of it."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
-from netutil import accepts as accepts
-from netutil import free_port as free_port
-from netutil import free_ports as free_ports
 
-from vramlock.procfs import descendants, proc_stat
+# The helpers' assertions say what they compared, as the tests' own do.
+pytest.register_assert_rewrite("helpers")
 
-if TYPE_CHECKING:
-    from test_cli_errors import ErrCli
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT  # noqa: E402
+from helpers.engines import FAKE, Engine, MakeEngine  # noqa: E402
+from helpers.errors import ErrCli  # noqa: E402
+from helpers.net import free_port  # noqa: E402
+from helpers.processes import Spawn, kill_group  # noqa: E402
+from helpers.worker import WORKER  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,20 +48,16 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 
 @pytest.fixture
 def errcli(tmp_path: Path) -> ErrCli:
-    """Runs ``python -m vramlock ARGS`` isolated from the real machine (test_cli_errors)."""
-    from test_cli_errors import ErrCli
-
+    """Runs ``python -m vramlock ARGS`` isolated from the real machine."""
     return ErrCli(tmp_path)
 
 
 @pytest.fixture
 def arena(tmp_path: Path) -> Path:
+    """An empty arena directory of the test's own (mode 0700)."""
     path = tmp_path / "arena"
     path.mkdir(mode=0o700)
     return path
-
-
-Spawn = Callable[..., "subprocess.Popen[str]"]
 
 
 @pytest.fixture
@@ -103,162 +95,9 @@ def spawn() -> Iterator[Spawn]:
         proc.communicate(timeout=10)
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the process and everything it started, then reap it.
-
-    ``vramlock run`` puts its command in a process group of its own, so the
-    descendants are found through /proc and killed one by one as well.
-    """
-    pids = [*descendants(proc.pid), proc.pid]
-    for pid in pids:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    proc.wait(10)
-    # Dead means exited (a zombie at most), and only then are its locks gone.
-    wait_until(lambda: all(_state(pid) in ("Z", "X", None) for pid in pids))
-
-
-def _state(pid: int) -> str | None:
-    fields = proc_stat(pid)
-    return fields[0] if fields else None
-
-
-def vramlock(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vramlock", *args]
-
-
-def wait_until(what: Callable[[], object], timeout: float = 10.0, step: float = 0.005) -> None:
-    """Poll a condition with a deadline (a check, not synchronisation by sleeping)."""
-    end = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-
-
-def queued(pid: int) -> bool:
-    """Is ``pid`` blocked in a flock (a "->" line of /proc/locks)?"""
-    with open("/proc/locks") as f:
-        return any(f" {pid} " in line and "->" in line for line in f)
-
-
-WORKER = textwrap.dedent(
-    """
-    import os, sys, time
-    from vramlock import child
-    log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    name = sys.argv[2]
-    def note(what):
-        os.write(log, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    # WORKER_LINGER=S: on SIGTERM, go on (obeying requests) for S seconds, then exit 0.
-    # Set before "start" is noted: a test sends SIGTERM as soon as it reads it.
-    linger, ending = float(os.environ.get("WORKER_LINGER", "0")), []
-    if linger:
-        import signal
-        signal.signal(signal.SIGTERM, lambda *a: ending.append(time.monotonic() + linger))
-    ctl = child.connect()
-    note("start" if ctl else "no-control")
-    want = os.environ.get("WORKER_WANT", "1") == "1"
-    while True:
-        time.sleep(0.005)
-        if ending and time.monotonic() > ending[0]:
-            note("exit")
-            sys.exit(0)
-        if ctl and ctl.requested() and os.environ.get("WORKER_DEAF"):
-            continue
-        if ctl:
-            ctl.yield_if_asked(lambda: note("release"), lambda: note("restore"), want=want)
-    """
-)
-
-
-def events(log: Path) -> list[tuple[float, str, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        t, name, what = line.split()
-        out.append((float(t), name, what))
-    return out
-
-
-def whats(log: Path, name: str) -> list[str]:
-    return [w for _, n, w in events(log) if n == name]
-
-
-def _no_constants(name: str) -> None:
-    raise ValueError(f"not strict JSON: {name}")
-
-
-def who_plain(arena: Path) -> str:
-    """``vramlock who``'s plain text (not a terminal)."""
-    return subprocess.run(
-        vramlock("who", "--arena", str(arena)),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-
-
-def who_json(arena: Path) -> list[dict[str, Any]]:
-    """``vramlock who --json``'s members, parsed as strict JSON (no NaN or Infinity)."""
-    out = subprocess.run(
-        vramlock("who", "--arena", str(arena), "--json"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    members: list[dict[str, Any]] = json.loads(out, parse_constant=_no_constants)["members"]
-    return members
-
-
-def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
-    """A flock(1) process holding ``path`` until killed; returns once it holds it."""
-    proc = spawn(["flock", mode, str(path), "sh", "-c", "echo held; exec sleep 60"])
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def waiting_holder(spawn: Spawn, arena: Path) -> subprocess.Popen[str]:
-    """flock(1) as a waiter (want.lock shared, then token.lock), holding the token until its
-    stdin is closed; returns once it holds it. Residents see it waiting, as any member."""
-    proc = spawn(
-        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
-         "sh", "-c", "echo held; read line"],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
-
-
 # -- the real llama-server (CPU) that tools/llama_server.py builds and caches ----------
 
 sys.path.insert(0, str(ROOT / "tools"))
-
-
-def llama_binary() -> Path | None:
-    """The cached llama-server, or None; built first (minutes) with VRAMLOCK_BUILD_LLAMA=1."""
-    import llama_server
-
-    found: Path | None = llama_server.cached_binary()
-    if found is None and os.environ.get("VRAMLOCK_BUILD_LLAMA") == "1":
-        found = llama_server.ensure()
-    return found
-
-
-def needs_llama(binary: Path | None) -> pytest.MarkDecorator:
-    import llama_server
-
-    return pytest.mark.skipif(
-        binary is None,
-        reason=f"no llama-server built in {llama_server.cache_dir()}: run "
-        "`python tools/llama_server.py` or set VRAMLOCK_BUILD_LLAMA=1",
-    )
 
 
 @pytest.fixture(scope="session")
@@ -270,33 +109,55 @@ def model() -> Path:
     return path
 
 
-def token_free(arena: Path) -> bool:
-    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
-    return probe.returncode == 0
-
-
 @pytest.fixture
 def worker(tmp_path: Path) -> Path:
+    """The signal worker (helpers/worker.py's WORKER) as a script in the test's directory."""
     path = tmp_path / "worker.py"
     path.write_text(WORKER)
     return path
 
 
-def run_worker(
-    spawn: Spawn,
-    arena: Path,
-    worker: Path,
-    log: Path,
-    name: str,
-    *options: str,
-    env: dict[str, str] | None = None,
-) -> subprocess.Popen[str]:
-    """``vramlock run --min-hold 0 OPTIONS -- python WORKER``, once it is resident and signal."""
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--",
-                 sys.executable, str(worker), str(log), name),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: whats(log, name) == ["start"])
-    wait_until(lambda: any(str(r["strategy"]).endswith("signal") for r in who_json(arena)))
-    return job
+@pytest.fixture
+def engine(tmp_path: Path) -> MakeEngine:
+    """A fake engine started the way the real one is (``vllm serve``, ``python -m
+    sglang.launch_server``, ...): programs of those names run fake_engine.main."""
+    bin_dir, modules = tmp_path / "bin", tmp_path / "modules"
+    (modules / "sglang").mkdir(parents=True)
+    bin_dir.mkdir()
+    (modules / "sglang" / "__init__.py").write_text("")
+
+    def body(name: str) -> str:
+        return (
+            f"import sys\nsys.path.insert(0, {str(FAKE.parent)!r})\nimport fake_engine\n"
+            f"fake_engine.main({name!r}, sys.argv[1:])\n"
+        )
+
+    for program, name in (("llama-server", "llama-server"), ("vllm", "vllm"),
+                          ("ollama", "ollama")):  # fmt: skip
+        path = bin_dir / program
+        path.write_text(f"#!{sys.executable}\n{body(name)}")
+        path.chmod(0o755)
+    (modules / "sglang" / "launch_server.py").write_text(body("sglang"))
+    (tmp_path / "main.py").write_text(body("comfyui"))
+
+    def make(name: str, *args: str, **settings: str) -> Engine:
+        port = free_port()
+        log = tmp_path / f"{name}-{port}.log"
+        env = {f"FAKE_{k.upper()}": v for k, v in settings.items()}
+        env["FAKE_LOG"] = str(log)
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{modules}"
+        py = sys.executable
+        argv = {
+            "llama-server": [str(bin_dir / "llama-server"), "--port", str(port)],
+            "vllm": [str(bin_dir / "vllm"), "serve", "some/model", "--port", str(port)],
+            "sglang": [py, "-m", "sglang.launch_server", "--port", str(port)],
+            "comfyui": [py, str(tmp_path / "main.py"), "--listen", "127.0.0.1", "--port",
+                        str(port)],
+            "ollama": [str(bin_dir / "ollama"), "serve"],
+            "generic": [py, str(FAKE), "generic", "--port", str(port)],
+        }[name]  # fmt: skip
+        if name == "ollama":
+            env["OLLAMA_HOST"] = f"127.0.0.1:{port}"
+        return Engine(name, [*argv, *args], port, log, env)
+
+    return make

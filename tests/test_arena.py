@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import vramlock
-from test_cli_errors import (
+from helpers.commands import vramlock
+from helpers.errors import (
     FOREIGN_UID,
     OWN_FAILURE,
     USAGE,

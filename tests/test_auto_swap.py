@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Spawn, vramlock, wait_until, who_json
-from netutil import free_port
-from test_swap import (
+from helpers import ROOT
+from helpers.commands import vramlock, who_json
+from helpers.net import free_port
+from helpers.processes import Spawn, wait_until
+from helpers.swap_rig import (
     Fakes,
     Rig,
     _driver_here,

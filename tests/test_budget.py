@@ -18,211 +18,21 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until, waiting_holder, who_json, who_plain
-from test_cli_errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
+from helpers.budget import DEADLINE, RUN_CHILD, Budgeted, Member, set_budget
+from helpers.commands import vramlock, who_json, who_plain
+from helpers.errors import FOREIGN_UID, OWN_FAILURE, USAGE, ErrCli, expect_error, needs_root
+from helpers.processes import Spawn, wait_until, waiting_holder
+from helpers.worker import events
 
 from vramlock.arena import lockfd
 from vramlock.arena.budget import Budget, read_budget
 from vramlock.arena.directory import Arena
 from vramlock.arena.units import Candidate, choose
 from vramlock.errors import ArenaError
-
-DEADLINE = 20.0
-
-# A budget member: ``ARENA NAME UNITS WITNESS LOG MODE``. MODE idle: steps aside when
-# asked, and leaves; busy: the same, saying it works; cycle: resident $HOLD s whether
-# asked or not (a holder between safe points), then steps aside and queues again;
-# deaf: never steps aside; liar: like idle, but its record claims units it does not
-# hold and that it has been idle the longest. $MIN_HOLD: it refuses to step aside for
-# that long after it became resident, and says so in its record.
-MEMBER = textwrap.dedent(
-    """
-    import fcntl, os, struct, sys, time
-    from vramlock.arena.directory import Arena
-    from vramlock.arena.budget import read_budget
-    from vramlock.arena.units import Share
-    from vramlock.arena.records import Record, RecordWriter
-    path, name, need, witness, log, mode = sys.argv[1:7]
-    need = int(need)
-    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    def note(what):
-        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    arena = Arena.open(path)
-    budget = read_budget(arena)
-    record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
-                                        strategy="test", state="released", since=time.time()))
-    share = Share(arena, budget, need, records=record)
-    wfd = os.open(witness, os.O_RDWR)
-    def witness(kind, start, length):
-        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
-    hold = float(os.environ.get("HOLD", "0"))
-    min_hold = float(os.environ.get("MIN_HOLD", "0"))
-    note("waiting")
-    while True:
-        share.acquire()
-        got = 0
-        for unit in range(budget.units):
-            if got < need:
-                try:
-                    witness(fcntl.F_WRLCK, unit, 1)
-                    got += 1
-                except OSError:
-                    pass
-        note("resident" if got == need else "OVER")
-        record.update(hold_until=time.time() + min_hold)
-        if mode == "liar":
-            others = [u for u in range(budget.units) if u not in share.units]
-            record.update(units=others[:need], used=1.0, busy=False)
-        else:
-            share.touch(busy=mode == "busy")
-        start = time.monotonic()
-        while True:
-            time.sleep(0.002)
-            if mode == "busy":
-                share.touch(busy=True)
-            if mode == "cycle":
-                if time.monotonic() - start > hold:
-                    break
-            elif mode != "deaf" and time.monotonic() - start >= min_hold and share.wanted():
-                break
-        witness(fcntl.F_UNLCK, 0, 0)
-        note("release")
-        share.release()
-        if mode != "cycle":
-            break
-        share.wait_polite()
-    """
-)
-
-# An exclusive member (knows nothing of budgets): ``ARENA NAME UNITS WITNESS LOG``; takes
-# every byte of the witness while resident, steps aside when somebody waits.
-EXCLUSIVE = textwrap.dedent(
-    """
-    import fcntl, os, struct, sys, time
-    from vramlock.arena.directory import Arena
-    from vramlock.arena.member import Member
-    path, name, units, witness, log = sys.argv[1:6]
-    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    def note(what):
-        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    member = Member(Arena.open(path), name=name)
-    wfd = os.open(witness, os.O_RDWR)
-    def witness(kind):
-        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, 0, int(units), 0))
-    note("waiting")
-    while True:
-        member.acquire()
-        try:
-            witness(fcntl.F_WRLCK)
-            note("resident")
-        except OSError:
-            note("OVER")
-        while not member.should_release():
-            time.sleep(0.002)
-        witness(fcntl.F_UNLCK)
-        note("release")
-        member.release()
-        member.wait_polite()
-    """
-)
-
-
-def set_budget(arena: Path, size: str) -> None:
-    subprocess.run(
-        vramlock("arena", "--arena", str(arena), "--budget", size),
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-
-
-class Budgeted:
-    """A budget arena with its witness file and event log; starts members."""
-
-    def __init__(self, spawn: Spawn, arena: Path, tmp_path: Path, size: str) -> None:
-        set_budget(arena, size)
-        self.spawn, self.arena = spawn, arena
-        opened = Arena.open(str(arena))
-        found = read_budget(opened)
-        opened.close()
-        assert found is not None
-        self.units = found.units
-        self.witness = tmp_path / "witness"
-        self.witness.write_bytes(b"")
-        self.log = tmp_path / "events.log"
-
-    def member(
-        self, name: str, units: int, mode: str = "idle", hold: float = 0.0, min_hold: float = 0.0
-    ) -> Member:
-        proc = self.spawn(
-            [sys.executable, "-c", MEMBER, str(self.arena), name, str(units),
-             str(self.witness), str(self.log), mode],
-            env={**os.environ, "HOLD": str(hold), "MIN_HOLD": str(min_hold)},
-        )  # fmt: skip
-        return Member(self, name, proc)
-
-    def exclusive(self, name: str) -> Member:
-        proc = self.spawn(
-            [sys.executable, "-c", EXCLUSIVE, str(self.arena), name, str(self.units),
-             str(self.witness), str(self.log)]
-        )  # fmt: skip
-        return Member(self, name, proc)
-
-    def count(self, name: str, what: str) -> int:
-        return sum(1 for _, n, w in events(self.log) if n == name and w == what)
-
-    def over(self) -> list[str]:
-        return [n for _, n, w in events(self.log) if w == "OVER"]
-
-    def resident(self) -> set[str]:
-        """Who is resident now, by the log: resident and not released since."""
-        now: set[str] = set()
-        for _, n, w in events(self.log):
-            if w == "resident":
-                now.add(n)
-            elif w == "release":
-                now.discard(n)
-        return now
-
-    def witness_bytes_held(self) -> int:
-        """Bytes of the witness locked by members, by /proc/locks."""
-        return _bytes_locked(self.witness)
-
-    def capacity_bytes_held(self) -> int:
-        """Units held, by /proc/locks (OFD locks on capacity.lock)."""
-        return _bytes_locked(self.arena / "capacity.lock")
-
-
-def _bytes_locked(path: Path) -> int:
-    """Bytes of ``path`` under OFD locks, by /proc/locks."""
-    st = os.stat(path)
-    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    total = 0
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" not in fields and "OFDLCK" in fields and inode in fields:
-                start, end = fields[-2:]
-                total += int(end) - int(start) + 1
-    return total
-
-
-class Member:
-    def __init__(self, room: Budgeted, name: str, proc: subprocess.Popen[str]) -> None:
-        self.room, self.name, self.proc = room, name, proc
-
-    def wait_for(self, what: str, times: int = 1, timeout: float = DEADLINE) -> None:
-        wait_until(lambda: self.room.count(self.name, what) >= times, timeout=timeout)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
 
 # -- primitives --------------------------------------------------------------------------
 
@@ -692,54 +502,6 @@ def test_a_shell_waiter_takes_the_whole_gpu_from_budget_residents(
 
 
 # -- vramlock run --vram -----------------------------------------------------------------
-
-# The command of a run: ``WITNESS LOG NAME UNITS BUDGET_UNITS [USE]``; holds UNITS free
-# bytes of the witness, among its first BUDGET_UNITS, while it may use the GPU (from its
-# start and each restore to each release), and says OVER when it cannot get them all. With
-# USE, it also "uses" USE bytes meanwhile for the stand-in NVML (tests/fake_nvml), in a file
-# named after its pid in FAKE_NVML_DIR, and 0 once it released.
-RUN_CHILD = textwrap.dedent(
-    """
-    import fcntl, os, struct, sys, time
-    from vramlock import child
-    witness, log, name = sys.argv[1:4]
-    units, budget_units = int(sys.argv[4]), int(sys.argv[5])
-    use = int(sys.argv[6]) if len(sys.argv) > 6 else None
-    logfd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    wfd = os.open(witness, os.O_RDWR)
-    def note(what):
-        os.write(logfd, f"{time.monotonic():.6f} {name} {what}\\n".encode())
-    def lock(kind, start, length):
-        fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
-    def say(size):
-        if use is None:
-            return
-        usage = os.path.join(os.environ["FAKE_NVML_DIR"], str(os.getpid()))
-        with open(usage + ".tmp", "w") as f:
-            f.write(str(size))
-        os.rename(usage + ".tmp", usage)
-    def take():
-        say(use)
-        got = 0
-        for unit in range(budget_units):
-            if got < units:
-                try:
-                    lock(fcntl.F_WRLCK, unit, 1)
-                    got += 1
-                except OSError:
-                    pass
-        note("resident" if got == units else "OVER")
-    def drop():
-        say(0)
-        lock(fcntl.F_UNLCK, 0, 0)
-        note("release")
-    ctl = child.connect()
-    take()
-    while True:
-        time.sleep(0.005)
-        ctl.yield_if_asked(drop, take)
-    """
-)
 
 
 def _run(room: Budgeted, name: str, vram: str, units: int, *options: str) -> Member:

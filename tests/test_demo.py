@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_group, vramlock, wait_until
+from helpers.commands import vramlock
+from helpers.processes import kill_group, wait_until
 from rich.cells import cell_len
 from rich.console import Console
 

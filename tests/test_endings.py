@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, free_port, queued, vramlock, wait_until, waiting_holder, who_json
-from test_http import MakeEngine, engine, wrap
+from helpers.commands import vramlock, who_json
+from helpers.engines import MakeEngine, wrap
+from helpers.net import free_port
+from helpers.processes import Spawn, queued, wait_until, waiting_holder
 
 from vramlock import procfs
 
 pytestmark = pytest.mark.timeout(120)
-__all__ = ["engine"]  # the fixture, used by name
 
 # Ended within this (the signal passed on, the command's exit seen, the tokens dropped).
 PROMPT = 3.0

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, events, vramlock, wait_until, who_json, who_plain
-from test_budget import DEADLINE, RUN_CHILD, Budgeted, Member
+from helpers.budget import DEADLINE, RUN_CHILD, Budgeted, Member
+from helpers.commands import vramlock, who_json, who_plain
+from helpers.processes import Spawn, wait_until
+from helpers.worker import events
 
 from vramlock.arena.budget import UNIT
 from vramlock.arena.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
@@ -35,7 +37,7 @@ def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
 
 
 def _run(room: Budgeted, name: str, use: int, vram: str | None = None) -> Member:
-    """``vramlock run`` of test_budget's RUN_CHILD "using" ``use`` bytes, with ``--vram``
+    """``vramlock run`` of helpers/budget.py's RUN_CHILD "using" ``use`` bytes, with ``--vram``
     when given."""
     nvml_dir = room.log.parent / "nvml"
     nvml_dir.mkdir(exist_ok=True)

@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, vramlock
+from helpers.commands import vramlock
+from helpers.gpu import GIB, TRAINER, gpu
+from helpers.processes import Spawn
 
 from vramlock.gpu import cuda, nvml
 
 pytestmark = pytest.mark.timeout(60)
-
-TRAINER = str(ROOT / "tests" / "gpu_trainer.py")
-GIB = 1 << 30
 
 
 # -- without a GPU: the binding's own logic ------------------------------------------
@@ -234,22 +233,6 @@ def test_importing_the_gpu_modules_imports_no_gpu_library() -> None:
 
 
 # -- on a GPU -------------------------------------------------------------------------
-
-
-def _gpu_ready() -> str | None:
-    """Why the GPU tests cannot run here, or None when they can."""
-    for mod in ("torch", "pynvml"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed"
-    if not nvml.available():
-        return "NVML is unavailable"
-    if not cuda.has_checkpoint_api():
-        return "the CUDA driver has no checkpoint API"
-    return None
-
-
-_WHY = _gpu_ready()
-gpu = pytest.mark.skipif(_WHY is not None, reason=f"needs an NVIDIA GPU: {_WHY}")
 
 
 def start_worker(spawn: Spawn, *args: str) -> Any:

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, accepts, free_ports, vramlock, wait_until, who_json
-from test_gpu import GIB, gpu
-from test_gpu_server import REQUEST_TIMEOUT, call, end_in_turn, watched
+from helpers.commands import vramlock, who_json
+from helpers.gpu import GIB, REQUEST_TIMEOUT, call, end_in_turn, gpu, watched
+from helpers.net import accepts, free_ports
+from helpers.processes import Spawn, wait_until
 
 from vramlock.gpu import nvml
 

@@ -7,87 +7,20 @@ NVML (which processes hold GPU memory) and the programs' own checksums.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
-from test_gpu import GIB, TRAINER, gpu
+from helpers.commands import vramlock, who_json
+from helpers.gpu import ALLOCATORS, GIB, SWAP_KEEPS, TRAINER, BothOnGpu, TokenWatch, env_with, gpu
+from helpers.processes import Spawn, wait_until, waiting_holder
 
-from vramlock import procfs
 from vramlock.gpu import cuda, nvml
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
-
-
-class TokenWatch(threading.Thread):
-    """Polls /proc/locks: the sequence of processes that held token.lock."""
-
-    def __init__(self, arena: Path) -> None:
-        super().__init__(daemon=True)
-        st = (arena / "token.lock").stat()
-        self.key = (st.st_dev, st.st_ino)
-        self.holders: list[int] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            entries = procfs.parse_proc_locks(procfs.read_proc_locks(), *self.key)
-            held = [e.pid for e in entries if not e.blocked]
-            if held and (not self.holders or self.holders[-1] != held[0]):
-                self.holders.append(held[0])
-            time.sleep(0.01)
-
-
-class BothOnGpu(threading.Thread):
-    """Samples NVML every 20 ms: what each process held whenever two or more were on the
-    GPUs."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.crowded: list[dict[int, int]] = []
-        self.samples = 0
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                held = nvml.processes()
-            except nvml.NvmlError as err:
-                self.errors.append(str(err))
-            else:
-                self.samples += 1
-                if len(held) > 1:
-                    self.crowded.append(held)
-            time.sleep(0.02)
-
-    def overlaps(self, a: int, b: int, keep: int = -1) -> list[dict[int, int]]:
-        """The samples in which ``a`` and ``b`` both held more than ``keep`` bytes (by
-        default: were on the GPU at all)."""
-        return [held for held in self.crowded if min(held.get(a, -1), held.get(b, -1)) > keep]
-
-
-# PyTorch's allocators, as PYTORCH_CUDA_ALLOC_CONF picks them: the caching allocator over
-# cudaMalloc (the default), over the driver's virtual memory management, and the
-# driver's stream-ordered allocator (cudaMallocAsync).
-ALLOCATORS = {
-    "caching": {},
-    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-    "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
-}
-# What a process released by swap keeps on the GPU, at most: its CUDA context, with the
-# code of the kernels it has loaded (under a GiB for PyTorch with cuBLAS).
-SWAP_KEEPS = 3 * GIB // 2
-
-
-def env_with(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, **extra}
 
 
 def run_worker(spawn: Spawn, arena: Path, *options: str, gib: str = "2") -> Any:

@@ -15,79 +15,25 @@ keeps its CUDA context there, not its 2 GiB of weights.
 
 from __future__ import annotations
 
-import http.client
-import json
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Spawn, accepts, free_ports, vramlock, wait_until, who_json
-from test_gpu import GIB, gpu
-from test_gpu_run import ALLOCATORS, SWAP_KEEPS, BothOnGpu, TokenWatch, env_with
+from helpers import ROOT
+from helpers.commands import vramlock, who_json
+from helpers.gpu import ALLOCATORS, GIB, SWAP_KEEPS, call, end_in_turn, env_with, gpu, watched
+from helpers.net import accepts, free_ports
+from helpers.processes import Spawn, wait_until
 
 from vramlock.gpu import nvml
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
 
 SERVER = str(ROOT / "tests" / "gpu_server.py")
-# A request to a checkpointed server waits for the other one's checkpoint and its restore.
-REQUEST_TIMEOUT = 120.0
 ROUNDS = 3
-
-
-def call(port: int, method: str, path: str, body: object = None) -> dict[str, Any]:
-    """One request through a listen port; the JSON answer of a 200."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
-    try:
-        data = None if body is None else json.dumps(body)
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        text = reply.read()
-    finally:
-        conn.close()
-    assert reply.status == 200, (reply.status, text)
-    answer: dict[str, Any] = json.loads(text)
-    return answer
-
-
-@contextmanager
-def watched(
-    arena: Path, tmp_path: Path, names: tuple[str, str]
-) -> Iterator[tuple[TokenWatch, BothOnGpu]]:
-    """The token's holders (/proc/locks) and NVML, sampled while the body runs; then the
-    wrappers' logs (``tmp_path/NAME.log``) and what the witnesses saw are printed."""
-    tokens, sampler = TokenWatch(arena), BothOnGpu()
-    tokens.start()
-    sampler.start()
-    try:
-        yield tokens, sampler
-    finally:
-        tokens.stop.set()
-        sampler.stop.set()
-        tokens.join(5)
-        sampler.join(5)
-        for name in names:
-            log = tmp_path / f"{name}.log"
-            if log.exists():
-                print(f"--- {name}:\n{log.read_text(errors='replace')}")
-        print("token holders:", tokens.holders, "NVML samples:", sampler.samples)
-
-
-def end_in_turn(resident: subprocess.Popen[str], released: subprocess.Popen[str]) -> None:
-    """Told to end, each wrapper ends cleanly: the resident one at once, then the
-    released one, which is restored first and only then gets the signal (its exit
-    path runs CUDA calls). One at a time here; both at once is tested without a GPU
-    (test_run.py)."""
-    resident.send_signal(signal.SIGTERM)
-    assert resident.wait(60) == 0
-    released.send_signal(signal.SIGTERM)
-    assert released.wait(120) == 0
 
 
 def start(

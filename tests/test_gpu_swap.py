@@ -5,7 +5,7 @@ and managed memory under swap are in test_gpu_server.py, test_gpu_run.py and
 test_gpu_llama.py, beside the same tests under checkpoint. The witnesses here are
 independent of vramlock's own account: the program's answers (checksums computed on
 the GPU, a CUDA graph's output), NVML (what the process holds on the GPU), and a
-flock(1) member that holds the token while the test looks (tests/conftest.py's
+flock(1) member that holds the token while the test looks (tests/helpers/processes.py's
 waiting_holder): while it does, the program's GPU work must not run.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
-from test_gpu import GIB, gpu
-from test_gpu_run import ALLOCATORS, SWAP_KEEPS, env_with
+from helpers.commands import vramlock, who_json
+from helpers.gpu import ALLOCATORS, GIB, SWAP_KEEPS, env_with, gpu
+from helpers.processes import Spawn, wait_until, waiting_holder
 
 from vramlock.gpu import nvml
 

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, hold, kill_group, token_free, vramlock, wait_until, who_json
+from helpers.commands import vramlock, who_json
+from helpers.processes import Spawn, hold, kill_group, token_free, wait_until
 
 from vramlock import procfs
 

@@ -16,188 +16,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import (
-    ROOT,
-    Spawn,
-    accepts,
-    free_port,
-    kill_group,
-    vramlock,
-    wait_until,
-    who_json,
-)
+from helpers.commands import vramlock, who_json
+from helpers.engines import Engine, MakeEngine, Turn, Witness, wrap
+from helpers.net import accepts, free_port
+from helpers.processes import Spawn, kill_group, wait_until
 
 from vramlock.strategies import PRESETS, AutoStrategy, Settings
 from vramlock.strategies.presets import ready_url
 
 pytestmark = pytest.mark.timeout(90)
-
-FAKE = Path(__file__).with_name("fake_engine.py")
-
-WITNESS = textwrap.dedent(
-    """
-    import fcntl, os, sys, time
-    arena, out, hold, log = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
-    asked = time.monotonic()
-    want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
-    fcntl.flock(want, fcntl.LOCK_SH)
-    token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
-    fcntl.flock(token, fcntl.LOCK_EX)
-    t0 = time.monotonic()
-    fcntl.flock(want, fcntl.LOCK_UN)
-    alive = []  # the server's processes (logged at start) living now
-    for line in open(log).read().splitlines():
-        parts = line.split()
-        if parts[1:2] == ["start"]:
-            try:
-                with open(f"/proc/{parts[2]}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state not in ("Z", "X"):
-                alive.append(parts[2])
-    open(out + ".held", "w").close()
-    time.sleep(hold)
-    with open(out, "w") as f:
-        f.write(f"{asked} {t0} {time.monotonic()} {','.join(alive)}")
-    """
-)
-
-
-@dataclass
-class Turn:
-    asked: float
-    start: float
-    end: float
-    alive: list[str]
-
-
-class Witness:
-    def __init__(self, tmp: Path, arena: Path, log: Path, hold: float = 0.3) -> None:
-        script = tmp / "witness.py"
-        script.write_text(WITNESS)
-        self.out = tmp / f"witness-{time.monotonic_ns()}"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), str(arena), str(self.out), str(hold), str(log)],
-            start_new_session=True,
-        )
-
-    def turn(self, timeout: float = 60) -> Turn:
-        self.proc.wait(timeout)
-        asked, start, end, alive = self.out.read_text().split(" ")
-        return Turn(float(asked), float(start), float(end), [p for p in alive.split(",") if p])
-
-
-@dataclass
-class Engine:
-    """One fake engine: the command that starts it, its port, its log and settings."""
-
-    name: str
-    argv: list[str]
-    port: int
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)
-
-    def events(self) -> list[tuple[float, str]]:
-        if not self.log.exists():
-            return []
-        lines = self.log.read_text().splitlines()
-        return [(float(t), e) for t, e in (ln.split(" ", 1) for ln in lines)]
-
-    def requests(self) -> list[str]:
-        """The requests in order, a run of the same one (a poll) counted once."""
-        out: list[str] = []
-        for _, event in self.events():
-            if event.startswith("req ") and (not out or out[-1] != event[4:]):
-                out.append(event[4:])
-        return out
-
-    def when(self, event: str, nth: int = 1) -> float:
-        return [t for t, e in self.events() if e == event][nth - 1]
-
-    def count(self, event: str) -> int:
-        return sum(e == event for _, e in self.events())
-
-    def assert_free_during(self, turn: Turn) -> None:
-        """The pretend GPU memory was free for the whole of the witness's turn."""
-        held = False
-        for t, event in self.events():
-            if event in ("gpu 0", "gpu 1"):
-                if t < turn.start:
-                    held = event == "gpu 1"
-                elif t < turn.end:
-                    assert event != "gpu 1", f"the server took the GPU at {t} in {turn}"
-        assert not held, f"the GPU was still the server's when the witness got it: {turn}"
-
-
-MakeEngine = Callable[..., Engine]
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> MakeEngine:
-    """A fake engine started the way the real one is (``vllm serve``, ``python -m
-    sglang.launch_server``, ...): programs of those names run fake_engine.main."""
-    bin_dir, modules = tmp_path / "bin", tmp_path / "modules"
-    (modules / "sglang").mkdir(parents=True)
-    bin_dir.mkdir()
-    (modules / "sglang" / "__init__.py").write_text("")
-
-    def body(name: str) -> str:
-        return (
-            f"import sys\nsys.path.insert(0, {str(FAKE.parent)!r})\nimport fake_engine\n"
-            f"fake_engine.main({name!r}, sys.argv[1:])\n"
-        )
-
-    for program, name in (("llama-server", "llama-server"), ("vllm", "vllm"),
-                          ("ollama", "ollama")):  # fmt: skip
-        path = bin_dir / program
-        path.write_text(f"#!{sys.executable}\n{body(name)}")
-        path.chmod(0o755)
-    (modules / "sglang" / "launch_server.py").write_text(body("sglang"))
-    (tmp_path / "main.py").write_text(body("comfyui"))
-
-    def make(name: str, *args: str, **settings: str) -> Engine:
-        port = free_port()
-        log = tmp_path / f"{name}-{port}.log"
-        env = {f"FAKE_{k.upper()}": v for k, v in settings.items()}
-        env["FAKE_LOG"] = str(log)
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{modules}"
-        py = sys.executable
-        argv = {
-            "llama-server": [str(bin_dir / "llama-server"), "--port", str(port)],
-            "vllm": [str(bin_dir / "vllm"), "serve", "some/model", "--port", str(port)],
-            "sglang": [py, "-m", "sglang.launch_server", "--port", str(port)],
-            "comfyui": [py, str(tmp_path / "main.py"), "--listen", "127.0.0.1", "--port",
-                        str(port)],
-            "ollama": [str(bin_dir / "ollama"), "serve"],
-            "generic": [py, str(FAKE), "generic", "--port", str(port)],
-        }[name]  # fmt: skip
-        if name == "ollama":
-            env["OLLAMA_HOST"] = f"127.0.0.1:{port}"
-        return Engine(name, [*argv, *args], port, log, env)
-
-    return make
-
-
-def wrap(spawn: Spawn, arena: Path, eng: Engine, *options: str) -> subprocess.Popen[str]:
-    """``vramlock run OPTIONS -- <the fake>``, returned once the fake holds its GPU."""
-    job = spawn(
-        vramlock("run", "--arena", str(arena), "--min-hold", "0", *options, "--", *eng.argv),
-        env=dict(os.environ, **eng.env),
-    )
-    wait_until(lambda: eng.count("gpu 1") >= 1 or job.poll() is not None)
-    assert job.poll() is None, job.communicate()
-    return job
 
 
 def resident_again(arena: Path, eng: Engine, gpu: int = 2) -> None:
@@ -492,7 +325,7 @@ def test_a_budget_waiter_asks_an_idle_server_before_one_answering(
     """Two servers on a budget, one more member that fits only if one goes: the one
     answering a request is passed over for the idle one, although that one was used
     last and keeps a connection open (a connection is not work)."""
-    from test_budget import Budgeted
+    from helpers.budget import Budgeted
 
     room = Budgeted(spawn, arena, tmp_path, "3G")  # 12 units: 4 for each server, 4 free
     engines, ports = {}, {}

@@ -9,41 +9,21 @@ which recognises ``llama-server``. Skips without the binary tools/llama_server.p
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    Spawn,
-    free_port,
-    llama_binary,
-    needs_llama,
-    vramlock,
-    wait_until,
-    who_json,
-)
-from test_http import Witness
+from helpers.commands import vramlock, who_json
+from helpers.engines import Witness
+from helpers.llama import PROMPT, call, llama_binary, needs_llama
+from helpers.net import free_port
+from helpers.processes import Spawn, wait_until
 
 BINARY = llama_binary()
 
 pytestmark = [needs_llama(BINARY), pytest.mark.timeout(120)]
-
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
-
-
-def call(port: int, method: str, path: str, body: object = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        data = None if body is None else json.dumps(body)
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        return reply.status, json.loads(reply.read() or b"null")
-    finally:
-        conn.close()
 
 
 def complete(port: int) -> dict[str, Any]:

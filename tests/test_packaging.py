@@ -7,6 +7,7 @@ never imports typer or rich, and ``bench/startup.py`` has the figures.
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import importlib.util
 import json
@@ -21,7 +22,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, vramlock
+from helpers import ROOT
+from helpers.commands import vramlock
+from helpers.llama import needs_llama
 
 from vramlock import procfs
 from vramlock.arena import lockfd
@@ -267,6 +270,65 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
 
 
+@pytest.mark.parametrize(
+    ("pip", "pytest_status"), [(1, 0), (0, 1), (0, 5)], ids=["install", "tests", "no-tests"]
+)
+def test_ci_fails_when_the_test_command_fails(pip: int, pytest_status: int) -> None:
+    """.ci/run's lines around the README's test command, with pip and pytest stubbed: a
+    failed install, a failed test and pytest's "no tests collected" (5) each end CI with
+    their status, before the linters."""
+    command = _readme_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = next(part for part in ci.split("\n\n") if command in part.splitlines())
+    script = (
+        f"set -euo pipefail\npip() {{ return {pip}; }}\npython() {{ return {pytest_status}; }}\n"
+        f"{block}\necho linted\n"
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == (pip or pytest_status), done
+    assert "linted" not in done.stdout
+    assert ("collected no tests" in done.stderr) == (pytest_status == 5), done.stderr
+
+
+def test_the_readme_says_what_builds_the_llama_server_the_tests_skip_without() -> None:
+    """The command the skip reason gives opens the README too, and CI runs it."""
+    reason = needs_llama(None).mark.kwargs["reason"]
+    found = re.search(r"`(python [^`]+)`", reason)
+    assert found is not None, reason
+    command = found.group(1)
+    opening = (ROOT / "README.md").read_text().split("\n## ", 1)[0]
+    assert f"`{command}`" in opening
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.startswith(command) for line in ci), f".ci/run does not run {command!r}"
+
+
+def test_the_readme_names_every_extra() -> None:
+    """The README's list of extras is pyproject.toml's."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = re.findall(r"^([\w-]+) = ", section, re.MULTILINE)
+    listed = re.search(r"\(extras: ([^)]*)\)", (ROOT / "README.md").read_text())
+    assert listed is not None, "the README lists no extras"
+    assert re.findall(r"`([\w-]+)`", listed.group(1)) == extras
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share is in tests/helpers/ (and fixtures in conftest.py), so that moving
+    or deleting one test module breaks no other."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(ROOT)}: {name}"
+                for name in names
+                if name.split(".")[0] == "conftest" or name.startswith("test_")
+            ]
+    assert not found, found
+
+
 def test_every_document_cited_is_in_the_repository() -> None:
     """A docstring, page or document that names a Markdown file names one that is here."""
     texts = [ROOT / "README.md", ROOT / "pyproject.toml"] + [
@@ -286,6 +348,19 @@ def test_every_document_cited_is_in_the_repository() -> None:
         if not (ROOT / name).is_file() and not (ROOT / path.parent / name).is_file()
     )
     assert not missing, f"documents cited but not in the repository: {missing}"
+
+
+def test_every_source_file_the_documents_name_is_in_the_repository() -> None:
+    """A module or C file named by path in the READMEs or docs/ is where they say."""
+    texts = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
+    source = re.compile(r"(?<![\w/.$-])((?:vramlock|tests|bench|tools)/[\w/-]*\.(?:py|c))\b")
+    named = {
+        (str(path.relative_to(ROOT)), name)
+        for path in texts
+        for name in source.findall(path.read_text(encoding="utf-8"))
+    }
+    missing = sorted((path, name) for path, name in named if not (ROOT / name).is_file())
+    assert not missing, f"source files named but not in the repository: {missing}"
 
 
 @pytest.mark.skipif(

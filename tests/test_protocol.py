@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, hold, kill_group, wait_until
+from helpers.processes import Spawn, hold, kill_group, wait_until
 
 from vramlock import procfs
 from vramlock.arena import lockfd

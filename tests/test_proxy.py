@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, free_ports, kill_group, token_free, vramlock, wait_until, who_json
+from helpers.commands import vramlock, who_json
+from helpers.net import free_ports
+from helpers.processes import Spawn, kill_group, token_free, wait_until
 
 from vramlock import procfs
 from vramlock.net.address import same_socket

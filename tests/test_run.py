@@ -10,18 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
-    Spawn,
-    events,
-    kill_group,
-    queued,
-    run_worker,
-    token_free,
-    vramlock,
-    wait_until,
-    whats,
-    who_json,
-)
+from helpers.commands import vramlock, who_json
+from helpers.processes import Spawn, kill_group, queued, token_free, wait_until
+from helpers.worker import events, run_worker, whats
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -22,18 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    Spawn,
-    free_port,
-    free_ports,
-    llama_binary,
-    needs_llama,
-    vramlock,
-    wait_until,
-    waiting_holder,
-    who_json,
-)
-from test_servers import BothAlive
+from helpers.commands import vramlock, who_json
+from helpers.llama import BothAlive, llama_binary, needs_llama
+from helpers.net import free_port, free_ports
+from helpers.processes import Spawn, wait_until, waiting_holder
 
 from vramlock import procfs
 from vramlock.serve.router import GROUP_WAIT

@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, free_port, vramlock
-from test_cli_errors import ErrCli, expect_error
+from helpers.commands import vramlock
+from helpers.errors import ErrCli, expect_error
+from helpers.net import free_port
+from helpers.processes import Spawn
 
 pytest.importorskip("aiohttp")
 

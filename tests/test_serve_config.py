@@ -247,7 +247,7 @@ def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message
 
 
 def test_man_page_states_the_defaults_in_the_code() -> None:
-    from conftest import ROOT
+    from helpers import ROOT
 
     from vramlock.serve.config import DEFAULT_HEALTH_TIMEOUT, DEFAULT_START_PORT
     from vramlock.serve.members import STOP_WITHIN

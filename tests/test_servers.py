@@ -10,58 +10,20 @@ caches.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    Spawn,
-    accepts,
-    free_ports,
-    llama_binary,
-    needs_llama,
-    vramlock,
-    wait_until,
-)
-from test_llama_preset import PROMPT, call
-
-from vramlock import procfs
+from helpers.commands import vramlock
+from helpers.llama import PROMPT, BothAlive, call, llama_binary, needs_llama
+from helpers.net import accepts, free_ports
+from helpers.processes import Spawn, wait_until
 
 BINARY = llama_binary()
 
 pytestmark = [needs_llama(BINARY), pytest.mark.timeout(180)]
-
-
-class BothAlive(threading.Thread):
-    """Samples /proc for the servers listening on ``ports``: times both were alive."""
-
-    def __init__(self, ports: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.ports = [str(p) for p in ports]
-        self.overlaps: list[list[int]] = []
-        self.samples = 0
-        self.stop = threading.Event()
-
-    def servers(self) -> list[int]:
-        alive = []
-        for pid in procfs.all_pids():
-            cmd = procfs.text(pid, "cmdline").split()
-            if cmd and cmd[0] == str(BINARY) and procfs.living(pid):
-                port = cmd[cmd.index("--port") + 1] if "--port" in cmd else ""
-                if port in self.ports:
-                    alive.append(pid)
-        return alive
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            alive = self.servers()
-            self.samples += 1
-            if len(alive) > 1:
-                self.overlaps.append(alive)
-            time.sleep(0.003)
 
 
 def start_pair(

@@ -18,18 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
-    Spawn,
-    kill_group,
-    queued,
-    run_worker,
-    token_free,
-    vramlock,
-    wait_until,
-    waiting_holder,
-    whats,
-    who_json,
-)
+from helpers.commands import vramlock, who_json
+from helpers.processes import Spawn, kill_group, queued, token_free, wait_until, waiting_holder
+from helpers.worker import run_worker, whats
 
 from vramlock import procfs
 from vramlock.arena.roster import STALE_TOKEN

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Spawn, vramlock, wait_until
-from test_cli_errors import (
+from helpers.commands import vramlock
+from helpers.errors import (
     BAD_DURATIONS,
     FAILING_FLOCK,
     FLOCK_FAILURES,
@@ -32,6 +32,7 @@ from test_cli_errors import (
     holding_token,
     still_held_by_us,
 )
+from helpers.processes import Spawn, wait_until
 
 from vramlock import procfs
 from vramlock.arena import lockfd

@@ -24,17 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    ROOT,
-    Spawn,
-    hold,
-    kill_group,
-    token_free,
-    vramlock,
-    wait_until,
-    who_json,
-    who_plain,
-)
+from helpers import ROOT
+from helpers.commands import vramlock, who_json, who_plain
+from helpers.processes import Spawn, hold, kill_group, token_free, wait_until
 
 from vramlock import procfs
 from vramlock.arena import roster

@@ -1,4 +1,4 @@
-"""Loopback helpers shared by the tests (through conftest) and the benchmarks."""
+"""Loopback helpers shared by the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def free_ports(n: int = 2) -> list[int]:
 
 
 def free_port() -> int:
+    """One loopback port that was free an instant ago."""
     return free_ports(1)[0]
 
 

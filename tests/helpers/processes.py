@@ -1,0 +1,77 @@
+"""Starting, holding and reaping processes, and waiting with deadlines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vramlock.procfs import descendants, proc_stat
+
+Spawn = Callable[..., "subprocess.Popen[str]"]
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the process and everything it started, then reap it.
+
+    ``vramlock run`` puts its command in a process group of its own, so the
+    descendants are found through /proc and killed one by one as well.
+    """
+    pids = [*descendants(proc.pid), proc.pid]
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    proc.wait(10)
+    # Dead means exited (a zombie at most), and only then are its locks gone.
+    wait_until(lambda: all(_state(pid) in ("Z", "X", None) for pid in pids))
+
+
+def _state(pid: int) -> str | None:
+    fields = proc_stat(pid)
+    return fields[0] if fields else None
+
+
+def wait_until(what: Callable[[], object], timeout: float = 10.0, step: float = 0.005) -> None:
+    """Poll a condition with a deadline (a check, not synchronisation by sleeping)."""
+    end = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+def queued(pid: int) -> bool:
+    """Is ``pid`` blocked in a flock (a "->" line of /proc/locks)?"""
+    with open("/proc/locks") as f:
+        return any(f" {pid} " in line and "->" in line for line in f)
+
+
+def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:
+    """A flock(1) process holding ``path`` until killed; returns once it holds it."""
+    proc = spawn(["flock", mode, str(path), "sh", "-c", "echo held; exec sleep 60"])
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def waiting_holder(spawn: Spawn, arena: Path) -> subprocess.Popen[str]:
+    """flock(1) as a waiter (want.lock shared, then token.lock), holding the token until its
+    stdin is closed; returns once it holds it. Residents see it waiting, as any member."""
+    proc = spawn(
+        ["flock", "-s", str(arena / "want.lock"), "flock", "-x", str(arena / "token.lock"),
+         "sh", "-c", "echo held; read line"],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def token_free(arena: Path) -> bool:
+    """Could a flock(1) take the token at once?"""
+    probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
+    return probe.returncode == 0

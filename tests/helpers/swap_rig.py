@@ -1,0 +1,222 @@
+"""``--release swap`` against the fake CUDA driver (tests/fake_cuda): building it, one
+test's rig, and the turns of a member the test owns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers import ROOT
+from helpers.commands import vramlock
+from helpers.processes import Spawn, wait_until
+from vramlock.gpu import swap
+
+FAKES = ROOT / "tests" / "fake_cuda"
+
+
+STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+
+
+# A member the test owns: queues as any waiter, says when it holds the token (and what
+# the fake driver holds then), and lets go when told on stdin.
+HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    arena, phys = sys.argv[1], sys.argv[2]
+    want = os.open(os.path.join(arena, "want.lock"), os.O_RDWR | os.O_CLOEXEC)
+    token = os.open(os.path.join(arena, "token.lock"), os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(want, fcntl.LOCK_SH)
+    fcntl.flock(token, fcntl.LOCK_EX)
+    got = time.monotonic_ns()
+    print("held", got, open(phys).read().strip(), flush=True)
+    sys.stdin.readline()
+    print("leaving", time.monotonic_ns(), open(phys).read().strip(), flush=True)
+    """
+)
+
+
+# A user's own preload library: it wraps nanosleep through dlsym(RTLD_NEXT), which
+# loops for ever if the swap library's dlsym answers RTLD_NEXT for itself.
+USER_PRELOAD = textwrap.dedent(
+    """
+    #define _GNU_SOURCE
+    #include <dlfcn.h>
+    #include <stdio.h>
+    #include <stdlib.h>
+    #include <time.h>
+    static int calls;
+    int nanosleep(const struct timespec *req, struct timespec *rem)
+    {
+        int (*next)(const struct timespec *, struct timespec *) = dlsym(RTLD_NEXT, "nanosleep");
+        calls++;
+        return next(req, rem);
+    }
+    __attribute__((destructor)) static void done(void)
+    {
+        const char *path = getenv("USER_PRELOAD_OUT");
+        FILE *f = path ? fopen(path, "a") : NULL;
+        if (f) {
+            fprintf(f, "%d\\n", calls);
+            fclose(f);
+        }
+    }
+    """
+)
+
+
+@dataclass
+class Fakes:
+    """The compiled fakes: the driver's directory, the program and a user's preload library."""
+
+    directory: Path  # holds libcuda.so.1
+    program: Path
+    user_preload: Path
+
+
+def _cc(*args: str) -> None:
+    cc = swap.compiler()
+    assert cc is not None
+    subprocess.run([cc, *args], check=True, timeout=120)
+
+
+def build_fakes(out: Path) -> Fakes:
+    """Compile the fake driver, the program and a user's preload library into ``out``."""
+    # -Bsymbolic: the fake's table of entry points must hold its own functions, not
+    # the swap library's of the same names.
+    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
+        str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
+    _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
+    (out / "user_preload.c").write_text(USER_PRELOAD)
+    _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
+        str(out / "user_preload.c"), "-ldl")  # fmt: skip
+    return Fakes(out, out / "swap_prog", out / "user_preload.so")
+
+
+@dataclass
+class Rig:
+    """One test's fake GPU: the environment that selects it, and its witnesses."""
+
+    fakes: Fakes
+    arena: Path
+    env: dict[str, str]
+    phys: Path
+    launch_log: Path
+    tmp: Path
+
+    def launches(self) -> list[tuple[int, int]]:
+        """The fake driver's launches so far: (start, end) in monotonic ns."""
+        if not self.launch_log.exists():
+            return []
+        text = self.launch_log.read_text()
+        out = []
+        # Complete lines only: a read can see the first part of a line that a launch is
+        # appending (one write, but not atomic against a read where it crosses a page).
+        for line in text[: text.rfind("\n") + 1].splitlines():
+            _, start, end = line.split()
+            out.append((int(start), int(end)))
+        return out
+
+    def run(self, spawn: Spawn, *args: str, **kw: object) -> subprocess.Popen[str]:
+        """``vramlock run --release swap -- swap_prog ARGS``."""
+        kw.setdefault("env", self.env)
+        return spawn(
+            vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", "swap",
+                     "--", str(self.fakes.program), *args),
+            **kw,
+        )  # fmt: skip
+
+    def holder(self, spawn: Spawn) -> subprocess.Popen[str]:
+        """Start the test's own member (HOLDER), talked to over its stdin."""
+        script = self.tmp / "holder.py"
+        script.write_text(HOLDER)
+        return spawn(
+            [sys.executable, str(script), str(self.arena), str(self.phys)],
+            stdin=subprocess.PIPE,
+        )
+
+
+def make_rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    """A fake GPU for one test: the environment that selects the fake driver, and its logs."""
+    phys, log = tmp_path / "phys", tmp_path / "launches"
+    env = dict(os.environ)
+    env.update(
+        LD_LIBRARY_PATH=str(fakes.directory),
+        FAKE_CUDA_PHYS=str(phys),
+        FAKE_CUDA_LAUNCH_LOG=str(log),
+    )
+    env.pop("LD_PRELOAD", None)
+    return Rig(fakes, arena, env, phys, log, tmp_path)
+
+
+def read_line(proc: subprocess.Popen[str]) -> list[str]:
+    """The next line of ``proc``'s stdout, split into words."""
+    assert proc.stdout is not None
+    return proc.stdout.readline().split()
+
+
+@dataclass
+class Turn:
+    """The test's member held the token from ``start`` to ``end`` (monotonic ns)."""
+
+    start: int
+    end: int
+    phys: tuple[int, int]  # the fake driver's physical memory then, at both ends
+
+
+def take_turn(rig: Rig, spawn: Spawn) -> Turn:
+    """Queue, hold the token a moment while the command runs on, let go."""
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held", held
+    time.sleep(0.2)  # the command's loop keeps trying to launch meanwhile
+    assert holder.stdin is not None
+    holder.stdin.write("\n")
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    return Turn(int(held[1]), int(left[1]), (int(held[2]), int(left[2])))
+
+
+def during(launches: list[tuple[int, int]], turns: list[Turn]) -> list[tuple[int, int]]:
+    """The launches that overlapped any of ``turns``."""
+    return [(s, e) for s, e in launches for t in turns if s <= t.end and e >= t.start]
+
+
+def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
+    """Has the program launched again since it had launched ``seen`` times?"""
+    return lambda: len(rig.launches()) > seen + 20
+
+
+def swap_turns(
+    rig: Rig, spawn: Spawn, job: subprocess.Popen[str], stop: Path, rounds: int
+) -> tuple[str, str]:
+    """``rounds`` turns of the test's member while ``job`` runs (each time the program
+    launches again in between), then ``stop`` ends the program: its stdout and stderr.
+    Checked here: it exited 0, and no physical memory was held and no launch ran during a
+    turn (the fake driver's own witnesses)."""
+    turns = []
+    for _ in range(rounds):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(rig.launches(), turns)
+    return out, err
+
+
+def _driver_here() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
