@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, vramlock, wait_until, waiting_holder, who_json
-from test_gpu import GIB, gpu
-from test_gpu_run import SWAP_KEEPS, BothOnGpu
+from helpers.commands import vramlock, who_json
+from helpers.gpu import GIB, SWAP_KEEPS, BothOnGpu, gpu
+from helpers.processes import Spawn, wait_until, waiting_holder
 
 from vramlock.gpu import nvml
 
