@@ -17,7 +17,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from vramlock.arena.roster import Row
-from vramlock.cli import demo_frame
+from vramlock.cli.demo import demo_frame
 from vramlock.demo import NAMES, Demo
 
 pytestmark = pytest.mark.timeout(90)

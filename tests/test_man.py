@@ -17,8 +17,9 @@ import pytest
 import typer.main
 from typer.core import TyperGroup
 
-import vramlock.cli
-from vramlock.cli import parse_duration
+from vramlock.cli.app import app
+from vramlock.cli.common import parse_duration
+from vramlock.cli.who import COLUMNS
 from vramlock.run import options, scheduler
 
 MAN = Path(__file__).resolve().parent.parent / "man"
@@ -49,7 +50,7 @@ _OPTION_TOKEN = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
 
 
 def _root() -> TyperGroup:
-    command = typer.main.get_command(vramlock.cli.app)
+    command = typer.main.get_command(app)
     assert isinstance(command, TyperGroup), type(command)
     return command
 
@@ -310,4 +311,4 @@ def test_overview_states_the_probe_interval() -> None:
 def test_who_example_has_every_column() -> None:
     example = _sections(_page("who"))["EXAMPLES"]
     header = next(line for line in example if line.startswith("STATE "))
-    assert tuple(header.split()) == vramlock.cli._COLUMNS
+    assert tuple(header.split()) == COLUMNS
