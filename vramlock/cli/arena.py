@@ -18,7 +18,7 @@ def arena(arena: str | None, gpu: str | None, budget: str | None) -> None:
         from ..arena.budget import parse_size
 
         size = parse_size(budget, "--budget")
-    opened = arenas(arena, gpu)
+    opened = arenas(arena, gpu, adopt=True)
     try:
         for one, index in opened:
             Token(one).close()

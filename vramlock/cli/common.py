@@ -93,9 +93,12 @@ def warn(message: str) -> None:
         pass  # stderr closed or broken: the wrapper goes on without it
 
 
-def arenas(arena: str | None, gpu: str | None) -> list[tuple[Arena, int | None]]:
+def arenas(
+    arena: str | None, gpu: str | None, adopt: bool = False
+) -> list[tuple[Arena, int | None]]:
     """The arenas ``--arena``/``--gpu`` name (several GPUs: each one's, ascending), each with
-    the GPU whose memory to show: the arena's where that is known, else None (every GPU)."""
+    the GPU whose memory to show: the arena's where that is known, else None (every GPU).
+    ``adopt``: a directory that holds other files may become an arena (Arena.open)."""
     from ..arena.directory import Arena, default_gpu, locate, one_arena_or_gpus, parse_gpus
 
     gpus: list[int | None] = [*sorted(parse_gpus(gpu))] if gpu is not None else []
@@ -104,7 +107,7 @@ def arenas(arena: str | None, gpu: str | None) -> list[tuple[Arena, int | None]]
     try:
         for g in gpus or [None]:
             index = g if g is not None else (default_gpu() if locate(arena)[1] else None)
-            opened.append((Arena.open(arena, g), index))
+            opened.append((Arena.open(arena, g, adopt), index))
     except BaseException:
         close_all(opened)
         raise
