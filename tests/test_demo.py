@@ -15,6 +15,7 @@ import pytest
 from conftest import kill_group, vramlock, wait_until
 from rich.cells import cell_len
 from rich.console import Console
+from test_who import sigint_default
 
 from vramlock.arena.roster import Row
 from vramlock.cli.demo import demo_frame
@@ -72,7 +73,7 @@ def test_interrupted_demo_sums_up_the_time_it_ran(tmp_path: Path) -> None:
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.Popen(vramlock("demo", "--seconds", "60"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()

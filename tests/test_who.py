@@ -543,8 +543,15 @@ def test_who_empty_arena(arena: Path) -> None:
     assert out.stdout.splitlines() == [f"arena {arena}", "no members"]
 
 
+def sigint_default() -> None:
+    """preexec_fn: SIGINT's default action in the child, for a test that sends it. Where
+    the shell that started the tests ignores SIGINT (a background job), the child inherits
+    SIG_IGN, and Python then installs no KeyboardInterrupt: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> None:
-    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"))
+    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"), preexec_fn=sigint_default)
     assert watch.stdout is not None
     assert watch.stdout.readline().strip() == f"arena {arena}"
     assert watch.stdout.readline().strip() == "no members"
