@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from .common import parse_duration
-from .who import COLUMNS, STYLE, cells, title
+from .who import COLUMNS, STYLE, cells, short_command, title
 
 if TYPE_CHECKING:
     from ..arena.roster import Row
@@ -51,10 +50,6 @@ _DEMO_COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "COMMAND")
 _TIMELINE = 60
 
 
-def _short_command(command: str) -> str:
-    return " ".join(os.path.basename(w) if "/" in w else w for w in command.split(" "))
-
-
 def _demo_table(path: str, rows: list[Row], now: float) -> Any:
     from rich.table import Table
     from rich.text import Text
@@ -74,7 +69,7 @@ def _demo_table(path: str, rows: list[Row], now: float) -> Any:
     table.add_column(_DEMO_COLUMNS[-1], no_wrap=True, overflow="ellipsis", max_width=rest)
     for row, shown in zip(rows, texts, strict=True):
         table.add_row(
-            *(Text(c) for c in [*shown, _short_command(row.command)]),
+            *(Text(c) for c in [*shown, short_command(row.command)]),
             style=STYLE.get(row.state),
         )
     return table

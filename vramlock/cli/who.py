@@ -6,6 +6,7 @@ Plain text and JSON need neither typer nor rich: ``who`` in a shell loop pays fo
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -96,25 +97,75 @@ def _plain(
     return "\n".join(lines)
 
 
+# On a terminal, columns are two cells apart, as in the plain text. On one too narrow for
+# every column, CHILD and VRAM go where no row has one, paths in commands show as their
+# base names, notes go under the table (wrapped at their spaces, never cut inside an
+# address), and the command keeps to one line, cut.
+_GAP = 2
+_OPTIONAL = ("CHILD", "VRAM")
+_NOTE = COLUMNS.index("NOTE")
+_COMMAND_MIN = 12
+
+
+def short_command(command: str) -> str:
+    """``command`` with each absolute path shown as its base name."""
+    return " ".join(os.path.basename(w) if w.startswith("/") else w for w in command.split(" "))
+
+
+def _fitted(texts: list[list[str]], width: int) -> tuple[list[int], int | None]:
+    """The columns of ``texts`` (its first row the header) to show on a terminal ``width``
+    cells wide, and the width the command must keep to (None: its own)."""
+    from rich.cells import cell_len
+
+    widths = [max(cell_len(t[i]) for t in texts) for i in range(len(COLUMNS))]
+    shown = list(range(len(COLUMNS)))
+
+    def total() -> int:
+        return sum(widths[i] for i in shown) + _GAP * (len(shown) - 1)
+
+    if total() <= width or len(texts) == 1:
+        return shown, None
+    used = [i for i in shown if any(t[i] != "-" for t in texts[1:])]
+    shown = [i for i in shown if i != _NOTE and (COLUMNS[i] not in _OPTIONAL or i in used)]
+    for t in texts[1:]:
+        t[-1] = short_command(t[-1])
+    widths[-1] = max(cell_len(t[-1]) for t in texts)
+    return shown, max(_COMMAND_MIN, widths[-1] - (total() - width))
+
+
 def _rich_table(
-    path: str, rows: list[Row], now: float, view: GpuView | None = None, budget: str | None = None
+    path: str,
+    rows: list[Row],
+    now: float,
+    view: GpuView | None = None,
+    budget: str | None = None,
+    width: int = 80,
 ) -> Any:
+    from rich import box
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    texts = [list(COLUMNS), *(cells(r, now) for r in rows)]
+    shown, command_width = _fitted(texts, width)
     # Text, not str: rich would read "[...]" in a name or a command as markup.
     heading = "\n".join([title(path), *_gpu_lines(view), *([budget] if budget else [])])
-    table = Table(title=Text(heading), title_justify="left", expand=False)
-    for col in COLUMNS:
-        table.add_column(col, overflow="fold" if col == "COMMAND" else "ellipsis")
-    for row in rows:
-        table.add_row(*(Text(c) for c in cells(row, now)), style=STYLE.get(row.state))
+    table = Table(title=Text(heading), title_justify="left", expand=False, box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+    for i in shown:
+        fixed = command_width if i == len(COLUMNS) - 1 else None
+        table.add_column(COLUMNS[i], width=fixed, no_wrap=True, overflow="ellipsis")
+    for row, t in zip(rows, texts[1:], strict=True):
+        table.add_row(*(Text(t[i]) for i in shown), style=STYLE.get(row.state))
     if not rows:
         table.caption = "no members"
-    return table
+    if _NOTE in shown:
+        return table
+    notes = [Text(f"{r.pid}: {r.note}", style=STYLE.get(r.state, "")) for r in rows if r.note]
+    return Group(table, *notes)
 
 
-def _one(opened: Arena, index: int | None, tty: bool, as_json: bool) -> Any:
+def _one(opened: Arena, index: int | None, tty: int, as_json: bool) -> Any:
     """One arena's part of a frame: a rich table, a JSON document or plain text."""
     from dataclasses import asdict
 
@@ -126,7 +177,7 @@ def _one(opened: Arena, index: int | None, tty: bool, as_json: bool) -> Any:
         rows = with_vram(rows, view)
     line = None if budget is None else budget.line()
     if tty:
-        return _rich_table(opened.path, rows, now, view, line)
+        return _rich_table(opened.path, rows, now, view, line, width=tty)
     if as_json:
         members = [r.as_json(now) for r in rows]
         gpus = None if view is None else [asdict(g) for g in view.gpus]
@@ -137,8 +188,8 @@ def _one(opened: Arena, index: int | None, tty: bool, as_json: bool) -> Any:
     return _plain(opened.path, rows, now, view, line)
 
 
-def _frame(opened: list[tuple[Arena, int | None]], tty: bool, as_json: bool) -> Any:
-    """Every arena's part, together."""
+def _frame(opened: list[tuple[Arena, int | None]], tty: int, as_json: bool) -> Any:
+    """Every arena's part, together; ``tty``: the terminal's width (0: not a terminal)."""
     parts = [_one(a, index, tty, as_json) for a, index in opened]
     if tty:
         from rich.console import Group
@@ -150,10 +201,16 @@ def _frame(opened: list[tuple[Arena, int | None]], tty: bool, as_json: bool) -> 
     return "\n\n".join(parts)
 
 
+def _terminal_width() -> int:
+    from rich.console import Console
+
+    return Console().width
+
+
 def who(arena: str | None, gpu: str | None, as_json: bool, watch: bool) -> None:
     """Show who is resident, who waits and who is released, from kernel lock state."""
     opened = arenas(arena, gpu)
-    tty = sys.stdout.isatty() and not as_json
+    tty = _terminal_width() if sys.stdout.isatty() and not as_json else 0
     try:
         if tty and watch:
             from rich.live import Live
