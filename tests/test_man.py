@@ -312,3 +312,15 @@ def test_who_example_has_every_column() -> None:
     example = _sections(_page("who"))["EXAMPLES"]
     header = next(line for line in example if line.startswith("STATE "))
     assert tuple(header.split()) == COLUMNS
+
+
+def test_run_page_keeps_to_its_options() -> None:
+    """flock(1)'s shape: how strategies, demands and budgets work is vramlock-strategies(7)'s."""
+    lines = _page("run").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 400, f"vramlock-run.1 has {len(lines)} lines; move mechanisms out"
+
+
+def test_overview_refers_to_every_page() -> None:
+    see_also = _text(_sections(OVERVIEW)["SEE ALSO"])
+    missing = [p.stem for p in PAGES if p != OVERVIEW and not _mentions(see_also, p.stem)]
+    assert not missing, f"vramlock.1: SEE ALSO lacks {missing}"
