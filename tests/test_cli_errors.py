@@ -539,6 +539,12 @@ def test_stderr_reader_gone_keeps_the_status(errcli: ErrCli, tmp_path: Path) -> 
     assert (proc.returncode, proc.stdout) == (OWN_FAILURE, "")
 
 
+def test_run_usage_shows_the_dashes_before_the_command(errcli: ErrCli) -> None:
+    out = errcli("run", "--help")
+    assert (out.code, out.stderr) == (0, "")
+    assert out.stdout.splitlines()[0] == "Usage: vramlock run [OPTIONS] -- COMMAND..."
+
+
 def test_no_arguments_prints_help_and_succeeds(errcli: ErrCli) -> None:
     out = errcli()
     assert (out.code, out.stderr) == (0, "")
