@@ -112,6 +112,7 @@ def run(
     vram: VramOpt = None,
 ) -> None:
     """Run COMMAND while it holds the GPU; release it whenever someone else waits."""
+    # Every parameter, by its name: the same call fast.py makes from its table.
     raise typer.Exit(run_command.run(**locals()))
 
 

@@ -37,8 +37,11 @@ _QUEUE = (
     Opt("wait", ("-w", "--timeout")),
     Opt("conflict_exit_code", ("-E", "--conflict-exit-code"), CODE, 1),
 )
-_RUN_TEXT = ("name", "listen", "upstream", "idle", "ready_within", "ready_url", "on_release")
-_RUN_TEXT2 = ("on_restore", "preset", "on_release_url", "on_restore_url", "yield_within", "vram")
+# run's other options: a value each, None when not given.
+_RUN_TEXT = (
+    "name", "listen", "upstream", "idle", "ready_within", "ready_url", "on_release",
+    "on_restore", "preset", "on_release_url", "on_restore_url", "yield_within", "vram",
+)  # fmt: skip
 TABLE: dict[str, tuple[Opt, ...]] = {
     "run": (
         *_QUEUE,
@@ -46,7 +49,7 @@ TABLE: dict[str, tuple[Opt, ...]] = {
         _text("release", "auto"),
         _text("demand", "always"),
         _text("min_hold", "100ms"),
-        *map(_text, _RUN_TEXT + _RUN_TEXT2),
+        *map(_text, _RUN_TEXT),
     ),
     "who": (
         *_WHERE,

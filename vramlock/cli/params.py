@@ -34,12 +34,12 @@ def _text(metavar: str, help: str, autocompletion: Callable[[], list[str]] | Non
     )
 
 
-Text = str | None
+MaybeText = str | None  # an option without a value of its own when not given
 
 # -- shared by several commands ---------------------------------------------------------------
 
 ArenaOpt = Annotated[
-    Text,
+    MaybeText,
     typer.Option(
         "--arena",
         metavar="PATH",
@@ -48,7 +48,7 @@ ArenaOpt = Annotated[
     ),
 ]
 GpusOpt = Annotated[
-    Text,
+    MaybeText,
     typer.Option(
         "--gpu",
         metavar="N[,M...]",
@@ -61,7 +61,7 @@ NonblockOpt = Annotated[
     bool, typer.Option("-n", "--nonblock", help="Fail at once if the token is not free.")
 ]
 TimeoutOpt = Annotated[
-    Text,
+    MaybeText,
     typer.Option(
         "-w",
         "--timeout",
@@ -90,7 +90,7 @@ CommandArg = Annotated[
         metavar="COMMAND", help="The command to run and its arguments.", show_default=False
     ),
 ]
-NameOpt = Annotated[Text, _text("NAME", "Name shown by who (default: the command's).")]
+NameOpt = Annotated[MaybeText, _text("NAME", "Name shown by who (default: the command's).")]
 ReleaseOpt = Annotated[
     str,
     typer.Option(
@@ -109,7 +109,7 @@ DemandOpt = Annotated[
     ),
 ]
 ListenOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "ADDR",
         "listen demand: take clients here (HOST:PORT, [IPv6]:PORT, or PORT on"
@@ -117,10 +117,10 @@ ListenOpt = Annotated[
     ),
 ]
 UpstreamOpt = Annotated[
-    Text, _text("ADDR", "listen demand: the address the command's server listens on.")
+    MaybeText, _text("ADDR", "listen demand: the address the command's server listens on.")
 ]
 IdleOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "SECONDS",
         "listen demand: put a release off until connections had no traffic this long"
@@ -128,7 +128,7 @@ IdleOpt = Annotated[
     ),
 ]
 ReadyWithinOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "SECONDS",
         "listen demand: close waiting clients if the started or restored server is"
@@ -136,7 +136,7 @@ ReadyWithinOpt = Annotated[
     ),
 ]
 ReadyUrlOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "PATH",
         "listen demand: forward clients once GET PATH answers 2xx after each start"
@@ -144,10 +144,14 @@ ReadyUrlOpt = Annotated[
         " else once the server accepts connections).",
     ),
 ]
-OnReleaseOpt = Annotated[Text, _text("CMD", "exec strategy: shell command that frees the memory.")]
-OnRestoreOpt = Annotated[Text, _text("CMD", "exec strategy: shell command that takes it back.")]
+OnReleaseOpt = Annotated[
+    MaybeText, _text("CMD", "exec strategy: shell command that frees the memory.")
+]
+OnRestoreOpt = Annotated[
+    MaybeText, _text("CMD", "exec strategy: shell command that takes it back.")
+]
 PresetOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "NAME",
         "http strategy: the server's API: llama-server, vllm, sglang, comfyui, ollama.",
@@ -155,22 +159,23 @@ PresetOpt = Annotated[
     ),
 ]
 OnReleaseUrlOpt = Annotated[
-    Text, _text("URL", "http strategy without a preset: POSTed to free the memory (2xx: done).")
+    MaybeText,
+    _text("URL", "http strategy without a preset: POSTed to free the memory (2xx: done)."),
 ]
 OnRestoreUrlOpt = Annotated[
-    Text, _text("URL", "http strategy without a preset: POSTed to take it back.")
+    MaybeText, _text("URL", "http strategy without a preset: POSTed to take it back.")
 ]
 MinHoldOpt = Annotated[
     str, typer.Option(metavar="SECONDS", help="Stay resident at least this long after acquiring.")
 ]
 YieldWithinOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "SECONDS", "If a graceful release takes longer, end the command (restarted on its turn)."
     ),
 ]
 VramOpt = Annotated[
-    Text,
+    MaybeText,
     _text(
         "SIZE",
         "The command's GPU memory at most (6G, 512M): in an arena with a budget it is"
@@ -203,7 +208,7 @@ WatchOpt = Annotated[bool, typer.Option("--watch", help="Refresh every second un
 # -- arena ------------------------------------------------------------------------------------
 
 BudgetOpt = Annotated[
-    Text,
+    MaybeText,
     typer.Option(
         "--budget",
         metavar="SIZE|auto",
