@@ -218,7 +218,8 @@ def who(arena: str | None, gpu: str | None, as_json: bool, watch: bool) -> None:
             with Live(_frame(opened, tty, as_json), auto_refresh=False) as live:
                 while True:
                     time.sleep(1.0)
-                    live.update(_frame(opened, tty, as_json), refresh=True)
+                    # The terminal's width now: a resized window gets a table that fits.
+                    live.update(_frame(opened, live.console.width, as_json), refresh=True)
         elif tty:
             from rich.console import Console
 
