@@ -103,6 +103,52 @@ def test_arena_missing_is_never_created(errcli: ErrCli, tmp_path: Path, which: i
 
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
+def test_a_directory_that_is_not_an_arena_is_refused(
+    errcli: ErrCli, tmp_path: Path, which: int
+) -> None:
+    """The parent of an arena (a path with its last part left off) holds other files."""
+    (tmp_path / "arena").mkdir(mode=0o700)
+    tmp_path.chmod(0o700)
+    marker = tmp_path / "ran"
+    before = sorted(os.listdir(tmp_path))
+    out = errcli(*_arena_commands(tmp_path, marker)[which])
+    expect_error(out, OWN_FAILURE, str(tmp_path), "is not an arena", "vramlock arena --arena")
+    assert sorted(os.listdir(tmp_path)) == before  # no token.lock, no members/
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
+def test_an_empty_directory_becomes_an_arena(errcli: ErrCli, arena: Path, which: int) -> None:
+    marker = arena.parent / "ran"
+    out = errcli(*_arena_commands(arena, marker)[which])
+    assert (out.code, out.stderr) == (0, ""), out
+    assert marker.exists() == (which == 0)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
+def test_an_arena_with_other_files_is_still_one(errcli: ErrCli, arena: Path, which: int) -> None:
+    os.close(create_lock_file(arena / "token.lock"))
+    (arena / "notes.txt").write_text("whatever the user keeps here\n")
+    marker = arena.parent / "ran"
+    out = errcli(*_arena_commands(arena, marker)[which])
+    assert (out.code, out.stderr) == (0, ""), out
+    assert marker.exists() == (which == 0)
+
+
+def test_the_arena_command_makes_a_directory_with_other_files_an_arena(
+    errcli: ErrCli, tmp_path: Path
+) -> None:
+    tmp_path.chmod(0o700)
+    (tmp_path / "notes.txt").write_text("")
+    out = errcli("arena", "--arena", str(tmp_path))
+    assert (out.code, out.stdout, out.stderr) == (0, f"{tmp_path}\n", ""), out
+    marker = tmp_path / "ran"
+    out = errcli("run", "--arena", str(tmp_path), "--", "touch", str(marker))
+    assert (out.code, out.stderr) == (0, ""), out
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["run", "wait", "who"])
 def test_arena_world_writable_is_refused(errcli: ErrCli, tmp_path: Path, which: int) -> None:
     path = tmp_path / "open-arena"
     path.mkdir()

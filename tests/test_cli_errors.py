@@ -403,6 +403,12 @@ def test_stderr_reader_gone_keeps_the_status(errcli: ErrCli, tmp_path: Path) -> 
     assert (proc.returncode, proc.stdout) == (OWN_FAILURE, "")
 
 
+def test_run_usage_shows_the_dashes_before_the_command(errcli: ErrCli) -> None:
+    out = errcli("run", "--help")
+    assert (out.code, out.stderr) == (0, "")
+    assert out.stdout.splitlines()[0] == "Usage: vramlock run [OPTIONS] -- COMMAND..."
+
+
 def test_no_arguments_prints_help_and_succeeds(errcli: ErrCli) -> None:
     out = errcli()
     assert (out.code, out.stderr) == (0, "")
@@ -468,3 +474,117 @@ def test_hostile_names_are_escaped(errcli: ErrCli, err_arena: Path, args: list[s
     assert len(lines) == 2 and lines[1] == "", detail  # one line, ended by its newline
     assert lines[0].startswith("vramlock: ") and "EVIL" in lines[0], detail
     assert _no_raw_controls(lines[0]), detail
+
+
+# -- the front door: fast.py's table is the typer commands' ----------------------------------
+
+
+def _typer_options(word: str) -> dict[str, tuple[tuple[str, ...], str, object]]:
+    """dest -> (spellings, kind, default) of a typer command's options, in fast.py's terms."""
+    import typer.main
+
+    from vramlock.cli import fast
+    from vramlock.cli.app import app
+
+    command = typer.main.get_command(app).commands[word]  # type: ignore[attr-defined]
+    found = {}
+    for p in command.params:
+        if p.param_type_name != "option":
+            continue
+        if p.is_flag:
+            kind = fast.FLAG
+        elif type(p.type).__name__ == "IntRange" and (p.type.min, p.type.max) == (0, 255):
+            kind = fast.CODE
+        else:
+            kind = fast.TEXT if repr(p.type) == "STRING" else repr(p.type)
+        found[p.name] = ((*p.opts, *p.secondary_opts), kind, p.default)
+    return found
+
+
+@pytest.mark.parametrize("word", ["run", "who"])
+def test_the_fast_table_is_the_typer_commands(word: str) -> None:
+    import typer.main
+
+    from vramlock.cli import fast
+    from vramlock.cli.app import app
+
+    table = {o.dest: (o.names, o.kind, o.default) for o in fast.TABLE[word]}
+    assert table == _typer_options(word)
+    command = typer.main.get_command(app).commands[word]  # type: ignore[attr-defined]
+    arguments = [(p.name, p.nargs) for p in command.params if p.param_type_name == "argument"]
+    # fast.py reads run's command as everything from the first word that is no option.
+    assert arguments == ([("command", -1)] if word == "run" else [])
+    assert command.context_settings.get("allow_interspersed_args", True) is (word != "run")
+
+
+FAST_FORMS = [
+    ["who"],
+    ["who", "--arena", "/a", "--json"],
+    ["who", "--gpu=0,1", "--watch", "--arena="],
+    ["run", "--", "true"],
+    ["run", "-n", "-E", "3", "--arena=/a", "--name", "n", "true", "-x", "--json"],
+    ["run", "-w", "5", "--release", "none", "--min-hold=1s", "--", "a", "--", "b"],
+    ["run", "--vram", "6G", "--demand", "listen", "--listen", "8081", "--upstream", "8080", "c"],
+    ["run", "--conflict-exit-code", "007", "-", "x"],
+]
+
+
+@pytest.mark.parametrize("argv", FAST_FORMS, ids=" ".join)
+def test_the_fast_parser_passes_what_typer_passes(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vramlock.cli import fast
+    from vramlock.cli import run as run_module
+    from vramlock.cli import who as who_module
+    from vramlock.cli.app import run_app
+
+    calls: list[dict[str, object]] = []
+
+    def record(**kwargs: object) -> int:
+        calls.append(kwargs)
+        return 0
+
+    monkeypatch.setattr(run_module, "run", record)
+    monkeypatch.setattr(who_module, "who", record)
+    call = fast.parse(argv, {})
+    assert call is not None, "fast.py should take this form itself"
+    assert call() == 0 and run_app(argv) == 0
+    assert calls[0] == calls[1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--version"],
+        ["wait", "-n"],
+        ["who", "-h"],
+        ["who", "--help"],
+        ["who", "extra"],
+        ["who", "--json=1"],
+        ["who", "--arena"],
+        ["who", "--bogus"],
+        ["run"],
+        ["run", "--"],
+        ["run", "-nw5", "--", "true"],
+        ["run", "-w5", "--", "true"],
+        ["run", "-E", "300", "--", "true"],
+        ["run", "-E", "x", "--", "true"],
+        ["run", "-E=3", "--", "true"],
+        ["run", "--gpu", "-1", "--", "true"],
+        ["run", "--name", "--", "true"],
+        ["run", "--bogus", "--", "true"],
+        ["run", "--help"],
+    ],
+    ids=lambda argv: " ".join(argv) or "nothing",
+)
+def test_the_fast_parser_leaves_the_rest_to_typer(argv: list[str]) -> None:
+    from vramlock.cli import fast
+
+    assert fast.parse(argv, {}) is None
+
+
+def test_completion_is_left_to_typer() -> None:
+    from vramlock.cli import fast
+
+    assert fast.parse(["who"], {"_VRAMLOCK_COMPLETE": "bash_complete"}) is None

@@ -16,9 +16,10 @@ from helpers.commands import vramlock
 from helpers.processes import kill_group, wait_until
 from rich.cells import cell_len
 from rich.console import Console
+from test_who import sigint_default
 
 from vramlock.arena.roster import Row
-from vramlock.cli import demo_frame
+from vramlock.cli.demo import demo_frame
 from vramlock.demo import NAMES, Demo
 
 pytestmark = pytest.mark.timeout(90)
@@ -73,7 +74,7 @@ def test_interrupted_demo_sums_up_the_time_it_ran(tmp_path: Path) -> None:
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.Popen(vramlock("demo", "--seconds", "60"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()

@@ -17,8 +17,9 @@ import pytest
 import typer.main
 from typer.core import TyperGroup
 
-import vramlock.cli
-from vramlock.cli import parse_duration
+from vramlock.cli.app import app
+from vramlock.cli.common import parse_duration
+from vramlock.cli.who import COLUMNS
 from vramlock.run import options, scheduler
 
 MAN = Path(__file__).resolve().parent.parent / "man"
@@ -49,7 +50,7 @@ _OPTION_TOKEN = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
 
 
 def _root() -> TyperGroup:
-    command = typer.main.get_command(vramlock.cli.app)
+    command = typer.main.get_command(app)
     assert isinstance(command, TyperGroup), type(command)
     return command
 
@@ -310,4 +311,16 @@ def test_overview_states_the_probe_interval() -> None:
 def test_who_example_has_every_column() -> None:
     example = _sections(_page("who"))["EXAMPLES"]
     header = next(line for line in example if line.startswith("STATE "))
-    assert tuple(header.split()) == vramlock.cli._COLUMNS
+    assert tuple(header.split()) == COLUMNS
+
+
+def test_run_page_keeps_to_its_options() -> None:
+    """flock(1)'s shape: how strategies, demands and budgets work is vramlock-strategies(7)'s."""
+    lines = _page("run").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 400, f"vramlock-run.1 has {len(lines)} lines; move mechanisms out"
+
+
+def test_overview_refers_to_every_page() -> None:
+    see_also = _text(_sections(OVERVIEW)["SEE ALSO"])
+    missing = [p.stem for p in PAGES if p != OVERVIEW and not _mentions(see_also, p.stem)]
+    assert not missing, f"vramlock.1: SEE ALSO lacks {missing}"

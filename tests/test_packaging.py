@@ -59,13 +59,14 @@ with open(sys.argv[1], "w") as f:
 """
 
 # Not for this command: the lock layer, the terminal UI, package metadata, GPU bindings,
-# serve's HTTP and YAML libraries.
+# serve's HTTP and YAML libraries; for who and run, the typer app (click, vendored or not).
 SERVE = ["vramlock.serve", "aiohttp", "yaml"]
+TYPER = ["typer", "click", "vramlock.cli.app"]
 NOT_LOADED = {
     "who": ["portalocker", "rich", "importlib.metadata", "vramlock.run.runner",
-            "vramlock.strategies", "vramlock.gpu.cuda", *SERVE],
+            "vramlock.strategies", "vramlock.gpu.cuda", *SERVE, *TYPER],
     "wait": ["rich", "vramlock.gpu.cuda", *SERVE],
-    "run": ["rich", *SERVE],
+    "run": ["rich", *SERVE, *TYPER],
 }  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import importlib.util
+import io
 import json
 import os
 import pty
@@ -33,6 +34,7 @@ from vramlock.arena import roster
 from vramlock.arena.directory import Arena
 from vramlock.arena.member import Member, State
 from vramlock.arena.records import record_name
+from vramlock.cli.who import COLUMNS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -535,8 +537,59 @@ def test_who_empty_arena(arena: Path) -> None:
     assert out.stdout.splitlines() == [f"arena {arena}", "no members"]
 
 
+def _terminal_table(rows: list[roster.Row], width: int) -> list[str]:
+    """who's table on a terminal ``width`` cells wide, as lines of text."""
+    from rich.console import Console
+
+    from vramlock.cli.who import _rich_table
+
+    out = io.StringIO()
+    table = _rich_table("/run/user/1000/vramlock/gpu0", rows, time.time(), width=width)
+    Console(file=out, width=width, color_system=None).print(table)
+    return out.getvalue().splitlines()
+
+
+def _wide_rows() -> list[roster.Row]:
+    command = "/usr/local/bin/llama-server -m /models/qwen2.5-7b-instruct-q4_k_m.gguf --port 8081"
+    return [
+        roster.Row(pid=4194301, state="resident", name="llama", strategy="http", command=command,
+                   since=time.time() - 75, child_pid=4194302, member=True,
+                   note="listen 127.0.0.1:8080, 2 connection(s)", vram=6 * 2**30),
+        roster.Row(pid=4194303, state="waiting", name="trainer", strategy="swap",
+                   command="python3 train.py --epochs 10", since=time.time() - 3,
+                   child_pid=None, member=True),
+    ]  # fmt: skip
+
+
+def test_who_reads_at_80_columns() -> None:
+    """A member is one line (its command cut, not wrapped); a note is whole, under the table."""
+    from rich.cells import cell_len
+
+    lines = _terminal_table(_wide_rows(), 80)
+    assert max(map(cell_len, lines)) <= 80, lines
+    members = [ln for ln in lines if ln.split()[:1] in (["resident"], ["waiting"])]
+    assert len(members) == 2 and "6.0 GiB  llama-server -m" in members[0], lines
+    assert members[0].endswith("…") and "python3 train.py" in members[1], lines
+    assert "4194301: listen 127.0.0.1:8080, 2 connection(s)" in lines, lines
+    assert len(lines) == 6, lines  # title, header, rule, two members, one note
+
+
+def test_who_on_a_wide_terminal_keeps_every_column() -> None:
+    lines = _terminal_table(_wide_rows(), 200)
+    assert tuple(lines[1].split()) == COLUMNS
+    assert "listen 127.0.0.1:8080, 2 connection(s)" in lines[3]
+    assert "/usr/local/bin/llama-server -m /models/" in lines[3]
+
+
+def sigint_default() -> None:
+    """preexec_fn: SIGINT's default action in the child, for a test that sends it. Where
+    the shell that started the tests ignores SIGINT (a background job), the child inherits
+    SIG_IGN, and Python then installs no KeyboardInterrupt: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> None:
-    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"))
+    watch = spawn(vramlock("who", "--arena", str(arena), "--watch"), preexec_fn=sigint_default)
     assert watch.stdout is not None
     assert watch.stdout.readline().strip() == f"arena {arena}"
     assert watch.stdout.readline().strip() == "no members"

@@ -136,6 +136,24 @@ def _check_dir(fd: int, path: str, *, private: bool) -> os.stat_result:
     return st
 
 
+# What only an arena holds: a directory with none of these is one only while it is empty.
+_ARENA_NAMES = frozenset({TOKEN, WANT, MEMBERS})
+
+
+def _check_arena(fd: int, path: str) -> None:
+    """An explicit path must be an arena already, or an empty directory to become one: the
+    parent of an arena, or any other directory a mistyped path names, is refused."""
+    names = os.listdir(fd)
+    if names and _ARENA_NAMES.isdisjoint(names):
+        from shlex import quote
+
+        raise ArenaError(
+            path,
+            "is not an arena (it holds other files, and no token.lock): a mistyped path?"
+            f" To make it one: vramlock arena --arena {quote(path)}",
+        )
+
+
 def _ensure_private_dir(path: str) -> None:
     try:
         os.mkdir(path, 0o700)
@@ -155,11 +173,13 @@ class Arena:
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
-    def open(cls, arena: str | None = None, gpu: int | None = None) -> Arena:
+    def open(cls, arena: str | None = None, gpu: int | None = None, adopt: bool = False) -> Arena:
         """Open the arena; the default per-GPU arena is created, an explicit one must exist.
 
         An explicit arena is never created: a mistyped path would otherwise make a
-        second arena, and two programs would both believe they own the GPU.
+        second arena, and two programs would both believe they own the GPU. Nor does an
+        explicit directory that holds other files become one, unless ``adopt`` (``vramlock
+        arena``, which makes arenas on purpose).
         """
         path, is_default = locate(arena, gpu)
         if is_default:
@@ -174,6 +194,8 @@ class Arena:
         fd = _open_dir(path)
         try:
             st = _check_dir(fd, path, private=is_default)
+            if not (is_default or adopt):
+                _check_arena(fd, path)
         except BaseException:
             os.close(fd)
             raise

@@ -84,6 +84,84 @@ def _merged_state(claimed: str, kernel: str | None) -> str:
 STALE_TOKEN = "its token.lock was deleted or replaced: two members may be resident"
 
 
+def _shown(
+    pid: int,
+    state: str,
+    name: str,
+    command: str,
+    strategy: str,
+    *,
+    member: bool,
+    since: float | None = None,
+    child_pid: int | None = None,
+) -> Row:
+    """A row whose text is cut and escaped for a terminal."""
+    return Row(
+        pid=pid,
+        state=state,
+        name=printable(name, NAME_MAX),
+        command=printable(command, COMMAND_MAX),
+        strategy=printable(strategy, STRATEGY_MAX),
+        since=since,
+        child_pid=child_pid,
+        member=member,
+    )
+
+
+def _budget_member(row: Row, rec: Record, kernel: str | None, notes: list[str]) -> None:
+    """A budget member's footprint and units, into ``row`` and its notes."""
+    if rec.vram is None:
+        return  # not in a budget arena
+    row.footprint, row.units = rec.vram, rec.units
+    row.footprint_from = None if rec.vram_from is None else printable(rec.vram_from, NAME_MAX)
+    notes.append(f"footprint {_footprint(rec.vram, row.footprint_from)}, {len(rec.units)} unit(s)")
+    if not rec.units and kernel == State.RESIDENT.value:
+        # The head budget waiter holds the token shared while it gathers units.
+        row.state = State.WAITING.value
+        notes.append("gathering units")
+
+
+def _member_row(
+    pid: int, kernel: str | None, rec: Record, token_ino: int | None, notes: list[str]
+) -> Row:
+    """A member with a verified record: its state as far as the kernel bears it out."""
+    state = _merged_state(rec.state, kernel)
+    if rec.gpus and rec.state == State.WAITING.value:
+        # Holds this GPU's token, and waits for another's: not resident anywhere yet.
+        state = rec.state
+        notes.append("taking its GPUs' tokens")
+    if rec.token_ino is not None and rec.token_ino != token_ino:
+        notes.append(STALE_TOKEN)
+    left = [p for p in rec.leftovers if procfs.living(p)]
+    if left:
+        notes.append(f"command exited; ending {', '.join(map(str, left))}")
+    row = _shown(pid, state, rec.name, " ".join(rec.command), rec.strategy, member=True,
+                 since=rec.since, child_pid=rec.child_pid)  # fmt: skip
+    if rec.listen is not None:
+        row.listen, row.connections = printable(rec.listen, NAME_MAX), rec.connections
+        notes.append(f"listen {row.listen}, {row.connections or 0} connection(s)")
+    if rec.gpus:
+        row.gpus = rec.gpus
+        notes.append(f"GPUs {','.join(map(str, rec.gpus))} together")
+    if rec.note:
+        notes.append(printable(rec.note, NAME_MAX))
+    _budget_member(row, rec, kernel, notes)
+    return row
+
+
+def _unverified_row(
+    pid: int, kernel: str | None, found: tuple[Record, bool] | None, notes: list[str]
+) -> Row:
+    """No record we can believe: the kernel's state and /proc's facts only."""
+    command = procfs.text(pid, "cmdline")
+    if found is None:
+        name = procfs.text(pid, "comm") or "(exited)"
+    else:
+        name = found[0].name
+        notes.append("unverified record")
+    return _shown(pid, kernel or "?", name, command, "-", member=False)
+
+
 def _row(
     pid: int,
     kernel: str | None,
@@ -92,67 +170,16 @@ def _row(
     token_ino: int | None = None,
 ) -> Row:
     notes = [note] if note else []
-    listen, connections, gpus = None, None, None
-    footprint, footprint_from, units = None, None, None
     if found is not None and found[1]:
-        rec = found[0]
-        state, name, strategy = _merged_state(rec.state, kernel), rec.name, rec.strategy
-        if rec.gpus and rec.state == State.WAITING.value:
-            # Holds this GPU's token, and waits for another's: not resident anywhere yet.
-            state = rec.state
-            notes.append("taking its GPUs' tokens")
-        command, since, child = " ".join(rec.command), rec.since, rec.child_pid
-        if rec.token_ino is not None and rec.token_ino != token_ino:
-            notes.append(STALE_TOKEN)
-        left = [p for p in rec.leftovers if procfs.living(p)]
-        if left:
-            notes.append(f"command exited; ending {', '.join(map(str, left))}")
-        if rec.listen is not None:
-            listen, connections = printable(rec.listen, NAME_MAX), rec.connections
-            notes.append(f"listen {listen}, {connections or 0} connection(s)")
-        if rec.gpus:
-            gpus = rec.gpus
-            notes.append(f"GPUs {','.join(map(str, gpus))} together")
-        if rec.note:
-            notes.append(printable(rec.note, NAME_MAX))
-        if rec.vram is not None:
-            footprint, units = rec.vram, rec.units
-            footprint_from = None if rec.vram_from is None else printable(rec.vram_from, NAME_MAX)
-            notes.append(f"footprint {_footprint(rec.vram, footprint_from)}, {len(units)} unit(s)")
-            if not rec.units and kernel == State.RESIDENT.value:
-                # The head budget waiter holds the token shared while it gathers units.
-                state = State.WAITING.value
-                notes.append("gathering units")
+        row = _member_row(pid, kernel, found[0], token_ino, notes)
     else:
-        # No record we can believe: the kernel's state and /proc's facts only.
-        state, strategy, since, child = kernel or "?", "-", None, None
-        command = procfs.text(pid, "cmdline")
-        if found is None:
-            name = procfs.text(pid, "comm") or "(exited)"
-        else:
-            name = found[0].name
-            notes.append("unverified record")
+        row = _unverified_row(pid, kernel, found, notes)
     if procfs.state(pid) in ("T", "t"):
         notes.append("stopped")
-    if child is not None and procfs.state(child) in ("T", "t"):
+    if row.child_pid is not None and procfs.state(row.child_pid) in ("T", "t"):
         notes.append("child stopped")
-    return Row(
-        pid=pid,
-        state=state,
-        name=printable(name, NAME_MAX),
-        command=printable(command, COMMAND_MAX),
-        strategy=printable(strategy, STRATEGY_MAX),
-        since=since,
-        child_pid=child,
-        member=found is not None and found[1],
-        note="; ".join(notes) or None,
-        listen=listen,
-        connections=connections,
-        gpus=gpus,
-        footprint=footprint,
-        footprint_from=footprint_from,
-        units=units,
-    )
+    row.note = "; ".join(notes) or None
+    return row
 
 
 def _resident_pids(locker: int, dev: int, ino: int) -> list[tuple[int, str | None]]:
@@ -208,20 +235,11 @@ def with_vram(rows: list[Row], view: GpuView) -> list[Row]:
             continue
         # NVML's pids are the driver's: in a container they may name nobody here.
         visible = procfs.living(pid)
-        rows.append(
-            Row(
-                pid=pid,
-                state="foreign",
-                name=printable(procfs.text(pid, "comm"), NAME_MAX) if visible else "?",
-                command=printable(procfs.text(pid, "cmdline"), COMMAND_MAX) if visible else "",
-                strategy="-",
-                since=None,
-                child_pid=None,
-                member=False,
-                note="not a member" if visible else "pid not visible here",
-                vram=used,
-            )
-        )
+        name = procfs.text(pid, "comm") if visible else "?"
+        command = procfs.text(pid, "cmdline") if visible else ""
+        row = _shown(pid, "foreign", name, command, "-", member=False)
+        row.note, row.vram = ("not a member" if visible else "pid not visible here"), used
+        rows.append(row)
     return rows
 
 
