@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock
-from helpers.processes import kill_group, wait_until
+from helpers.processes import kill_group, sigint_default, wait_until
 from rich.cells import cell_len
 from rich.console import Console
-from test_who import sigint_default
 
 from vramlock.arena.roster import Row
 from vramlock.cli.demo import demo_frame

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from helpers import ROOT
 from helpers.commands import vramlock, who_json, who_plain
-from helpers.processes import Spawn, hold, kill_group, token_free, wait_until
+from helpers.processes import Spawn, hold, kill_group, sigint_default, token_free, wait_until
 
 from vramlock import procfs
 from vramlock.arena import roster
@@ -579,13 +579,6 @@ def test_who_on_a_wide_terminal_keeps_every_column() -> None:
     assert tuple(lines[1].split()) == COLUMNS
     assert "listen 127.0.0.1:8080, 2 connection(s)" in lines[3]
     assert "/usr/local/bin/llama-server -m /models/" in lines[3]
-
-
-def sigint_default() -> None:
-    """preexec_fn: SIGINT's default action in the child, for a test that sends it. Where
-    the shell that started the tests ignores SIGINT (a background job), the child inherits
-    SIG_IGN, and Python then installs no KeyboardInterrupt: Ctrl-C would do nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_who_watch_refreshes_until_interrupted(arena: Path, spawn: Spawn) -> None:

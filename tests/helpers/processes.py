@@ -75,3 +75,10 @@ def token_free(arena: Path) -> bool:
     """Could a flock(1) take the token at once?"""
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     return probe.returncode == 0
+
+
+def sigint_default() -> None:
+    """preexec_fn: SIGINT's default action in the child, for a test that sends it. Where
+    the shell that started the tests ignores SIGINT (a background job), the child inherits
+    SIG_IGN, and Python then installs no KeyboardInterrupt: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
