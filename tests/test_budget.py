@@ -56,7 +56,7 @@ MEMBER = textwrap.dedent(
     budget = read_budget(arena)
     record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
                                         strategy="test", state="released", since=time.time()))
-    share = Share(arena, budget, need, records=record)
+    share = Share(arena, budget, need, publish=record.change)
     wfd = os.open(witness, os.O_RDWR)
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
@@ -64,7 +64,7 @@ MEMBER = textwrap.dedent(
     min_hold = float(os.environ.get("MIN_HOLD", "0"))
     note("waiting")
     while True:
-        share.acquire()
+        share.queue()
         got = 0
         for unit in range(budget.units):
             if got < need:
@@ -79,12 +79,12 @@ MEMBER = textwrap.dedent(
             others = [u for u in range(budget.units) if u not in share.units]
             record.update(units=others[:need], used=1.0, busy=False)
         else:
-            share.touch(busy=mode == "busy")
+            share.working(mode == "busy")
         start = time.monotonic()
         while True:
             time.sleep(0.002)
             if mode == "busy":
-                share.touch(busy=True)
+                share.working(True)
             if mode == "cycle":
                 if time.monotonic() - start > hold:
                     break
@@ -92,7 +92,7 @@ MEMBER = textwrap.dedent(
                 break
         witness(fcntl.F_UNLCK, 0, 0)
         note("release")
-        share.release()
+        share.drop()
         if mode != "cycle":
             break
         share.wait_polite()
@@ -894,7 +894,7 @@ def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
             return real(fd, start, length, write=write)
 
         monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
-        assert share.acquire(5)
+        assert share.queue(5)
         assert asks_at_scan[:2] == [0, 0]  # nobody was asked: units 8-11 were free
         assert sorted(share.units) == [8, 9, 10, 11]
     finally:
@@ -951,7 +951,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
     monkeypatch.setattr("vramlock.arena.units.read_live", look)
     monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
     try:
-        assert waiter.acquire(5)
+        assert waiter.queue(5)
         assert asks_at_scan[:2] == [0, 0]  # "new" was not asked: units 0-3 were free
         assert sorted(waiter.units) == [0, 1, 2, 3]
     finally:
@@ -975,7 +975,7 @@ def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Pa
             fd = os.open(arena / "capacity.lock", os.O_RDWR)
             try:
                 assert lockfd.try_lock_bytes(fd, 0, 8, write=True)  # all 8 units held
-                assert not share.acquire(0.3)
+                assert not share.queue(0.3)
                 assert not lockfd.bytes_locked_elsewhere(fd, 8, 0, write=True)
             finally:
                 os.close(fd)
@@ -1003,7 +1003,7 @@ def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: st
                 (arena / "budget").unlink()
                 said = "was removed while we waited"
             with pytest.raises(ArenaError, match=re.escape(said)):
-                share.acquire(1)
+                share.queue(1)
             assert not share.resident
         finally:
             share.close()
