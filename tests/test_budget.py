@@ -38,7 +38,8 @@ DEADLINE = 20.0
 # asked, and leaves; busy: the same, saying it works; cycle: resident $HOLD s whether
 # asked or not (a holder between safe points), then steps aside and queues again;
 # deaf: never steps aside; liar: like idle, but its record claims units it does not
-# hold and that it has been idle the longest. $MIN_HOLD: it refuses to step aside for
+# hold and that it has been idle the longest; silent: like idle, but its record never
+# says which units it holds. $MIN_HOLD: it refuses to step aside for
 # that long after it became resident, and says so in its record.
 MEMBER = textwrap.dedent(
     """
@@ -56,7 +57,7 @@ MEMBER = textwrap.dedent(
     budget = read_budget(arena)
     record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
                                         strategy="test", state="released", since=time.time()))
-    share = Share(arena, budget, need, publish=record.change)
+    share = Share(arena, budget, need, publish=None if mode == "silent" else record.change)
     wfd = os.open(witness, os.O_RDWR)
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
@@ -668,6 +669,28 @@ def test_a_lying_record_never_puts_two_members_on_one_unit(room: Budgeted) -> No
     honest.wait_for("resident")
     for i in range(3):
         room.member(f"w{i}", 6).wait_for("resident")
+    assert room.over() == []
+
+
+def test_a_forged_record_claiming_held_units_does_not_decide_whom_a_waiter_asks(
+    room: Budgeted, spawn: Spawn
+) -> None:
+    """A record that is not its writer's to write (another user's, in a sticky members/)
+    claims the resident's units for a living process inside a minimum hold that never
+    ends: the waiter must ask the units' real holder anyway (as one without a record)."""
+    from vramlock import procfs
+    from vramlock.arena.records import Record, record_name
+
+    resident = room.member("r", 12, "silent")
+    resident.wait_for("resident")
+    decoy = spawn(["sleep", "60"])
+    forged = Record(pid=decoy.pid, name="forged", command=["sleep"], strategy="test",
+                    state="resident", since=1.0, starttime=procfs.starttime(decoy.pid) or 0,
+                    uid=os.geteuid() + 1, units=list(range(12)), hold_until=1e10)  # fmt: skip
+    (room.arena / "members" / record_name(forged.pid, forged.starttime)).write_bytes(forged.dump())
+    waiter = room.member("w", 4)
+    resident.wait_for("release")
+    waiter.wait_for("resident")
     assert room.over() == []
 
 

@@ -352,7 +352,9 @@ class Share(Residency, Sized):
         dirfd = self.arena.members_dir(create=False)
         if dirfd is not None:
             try:
-                records = [rec for rec, _ in read_live(dirfd) if rec.pid != os.getpid()]
+                # Only a trusted record may decide whom we ask: anybody who may write in
+                # members/ could claim units for a living process, held for ever.
+                records = [r for r, trusted in read_live(dirfd) if trusted and r.pid != os.getpid()]
             finally:
                 os.close(dirfd)
         held = {
