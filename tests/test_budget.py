@@ -812,6 +812,47 @@ def test_runs_that_fit_are_resident_together_and_who_shows_footprints(room: Budg
     assert room.over() == []
 
 
+def _blocked_on(path: Path, pid: int) -> bool:
+    """Is ``pid`` blocked waiting for a lock on ``path``, by /proc/locks?"""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return any(
+            "->" in (fields := ln.split()) and inode in fields and fields[5] == str(pid) for ln in f
+        )
+
+
+def test_a_run_queueing_when_the_budget_is_removed_carries_on_with_the_whole_gpu(
+    room: Budgeted,
+) -> None:
+    """Removing the budget file is safe: a run that was queueing under the budget at that
+    moment queues on as a whole-GPU member."""
+    from vramlock.procfs import descendants
+
+    a = _run(room, "a", "3G", 12)
+    a.wait_for("resident")
+    head = os.open(room.arena / "queue.lock", os.O_RDONLY)  # we are the head of the line
+    try:
+        fcntl.flock(head, fcntl.LOCK_EX)
+        whole = room.exclusive("whole")
+        a.wait_for("release")
+        whole.wait_for("resident")
+        wait_until(lambda: _blocked_on(room.arena / "queue.lock", a.proc.pid))
+        (room.arena / "budget").unlink()
+    finally:
+        os.close(head)
+    a.wait_for("resident", 2)  # the exclusive member stepped aside for it
+    assert a.proc.poll() is None and descendants(a.proc.pid)
+
+    def shown() -> tuple[object, object]:
+        [row] = [r for r in who_json(room.arena) if r["name"] == "a"]
+        return row["state"], row["footprint"]
+
+    wait_until(lambda: shown() == ("resident", None))  # the record lags a little
+    assert _token_readers(room.arena) == 0  # token.lock exclusive: the whole GPU
+    assert room.over() == []
+
+
 def test_run_larger_than_the_budget_is_a_usage_error(errcli: ErrCli, room: Budgeted) -> None:
     out = errcli("run", "--arena", str(room.arena), "--vram", "4G", "--", "true")
     expect_error(out, USAGE, "--vram 4G is more than the arena's budget (3G)")
