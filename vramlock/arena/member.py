@@ -30,6 +30,7 @@ from .residency import (
     REQUEUE_DELAY_MAX,
     BudgetRemoved,
     EveryGpu,
+    Publish,
     Residency,
     WholeGpu,
     whole_gpu_instead,
@@ -57,7 +58,7 @@ def _checked(old: State, new: State) -> State:
 
 
 def _residency(
-    arena: Arena, token_fd: int | None, vram: int | None, measure: bool, member: Member
+    arena: Arena, token_fd: int | None, vram: int | None, measure: bool, publish: Publish
 ) -> Residency:
     """A budget share where the arena has a budget and the footprint is known (or
     measured, where NVML works); else the whole GPU."""
@@ -69,9 +70,9 @@ def _residency(
         elif measure and nvml.available():
             footprint = Footprint(budget.total, WHOLE)
     if budget is None or footprint is None:
-        return WholeGpu(arena, token_fd)
+        return WholeGpu(arena, token_fd, publish=publish)
     need = budget.units_for(footprint.size)
-    return Share(arena, budget, need, publish=member.publish, footprint=footprint, declared=vram)
+    return Share(arena, budget, need, publish=publish, footprint=footprint, declared=vram)
 
 
 class Member:
@@ -113,28 +114,30 @@ class Member:
         self.records = self._writers[0]
         parts: list[Residency] = []
         try:
-            for a in arenas:
-                parts.append(_residency(a, token_fd, vram, measure, self))
+            for a, writer in zip(arenas, self._writers, strict=True):
+                parts.append(_residency(a, token_fd, vram, measure, self._publisher(writer)))
         except BaseException:
             for part in parts:
                 part.close()
             self._close_records()
             raise
         self.residency: Residency = parts[0] if len(parts) == 1 else EveryGpu(parts)
-        self._say_token()
 
-    def publish(self, changes: dict[str, Any], at_once: bool) -> None:
-        """Write what the residency says (its units, its activity) in our record."""
-        self.records.change(changes, at_once)
+    @staticmethod
+    def _publisher(writer: RecordWriter) -> Publish:
+        """Where a residency in ``writer``'s arena says what it holds: that record."""
 
-    def _say_token(self) -> None:
-        for writer, ino in zip(self._writers, self.residency.token_inodes(), strict=True):
-            writer.update(token_ino=ino)
+        def publish(changes: dict[str, Any], at_once: bool) -> None:
+            writer.change(changes, at_once)
 
-    def _set(self, state: State) -> None:
+        return publish
+
+    def _set(self, state: State, **changes: object) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
         self.state = _checked(self.state, state)
-        self.describe(state=state.value)
+        changes["state"] = state.value
+        for writer in self._writers:  # not through describe: this is the handoff path
+            writer.change(changes, False)
 
     def describe(self, **changes: object) -> None:
         """Update this member's record (strategy, child pid) as shown by ``who``."""
@@ -152,9 +155,12 @@ class Member:
         self._say_hold()
 
     def _say_hold(self) -> None:
+        self.describe(hold_until=self._hold_until())
+
+    def _hold_until(self) -> float:
         # Budget waiters do not ask a resident inside its minimum hold: it would refuse.
         left = self.resident_since + self.min_hold - time.monotonic()
-        self.describe(hold_until=time.time() + max(0.0, left))
+        return time.time() + max(0.0, left)
 
     # -- the states ----------------------------------------------------------------------
 
@@ -171,8 +177,7 @@ class Member:
 
     def resident(self) -> None:
         self.resident_since = time.monotonic()
-        self._set(State.RESIDENT)
-        self._say_hold()
+        self._set(State.RESIDENT, hold_until=self._hold_until())
 
     def releasing(self) -> None:
         self._set(State.RELEASING)
@@ -200,19 +205,11 @@ class Member:
         The arena as it is now: lock files deleted or replaced since we opened them
         are opened again, and a budget removed meanwhile makes us a whole-GPU member."""
         while True:
-            if self.residency.moved():
-                self.rejoin()
             try:
                 return self.residency.queue(timeout, wanting=wanting)
             except BudgetRemoved as err:
                 # Documented as safe: we carry on as a whole-GPU member.
                 self.residency = whole_gpu_instead(self.residency, err)
-                self.describe(vram=None, vram_from=None, units=[], busy=False)
-
-    def rejoin(self) -> None:
-        """Lock the files the arena has now (never while resident)."""
-        self.residency.rejoin()
-        self._say_token()
 
     def came(self) -> bool:
         """A ``queue`` broken off by a signal: did the token come just before?"""

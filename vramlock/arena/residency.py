@@ -31,13 +31,19 @@ REQUEUE_DELAY_MAX = 0.05
 Publish = Callable[[dict[str, Any], bool], None]
 
 
+def unpublished(changes: dict[str, Any], at_once: bool) -> None:
+    """The ``Publish`` of a residency without a record."""
+
+
 class BudgetRemoved(ArenaError):
     """The budget file went while a share queued: the arena has whole-GPU members only.
-    ``token``: the share's descriptor of token.lock, which its command may share."""
+    ``token``: the share's descriptor of token.lock, which its command may share;
+    ``publish``: where the share said what it held."""
 
-    def __init__(self, path: str, reason: str, token: int) -> None:
+    def __init__(self, path: str, reason: str, token: int, publish: Publish) -> None:
         super().__init__(path, reason)
         self.token = token
+        self.publish = publish
 
 
 class Sized(ABC):
@@ -115,10 +121,6 @@ class Residency(ABC):
     def working(self, busy: bool) -> None:  # noqa: B027 - only budget waiters ask
         """Say whether the command works now: budget waiters ask idle residents first."""
 
-    def token_inodes(self) -> list[int]:
-        """Each arena's token.lock as we lock it, for the records."""
-        return []
-
     def sized(self) -> Sized | None:
         """The footprint part, for a budget residency."""
         return None
@@ -135,8 +137,11 @@ class Residency(ABC):
 class WholeGpu(Residency):
     """``token.lock`` exclusive: the whole GPU, queued as the protocol's waiter."""
 
-    def __init__(self, arena: Arena, token_fd: int | None = None) -> None:
-        """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``)."""
+    def __init__(
+        self, arena: Arena, token_fd: int | None = None, *, publish: Publish | None = None
+    ) -> None:
+        """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``).
+        ``publish``: where the token.lock we lock is said (the member's record)."""
         self.arenas = [arena]
         self.token = Token(arena, fd=token_fd)
         try:
@@ -144,6 +149,11 @@ class WholeGpu(Residency):
         except BaseException:
             self.token.close()
             raise
+        self._publish = publish or unpublished
+        self._say_token()
+
+    def _say_token(self) -> None:
+        self._publish({"token_ino": self.token.inode}, False)
 
     def queue(self, timeout: float | None, *, wanting: bool = True) -> bool:
         # On the lock files the arena has now: one deleted (or replaced) since we
@@ -205,9 +215,7 @@ class WholeGpu(Residency):
         if not self.token.adopted:
             self.token.reopen()
         self.want.reopen()
-
-    def token_inodes(self) -> list[int]:
-        return [self.token.inode]
+        self._say_token()
 
     def close(self) -> None:
         self.drop()
@@ -284,9 +292,6 @@ class EveryGpu(Residency):
         for part in self._parts:
             part.rejoin()
 
-    def token_inodes(self) -> list[int]:
-        return [i for p in self._parts for i in p.token_inodes()]
-
     def parts(self) -> list[Residency]:
         return list(self._parts)
 
@@ -299,6 +304,7 @@ def whole_gpu_instead(share: Residency, err: BudgetRemoved) -> WholeGpu:
     """A whole-GPU residency for a share whose budget was removed, locking through a
     copy of the share's open file description of token.lock: a command that inherited
     it keeps holding whatever we lock."""
-    whole = WholeGpu(share.arenas[0], token_fd=os.dup(err.token))
+    whole = WholeGpu(share.arenas[0], token_fd=os.dup(err.token), publish=err.publish)
     share.close()
+    err.publish({"vram": None, "vram_from": None, "units": [], "busy": False}, False)
     return whole

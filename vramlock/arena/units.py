@@ -20,7 +20,14 @@ from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_siz
 from .directory import TOKEN, WANT, Arena
 from .footprint import DECLARED, Footprint, after_residency
 from .records import Record, read_live
-from .residency import REQUEUE_DELAY_MAX, BudgetRemoved, Publish, Residency, Sized
+from .residency import (
+    REQUEUE_DELAY_MAX,
+    BudgetRemoved,
+    Publish,
+    Residency,
+    Sized,
+    unpublished,
+)
 
 # ``--budget auto``: what NVML calls total, less this much for the driver and for
 # processes outside the arena.
@@ -192,7 +199,7 @@ class Share(Residency, Sized):
         self.need = need
         self.footprint = footprint or Footprint(need * budget.unit, DECLARED)
         self.declared = declared
-        self._publish = publish or (lambda changes, at_once: None)
+        self._publish = publish or unpublished
         self.units: list[int] = []
         self.resident = False
         self.busy = False
@@ -210,7 +217,8 @@ class Share(Residency, Sized):
         # file description, to see others'; asks: the byte locks we ask with, and
         # through which residents look for asks (an OFD sees only others' locks).
         self.token, self.want, self.probe, self.asks, self.queue_fd, self.capacity = fds
-        self._publish({"vram": self.footprint.size, "vram_from": self.footprint.source}, False)
+        footprint_said = {"vram": self.footprint.size, "vram_from": self.footprint.source}
+        self._publish({**footprint_said, "token_ino": os.fstat(self.token).st_ino}, False)
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -253,7 +261,9 @@ class Share(Residency, Sized):
         now = read_budget(self.arena)
         shown = self.arena.shown(BUDGET)
         if now is None:
-            raise BudgetRemoved(shown, "was removed while we waited; start again", self.token)
+            raise BudgetRemoved(
+                shown, "was removed while we waited; start again", self.token, self._publish
+            )
         if now.unit != self.budget.unit or self.need > now.units:
             raise ArenaError(shown, f"changed to {now} while we waited; start again")
         self.budget = now
@@ -483,9 +493,6 @@ class Share(Residency, Sized):
             lockfd.still_linked(dirfd, TOKEN, self.token)
             and lockfd.still_linked(dirfd, WANT, self.want)
         )
-
-    def token_inodes(self) -> list[int]:
-        return [os.fstat(self.token).st_ino]
 
     def close(self) -> None:
         if self.resident or self.units:
