@@ -113,10 +113,8 @@ class Residency(ABC):
     @abstractmethod
     def moved(self) -> bool:
         """Was a lock file we queue on deleted or replaced since we opened it? Then our
-        locks exclude nobody: step aside and queue again on the new files."""
-
-    def rejoin(self) -> None:  # noqa: B027 - a budget share cannot reopen its files
-        """Lock the files the arena has now (never while resident)."""
+        locks exclude nobody: step aside; ``queue`` opens the new files (a budget
+        share cannot: it fails there)."""
 
     def working(self, busy: bool) -> None:  # noqa: B027 - only budget waiters ask
         """Say whether the command works now: budget waiters ask idle residents first."""
@@ -212,6 +210,7 @@ class WholeGpu(Residency):
         return not (self.token.linked() and self.want.linked())
 
     def rejoin(self) -> None:
+        """Lock the files the arena has now (never while resident)."""
         if not self.token.adopted:
             self.token.reopen()
         self.want.reopen()
@@ -287,10 +286,6 @@ class EveryGpu(Residency):
     def working(self, busy: bool) -> None:
         for part in self._parts:
             part.working(busy)
-
-    def rejoin(self) -> None:
-        for part in self._parts:
-            part.rejoin()
 
     def parts(self) -> list[Residency]:
         return list(self._parts)
