@@ -46,7 +46,7 @@ MEMBER = textwrap.dedent(
     import fcntl, os, struct, sys, time
     from vramlock.arena.directory import Arena
     from vramlock.arena.budget import read_budget
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
     from vramlock.arena.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
     need = int(need)
@@ -57,7 +57,7 @@ MEMBER = textwrap.dedent(
     budget = read_budget(arena)
     record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
                                         strategy="test", state="released", since=time.time()))
-    share = Share(arena, budget, need, publish=None if mode == "silent" else record.change)
+    share = Units(arena, budget, need, publish=None if mode == "silent" else record.change)
     wfd = os.open(witness, os.O_RDWR)
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
@@ -936,14 +936,14 @@ def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
 ) -> None:
     """Units freed between the waiter's scan and its choice are taken by the next
     scan: asking a resident for them would make it step aside for nothing."""
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")  # 12 units
     opened = Arena.open(str(arena))
     others = os.open(arena / "capacity.lock", os.O_RDWR)
     budget = read_budget(opened)
     assert budget is not None
-    share = Share(opened, budget, 4)
+    share = Units(opened, budget, 4)
     try:
         assert lockfd.try_lock_bytes(others, 0, 8, write=True)  # residents on units 0-7
         real = lockfd.try_lock_bytes
@@ -974,7 +974,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
     the records: its units must look free, not held by somebody without a record (who
     would be asked last, after the other, idle resident)."""
     from vramlock import procfs
-    from vramlock.arena import units as share
+    from vramlock.arena import units
     from vramlock.arena.records import Record, read_live, record_name
 
     set_budget(arena, "2G")  # 8 units
@@ -995,7 +995,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
         path = arena / "members" / record_name(rec.pid, rec.starttime)
         path.write_bytes(rec.dump())
         residents[name] = (fd, rec, path)
-    waiter = share.Share(opened, budget, 4)
+    waiter = units.Units(opened, budget, 4)
     real_lock = lockfd.try_lock_bytes
     asks_at_scan: list[int] = []
 
@@ -1026,14 +1026,14 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
 
 
 def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))
     try:
         budget = read_budget(opened)
         assert budget is not None and budget.units == 12
-        share = Share(opened, budget, 4)  # read 12 units
+        share = Units(opened, budget, 4)  # read 12 units
         try:
             set_budget(arena, "2G")
             fd = os.open(arena / "capacity.lock", os.O_RDWR)
@@ -1051,14 +1051,14 @@ def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Pa
 
 @pytest.mark.parametrize("change", ["lowered", "removed"])
 def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: str) -> None:
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))
     try:
         budget = read_budget(opened)
         assert budget is not None
-        share = Share(opened, budget, 12)
+        share = Units(opened, budget, 12)
         try:
             if change == "lowered":
                 set_budget(arena, "2G")

@@ -35,7 +35,7 @@ from .residency import (
     WholeGpu,
     whole_gpu_instead,
 )
-from .units import Share
+from .units import Units
 
 DEFAULT_MIN_HOLD = 0.1
 # The state changes a member may make; any other is a bug, refused (llama-swap checks
@@ -60,7 +60,7 @@ def _checked(old: State, new: State) -> State:
 def _residency(
     arena: Arena, token_fd: int | None, vram: int | None, measure: bool, publish: Publish
 ) -> Residency:
-    """A budget share where the arena has a budget and the footprint is known (or
+    """Budget units where the arena has a budget and the footprint is known (or
     measured, where NVML works); else the whole GPU."""
     budget = read_budget(arena)
     footprint: Footprint | None = None
@@ -72,7 +72,7 @@ def _residency(
     if budget is None or footprint is None:
         return WholeGpu(arena, token_fd, publish=publish)
     need = budget.units_for(footprint.size)
-    return Share(arena, budget, need, publish=publish, footprint=footprint, declared=vram)
+    return Units(arena, budget, need, publish=publish, footprint=footprint, declared=vram)
 
 
 class Member:
@@ -93,9 +93,9 @@ class Member:
     ) -> None:
         """``token_fd``: lock through a caller's descriptor of token.lock (``wait --fd``).
         ``vram``: the footprint in bytes; in an arena with a budget the member is then
-        resident beside others while they fit (a budget share), else it takes the
+        resident beside others while they fit (budget units), else it takes the
         whole GPU (the token). ``measure``: without ``vram``, where NVML works, be a
-        budget share of the whole budget until the caller measures a footprint
+        member of the whole budget until the caller measures a footprint
         (``resize``). Several arenas: their tokens are taken in the order given."""
         arenas = [arena] if isinstance(arena, Arena) else list(arena)
         self.arena = arenas[0]
@@ -223,7 +223,7 @@ class Member:
     # -- resident --------------------------------------------------------------------------
 
     def wanted(self) -> bool:
-        """Does anybody wait for the token (or, for a budget share, for our units)?
+        """Does anybody wait for the token (or, for budget units, for ours)?
         A few microseconds: call it in the work loop."""
         return self.residency.wanted()
 

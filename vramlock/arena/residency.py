@@ -1,7 +1,7 @@
 """How a member holds the GPU: one interface, three ways.
 
 - ``WholeGpu``: ``token.lock`` exclusive, queued behind ``want.lock`` (locks.py);
-- ``units.Share``: ``token.lock`` shared plus budget units of ``capacity.lock``;
+- ``units.Units``: ``token.lock`` shared plus budget units of ``capacity.lock``;
 - ``EveryGpu``: a whole-GPU residency of each of several arenas, all or none.
 
 A residency only locks; the member around it keeps the state machine and the record.
@@ -36,9 +36,9 @@ def unpublished(changes: dict[str, Any], at_once: bool) -> None:
 
 
 class BudgetRemoved(ArenaError):
-    """The budget file went while a share queued: the arena has whole-GPU members only.
-    ``token``: the share's descriptor of token.lock, which its command may share;
-    ``publish``: where the share said what it held."""
+    """The budget file went while we queued for budget units: the arena has whole-GPU
+    members only. ``token``: the units' descriptor of token.lock, which their command
+    may share; ``publish``: where they said what they held."""
 
     def __init__(self, path: str, reason: str, token: int, publish: Publish) -> None:
         super().__init__(path, reason)
@@ -114,7 +114,7 @@ class Residency(ABC):
     def moved(self) -> bool:
         """Was a lock file we queue on deleted or replaced since we opened it? Then our
         locks exclude nobody: step aside; ``queue`` opens the new files (a budget
-        share cannot: it fails there)."""
+        residency cannot: it fails there)."""
 
     def working(self, busy: bool) -> None:  # noqa: B027 - only budget waiters ask
         """Say whether the command works now: budget waiters ask idle residents first."""
@@ -295,11 +295,11 @@ class EveryGpu(Residency):
             part.close()
 
 
-def whole_gpu_instead(share: Residency, err: BudgetRemoved) -> WholeGpu:
-    """A whole-GPU residency for a share whose budget was removed, locking through a
-    copy of the share's open file description of token.lock: a command that inherited
+def whole_gpu_instead(units: Residency, err: BudgetRemoved) -> WholeGpu:
+    """A whole-GPU residency for budget units whose budget was removed, locking through a
+    copy of their open file description of token.lock: a command that inherited
     it keeps holding whatever we lock."""
-    whole = WholeGpu(share.arenas[0], token_fd=os.dup(err.token), publish=err.publish)
-    share.close()
+    whole = WholeGpu(units.arenas[0], token_fd=os.dup(err.token), publish=err.publish)
+    units.close()
     err.publish({"vram": None, "vram_from": None, "units": [], "busy": False}, False)
     return whole

@@ -175,7 +175,7 @@ def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-class Share(Residency, Sized):
+class Units(Residency, Sized):
     """Budget residency: ``token.lock`` shared plus ``need`` units of ``capacity.lock``.
 
     ``publish``: where its units and activity go for waiters choosing whom to ask
@@ -223,7 +223,7 @@ class Share(Residency, Sized):
     # -- waiting ------------------------------------------------------------------------
 
     def queue(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
-        """Queue for a share; True once resident, False when ``timeout`` ran out. (A
+        """Queue for our units; True once resident, False when ``timeout`` ran out. (A
         budget waiter always asks: ``wanting`` is for whole-GPU waiters.)"""
         end = None if timeout is None else time.monotonic() + timeout
 
@@ -235,7 +235,7 @@ class Share(Residency, Sized):
         try:
             self._reread()
             while True:
-                if not self._share_token(left):
+                if not self._token_shared(left):
                     return False
                 got = self._gather(left)
                 if got:
@@ -287,7 +287,7 @@ class Share(Residency, Sized):
         time.sleep(pause if remaining is None else min(pause, remaining))
         return min(pause * 2, POLL_MAX)
 
-    def _share_token(self, left: Callable[[], float | None]) -> bool:
+    def _token_shared(self, left: Callable[[], float | None]) -> bool:
         """token.lock shared, queued behind any exclusive waiter; False at the deadline."""
         pause: float | None = 0.0005
         while True:
@@ -434,7 +434,7 @@ class Share(Residency, Sized):
 
     def resize(self, footprint: Footprint) -> None:
         if self.resident:
-            raise ValueError("a resident share keeps its size until it steps aside")
+            raise ValueError("resident units keep their size until it steps aside")
         self.need = self.budget.units_for(footprint.size)
         self.footprint = footprint
         self._publish({"vram": footprint.size, "vram_from": footprint.source}, False)

@@ -97,7 +97,7 @@ class Scheduler:
         self._describe()
 
     def _meter(self) -> footprints.Meter | None:
-        """NVML's sampler of the command's memory, for a budget share."""
+        """NVML's sampler of the command's memory, for budget units."""
         if self.member.residency.sized() is None:
             return None
         return footprints.meter(self.child.owns, self.opts.settings.gpus)
@@ -243,7 +243,7 @@ class Scheduler:
             due.append(interval)
         return due
 
-    # -- a budget share's footprint ------------------------------------------------
+    # -- a budget member's footprint ------------------------------------------------
 
     def _measure(self) -> None:
         """Sample the command's memory when due; past its units, take free units, or,
