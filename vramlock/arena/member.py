@@ -165,6 +165,7 @@ class Member:
     # -- the states ----------------------------------------------------------------------
 
     def waiting(self) -> None:
+        """Queueing for the token from now on."""
         self._set(State.WAITING)
 
     def released(self) -> None:
@@ -176,10 +177,12 @@ class Member:
         self._set(State.RESTORING)
 
     def resident(self) -> None:
+        """Usable on the GPU: the minimum hold starts now."""
         self.resident_since = time.monotonic()
         self._set(State.RESIDENT, hold_until=self._hold_until())
 
     def releasing(self) -> None:
+        """Freeing the GPU memory before stepping aside."""
         self._set(State.RELEASING)
 
     # -- queueing --------------------------------------------------------------------------
@@ -228,6 +231,7 @@ class Member:
         return self.residency.wanted()
 
     def held_long_enough(self) -> bool:
+        """Resident for at least ``min_hold``."""
         return time.monotonic() - self.resident_since >= self.min_hold
 
     def should_release(self) -> bool:
@@ -292,7 +296,13 @@ class Member:
 
     @property
     def arenas(self) -> list[Arena]:
+        """The arenas we are a member of (several GPUs: in ascending order)."""
         return self.residency.arenas
+
+    @property
+    def name(self) -> str:
+        """The name ``who`` shows."""
+        return self.records.record.name
 
     def close(self) -> None:
         """Leave the arena: drop any lock, stop the records' writers, remove the records."""

@@ -261,7 +261,7 @@ class Scheduler:
             asks = sized.footprint_after(used)
             then = "it steps aside and asks for" if self.strategy.releases else "it asks for"
             self.sup.warn(
-                f"{self.member.records.record.name} uses {show_size(used)}, more than its"
+                f"{self.member.name} uses {show_size(used)}, more than its"
                 f" footprint of {show_size(sized.footprint.size)}, and too few units of"
                 f" the budget are free; {then} {show_size(asks.size)} at its next admission"
             )
