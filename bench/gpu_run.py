@@ -103,7 +103,7 @@ def strategy(
                 assert left is None if release == "checkpoint" else (left or 0) < GIB, left
                 w.send("check")  # blocks while released
                 t2 = time.perf_counter()
-                me.token.release()
+                me.residency.drop()
                 word, value = w.read(120).split()
                 t3 = time.perf_counter()
                 assert (word, int(value)) == ("sum", w.checksum)

@@ -103,6 +103,7 @@ from vramlock.arena.directory import Arena
 from vramlock.arena.hint import Hint
 from vramlock.arena.locks import Token, Want
 from vramlock.arena.member import Member
+from vramlock.arena.residency import WholeGpu
 from vramlock.run.scheduler import PROBE_INTERVAL
 
 WARMUP = 0.3  # seconds of each run left out of the figures
@@ -140,18 +141,20 @@ class TimedToken(Token):
             self.log("own")
         return ok
 
-    def release(self) -> None:
+    def drop(self) -> None:
         self.log("unlock")
-        super().release()
+        super().drop()
 
 
 class TimedMember(Member):
     def __init__(self, arena: Arena, name: str, log: _Log) -> None:
         super().__init__(arena, name=name, min_hold=0.0, command=["bench", name])
-        self.want.close()
-        self.token.close()
-        self.want = TimedWant(arena, log)
-        self.token = TimedToken(arena, log)
+        whole = self.residency
+        assert isinstance(whole, WholeGpu)  # an arena without a budget
+        whole.want.close()
+        whole.token.close()
+        whole.want = TimedWant(arena, log)
+        whole.token = TimedToken(arena, log)
         self.log = log
 
     def resident(self) -> None:

@@ -481,6 +481,28 @@ def test_a_lying_record_never_puts_two_members_on_one_unit(room: Budgeted) -> No
     assert room.over() == []
 
 
+def test_a_forged_record_claiming_held_units_does_not_decide_whom_a_waiter_asks(
+    room: Budgeted, spawn: Spawn
+) -> None:
+    """A record that is not its writer's to write (another user's, in a sticky members/)
+    claims the resident's units for a living process inside a minimum hold that never
+    ends: the waiter must ask the units' real holder anyway (as one without a record)."""
+    from vramlock import procfs
+    from vramlock.arena.records import Record, record_name
+
+    resident = room.member("r", 12, "silent")
+    resident.wait_for("resident")
+    decoy = spawn(["sleep", "60"])
+    forged = Record(pid=decoy.pid, name="forged", command=["sleep"], strategy="test",
+                    state="resident", since=1.0, starttime=procfs.starttime(decoy.pid) or 0,
+                    uid=os.geteuid() + 1, units=list(range(12)), hold_until=1e10)  # fmt: skip
+    (room.arena / "members" / record_name(forged.pid, forged.starttime)).write_bytes(forged.dump())
+    waiter = room.member("w", 4)
+    resident.wait_for("release")
+    waiter.wait_for("resident")
+    assert room.over() == []
+
+
 def test_a_shell_waiter_takes_the_whole_gpu_from_budget_residents(
     room: Budgeted, spawn: Spawn
 ) -> None:
@@ -548,6 +570,47 @@ def test_runs_that_fit_are_resident_together_and_who_shows_footprints(room: Budg
     d = _run(room, "d", "1G", 4)
     d.wait_for("resident")
     runs[0].wait_for("release")  # the least recently used
+    assert room.over() == []
+
+
+def _blocked_on(path: Path, pid: int) -> bool:
+    """Is ``pid`` blocked waiting for a lock on ``path``, by /proc/locks?"""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return any(
+            "->" in (fields := ln.split()) and inode in fields and fields[5] == str(pid) for ln in f
+        )
+
+
+def test_a_run_queueing_when_the_budget_is_removed_carries_on_with_the_whole_gpu(
+    room: Budgeted,
+) -> None:
+    """Removing the budget file is safe: a run that was queueing under the budget at that
+    moment queues on as a whole-GPU member."""
+    from vramlock.procfs import descendants
+
+    a = _run(room, "a", "3G", 12)
+    a.wait_for("resident")
+    head = os.open(room.arena / "queue.lock", os.O_RDONLY)  # we are the head of the line
+    try:
+        fcntl.flock(head, fcntl.LOCK_EX)
+        whole = room.exclusive("whole")
+        a.wait_for("release")
+        whole.wait_for("resident")
+        wait_until(lambda: _blocked_on(room.arena / "queue.lock", a.proc.pid))
+        (room.arena / "budget").unlink()
+    finally:
+        os.close(head)
+    a.wait_for("resident", 2)  # the exclusive member stepped aside for it
+    assert a.proc.poll() is None and descendants(a.proc.pid)
+
+    def shown() -> tuple[object, object]:
+        [row] = [r for r in who_json(room.arena) if r["name"] == "a"]
+        return row["state"], row["footprint"]
+
+    wait_until(lambda: shown() == ("resident", None))  # the record lags a little
+    assert _token_readers(room.arena) == 0  # token.lock exclusive: the whole GPU
     assert room.over() == []
 
 
@@ -634,14 +697,14 @@ def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
 ) -> None:
     """Units freed between the waiter's scan and its choice are taken by the next
     scan: asking a resident for them would make it step aside for nothing."""
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")  # 12 units
     opened = Arena.open(str(arena))
     others = os.open(arena / "capacity.lock", os.O_RDWR)
     budget = read_budget(opened)
     assert budget is not None
-    share = Share(opened, budget, 4)
+    share = Units(opened, budget, 4)
     try:
         assert lockfd.try_lock_bytes(others, 0, 8, write=True)  # residents on units 0-7
         real = lockfd.try_lock_bytes
@@ -656,7 +719,7 @@ def test_a_waiter_asks_nobody_for_units_freed_since_it_looked(
             return real(fd, start, length, write=write)
 
         monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
-        assert share.acquire(5)
+        assert share.queue(5)
         assert asks_at_scan[:2] == [0, 0]  # nobody was asked: units 8-11 were free
         assert sorted(share.units) == [8, 9, 10, 11]
     finally:
@@ -672,7 +735,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
     the records: its units must look free, not held by somebody without a record (who
     would be asked last, after the other, idle resident)."""
     from vramlock import procfs
-    from vramlock.arena import units as share
+    from vramlock.arena import units
     from vramlock.arena.records import Record, read_live, record_name
 
     set_budget(arena, "2G")  # 8 units
@@ -693,7 +756,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
         path = arena / "members" / record_name(rec.pid, rec.starttime)
         path.write_bytes(rec.dump())
         residents[name] = (fd, rec, path)
-    waiter = share.Share(opened, budget, 4)
+    waiter = units.Units(opened, budget, 4)
     real_lock = lockfd.try_lock_bytes
     asks_at_scan: list[int] = []
 
@@ -713,7 +776,7 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
     monkeypatch.setattr("vramlock.arena.units.read_live", look)
     monkeypatch.setattr(lockfd, "try_lock_bytes", scan)
     try:
-        assert waiter.acquire(5)
+        assert waiter.queue(5)
         assert asks_at_scan[:2] == [0, 0]  # "new" was not asked: units 0-3 were free
         assert sorted(waiter.units) == [0, 1, 2, 3]
     finally:
@@ -724,20 +787,20 @@ def test_a_resident_that_leaves_while_the_waiter_looks_is_not_taken_for_a_strang
 
 
 def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Path) -> None:
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))
     try:
         budget = read_budget(opened)
         assert budget is not None and budget.units == 12
-        share = Share(opened, budget, 4)  # read 12 units
+        share = Units(opened, budget, 4)  # read 12 units
         try:
             set_budget(arena, "2G")
             fd = os.open(arena / "capacity.lock", os.O_RDWR)
             try:
                 assert lockfd.try_lock_bytes(fd, 0, 8, write=True)  # all 8 units held
-                assert not share.acquire(0.3)
+                assert not share.queue(0.3)
                 assert not lockfd.bytes_locked_elsewhere(fd, 8, 0, write=True)
             finally:
                 os.close(fd)
@@ -749,14 +812,14 @@ def test_a_waiter_takes_no_unit_above_a_budget_lowered_while_it_waited(arena: Pa
 
 @pytest.mark.parametrize("change", ["lowered", "removed"])
 def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: str) -> None:
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
 
     set_budget(arena, "3G")
     opened = Arena.open(str(arena))
     try:
         budget = read_budget(opened)
         assert budget is not None
-        share = Share(opened, budget, 12)
+        share = Units(opened, budget, 12)
         try:
             if change == "lowered":
                 set_budget(arena, "2G")
@@ -765,7 +828,7 @@ def test_a_waiter_that_no_longer_fits_the_budget_says_so(arena: Path, change: st
                 (arena / "budget").unlink()
                 said = "was removed while we waited"
             with pytest.raises(ArenaError, match=re.escape(said)):
-                share.acquire(1)
+                share.queue(1)
             assert not share.resident
         finally:
             share.close()

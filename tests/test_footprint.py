@@ -36,7 +36,7 @@ def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
     return Budgeted(spawn, arena, tmp_path, "3G")  # 12 units
 
 
-def _run(room: Budgeted, name: str, use: int, vram: str | None = None) -> Member:
+def _run(room: Budgeted, name: str, use: int, vram: str | None = None, **env: str) -> Member:
     """``vramlock run`` of helpers/budget.py's RUN_CHILD "using" ``use`` bytes, with ``--vram``
     when given."""
     nvml_dir = room.log.parent / "nvml"
@@ -47,7 +47,7 @@ def _run(room: Budgeted, name: str, use: int, vram: str | None = None) -> Member
                  "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
                  str(room.log), name, str(-(-use // UNIT)), str(room.units), str(use)),
         graceful=True,
-        env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir)},
+        env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir), **env},
     )  # fmt: skip
     return Member(room, name, proc)
 
@@ -104,6 +104,18 @@ def test_run_without_vram_takes_the_budget_then_its_measured_footprint(room: Bud
     assert "without --vram this command takes the whole budget until its footprint is measured" in (
         said
     )
+
+
+def test_who_shows_a_run_from_its_join_while_nvml_wakes_up(room: Budgeted) -> None:
+    """The record is on disk before anything slow: a member whose footprint is to be
+    measured waits for NVML's first call, and who shows it meanwhile."""
+    gate = room.log.parent / "nvml-init"
+    os.mkfifo(gate)
+    m = _run(room, "slow", GIB, FAKE_NVML_INIT_GATE=str(gate))
+    wait_until(lambda: [r["name"] for r in who_json(room.arena)] == ["slow"], timeout=DEADLINE)
+    assert room.count("slow", "resident") == 0  # still in NVML's first call
+    os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))  # NVML is awake
+    m.wait_for("resident")
 
 
 def test_run_that_outgrows_its_units_takes_free_ones(room: Budgeted) -> None:

@@ -32,7 +32,7 @@ def test_token_excludes_other_processes(arena: Path, spawn: Spawn) -> None:
     wait_until(lambda: token.acquire(0))
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     assert probe.returncode == 1
-    token.release()
+    token.drop()
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     assert probe.returncode == 0
 
@@ -135,7 +135,7 @@ def test_forked_child_closes_lock_descriptors_without_unlocking(arena: Path) -> 
     # The child's exit neither unlocked the parent nor kept anything alive.
     probe = subprocess.run(["flock", "-n", "-x", str(arena / "token.lock"), "true"], timeout=10)
     assert probe.returncode == 1
-    token.release()
+    token.drop()
 
 
 def test_lock_file_replaced_while_locking_is_refused(arena: Path) -> None:
@@ -196,7 +196,7 @@ def test_wait_turn_passive_does_not_want(arena: Path, spawn: Spawn) -> None:
     assert not holder.wanted()
     holder.release()
     assert done.wait(10)
-    token.release()
+    token.drop()
 
 
 def test_proc_locks_parsing_matches_exact_fields() -> None:

@@ -329,7 +329,7 @@ def test_a_release_callback_that_raises_keeps_the_member_resident(
 
     with pytest.raises(RuntimeError, match="offload failed"):
         member.yield_if_wanted(release=fail, restore=lambda: None)
-    assert member.state is State.RESIDENT and member.token.held
+    assert member.state is State.RESIDENT and member.residency.held
     assert not token_free(arena)
     member.close()
 
@@ -350,7 +350,7 @@ def test_a_restore_callback_that_raises_lets_waiters_in(arena: Path, spawn: Spaw
     with pytest.raises(RuntimeError, match="reload failed"):
         member.yield_if_wanted(release=lambda: None, restore=fail)
     assert first.wait(10) == 0
-    assert member.state is State.RELEASED and not member.token.held
+    assert member.state is State.RELEASED and not member.residency.held
     second = subprocess.run(
         ["flock", "-x", "-w", "5", str(arena / "token.lock"), "true"], timeout=30
     )

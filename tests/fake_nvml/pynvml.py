@@ -40,6 +40,10 @@ class _Memory:
 def nvmlInit() -> None:
     if os.environ.get("FAKE_NVML_DIR") == "none":
         raise NVMLError("Driver Not Loaded")
+    gate = os.environ.get("FAKE_NVML_INIT_GATE")
+    if gate:  # a FIFO: the first call is as slow as the test makes it (a driver waking up)
+        with open(gate) as f:
+            f.read()
 
 
 def nvmlSystemGetDriverVersion() -> str:

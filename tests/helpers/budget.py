@@ -23,14 +23,15 @@ DEADLINE = 20.0
 # asked, and leaves; busy: the same, saying it works; cycle: resident $HOLD s whether
 # asked or not (a holder between safe points), then steps aside and queues again;
 # deaf: never steps aside; liar: like idle, but its record claims units it does not
-# hold and that it has been idle the longest. $MIN_HOLD: it refuses to step aside for
+# hold and that it has been idle the longest; silent: like idle, but its record never
+# says which units it holds. $MIN_HOLD: it refuses to step aside for
 # that long after it became resident, and says so in its record.
 MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
     from vramlock.arena.directory import Arena
     from vramlock.arena.budget import read_budget
-    from vramlock.arena.units import Share
+    from vramlock.arena.units import Units
     from vramlock.arena.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
     need = int(need)
@@ -41,7 +42,7 @@ MEMBER = textwrap.dedent(
     budget = read_budget(arena)
     record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
                                         strategy="test", state="released", since=time.time()))
-    share = Share(arena, budget, need, records=record)
+    share = Units(arena, budget, need, publish=None if mode == "silent" else record.change)
     wfd = os.open(witness, os.O_RDWR)
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
@@ -49,7 +50,7 @@ MEMBER = textwrap.dedent(
     min_hold = float(os.environ.get("MIN_HOLD", "0"))
     note("waiting")
     while True:
-        share.acquire()
+        share.queue()
         got = 0
         for unit in range(budget.units):
             if got < need:
@@ -64,12 +65,12 @@ MEMBER = textwrap.dedent(
             others = [u for u in range(budget.units) if u not in share.units]
             record.update(units=others[:need], used=1.0, busy=False)
         else:
-            share.touch(busy=mode == "busy")
+            share.working(mode == "busy")
         start = time.monotonic()
         while True:
             time.sleep(0.002)
             if mode == "busy":
-                share.touch(busy=True)
+                share.working(True)
             if mode == "cycle":
                 if time.monotonic() - start > hold:
                     break
@@ -77,7 +78,7 @@ MEMBER = textwrap.dedent(
                 break
         witness(fcntl.F_UNLCK, 0, 0)
         note("release")
-        share.release()
+        share.drop()
         if mode != "cycle":
             break
         share.wait_polite()

@@ -14,7 +14,7 @@ bytes of ``want.lock`` at their units: a level, like the flock of a waiter, that
 the kernel drops when the asker dies, and that flock-only participants never see.
 
 This module is the budget file and its sizes, cheap to import (``who`` reads it);
-the locking is ``share.py``'s.
+the locking is ``units.py``'s.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class Token:
         self.held = True
         return True
 
-    def release(self) -> None:
+    def drop(self) -> None:
+        """Unlock: somebody else may be resident now."""
         self.held = False
         lockfd.unlock(self.fd)
 

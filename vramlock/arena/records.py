@@ -329,14 +329,15 @@ class RecordWriter:
 
     def update(self, **changes: Any) -> None:
         """Change the record in memory; it reaches the disk soon after."""
-        self._change(changes, at_once=False)
+        self.change(changes, False)
 
     def update_at_once(self, **changes: Any) -> None:
         """``update``, written as soon as the writer may: a change budget waiters choose
         by, where a stale record makes them ask the wrong resident."""
-        self._change(changes, at_once=True)
+        self.change(changes, True)
 
-    def _change(self, changes: dict[str, Any], *, at_once: bool) -> None:
+    def change(self, changes: dict[str, Any], at_once: bool) -> None:
+        """``update`` or ``update_at_once`` with the changes as a dict."""
         with self._changed:
             for key, value in changes.items():
                 setattr(self.record, key, value)

@@ -18,7 +18,16 @@ from ..errors import ArenaError, UsageError
 from . import lockfd
 from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
 from .directory import TOKEN, WANT, Arena
-from .records import Record, RecordWriter, read_live
+from .footprint import DECLARED, Footprint, after_residency
+from .records import Record, read_live
+from .residency import (
+    REQUEUE_DELAY_MAX,
+    BudgetRemoved,
+    Publish,
+    Residency,
+    Sized,
+    unpublished,
+)
 
 # ``--budget auto``: what NVML calls total, less this much for the driver and for
 # processes outside the arena.
@@ -32,7 +41,6 @@ AUTO_MARGIN_MIN = 1 << 30
 # for as long as it waits.
 CONFIRM = (0.001, 0.004, 0.016)
 POLL_MAX = 0.01  # a budget waiter looks at the units at least this often
-REQUEUE_DELAY_MAX = 0.05
 
 
 def _open(arena: Arena, name: str) -> int:
@@ -167,20 +175,31 @@ def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-class Share:
+class Units(Residency, Sized):
     """Budget residency: ``token.lock`` shared plus ``need`` units of ``capacity.lock``.
 
-    ``records``: this member's record, where its units, footprint and activity are
-    published for waiters choosing whom to ask.
+    ``publish``: where its units and activity go for waiters choosing whom to ask
+    (its member's record); ``footprint``: what ``need`` was counted from (default:
+    the units' bytes), and ``declared`` the size given by the user, if any.
     """
 
     def __init__(
-        self, arena: Arena, budget: Budget, need: int, records: RecordWriter | None = None
+        self,
+        arena: Arena,
+        budget: Budget,
+        need: int,
+        *,
+        publish: Publish | None = None,
+        footprint: Footprint | None = None,
+        declared: int | None = None,
     ) -> None:
+        self.arenas = [arena]
         self.arena = arena
         self.budget = budget
         self.need = need
-        self.records = records
+        self.footprint = footprint or Footprint(need * budget.unit, DECLARED)
+        self.declared = declared
+        self._publish = publish or unpublished
         self.units: list[int] = []
         self.resident = False
         self.busy = False
@@ -197,30 +216,31 @@ class Share:
         # want: our flock while we wait for an exclusive holder; probe: its own open
         # file description, to see others'; asks: the byte locks we ask with, and
         # through which residents look for asks (an OFD sees only others' locks).
-        self.token, self.want, self.probe, self.asks, self.queue, self.capacity = fds
-        if records is not None:
-            records.update(vram=need * budget.unit)
+        self.token, self.want, self.probe, self.asks, self.queue_fd, self.capacity = fds
+        footprint_said = {"vram": self.footprint.size, "vram_from": self.footprint.source}
+        self._publish({**footprint_said, "token_ino": os.fstat(self.token).st_ino}, False)
 
     # -- waiting ------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Queue for a share; True once resident, False when ``timeout`` ran out."""
+    def queue(self, timeout: float | None = None, *, wanting: bool = True) -> bool:
+        """Queue for our units; True once resident, False when ``timeout`` ran out. (A
+        budget waiter always asks: ``wanting`` is for whole-GPU waiters.)"""
         end = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
             return None if end is None else max(0.0, end - time.monotonic())
 
-        if not lockfd.lock_within(self.queue, exclusive=True, timeout=left()):
+        if not lockfd.lock_within(self.queue_fd, exclusive=True, timeout=left()):
             return False
         try:
             self._reread()
             while True:
-                if not self._share_token(left):
+                if not self._token_shared(left):
                     return False
                 got = self._gather(left)
                 if got:
                     self.resident = True
-                    self._publish()
+                    self._say_units()
                     return True
                 self._drop()
                 if got is False:
@@ -230,7 +250,10 @@ class Share:
             raise
         finally:
             self._ask(set())
-            lockfd.unlock(self.queue)
+            lockfd.unlock(self.queue_fd)
+
+    def came(self) -> bool:
+        return self.resident
 
     def _reread(self) -> None:
         """The budget as it is now: its owner changes it only while holding queue.lock,
@@ -238,7 +261,9 @@ class Share:
         now = read_budget(self.arena)
         shown = self.arena.shown(BUDGET)
         if now is None:
-            raise ArenaError(shown, "was removed while we waited; start again")
+            raise BudgetRemoved(
+                shown, "was removed while we waited; start again", self.token, self._publish
+            )
         if now.unit != self.budget.unit or self.need > now.units:
             raise ArenaError(shown, f"changed to {now} while we waited; start again")
         self.budget = now
@@ -262,7 +287,7 @@ class Share:
         time.sleep(pause if remaining is None else min(pause, remaining))
         return min(pause * 2, POLL_MAX)
 
-    def _share_token(self, left: Callable[[], float | None]) -> bool:
+    def _token_shared(self, left: Callable[[], float | None]) -> bool:
         """token.lock shared, queued behind any exclusive waiter; False at the deadline."""
         pause: float | None = 0.0005
         while True:
@@ -337,7 +362,9 @@ class Share:
         dirfd = self.arena.members_dir(create=False)
         if dirfd is not None:
             try:
-                records = [rec for rec, _ in read_live(dirfd) if rec.pid != os.getpid()]
+                # Only a trusted record may decide whom we ask: anybody who may write in
+                # members/ could claim units for a living process, held for ever.
+                records = [r for r, trusted in read_live(dirfd) if trusted and r.pid != os.getpid()]
             finally:
                 os.close(dirfd)
         held = {
@@ -381,9 +408,8 @@ class Share:
         self.units = []
         lockfd.unlock(self.token)
 
-    def _publish(self) -> None:
-        if self.records is not None:
-            self.records.update(units=sorted(self.units), busy=self.busy, used=time.time())
+    def _say_units(self) -> None:
+        self._publish({"units": sorted(self.units), "busy": self.busy, "used": time.time()}, False)
 
     # -- resident -----------------------------------------------------------------------
 
@@ -395,46 +421,56 @@ class Share:
                 return True
         return self.exclusive_waiting()
 
-    def touch(self, busy: bool) -> None:
+    def working(self, busy: bool) -> None:
         """Say whether we are working now (waiters ask idle residents first); it holds
         for our next residencies too, until said otherwise."""
         changed, self.busy = busy != self.busy, busy
-        if self.records is not None:
-            # A change is written at once: a waiter that takes an idle resident for busy,
-            # or a busy one for idle, asks the wrong one.
-            change = self.records.update_at_once if changed else self.records.update
-            change(busy=busy, used=time.time())
+        # A change is written at once: a waiter that takes an idle resident for busy,
+        # or a busy one for idle, asks the wrong one.
+        self._publish({"busy": busy, "used": time.time()}, changed)
 
-    def resize(self, need: int) -> None:
-        """Ask for ``need`` units at the next admission (between residencies only)."""
+    def footprint_after(self, peak: int) -> Footprint:
+        return after_residency(self.declared, peak, self.budget.unit, self.budget.total)
+
+    def resize(self, footprint: Footprint) -> None:
         if self.resident:
-            raise ValueError("a resident share keeps its size until it releases")
-        self.need = need
+            raise ValueError("resident units keep their size until it steps aside")
+        self.need = self.budget.units_for(footprint.size)
+        self.footprint = footprint
+        self._publish({"vram": footprint.size, "vram_from": footprint.source}, False)
 
-    def grow(self, need: int) -> bool:
-        """Resident: take free units, never asking anybody, until we hold ``need``; True
-        once we do. Units taken are kept until the release, even when too few were free:
-        they are memory in use, which nobody else may count on."""
-        got = self._take_free(need)
-        self._publish()
-        return got
+    def grow(self, used: int) -> bool:
+        # Units taken are kept until we step aside, even when too few were free: they
+        # are memory in use, which nobody else may count on.
+        need = math.ceil(used / self.budget.unit)
+        got = self._take_free(min(need, self.budget.units))
+        self._say_units()
+        return got and need <= self.budget.units
 
-    def release(self) -> None:
-        """Drop the units and the token (the GPU memory must already be free)."""
+    @property
+    def held_bytes(self) -> int:
+        return len(self.units) * self.budget.unit
+
+    def sized(self) -> Sized:
+        return self
+
+    def drop(self, *, unlock: bool = True) -> None:
+        if not unlock:
+            self.resident = False
+            self.units = []
+            return
         self._drop()
-        os.sched_yield()  # let the waiter that gets our units run first
-        if self.records is not None:
-            # At once: until it is written, our record names units somebody else may
-            # hold by now, and a waiter would ask that one as if it were us.
-            self.records.update_at_once(units=[], busy=False)
+        # At once: until it is written, our record names units somebody else may hold
+        # by now, and a waiter would ask that one as if it were us.
+        self._publish({"units": [], "busy": False}, True)
 
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
-        """After a release, wait until queueing again cannot barge past the waiter that
+        """After stepping aside, wait until queueing again cannot barge past the waiter that
         asked: until somebody holds queue.lock, or nobody has for a millisecond."""
         end = time.monotonic() + max_delay
         free_since: float | None = None
         while time.monotonic() < end:
-            if lockfd.conflicts(self.queue, exclusive=True):
+            if lockfd.conflicts(self.queue_fd, exclusive=True):
                 return
             now = time.monotonic()
             if free_since is None:
@@ -443,19 +479,23 @@ class Share:
                 return
             time.sleep(0.0002)
 
-    def forget(self) -> None:
-        """Stop counting the share as ours without unlocking: whoever shares our open
-        file descriptions (the command) keeps the token and the units until it closes them."""
-        self.resident = False
-        self.units = []
+    @property
+    def held(self) -> bool:
+        return self.resident
 
     @property
     def fds(self) -> list[int]:
-        """The descriptors a wrapped command inherits, so that it keeps the share."""
         return [self.token, self.capacity]
+
+    def moved(self) -> bool:
+        dirfd = self.arena.dirfd
+        return not (
+            lockfd.still_linked(dirfd, TOKEN, self.token)
+            and lockfd.still_linked(dirfd, WANT, self.want)
+        )
 
     def close(self) -> None:
         if self.resident or self.units:
             self._drop()
-        for fd in (self.token, self.want, self.probe, self.asks, self.queue, self.capacity):
+        for fd in (self.token, self.want, self.probe, self.asks, self.queue_fd, self.capacity):
             lockfd.close(fd)

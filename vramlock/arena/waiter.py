@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 
 from ..errors import NotObtained, UsageError
-from .member import Members, harmless_signals, join
+from .member import harmless_signals, join
 
 
 def wait(
@@ -42,6 +42,6 @@ def wait(
             if not member.acquire(timeout, wanting=not passive):
                 raise NotObtained(timeout or 0.0)
         finally:
-            if fd is not None and not isinstance(member, Members):
+            if fd is not None:
                 # The lock is the caller's: closing our copy keeps it, LOCK_UN would not.
-                member.token.held = False
+                member.residency.drop(unlock=False)

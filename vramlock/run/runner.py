@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from .. import strategies
 from ..arena import footprint as footprints
+from ..arena.budget import read_budget
 from ..arena.hint import Hint
-from ..arena.member import Member, Members, harmless_signals, join
+from ..arena.member import Member, harmless_signals, join
 from ..command.context import Context
 from ..command.control import ParentEnd
 from ..command.process import Child, Terminal, become_subreaper
@@ -72,7 +73,7 @@ class Runner:
 
     def __init__(self, opts: RunOptions) -> None:
         self.opts = opts
-        self.member: Member | Members | None = None
+        self.member: Member | None = None
         self._joined = contextlib.ExitStack()  # the arenas and our membership of each
         self.proxy: Proxy | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -123,24 +124,27 @@ class Runner:
         finally:
             self._close()
 
-    def _say_whole_gpu(self, member: Member | Members) -> None:
+    def _say_whole_gpu(self, member: Member) -> None:
         """In an arena with a budget, a command without a footprint takes the whole GPU,
         or, where its footprint is measured, the whole budget until it is."""
-        for m in member.members if isinstance(member, Members) else [member]:
-            if m.budget is None:
+        for part in member.residency.parts():
+            arena = part.arenas[0]
+            budget = read_budget(arena)
+            if budget is None:
                 continue
-            if m.share is None:
+            sized = part.sized()
+            if sized is None:
                 self.opts.warn(
-                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
+                    f"{arena.path} has a budget ({budget}); without --vram this"
                     " command takes the whole GPU"
                 )
-            elif m.footprint is not None and m.footprint.source == footprints.WHOLE:
+            elif sized.footprint.source == footprints.WHOLE:
                 self.opts.warn(
-                    f"{m.arena.path} has a budget ({m.budget}); without --vram this"
+                    f"{arena.path} has a budget ({budget}); without --vram this"
                     " command takes the whole budget until its footprint is measured"
                 )
 
-    def _listen(self, member: Member | Members) -> Proxy | None:
+    def _listen(self, member: Member) -> Proxy | None:
         """--demand listen: the proxy, listening before the command starts (and before we
         wait for the token: clients are held meanwhile, and a busy address fails at once)."""
         opts = self.opts
@@ -180,11 +184,11 @@ class Runner:
         else:
             self._supervision.on_signal(signum)
 
-    def _supervise(self, member: Member | Members) -> int:
+    def _supervise(self, member: Member) -> int:
         opts, arenas = self.opts, member.arenas
         control = ParentEnd()
         env = dict(os.environ)
-        env.update(control.child_env(member.token_fds[0]))
+        env.update(control.child_env(member.residency.fds[0]))
         env["VRAMLOCK_ARENA"] = arenas[0].path
         if opts.gpus:
             env.update(visible_devices(opts.gpus))
@@ -200,7 +204,7 @@ class Runner:
         scratch = contextlib.ExitStack()  # what the strategy made for the run
         try:
             command = strategies.prepare(opts.release, opts.settings, opts.command, env, scratch)
-            fds = (control.child_fd, *member.token_fds)
+            fds = (control.child_fd, *member.residency.fds)
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
             control.started()
             ctx = Context(
@@ -220,7 +224,7 @@ class Runner:
             # sharing this open file description does not keep the token. Else we are
             # failing while the command runs: it keeps the token (the description it
             # shares with us) until it exits - no LOCK_UN.
-            member.drop_token(unlock=gone)
+            member.residency.drop(unlock=gone)
             control.close()
             if child is not None:
                 child.close()

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import select
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import strategies
 from ..arena import footprint as footprints
 from ..arena.budget import show_size
 from ..arena.hint import Hint, drain
-from ..arena.member import Member, State
+from ..arena.member import State
 from ..command.context import ChildExited, Interrupted, ReleaseTimeout
 from ..command.process import exit_code
 from ..errors import ControlError, Immovable, StrategyError
+from ..strategies.base import Strategy
 from ..strategies.none import NoneStrategy
 from . import demand as demands
 from .options import RunOptions
@@ -41,6 +44,17 @@ ENDING_GRACE = 10.0
 LOST_RUN_FACTOR = 2.0
 
 
+class Event(enum.Enum):
+    """What the token loop does next (``Scheduler._next`` decides, a handler acts)."""
+
+    EXITED = "the command exited by itself"
+    RELEASE = "release now: somebody waits, or the residency outgrew its units"
+    ENDED_AWAY = "told to end while a release had ended the command"
+    RELABEL = "auto changed its mind about how to release"
+    REQUEUE = "released, and the command wants the GPU back"
+    WAIT = "nothing to do until a descriptor wakes us or a timeout runs out"
+
+
 class Scheduler:
     """The token loop around a running command: probe, release, re-queue, restore.
 
@@ -57,7 +71,8 @@ class Scheduler:
         self.member = sup.member
         self.child = sup.child
         self.ctx = sup.ctx
-        self.strategy = sup.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
+        self.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
+        sup.use(self.strategy)
         self.proxy = proxy
         self._wake_r = wake_r
         self._retry_at = 0.0
@@ -66,21 +81,34 @@ class Scheduler:
         self._busy_left = 0.0  # the demand asked to put the release off this long
         self._started = time.monotonic()  # when the command was (last) started
         self._lost_run = 0.0  # how long the run a release ended had lasted
+        self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
+        self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.meter = self._meter()
         # This residency uses more than its units and no more are free: it steps aside.
         self._outgrown = False
+        self._handlers: dict[Event, Callable[[Hint], int | None]] = {
+            Event.EXITED: lambda hint: self.sup.finish(self._status),
+            Event.RELEASE: lambda hint: self._release(),
+            Event.ENDED_AWAY: lambda hint: self._status,
+            Event.RELABEL: lambda hint: self._describe(),
+            Event.REQUEUE: lambda hint: self._restore() if self._acquire() else None,
+            Event.WAIT: self._wait,
+        }
         self._describe()
 
     def _meter(self) -> footprints.Meter | None:
-        """NVML's sampler of the command's memory, for a budget share in one arena."""
-        member = self.member
-        if not isinstance(member, Member) or member.share is None:
+        """NVML's sampler of the command's memory, for budget units."""
+        if self.member.residency.sized() is None:
             return None
         return footprints.meter(self.child.owns, self.opts.settings.gpus)
 
     def _describe(self) -> None:
         self._shown = self.strategy.label
         self.member.describe(strategy=self._shown, child_pid=self.child.pid)
+
+    def _use(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.sup.use(strategy)
 
     def _releases_now(self) -> bool:
         """Resident, able to release, past min_hold and any retry delay, wanted, and not
@@ -111,132 +139,142 @@ class Scheduler:
         return True
 
     def loop(self, hint: Hint) -> int:
-        member, ctx, sup = self.member, self.ctx, self.sup
+        """Handle events until the command is done; its exit status."""
         # The proxy itself holds clients until the server is ready (--ready-url).
         self.demand = demands.make(self.opts.demand, self.ctx, self.proxy)
         # For budget waiters choosing whom to ask: how long a busy release may wait,
         # and a job taking turns works whenever it is resident.
-        member.describe(yield_within=self.opts.yield_within)
+        self.member.describe(yield_within=self.opts.yield_within)
         if self.demand.takes_turns:
-            member.working(True)
+            self.member.working(True)
         while True:
-            status = sup.gone()
-            if status is not None:
-                return sup.finish(exit_code(status))
-            if self._releases_now():
-                # First, when somebody waits: the bookkeeping below can come after.
-                status = self._release()
-                if status is not None:
-                    return status
-                continue
-            sup.tidy()
-            status = sup.ended_while_away()
+            status = self._handlers[self._next()](hint)
             if status is not None:
                 return status
-            if self.strategy.label != self._shown:  # auto chose another way as it released
-                self._shown = self.strategy.label
-                member.describe(strategy=self._shown)
 
-            ctx.take_lines(ctx.control.read_lines())
-            if member.state is State.RESIDENT:
-                self._measure()
-                label = self.strategy.label
-                said = self.strategy.settle(member.wanted)  # auto may change its mind
-                if said is not None:
-                    self.sup.warn(said)
-                if self.strategy.label != label:
-                    self._describe()
-                    continue
+    def _next(self) -> Event:
+        """The next event; the bookkeeping of the way (reaping, control lines, the meter)."""
+        status = self.sup.gone()
+        if status is not None:
+            self._status = exit_code(status)
+            return Event.EXITED
+        if self._releases_now():
+            return Event.RELEASE  # first, when somebody waits: the bookkeeping can wait
+        self.sup.tidy()
+        away = self.sup.ended_while_away()
+        if away is not None:
+            self._status = away
+            return Event.ENDED_AWAY
+        if self.strategy.label != self._shown:  # auto chose another way as it released
+            self._shown = self.strategy.label
+            self.member.describe(strategy=self._shown)
+        self.ctx.take_lines(self.ctx.control.read_lines())
+        if self.member.state is State.RESIDENT and self._settled():
+            return Event.RELABEL
+        if self.member.state is State.RELEASED and self._comes_back():
+            return Event.REQUEUE
+        return Event.WAIT
 
-            timeout: float | None = None
-            watch = [self._wake_r, *self.demand.fds()]
-            if self.child.pidfd is not None and not self.strategy.killed:
-                watch.append(self.child.pidfd)
-            elif not self.strategy.killed:
-                timeout = PROBE_INTERVAL_NO_HINT  # no pidfd: poll for the exit
-            if not ctx.control.closed:
-                watch.append(ctx.control.fileno())
+    def _settled(self) -> bool:
+        """Resident: meter the footprint, let auto settle; True when its label changed."""
+        self._measure()
+        label = self.strategy.label
+        said = self.strategy.settle(self.member.wanted)  # auto may change its mind
+        if said is not None:
+            self.sup.warn(said)
+        return self.strategy.label != label
 
-            now = time.monotonic()
-            interval = PROBE_INTERVAL if hint.fd is not None else PROBE_INTERVAL_NO_HINT
-            if member.state is State.RESIDENT and self.strategy.releases:
-                if hint.fd is not None:
-                    watch.append(hint.fd)
-                hold_left = member.resident_since + member.min_hold - now
-                interval = interval if hold_left <= 0 else min(interval, hold_left)
-                timeout = interval if timeout is None else min(timeout, interval)
-                if self._retry_at > now:
-                    timeout = min(timeout, self._retry_at - now)
-                if self._busy_left > 0:  # wanted, but busy: look again when that may be over
-                    timeout = min(timeout, self._busy_left)
-            elif member.state is State.RESIDENT and self.strategy.undecided:
-                if hint.fd is not None:
-                    watch.append(hint.fd)
-                timeout = interval if timeout is None else min(timeout, interval)
-            elif member.state is State.RELEASED:
-                # A command that was ended cannot ask: it comes back on its turn; one that
-                # was told to end needs the GPU to act on it.
-                ending = sup.pending_signal is not None
-                if now < self._requeue_at:
-                    timeout = self._requeue_at - now
-                elif (
-                    self.demand.wants()
-                    or ending
-                    or (self.strategy.killed and self.demand.needs_command)
-                ):
-                    if self._acquire():
-                        status = self._restore()
-                        if status is not None:
-                            return status
-                    continue
+    def _comes_back(self) -> bool:
+        """Released: queue for the token now? A command that was ended cannot ask: it
+        comes back on its turn; one that was told to end needs the GPU to act on it."""
+        if time.monotonic() < self._requeue_at:
+            return False
+        return (
+            self.demand.wants()
+            or self.sup.pending_signal is not None
+            or (self.strategy.killed and self.demand.needs_command)
+        )
 
-            if member.state is State.RESIDENT and self.meter is not None:
-                due = self.meter.due()
-                timeout = due if timeout is None else min(timeout, due)
-            self._wait(watch, timeout)
-            hint.drain()
-
-    def _wait(self, fds: list[int], timeout: float | None) -> None:
+    def _wait(self, hint: Hint) -> None:
+        """Sleep until a descriptor we watch wakes us, or the next thing falls due."""
+        watch, timeouts = self._watched(hint)
+        timeouts += self._due()
         with contextlib.suppress(InterruptedError):
-            select.select(fds, [], [], timeout)
-        self.sup.signalled = drain(self._wake_r) or self.sup.signalled
+            select.select(watch, [], [], min(timeouts, default=None))
+        self.sup.woken(drain(self._wake_r))
         for fd in self.demand.fds():  # hints only: wants() decides
             drain(fd)
+        hint.drain()
 
-    # -- a budget share's footprint ------------------------------------------------
+    def _watched(self, hint: Hint) -> tuple[list[int], list[float]]:
+        """The descriptors to watch, and a poll interval where one must stand in."""
+        watch = [self._wake_r, *self.demand.fds()]
+        polls: list[float] = []
+        if self.child.pidfd is not None and not self.strategy.killed:
+            watch.append(self.child.pidfd)
+        elif not self.strategy.killed:
+            polls.append(PROBE_INTERVAL_NO_HINT)  # no pidfd: poll for the exit
+        if not self.ctx.control.closed:
+            watch.append(self.ctx.control.fileno())
+        probing = self.strategy.releases or self.strategy.undecided
+        if self.member.state is State.RESIDENT and probing and hint.fd is not None:
+            watch.append(hint.fd)
+        self._interval = PROBE_INTERVAL if hint.fd is not None else PROBE_INTERVAL_NO_HINT
+        return watch, polls
+
+    def _due(self) -> list[float]:
+        """How soon each thing that falls due does: the probe, a retry, a busy release
+        put off, a re-queue, the meter."""
+        now, interval = time.monotonic(), self._interval
+        state = self.member.state
+        if state is State.RELEASED:
+            return [self._requeue_at - now] if now < self._requeue_at else []
+        if state is not State.RESIDENT:
+            return []
+        due = [self.meter.due()] if self.meter is not None else []
+        if self.strategy.releases:
+            hold_left = self.member.resident_since + self.member.min_hold - now
+            due.append(interval if hold_left <= 0 else min(interval, hold_left))
+            if self._retry_at > now:
+                due.append(self._retry_at - now)
+            if self._busy_left > 0:  # wanted, but busy: look again when that may be over
+                due.append(self._busy_left)
+        elif self.strategy.undecided:
+            due.append(interval)
+        return due
+
+    # -- a budget member's footprint ------------------------------------------------
 
     def _measure(self) -> None:
         """Sample the command's memory when due; past its units, take free units, or,
         where too few are free, step aside (as for a waiter, min-hold aside) and ask for
         what it used at the next admission: the GPU holds more than the budget counts
         only until that release."""
-        meter, member = self.meter, self.member
-        if meter is None or not isinstance(member, Member) or member.footprint is None:
-            return
-        if meter.due() > 0:
+        meter, sized = self.meter, self.member.residency.sized()
+        if meter is None or sized is None or meter.due() > 0:
             return
         used = meter.sample()
-        if used is None or used <= member.share_bytes or member.grow(used):
+        if used is None or used <= sized.held_bytes or sized.grow(used):
             return
         if not self._outgrown:
             self._outgrown = True
-            asks = member.footprint_after(used)
+            asks = sized.footprint_after(used)
             then = "it steps aside and asks for" if self.strategy.releases else "it asks for"
             self.sup.warn(
-                f"{member.records.record.name} uses {show_size(used)}, more than its"
-                f" footprint of {show_size(member.footprint.size)}, and too few units of"
+                f"{self.member.name} uses {show_size(used)}, more than its"
+                f" footprint of {show_size(sized.footprint.size)}, and too few units of"
                 f" the budget are free; {then} {show_size(asks.size)} at its next admission"
             )
 
     def _resize(self) -> None:
         """After a release: the footprint the residency measured, for the next admission."""
-        meter, member = self.meter, self.member
-        if meter is None or not isinstance(member, Member):
+        meter, sized = self.meter, self.member.residency.sized()
+        if meter is None or sized is None:
             return
         self._outgrown = False
         peak = meter.take_peak()
         if peak > 0:  # else nothing was seen: NVML's pids may not be ours to see
-            member.resize(member.footprint_after(peak))
+            sized.resize(sized.footprint_after(peak))
 
     # -- transitions -------------------------------------------------------------
 
@@ -270,7 +308,7 @@ class Scheduler:
             self.sup.warn(f"{err}; handing the GPU over anyway")
         except (ControlError, Immovable) as err:
             if not self.strategy.fall_back(err):
-                self.strategy = self.sup.strategy = NoneStrategy(self.ctx, self.opts.settings)
+                self._use(NoneStrategy(self.ctx, self.opts.settings))
             if self.strategy.releases:
                 self.sup.warn(f"{err}; releasing it with {self.strategy.label} instead")
             else:
@@ -286,7 +324,7 @@ class Scheduler:
         if self.strategy.killed:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
-        member.release()
+        member.step_aside()
         self._resize()
         return None
 
@@ -303,27 +341,23 @@ class Scheduler:
         command); SIGCHLD and the ending signals break the wait (False), so that the
         loop sees an exit or an order to end at once.
         """
-        member = self.member
+        member, sup = self.member, self.sup
         member.wait_polite()
         member.waiting()
-        sup = self.sup
-        sup.queued = True
         try:
-            # What came before we were queued cannot break the wait: look once more.
-            ended = self.strategy.killed and sup.pending_signal is not None
-            if ended or sup.gone() is not None:
-                member.released()
-                return False
-            return member.take_token(None)
+            with sup.queueing():
+                # What came before we were queued cannot break the wait: look once more.
+                ended = self.strategy.killed and sup.pending_signal is not None
+                if ended or sup.gone() is not None:
+                    member.released()
+                    return False
+                return member.queue(None)
         except Woken:
             # The signal may have landed just after the kernel granted the lock.
-            sup.queued = False
-            if member.token_came():
+            if member.came():
                 return True
             member.released()
             return False
-        finally:
-            sup.queued = False
 
     def _restore(self) -> int | None:
         status = self.sup.ended_while_away()  # told to end as the token came back
@@ -341,7 +375,7 @@ class Scheduler:
         except strategies.VramTaken as err:
             # Restoring now would wedge the command: give the token back, queue again.
             self.sup.warn(str(err), once=True)
-            member.release()
+            member.step_aside()
             self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
             return None
         except (ControlError, StrategyError) as err:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from ..arena.member import Member, Members, State
+from ..arena.member import Member, State
 from ..command.context import Context
 from ..command.process import Child
 from ..errors import StrategyError
@@ -47,7 +48,7 @@ class Supervision:
         self,
         child: Child,
         ctx: Context,
-        member: Member | Members,
+        member: Member,
         warn: Callable[[str], None],
     ) -> None:
         self.child = child
@@ -63,6 +64,24 @@ class Supervision:
         self._told_pid = 0  # the child an order to end was last passed to
         self._warn = warn
         self._warned: set[str] = set()
+
+    def use(self, strategy: Strategy) -> None:
+        """The token loop's strategy from now on."""
+        self.strategy = strategy
+
+    @contextmanager
+    def queueing(self) -> Iterator[None]:
+        """The token loop blocks in the kernel's queue for the token meanwhile: an exit
+        or an order to end breaks the wait (Woken)."""
+        self.queued = True
+        try:
+            yield
+        finally:
+            self.queued = False
+
+    def woken(self, signalled: bool) -> None:
+        """The loop woke; ``signalled``: a signal came through the wakeup fd."""
+        self.signalled = signalled or self.signalled
 
     def warn(self, message: str, *, once: bool = False) -> None:
         """Pass a diagnostic to the caller; a diagnostic must never end the run."""
