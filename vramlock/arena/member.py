@@ -21,7 +21,7 @@ from types import FrameType
 
 from ..errors import InvalidTransition, LockFileReplaced, NotObtained
 from ..gpu import nvml
-from . import lockfd
+from . import journal, lockfd
 from .budget import Budget, read_budget
 from .directory import Arena, one_arena_or_gpus
 from .footprint import DECLARED, WHOLE, Footprint, after_residency
@@ -119,6 +119,7 @@ class Member:
     def _set(self, state: State) -> None:
         # In memory only: the record reaches the disk later, from the writer's thread.
         self.state = _checked(self.state, state)
+        journal.state(self.arena, self.records.record, state.value)
         self.records.update(state=state.value)
 
     def describe(self, **changes: object) -> None:
@@ -369,6 +370,7 @@ class Member:
         self.want.close()
         self.token.close()
         self.records.close()
+        journal.left(self.arena, self.records.record)  # after the token: nobody waits on it
 
 
 class Members:
