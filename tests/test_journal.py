@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import Spawn
 from vramlock.arena import journal
 from vramlock.arena.directory import Arena
 from vramlock.arena.member import Member
+from vramlock.arena.records import Record
 
 # A resident that yields once to a waiter, then comes back and leaves.
 YIELDER = textwrap.dedent(
@@ -103,7 +105,7 @@ WRITER = textwrap.dedent(
     record = Record(pid=os.getpid(), name="w" * 40, command=[], strategy="none",
                     state="released", since=0.0)
     for i in range(int(sys.argv[3])):
-        journal.note(arena, record, "want", n=i)
+        journal.note(arena, record, "moved", size=i)
         if i % 50 == 0:
             journal.flush()
     journal.flush()
@@ -113,8 +115,9 @@ WRITER = textwrap.dedent(
 
 def test_concurrent_writers_rotate_once_and_lose_no_line(arena: Path) -> None:
     writers, each = 4, 400
-    line = len(journal._line({"time": 0.0, "mono": 0.0, "pid": 1, "uid": 0, "name": "w" * 40,
-                              "event": "want", "strategy": "none", "n": 0}))  # fmt: skip
+    record = Record(pid=1 << 22, name="w" * 40, command=[], strategy="none",
+                    state="released", since=0.0, starttime=1 << 40)  # fmt: skip
+    line = len(journal._line(time.time(), time.monotonic(), record, "none", "moved", None, each))
     # Room for every line in the file and its older one, but not in one file.
     cap = int(writers * each * (line + 24) * 0.6)
     procs = [
@@ -130,7 +133,7 @@ def test_concurrent_writers_rotate_once_and_lose_no_line(arena: Path) -> None:
     lines = [raw for p in jdir.iterdir() for raw in p.read_bytes().splitlines()]
     parsed = [json.loads(raw) for raw in lines]  # every line whole: no interleaving
     assert len(parsed) == writers * each
-    assert sorted((d["pid"], d["n"]) for d in parsed) == sorted(
+    assert sorted((d["pid"], d["bytes"]) for d in parsed) == sorted(
         (p.pid, n) for p in procs for n in range(each)
     )
 
