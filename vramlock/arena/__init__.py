@@ -4,6 +4,7 @@ directory   where an arena lives, opening it safely
 lockfd      lock descriptors: the one module that calls flock(2) and fcntl locks
 locks       token.lock (held = resident) and want.lock (held shared = waiting)
 records     members' self-description records
+journal     what happened: one line per member event, per user
 roster      who is in an arena: kernel lock state merged with the records
 budget      an arena's VRAM budget file and its sizes
 units       budget residency: units of capacity.lock

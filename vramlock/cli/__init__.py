@@ -26,6 +26,7 @@ from .. import __version__
 # one to import its formatting.
 from ..arena.roster import printable
 from ..errors import NotObtained, UsageError, VramlockError
+from .stats import stats
 
 if TYPE_CHECKING:
     from ..arena.directory import Arena
@@ -753,6 +754,9 @@ def serve(
     from ..serve import serve as serve_models
 
     raise typer.Exit(serve_models(config, listen, duration=parse_duration, warn=_warn))
+
+
+app.command()(stats)
 
 
 def _version(value: bool) -> None:

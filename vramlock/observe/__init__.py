@@ -1,0 +1,7 @@
+"""Seeing an arena: what its journal says (``vramlock stats``), as Prometheus metrics.
+
+Above arena/ (it reads the journal, the records and the budget) and below serve/ and
+cli/, which show what it computes.
+
+stats       the journal's statistics: residency, waits, switches, thrash, a timeline
+"""
