@@ -13,6 +13,7 @@ import typer
 from ..errors import UsageError
 
 if TYPE_CHECKING:
+    from ..arena.directory import Arena
     from ..observe.stats import Report
 
 
@@ -99,6 +100,18 @@ def _plot(report: Report, path: str) -> None:
         plt.close(fig)
 
 
+def _metrics(opened: Arena, arena: str | None, index: tuple[int, ...] | None, path: str) -> None:
+    from ..arena.directory import default_gpu, locate
+    from ..observe.prometheus import metrics, write_textfile
+
+    # NVML's GPU: the arena's where that is known, else every GPU (an arena given by path).
+    gpu = index[0] if index else (default_gpu() if locate(arena)[1] else None)
+    try:
+        write_textfile(path, metrics(opened, gpu))
+    except OSError as err:
+        raise UsageError(f"--prometheus: cannot write {path!r}: {err.strerror or err}") from None
+
+
 def stats(
     arena: Annotated[
         str | None,
@@ -123,6 +136,12 @@ def stats(
         typer.Option("--plot", metavar="FILE", show_default=False,
                      help="Also draw the timeline into FILE (.svg, .png; the plot extra)."),
     ] = None,
+    prometheus: Annotated[
+        str | None,
+        typer.Option("--prometheus", metavar="FILE", show_default=False,
+                     help="Write the arena's metrics into FILE (replaced atomically) for"
+                     " node_exporter's textfile collector, instead of printing."),
+    ] = None,
 ) -> None:  # fmt: skip
     """Show who had the GPU and for how long, waits, switch times and thrash, from the
     arena's journal."""
@@ -137,6 +156,9 @@ def stats(
     start = None if since is None else time.time() - parse_duration(since, "--since")
     opened = Arena.open(arena, None if index is None else index[0])
     try:
+        if prometheus is not None:
+            _metrics(opened, arena, index, prometheus)
+            return
         report = compute(journal.read(opened), start)  # earlier: who was busy then
         if plot is not None:
             _plot(report, plot)

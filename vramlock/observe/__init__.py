@@ -4,4 +4,5 @@ Above arena/ (it reads the journal, the records and the budget) and below serve/
 cli/, which show what it computes.
 
 stats       the journal's statistics: residency, waits, switches, thrash, a timeline
+prometheus  the arena as Prometheus metrics (a textfile, or a /metrics endpoint)
 """
