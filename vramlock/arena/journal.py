@@ -443,6 +443,24 @@ def _lines(jdir: int, name: str) -> Iterator[Event]:
     yield from (e for e in found if e is not None)
 
 
+def signature(arena: Arena) -> tuple[tuple[str, int, int], ...]:
+    """Each journal file's name, size and change time: equal signatures, equal journals
+    (a reader that keeps what it read need not read it again)."""
+    try:
+        jdir = os.open(JOURNAL, _DIR_FLAGS, dir_fd=arena.dirfd)
+    except OSError:
+        return ()
+    try:
+        found = []
+        for name in _journal_files(jdir):
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=jdir, follow_symlinks=False)
+                found.append((name, st.st_size, st.st_mtime_ns))
+        return tuple(found)
+    finally:
+        os.close(jdir)
+
+
 def read(arena: Arena, since: float | None = None) -> list[Event]:
     """Every event of the arena's journal (from Unix time ``since``), oldest first."""
     try:

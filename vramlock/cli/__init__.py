@@ -27,6 +27,7 @@ from .. import __version__
 from ..arena.roster import printable
 from ..errors import NotObtained, UsageError, VramlockError
 from .stats import stats
+from .ui import ui
 
 if TYPE_CHECKING:
     from ..arena.directory import Arena
@@ -757,6 +758,7 @@ def serve(
 
 
 app.command()(stats)
+app.command()(ui)
 
 
 def _version(value: bool) -> None:

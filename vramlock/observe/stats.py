@@ -87,6 +87,16 @@ class Segment:
     end: float
 
 
+@dataclass(frozen=True)
+class Switch:
+    """One release: when it ended (Unix time), whose, by which strategy, how long it took."""
+
+    time: float
+    name: str
+    strategy: str
+    seconds: float
+
+
 @dataclass
 class Report:
     """Statistics of one arena's journal over [start, end] (Unix time)."""
@@ -98,6 +108,7 @@ class Report:
     events: int
     untrusted: int
     release_by_strategy: dict[str, list[float]]
+    switches: list[Switch]
 
     @property
     def handoffs(self) -> int:
@@ -163,6 +174,7 @@ class _Pass:
         self.index: dict[tuple[int, int], int] = {}  # a member's place in ``order``
         self.segments: list[Segment] = []
         self.by_strategy: dict[str, list[float]] = {}
+        self.switches: list[Switch] = []
         self.untrusted = 0
 
     def member(self, e: Event) -> MemberStats:
@@ -236,6 +248,7 @@ class _Pass:
             took = _seconds(m.releasing_since, e)
             m.release_times.append(took)
             self.by_strategy.setdefault(e.strategy or "?", []).append(took)
+            self.switches.append(Switch(e.time, m.name, e.strategy, took))
         if e.event == "release-end" and m.held_since is not None:
             m.releases += 1
             m.released_at = e
@@ -294,7 +307,9 @@ def compute(
         else:
             _before(run, e)
     members = run.close(end)
-    return Report(start, end, members, run.segments, counted, run.untrusted, run.by_strategy)
+    return Report(
+        start, end, members, run.segments, counted, run.untrusted, run.by_strategy, run.switches
+    )
 
 
 def _before(run: _Pass, e: Event) -> None:
