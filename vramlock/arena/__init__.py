@@ -12,4 +12,5 @@ footprint   what a budget member asks for: declared or measured
 member      one participant's state machine, and ``vramlock.resident``
 hint        wake-up hints (inotify) on the arena directory
 waiter      ``vramlock wait``
+team        team arenas: root-owned, shared by the members of a group
 """

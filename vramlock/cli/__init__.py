@@ -604,6 +604,16 @@ def arena_path(
             show_default=False,
         ),
     ] = None,
+    group: Annotated[
+        str | None,
+        typer.Option(
+            "--group",
+            metavar="GROUP",
+            show_default=False,
+            help="Make --arena PATH a team arena of GROUP (as root): members of"
+            " GROUP may join, nobody else; nobody can replace its files.",
+        ),
+    ] = None,
 ) -> None:
     """Print the arena's directory, with its lock files created, for shell scripts
     (several GPUs: each one's, a line each)."""
@@ -615,6 +625,10 @@ def arena_path(
         from ..arena.budget import parse_size
 
         size = parse_size(budget, "--budget")
+    if group is not None:
+        from ..arena.team import make
+
+        make(arena, group)
     arenas = _arenas(arena, gpu)
     try:
         for opened, index in arenas:
