@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
+from ..errors import LockError
 from . import lockfd
 from .directory import Arena
 from .records import Record
@@ -38,8 +39,8 @@ SUFFIX = ".jsonl"
 OLDER = SUFFIX + ".1"
 # One file's cap; with the older one, a user's journal takes at most twice this.
 MAX_BYTES = 8 << 20
-# A line longer than this is cut (its name first): POSIX makes O_APPEND writes up to
-# PIPE_BUF (4096 on Linux) atomic with respect to other writers.
+# Whole lines are appended at most this many bytes at a time: POSIX makes O_APPEND
+# writes up to PIPE_BUF (4096 on Linux) atomic with respect to other writers.
 MAX_LINE = 4000
 # The writer waits this long after an event before writing, so that it never competes
 # with a handoff for the CPU, and writes everything queued by then.
@@ -91,7 +92,6 @@ class _Sink:
     """One arena's journal file of this user, written from the writer thread only."""
 
     def __init__(self, arena: Arena) -> None:
-        self.shown = arena.shown(JOURNAL)
         self.dirfd = os.dup(arena.dirfd)  # the arena may be closed before we write
         self.name = f"{os.geteuid()}{SUFFIX}"
         self.jdir: int | None = None
@@ -144,7 +144,7 @@ class _Sink:
                 os.write(now[1], chunk)
                 if os.fstat(now[1]).st_size >= MAX_BYTES:
                     self._rotate(*now)
-            except OSError:
+            except (OSError, LockError):
                 return  # full or gone: the journal is for display
 
     def _rotate(self, jdir: int, fd: int) -> None:

@@ -65,6 +65,11 @@ def _histogram(
     return _Family(name, "histogram", help_text, samples)
 
 
+def waiters(rows: Sequence[Row]) -> int:
+    """How many of ``rows`` wait for the GPU."""
+    return sum(1 for r in rows if r.state == "waiting")
+
+
 def _member(row: Row) -> list[tuple[str, str]]:
     return [("member", row.name), ("pid", str(row.pid))]
 
@@ -82,7 +87,7 @@ def _present(rows: Sequence[Row], base: list[tuple[str, str]]) -> list[_Family]:
     ]
     vram = [("vramlock_member_vram_bytes", [*base, *_member(r)], r.vram)
             for r in members if r.vram is not None]  # fmt: skip
-    waiting = sum(1 for r in members if r.state == "waiting")
+    waiting = waiters(members)
     return [
         _Family("vramlock_member_state", "gauge",
                 "The member's state now (an OpenMetrics stateset: 1 for its state).", states),

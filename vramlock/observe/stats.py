@@ -114,11 +114,6 @@ class Report:
     def handoffs(self) -> int:
         return sum(m.releases for m in self.members)
 
-    @property
-    def waiters(self) -> int:
-        """Members waiting at the end of the window."""
-        return sum(1 for m in self.members if m.waiting_since is not None)
-
     def as_json(self) -> dict[str, Any]:
         """The report as plain data (``vramlock stats --json``)."""
         span = max(self.end - self.start, 0.0)

@@ -24,6 +24,7 @@ from ..arena import journal
 from ..arena.directory import Arena
 from ..arena.roster import budget_view, gpu_view, snapshot, with_vram
 from ..errors import AddressError, VramlockError
+from ..observe.prometheus import waiters
 from ..observe.stats import compute
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Watch:
                  "vram": r.vram, "footprint": r.footprint}
                 for r in rows
             ],
-            "waiters": sum(1 for r in rows if r.state == "waiting"),
+            "waiters": waiters(rows),
             "handoffs": report.handoffs,
             "timeline": {
                 "start": report.start,
