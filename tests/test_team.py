@@ -50,16 +50,16 @@ class Team:
         return self.run(uid, [self.python, "-c", textwrap.dedent(script), *args])
 
 
-def _python_for(team: Team, uid: int) -> tuple[str, dict[str, str]] | None:
-    """An interpreter that another user can run (a tree under /root is not), with vramlock
-    and its dependencies on its path."""
+def _find_python(team: Team, uid: int) -> bool:
+    """Set ``team``'s interpreter to one that another user can run (a tree under /root is
+    not), with vramlock and its dependencies on its path; False when there is none."""
     site = str(Path(portalocker.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
     for exe in (sys.executable, shutil.which("python3") or ""):
         team.python, team.env = exe, env
         if exe and team.py(uid, "import vramlock, portalocker").returncode == 0:
-            return exe, env
-    return None
+            return True
+    return False
 
 
 def _add_user(name: str, group: str | None) -> int:
@@ -81,9 +81,9 @@ def team() -> Iterator[Team]:
             users.append(f"vl{who}{tag}")
             uids.append(_add_user(users[-1], group if member else None))
         top.chmod(0o755)
-        made = Team(group, grp.getgrnam(group).gr_gid, *uids, "", {}, top)
-        found = _python_for(made, made.alice)
-        if found is None:
+        alice, bob, mallory = uids
+        made = Team(group, grp.getgrnam(group).gr_gid, alice, bob, mallory, "", {}, top)
+        if not _find_python(made, made.alice):
             pytest.skip("no Python interpreter that another user may run")
         yield made
     finally:
