@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Spawn
+from conftest import Spawn, wait_until
+from test_budget import Budgeted
+from test_footprint import _run as run_measured
 
 from vramlock.arena import journal
 from vramlock.arena.directory import Arena
@@ -220,3 +222,23 @@ def test_since_keeps_later_events(arena: Path) -> None:
 def test_every_state_change_names_its_event(old: str, new: str, event: str) -> None:
     assert journal.event_of(old, new) == event
     assert event in journal.EVENTS
+
+
+@pytest.fixture
+def budget_room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
+    return Budgeted(spawn, arena, tmp_path, "3G")
+
+
+def test_a_measured_release_journals_the_bytes_it_moved(budget_room: Budgeted) -> None:
+    """vramlock run in a budget arena (NVML: tests/fake_nvml) notes what it released."""
+    first = run_measured(budget_room, "first", 1 << 30)
+    first.wait_for("resident")
+    second = run_measured(budget_room, "second", 1 << 30, vram="1G")
+    second.wait_for("resident")
+    first.wait_for("release")
+
+    def moved() -> list[tuple[str, str, int | None]]:
+        return [(e.name, e.strategy, e.bytes) for e in _read(budget_room.arena)
+                if e.event == "moved"]  # fmt: skip
+
+    wait_until(lambda: moved() == [("first", "signal", 1 << 30)])
