@@ -83,9 +83,9 @@ class Watch:
                 "start": report.start,
                 "end": report.end,
                 "members": [m.name for m in report.members],
-                "segments": [asdict(s) for s in report.segments],
+                "segments": [s._asdict() for s in report.segments],
             },
-            "switches": [asdict(s) for s in reversed(report.switches[-RECENT:])],
+            "switches": [s._asdict() for s in reversed(report.switches[-RECENT:])],
             "journal": [
                 {"time": e.time, "event": e.event, "name": e.name, "pid": e.pid,
                  "trusted": e.trusted}
