@@ -439,3 +439,12 @@ def test_arena_command_errors(
     out = errcli(*(a.format(**paths) for a in args))
     expect_error(out, code, fragment)
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_every_file_of_an_arena_marks_a_directory_as_one() -> None:
+    """A directory holding only the budget's or the journal's files is an arena: the
+    refusal of a mistyped path must not refuse an arena whose token.lock is not made yet."""
+    from vramlock.arena import directory
+    from vramlock.arena.budget import BUDGET, CAPACITY, QUEUE
+
+    assert {BUDGET, CAPACITY, QUEUE, directory.JOURNAL} <= directory._ARENA_NAMES

@@ -14,42 +14,24 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.budget import DEADLINE, RUN_CHILD, Budgeted, Member
-from helpers.commands import vramlock, who_json, who_plain
+from helpers.budget import DEADLINE, Budgeted, Member, run_measured
+from helpers.commands import who_json, who_plain
 from helpers.processes import Spawn, wait_until
 from helpers.worker import events
 
 from vramlock.arena.budget import UNIT
 from vramlock.arena.footprint import DECLARED, MEASURED, WHOLE, after_residency, with_margin
 
-FAKE_NVML = str(Path(__file__).parent / "fake_nvml")
 GIB = 1 << 30
 
 
 @pytest.fixture
 def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
     return Budgeted(spawn, arena, tmp_path, "3G")  # 12 units
-
-
-def _run(room: Budgeted, name: str, use: int, vram: str | None = None, **env: str) -> Member:
-    """``vramlock run`` of helpers/budget.py's RUN_CHILD "using" ``use`` bytes, with ``--vram``
-    when given."""
-    nvml_dir = room.log.parent / "nvml"
-    nvml_dir.mkdir(exist_ok=True)
-    declared = [] if vram is None else ["--vram", vram]
-    proc = room.spawn(
-        vramlock("run", "--arena", str(room.arena), *declared, "--release", "signal",
-                 "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
-                 str(room.log), name, str(-(-use // UNIT)), str(room.units), str(use)),
-        graceful=True,
-        env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir), **env},
-    )  # fmt: skip
-    return Member(room, name, proc)
 
 
 def _footprints(room: Budgeted) -> dict[str, tuple[int, str]]:
@@ -84,11 +66,11 @@ def test_after_residency_keeps_a_declared_footprint_until_the_use_passes_it() ->
 
 
 def test_run_without_vram_takes_the_budget_then_its_measured_footprint(room: Budgeted) -> None:
-    m = _run(room, "m", GIB)
+    m = run_measured(room, "m", GIB)
     m.wait_for("resident")
     wait_until(lambda: room.capacity_bytes_held() == room.units)  # nothing measured yet
     assert _footprints(room)["m"] == (3 * GIB, WHOLE)
-    b = _run(room, "b", GIB, vram="1G")
+    b = run_measured(room, "b", GIB, vram="1G")
     b.wait_for("resident")
     m.wait_for("release")
     # Measured at its release: 1G and a unit of margin, 5 units beside b's 4.
@@ -111,7 +93,7 @@ def test_who_shows_a_run_from_its_join_while_nvml_wakes_up(room: Budgeted) -> No
     measured waits for NVML's first call, and who shows it meanwhile."""
     gate = room.log.parent / "nvml-init"
     os.mkfifo(gate)
-    m = _run(room, "slow", GIB, FAKE_NVML_INIT_GATE=str(gate))
+    m = run_measured(room, "slow", GIB, FAKE_NVML_INIT_GATE=str(gate))
     wait_until(lambda: [r["name"] for r in who_json(room.arena)] == ["slow"], timeout=DEADLINE)
     assert room.count("slow", "resident") == 0  # still in NVML's first call
     os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))  # NVML is awake
@@ -119,12 +101,12 @@ def test_who_shows_a_run_from_its_join_while_nvml_wakes_up(room: Budgeted) -> No
 
 
 def test_run_that_outgrows_its_units_takes_free_ones(room: Budgeted) -> None:
-    m = _run(room, "m", 2 * GIB, vram="1G")
+    m = run_measured(room, "m", 2 * GIB, vram="1G")
     m.wait_for("resident")
     wait_until(lambda: room.capacity_bytes_held() == 8)  # 2G, not the 1G declared
-    b = _run(room, "b", GIB, vram="1G")
+    b = run_measured(room, "b", GIB, vram="1G")
     b.wait_for("resident")  # fits in the last 4
-    c = _run(room, "c", GIB, vram="1G")
+    c = run_measured(room, "c", GIB, vram="1G")
     c.wait_for("resident")  # somebody had to step aside for it
     assert room.count("m", "release") + room.count("b", "release") >= 1
     assert room.over() == []
@@ -134,9 +116,9 @@ def test_run_that_outgrows_its_units_takes_free_ones(room: Budgeted) -> None:
 def test_run_that_outgrows_its_units_when_none_are_free_steps_aside_at_once(
     room: Budgeted,
 ) -> None:
-    a = _run(room, "a", 2 * GIB, vram="2G")
+    a = run_measured(room, "a", 2 * GIB, vram="2G")
     a.wait_for("resident")
-    m = _run(room, "m", 2 * GIB, vram="1G")  # takes the 4 free units, needs 8
+    m = run_measured(room, "m", 2 * GIB, vram="1G")  # takes the 4 free units, needs 8
     m.wait_for("OVER")  # the risk: until it releases, more is in use than the budget
     assert _next_line(m) == (
         "vramlock: m uses 2G, more than its footprint of 1G, and too few units of the budget"
@@ -154,9 +136,9 @@ def test_run_that_outgrows_its_units_when_none_are_free_steps_aside_at_once(
 
 def test_a_residency_where_nvml_sees_nothing_keeps_the_whole_budget(room: Budgeted) -> None:
     # As where NVML's pids name nobody here (a container): 0 is not a measurement.
-    m = _run(room, "m", 0)
+    m = run_measured(room, "m", 0)
     m.wait_for("resident")
-    b = _run(room, "b", GIB, vram="1G")
+    b = run_measured(room, "b", GIB, vram="1G")
     b.wait_for("resident")
     m.wait_for("release")
     wait_until(lambda: room.count("m", "resident") == 2 or room.count("b", "release") == 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
 from helpers.worker import events
-from vramlock.arena.budget import read_budget
+from vramlock.arena.budget import UNIT, read_budget
 from vramlock.arena.directory import Arena
 
 DEADLINE = 20.0
@@ -30,7 +30,7 @@ MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
     from vramlock.arena.directory import Arena
-    from vramlock.arena.budget import read_budget
+    from vramlock.arena.budget import UNIT, read_budget
     from vramlock.arena.units import Units
     from vramlock.arena.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
@@ -267,3 +267,24 @@ RUN_CHILD = textwrap.dedent(
         ctl.yield_if_asked(drop, take)
     """
 )
+
+
+FAKE_NVML = str(Path(__file__).resolve().parent.parent / "fake_nvml")
+
+
+def run_measured(
+    room: Budgeted, name: str, use: int, vram: str | None = None, **env: str
+) -> Member:
+    """``vramlock run`` of RUN_CHILD "using" ``use`` bytes, with ``--vram``
+    when given."""
+    nvml_dir = room.log.parent / "nvml"
+    nvml_dir.mkdir(exist_ok=True)
+    declared = [] if vram is None else ["--vram", vram]
+    proc = room.spawn(
+        vramlock("run", "--arena", str(room.arena), *declared, "--release", "signal",
+                 "--name", name, "--", sys.executable, "-c", RUN_CHILD, str(room.witness),
+                 str(room.log), name, str(-(-use // UNIT)), str(room.units), str(use)),
+        graceful=True,
+        env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir), **env},
+    )  # fmt: skip
+    return Member(room, name, proc)

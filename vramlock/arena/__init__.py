@@ -5,6 +5,7 @@ lockfd      lock descriptors: the one module that calls flock(2) and fcntl locks
 locks       token.lock (held = resident) and want.lock (held shared = waiting)
 residency   how a member holds the GPU: the whole GPU, budget units, several GPUs
 records     members' self-description records
+journal     what happened: one line per member event, per user
 roster      who is in an arena: kernel lock state merged with the records
 budget      an arena's VRAM budget file and its sizes
 units       budget residency: units of capacity.lock
@@ -12,6 +13,7 @@ footprint   what a budget member asks for: declared or measured
 member      one participant's state machine, and ``vramlock.resident``
 hint        wake-up hints (inotify) on the arena directory
 waiter      ``vramlock wait``
+team        team arenas: root-owned, shared by the members of a group
 
 Words, one idea each:
 

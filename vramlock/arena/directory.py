@@ -21,6 +21,7 @@ from ..errors import ArenaError, UnsupportedFilesystem, UsageError
 TOKEN = "token.lock"
 WANT = "want.lock"
 MEMBERS = "members"
+JOURNAL = "journal"
 
 ENV_ARENA = "VRAMLOCK_ARENA"
 
@@ -136,8 +137,9 @@ def _check_dir(fd: int, path: str, *, private: bool) -> os.stat_result:
     return st
 
 
-# What only an arena holds: a directory with none of these is one only while it is empty.
-_ARENA_NAMES = frozenset({TOKEN, WANT, MEMBERS})
+# What only an arena holds (budget.py's three files too): a directory with none of these
+# is one only while it is empty.
+_ARENA_NAMES = frozenset({TOKEN, WANT, MEMBERS, JOURNAL, "budget", "capacity.lock", "queue.lock"})
 
 
 def _check_arena(fd: int, path: str) -> None:

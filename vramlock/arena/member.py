@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import InvalidTransition, NotObtained
 from ..gpu import nvml
+from . import journal
 from .budget import read_budget
 from .directory import Arena, one_arena_or_gpus
 from .footprint import DECLARED, WHOLE, Footprint
@@ -107,6 +108,7 @@ class Member:
         # The records first, each written at once: who shows the member from its
         # join on, before anything slow (NVML's first call) and before it queues.
         self._writers: list[RecordWriter] = []
+        self._journals = list(arenas)  # the arenas the records (and journal lines) go to
         for a in arenas:
             rec = Record(pid=os.getpid(), name=shown, command=cmd, strategy=strategy,
                          state=self.state.value, since=time.time())  # fmt: skip
@@ -136,8 +138,9 @@ class Member:
         # In memory only: the record reaches the disk later, from the writer's thread.
         self.state = _checked(self.state, state)
         changes["state"] = state.value
-        for writer in self._writers:  # not through describe: this is the handoff path
-            writer.change(changes, False)
+        for arena, writer in zip(self._journals, self._writers, strict=True):
+            journal.state(arena, writer.record, state.value)  # queued: written off this path
+            writer.change(changes, False)  # not through describe: this is the handoff path
 
     def describe(self, **changes: object) -> None:
         """Update this member's record (strategy, child pid) as shown by ``who``."""
@@ -312,6 +315,8 @@ class Member:
     def _close_records(self) -> None:
         for writer in self._writers:
             writer.close()
+        for arena, writer in zip(self._journals, self._writers, strict=True):
+            journal.left(arena, writer.record)  # after the token: nobody waits on it
 
 
 def join(

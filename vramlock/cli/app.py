@@ -15,6 +15,8 @@ from . import arena as arena_command
 from . import demo as demo_command
 from . import run as run_command
 from . import serve as serve_command
+from . import stats as stats_command
+from . import ui as ui_command
 from . import wait as wait_command
 from . import who as who_command
 from .common import stdout_reader_may_go
@@ -28,6 +30,7 @@ from .params import (
     FdOpt,
     FreeOpt,
     GpusOpt,
+    GroupOpt,
     IdleOpt,
     JsonOpt,
     ListenOpt,
@@ -35,17 +38,22 @@ from .params import (
     MinHoldOpt,
     NameOpt,
     NonblockOpt,
+    OneGpuOpt,
     OnReleaseOpt,
     OnReleaseUrlOpt,
     OnRestoreOpt,
     OnRestoreUrlOpt,
+    PlotOpt,
     PresetOpt,
+    PrometheusOpt,
     ReadyUrlOpt,
     ReadyWithinOpt,
     ReleaseOpt,
     SecondsOpt,
     ServeListenOpt,
+    SinceOpt,
     TimeoutOpt,
+    UiListenOpt,
     UpstreamOpt,
     VramOpt,
     WatchOpt,
@@ -142,10 +150,12 @@ def who(
 
 
 @app.command("arena")
-def arena_path(arena: ArenaOpt = None, gpu: GpusOpt = None, budget: BudgetOpt = None) -> None:
+def arena_path(
+    arena: ArenaOpt = None, gpu: GpusOpt = None, budget: BudgetOpt = None, group: GroupOpt = None
+) -> None:
     """Print the arena's directory, with its lock files created, for shell scripts
     (several GPUs: each one's, a line each)."""
-    arena_command.arena(arena, gpu, budget)
+    arena_command.arena(arena, gpu, budget, group)
 
 
 @app.command()
@@ -158,6 +168,28 @@ def demo(members: MembersOpt = 3, seconds: SecondsOpt = "8") -> None:
 def serve(config: ConfigArg, listen: ServeListenOpt = "127.0.0.1:8080") -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
     raise typer.Exit(serve_command.serve(config, listen))
+
+
+@app.command()
+def stats(
+    arena: ArenaOpt = None,
+    gpu: OneGpuOpt = None,
+    since: SinceOpt = None,
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    prometheus: PrometheusOpt = None,
+) -> None:
+    """Show who had the GPU and for how long, waits, switch times and thrash, from the
+    arena's journal."""
+    stats_command.stats(arena, gpu, since, as_json, plot, prometheus)
+
+
+@app.command()
+def ui(
+    arena: ArenaOpt = None, gpu: OneGpuOpt = None, listen: UiListenOpt = "127.0.0.1:8090"
+) -> None:
+    """Show the arena live in a browser: members, VRAM, a timeline, the journal."""
+    raise typer.Exit(ui_command.ui(arena, gpu, listen))
 
 
 def _version(value: bool) -> None:

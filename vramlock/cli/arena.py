@@ -7,7 +7,7 @@ import sys
 from .common import arenas, close_all
 
 
-def arena(arena: str | None, gpu: str | None, budget: str | None) -> None:
+def arena(arena: str | None, gpu: str | None, budget: str | None, group: str | None) -> None:
     """Print the arena's directory, with its lock files created, for shell scripts
     (several GPUs: each one's, a line each)."""
     from ..arena.directory import default_gpu
@@ -18,6 +18,10 @@ def arena(arena: str | None, gpu: str | None, budget: str | None) -> None:
         from ..arena.budget import parse_size
 
         size = parse_size(budget, "--budget")
+    if group is not None:
+        from ..arena.team import make
+
+        make(arena, group)
     opened = arenas(arena, gpu, adopt=True)
     try:
         for one, index in opened:

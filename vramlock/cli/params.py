@@ -241,3 +241,38 @@ ServeListenOpt = Annotated[
         help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1).",
     ),
 ]
+
+# -- stats, ui ---------------------------------------------------------------------------------
+
+OneGpuOpt = Annotated[
+    MaybeText,
+    _text("N", "Use GPU N's default arena (default: CUDA_VISIBLE_DEVICES if one index, else 0)."),
+]
+SinceOpt = Annotated[
+    MaybeText, _text("DURATION", "Only the last DURATION (30m, 2h); default: the whole journal.")
+]
+PlotOpt = Annotated[
+    MaybeText, _text("FILE", "Also draw the timeline into FILE (.svg, .png; the plot extra).")
+]
+PrometheusOpt = Annotated[
+    MaybeText,
+    _text(
+        "FILE",
+        "Write the arena's metrics into FILE (replaced atomically) for node_exporter's"
+        " textfile collector, instead of printing.",
+    ),
+]
+UiListenOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="ADDR", help="Serve the page here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1)."
+    ),
+]
+GroupOpt = Annotated[
+    MaybeText,
+    _text(
+        "GROUP",
+        "Make --arena PATH a team arena of GROUP (as root): members of GROUP may join,"
+        " nobody else; nobody can replace its files.",
+    ),
+]

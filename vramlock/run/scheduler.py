@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .. import strategies
 from ..arena import footprint as footprints
+from ..arena import journal
 from ..arena.budget import show_size
 from ..arena.hint import Hint, drain
 from ..arena.member import State
@@ -325,6 +326,7 @@ class Scheduler:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
         member.step_aside()
+        journal.moved(member, self.strategy.label, self.meter.peak if self.meter else None)
         self._resize()
         return None
 

@@ -1,0 +1,26 @@
+"""Journal events made by hand, for the stats and Prometheus tests."""
+
+from __future__ import annotations
+
+import os
+
+from vramlock.arena.journal import Event
+
+T0 = 1_700_000_000.0
+
+
+def ev(at: float, pid: int, event: str, strategy: str = "swap", name: str = "") -> Event:
+    return Event(time=T0 + at, mono=1000.0 + at, pid=pid, start=0, uid=os.geteuid(),
+                 name=name or f"m{pid}", event=event, strategy=strategy, state=None,
+                 bytes=None, trusted=True)  # fmt: skip
+
+
+def handoff(at: float, out: int, into: int, release: float, restore: float) -> list[Event]:
+    """``out`` releases (taking ``release`` s) and ``into`` restores (``restore`` s)."""
+    return [
+        ev(at, into, "want"),
+        ev(at, out, "release-start"),
+        ev(at + release, out, "release-end"),
+        ev(at + release, into, "restore-start"),
+        ev(at + release + restore, into, "restore-end"),
+    ]

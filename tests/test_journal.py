@@ -1,0 +1,243 @@
+"""The arena's journal: real members write it, concurrent writers rotate it once, and
+lines that another user could have written are not believed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from helpers.budget import Budgeted, run_measured
+from helpers.processes import Spawn, wait_until
+
+from vramlock.arena import journal
+from vramlock.arena.directory import Arena
+from vramlock.arena.member import Member
+from vramlock.arena.records import Record
+
+# A resident that yields once to a waiter, then comes back and leaves.
+YIELDER = textwrap.dedent(
+    """
+    import sys, time
+    import vramlock
+    with vramlock.resident(sys.argv[1], name="first", min_hold=0) as me:
+        print("resident", flush=True)
+        while not me.wanted():
+            time.sleep(0.001)
+        me.yield_if_wanted(release=lambda: None, restore=lambda: None)
+    """
+)
+VISITOR = textwrap.dedent(
+    """
+    import sys
+    import vramlock
+    with vramlock.resident(sys.argv[1], name="second"):
+        pass
+    """
+)
+
+
+def _mine(arena: Path) -> list[dict[str, object]]:
+    path = arena / journal.JOURNAL / f"{os.geteuid()}{journal.SUFFIX}"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _read(arena: Path, since: float | None = None) -> list[journal.Event]:
+    opened = Arena.open(str(arena))
+    try:
+        return journal.read(opened, since)
+    finally:
+        opened.close()
+
+
+def test_a_handoff_is_journalled_in_order(arena: Path, spawn: Spawn) -> None:
+    first = spawn([sys.executable, "-c", YIELDER, str(arena)])
+    assert first.stdout is not None and first.stdout.readline() == "resident\n"
+    second = subprocess.run(
+        [sys.executable, "-c", VISITOR, str(arena)], capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 0, second.stderr
+    assert first.wait(60) == 0
+    events = _read(arena)
+    seen = [(e.name, e.event) for e in events]
+    assert [ev for name, ev in seen if name == "first"] == [
+        "want", "acquire", "release-start", "release-end",
+        "want", "restore-start", "restore-end", "exit",
+    ]  # fmt: skip
+    assert [ev for name, ev in seen if name == "second"] == ["want", "acquire", "exit"]
+    # The second is resident between the first's release and its restore (release-end
+    # and exit are noted just after the token is dropped, so may come a little late).
+    assert seen.index(("first", "release-start")) < seen.index(("second", "acquire"))
+    assert seen.index(("second", "acquire")) < seen.index(("first", "restore-start"))
+    assert {e.pid for e in events if e.name == "first"} == {first.pid}
+    assert all(e.trusted and e.uid == os.geteuid() and e.strategy == "api" for e in events)
+    monotonic = [e.mono for e in events if e.name == "first"]
+    assert monotonic == sorted(monotonic)
+    raw = _mine(arena)
+    assert {"time", "mono", "pid", "uid", "name", "event", "strategy"} <= set(raw[0])
+
+
+def test_a_scheduler_release_journals_the_bytes_moved(arena: Path) -> None:
+    opened = Arena.open(str(arena))
+    member = Member(opened, name="mover", strategy="swap")
+    try:
+        journal.moved(member, "swap", 3 << 30)
+        journal.moved(member, "swap", None)  # unknown: no line
+    finally:
+        member.close()
+        opened.close()
+    moved = [e for e in _read(arena) if e.event == "moved"]
+    assert [(e.name, e.strategy, e.bytes) for e in moved] == [("mover", "swap", 3 << 30)]
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from vramlock.arena import journal
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.records import Record
+    journal.MAX_BYTES = int(sys.argv[2])
+    arena = Arena.open(sys.argv[1])
+    record = Record(pid=os.getpid(), name="w" * 40, command=[], strategy="none",
+                    state="released", since=0.0)
+    for i in range(int(sys.argv[3])):
+        journal.note(arena, record, "moved", size=i)
+        if i % 50 == 0:
+            journal.flush()
+    journal.flush()
+    """
+)
+
+
+def test_concurrent_writers_rotate_once_and_lose_no_line(arena: Path) -> None:
+    writers, each = 4, 400
+    record = Record(pid=1 << 22, name="w" * 40, command=[], strategy="none",
+                    state="released", since=0.0, starttime=1 << 40)  # fmt: skip
+    line = len(journal._line(time.time(), time.monotonic(), record, "none", "moved", None, each))
+    # Room for every line in the file and its older one, but not in one file.
+    cap = int(writers * each * (line + 24) * 0.6)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(arena), str(cap), str(each)])
+        for _ in range(writers)
+    ]
+    assert [p.wait(120) for p in procs] == [0] * writers
+    jdir = arena / journal.JOURNAL
+    names = sorted(p.name for p in jdir.iterdir())
+    me = f"{os.geteuid()}{journal.SUFFIX}"
+    assert names == [me, me + ".1"]
+    assert (jdir / (me + ".1")).stat().st_size >= cap
+    lines = [raw for p in jdir.iterdir() for raw in p.read_bytes().splitlines()]
+    parsed = [json.loads(raw) for raw in lines]  # every line whole: no interleaving
+    assert len(parsed) == writers * each
+    assert sorted((d["pid"], d["bytes"]) for d in parsed) == sorted(
+        (p.pid, n) for p in procs for n in range(each)
+    )
+
+
+def _write_file(arena: Path, name: str, uid: int, mode: int = 0o644) -> None:
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir(exist_ok=True)
+    line = {"time": 1.0, "mono": 1.0, "pid": 42, "uid": uid, "name": "n", "event": "want"}
+    path = jdir / name
+    path.write_text(json.dumps(line) + "\n")
+    path.chmod(mode)
+
+
+def test_a_line_for_another_uid_is_untrusted(arena: Path) -> None:
+    me = os.geteuid()
+    _write_file(arena, f"{me}{journal.SUFFIX}", me)
+    _write_file(arena, f"{me + 1}{journal.SUFFIX}", me + 1)  # our file, claiming another uid
+    events = _read(arena)
+    assert sorted((e.uid, e.trusted) for e in events) == [(me, True), (me + 1, False)]
+
+
+def test_a_group_writable_file_is_untrusted(arena: Path) -> None:
+    me = os.geteuid()
+    _write_file(arena, f"{me}{journal.SUFFIX}", me, mode=0o664)
+    assert [e.trusted for e in _read(arena)] == [False]
+
+
+def test_malformed_lines_and_other_files_are_skipped(arena: Path) -> None:
+    me = os.geteuid()
+    _write_file(arena, f"{me}{journal.SUFFIX}", me)
+    _write_file(arena, "notes.txt", me)
+    path = arena / journal.JOURNAL / f"{me}{journal.SUFFIX}"
+    with path.open("a") as f:
+        f.write('{"time": NaN}\n[1]\n{"time": 1, "mono": 1, "pid": -3}\nnot json\n')
+    assert len(_read(arena)) == 1
+
+
+def test_a_symlink_planted_for_our_file_is_not_followed(arena: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    (jdir / f"{os.geteuid()}{journal.SUFFIX}").symlink_to(target)
+    opened = Arena.open(str(arena))
+    member = Member(opened, name="m")
+    try:
+        member.acquire()
+    finally:
+        member.close()
+        opened.close()
+    assert target.read_text() == ""
+    assert _read(arena) == []
+
+
+def test_since_keeps_later_events(arena: Path) -> None:
+    opened = Arena.open(str(arena))
+    member = Member(opened, name="m")
+    try:
+        member.acquire()
+        journal.flush()
+        later = _read(arena)[-1].time
+        member.release()
+    finally:
+        member.close()
+        opened.close()
+    events = _read(arena, since=later)
+    assert [e.event for e in events] == ["acquire", "release-end", "exit"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "event"),
+    [
+        ("released", "waiting", "want"),
+        ("waiting", "resident", "acquire"),
+        ("resident", "releasing", "release-start"),
+        ("releasing", "resident", "refusal"),
+        ("releasing", "released", "release-end"),
+        ("resident", "released", "release-end"),
+        ("waiting", "released", "gave-up"),
+        ("waiting", "restoring", "restore-start"),
+        ("restoring", "resident", "restore-end"),
+    ],
+)
+def test_every_state_change_names_its_event(old: str, new: str, event: str) -> None:
+    assert journal.event_of(old, new) == event
+    assert event in journal.EVENTS
+
+
+@pytest.fixture
+def budget_room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
+    return Budgeted(spawn, arena, tmp_path, "3G")
+
+
+def test_a_measured_release_journals_the_bytes_it_moved(budget_room: Budgeted) -> None:
+    """vramlock run in a budget arena (NVML: tests/fake_nvml) notes what it released."""
+    first = run_measured(budget_room, "first", 1 << 30)
+    first.wait_for("resident")
+    second = run_measured(budget_room, "second", 1 << 30, vram="1G")
+    second.wait_for("resident")
+    first.wait_for("release")
+
+    def moved() -> list[tuple[str, str, int | None]]:
+        return [(e.name, e.strategy, e.bytes) for e in _read(budget_room.arena)
+                if e.event == "moved"]  # fmt: skip
+
+    wait_until(lambda: moved() == [("first", "signal", 1 << 30)])

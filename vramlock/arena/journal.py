@@ -1,0 +1,476 @@
+"""The arena's journal: what happened, one JSON line per event, for ``vramlock stats``.
+
+Each user appends to a file of their own, ``journal/UID.jsonl`` in the arena, so a line
+is believed only when the file's owner is the uid the line claims (and nobody else may
+write the file): anybody could otherwise speak for somebody else. A file over
+``MAX_BYTES`` becomes ``UID.jsonl.1`` (the older one goes), renamed by whichever writer
+finds it over the cap, under an flock of that file so that two writers never rotate
+twice.
+
+Writing is off the handoff path: a member's state change only queues the event, and a
+daemon thread writes it a little later, in ``O_APPEND`` writes of whole lines, none
+longer than ``PIPE_BUF``, so that lines of concurrent writers never interleave. Like the
+records, the journal is for display: nothing here raises into a member, nothing decides from it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import itertools
+import json
+import operator
+import os
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, Protocol
+
+from ..errors import LockError
+from . import lockfd
+from .directory import JOURNAL as JOURNAL  # journal.JOURNAL, as tests name it
+from .directory import Arena
+from .records import Record
+
+SUFFIX = ".jsonl"
+OLDER = SUFFIX + ".1"
+# One file's cap; with the older one, a user's journal takes at most twice this.
+MAX_BYTES = 8 << 20
+# Whole lines are appended at most this many bytes at a time: POSIX makes O_APPEND
+# writes up to PIPE_BUF (4096 on Linux) atomic with respect to other writers.
+MAX_LINE = 4000
+# The writer waits this long after an event before writing, so that it never competes
+# with a handoff for the CPU, and writes everything queued by then.
+SETTLE = 0.05
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# As lock files are opened (lockfd): no symlink, no FIFO hang, not inherited.
+_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_APPEND_FLAGS = _OPEN | os.O_WRONLY | os.O_APPEND | os.O_CREAT
+_READ_FLAGS = _OPEN | os.O_RDONLY
+
+# The event each state change is, by (old state, new state).
+_EVENTS = {
+    ("waiting", "resident"): "acquire",
+    ("waiting", "restoring"): "restore-start",
+    ("restoring", "resident"): "restore-end",
+    ("resident", "releasing"): "release-start",
+    ("releasing", "resident"): "refusal",
+    ("waiting", "released"): "gave-up",
+}
+EVENTS = frozenset(
+    {*_EVENTS.values(), "want", "release-end", "moved", "exit"}
+)  # every event a line may name
+
+
+class Joined(Protocol):
+    """What the scheduler's member is (one arena's member, or several arenas' together)."""
+
+    @property
+    def arenas(self) -> list[Arena]: ...
+
+    records: Any
+
+
+def event_of(old: str, new: str) -> str:
+    """The event a state change from ``old`` to ``new`` is."""
+    if new == "waiting":
+        return "want"
+    if new == "released" and old != "waiting":
+        return "release-end"
+    return _EVENTS.get((old, new), new)
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+class _Sink:
+    """One arena's journal file of this user, written from the writer thread only."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.dirfd = os.dup(arena.dirfd)  # the arena may be closed before we write
+        self.name = f"{os.geteuid()}{SUFFIX}"
+        self.jdir: int | None = None
+        self.fd: int | None = None
+
+    def _open_dir(self) -> int | None:
+        with contextlib.suppress(OSError):
+            os.mkdir(JOURNAL, 0o755, dir_fd=self.dirfd)
+        try:
+            fd = os.open(JOURNAL, _DIR_FLAGS, dir_fd=self.dirfd)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        # Anyone may write there: only with the sticky bit may nobody remove our file.
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            os.close(fd)
+            return None
+        return fd
+
+    def _open_file(self, jdir: int) -> int | None:
+        try:
+            fd = os.open(self.name, _APPEND_FLAGS, 0o644, dir_fd=jdir)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or _writable_by_others(st):
+            os.close(fd)  # planted by somebody else: our lines would not be believed
+            return None
+        return fd
+
+    def _current(self) -> tuple[int, int] | None:
+        """The journal directory and our file as the path names it now, opened if need be."""
+        if self.jdir is None:
+            self.jdir = self._open_dir()
+            if self.jdir is None:
+                return None
+        if self.fd is not None and not lockfd.still_linked(self.jdir, self.name, self.fd):
+            os.close(self.fd)  # rotated by another writer: append to the new file
+            self.fd = None
+        if self.fd is None:
+            self.fd = self._open_file(self.jdir)
+        return None if self.fd is None else (self.jdir, self.fd)
+
+    def write(self, lines: list[bytes]) -> None:
+        for chunk in _chunks(lines):
+            now = self._current()
+            if now is None:
+                return
+            try:
+                os.write(now[1], chunk)
+                if os.fstat(now[1]).st_size >= MAX_BYTES:
+                    self._rotate(*now)
+            except (OSError, LockError):
+                return  # full or gone: the journal is for display
+
+    def _rotate(self, jdir: int, fd: int) -> None:
+        # Under the file's own flock, and only if the path still names it: two writers
+        # finding it over the cap at once rotate it once, not the new file as well.
+        lockfd.lock(fd, exclusive=True)
+        try:
+            if lockfd.still_linked(jdir, self.name, fd) and os.fstat(fd).st_size >= MAX_BYTES:
+                os.rename(self.name, self.name + ".1", src_dir_fd=jdir, dst_dir_fd=jdir)
+        finally:
+            lockfd.unlock(fd)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.jdir, self.dirfd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+# A queued event: monotonic time, the member's record, its strategy then, the event,
+# the new state, the bytes moved.
+_Queued = tuple[float, Record, str, str, "str | None", "int | None"]
+# The writer lets the member's thread run after this many lines.
+_SLICE = 32
+
+# Names and strategies as JSON strings: the same few, again and again.
+_quoted = functools.lru_cache(maxsize=256)(json.dumps)
+# Free text is cut to these lengths: a line then stays under ``MAX_LINE`` even with
+# every character escaped (six bytes each).
+_CLIP_NAME, _CLIP_STRATEGY = 256, 64
+
+
+def _line(
+    offset: float,
+    mono: float,
+    record: Record,
+    strategy: str,
+    event: str,
+    new: str | None,
+    size: int | None,
+) -> bytes:
+    """The JSON line of a queued event, formatted by hand: json.dumps of the whole took
+    five times as long, on a thread that shares the GIL with the member. The event and
+    state are vramlock's own words, the numbers finite."""
+    text = (
+        f'{{"time":{mono + offset!r},"mono":{mono!r},"pid":{record.pid},'
+        f'"start":{record.starttime},"uid":{record.uid},'
+        f'"name":{_quoted(record.name[:_CLIP_NAME])},"event":"{event}",'
+        f'"strategy":{_quoted(strategy[:_CLIP_STRATEGY])}'
+    )
+    if new is not None:
+        text += f',"state":"{new}"'
+    if size is not None:
+        text += f',"bytes":{size}'
+    return (text + "}\n").encode()
+
+
+def _chunks(lines: list[bytes]) -> Iterator[bytes]:
+    """Whole lines joined into writes of at most ``MAX_LINE`` bytes: each is atomic."""
+    chunk = b""
+    for line in lines:
+        if chunk and len(chunk) + len(line) > MAX_LINE:
+            yield chunk
+            chunk = b""
+        chunk += line
+    if chunk:
+        yield chunk
+
+
+class _Writer:
+    """The process's journal writer: events queued, and a daemon thread that writes them.
+
+    Queueing an event is an append (and, for the first of a batch, one wake-up), so a
+    state change costs a microsecond or two; the thread then lets the batch gather for
+    ``SETTLE`` and writes it in a few system calls."""
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[_Sink | None, _Queued]] = deque()
+        self.sinks: dict[int, tuple[Arena, _Sink]] = {}  # by id(arena); the arena kept alive
+        self.wake = threading.Event()
+        self.guard = threading.Lock()  # making sinks and the thread
+        self.io = threading.Lock()  # one batch written at a time, in order
+        self.thread: threading.Thread | None = None
+
+    def sink(self, arena: Arena) -> _Sink | None:
+        found = self.sinks.get(id(arena))
+        if found is not None:
+            return found[1]
+        with self.guard:
+            if id(arena) not in self.sinks:
+                try:
+                    self.sinks[id(arena)] = (arena, _Sink(arena))
+                except OSError:
+                    return None  # the arena was closed (or no descriptor is left)
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="vramlock-journal", daemon=True
+                )
+                self.thread.start()
+            return self.sinks[id(arena)][1]
+
+    def put(self, arena: Arena, queued: _Queued) -> None:
+        # The least work that keeps the event: its time now, its line later.
+        found = self.sinks.get(id(arena))
+        self.pending.append((self.sink(arena) if found is None else found[1], queued))
+        if not self.wake.is_set():
+            self.wake.set()
+
+    def flush(self) -> None:
+        """Write everything queued so far, in this thread."""
+        with self.io:
+            offset = time.time() - time.monotonic()  # wall clock = monotonic + offset
+            lines: dict[_Sink, list[bytes]] = {}
+            with contextlib.suppress(IndexError):
+                for n in itertools.count(1):
+                    sink, queued = self.pending.popleft()
+                    if sink is not None:
+                        lines.setdefault(sink, []).append(_line(offset, *queued))
+                    if n % _SLICE == 0:
+                        time.sleep(0)  # let the member's own thread have the GIL
+            for sink, some in lines.items():
+                sink.write(some)
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            time.sleep(SETTLE)  # let the batch gather, away from the handoff
+            self.wake.clear()  # before taking the batch: a later event wakes us again
+            self.flush()
+
+
+_writer = _Writer()
+
+
+def _forked() -> None:
+    # The writer thread is not in the child; whatever was queued is the parent's to write.
+    global _writer
+    for _, sink in _writer.sinks.values():
+        sink.close()
+    _writer = _Writer()
+
+
+os.register_at_fork(after_in_child=_forked)
+atexit.register(lambda: _writer.flush())
+
+
+def note(
+    arena: Arena, record: Record, event: str, new: str | None = None, size: int | None = None
+) -> None:
+    """Queue ``event`` of the member ``record`` describes (its new state, the bytes moved)
+    for ``arena``'s journal."""
+    _writer.put(arena, (time.monotonic(), record, record.strategy, event, new, size))
+
+
+def state(arena: Arena, record: Record, new: str) -> None:
+    """A member changes state: ``record`` still says the old one."""
+    note(arena, record, event_of(record.state, new), new)
+
+
+def left(arena: Arena, record: Record) -> None:
+    """A member leaves the arena: the last line, written before this returns."""
+    note(arena, record, "exit")
+    _writer.flush()
+
+
+def moved(member: Joined, strategy: str, size: int | None) -> None:
+    """A release moved ``size`` bytes off the GPU (nothing is written when it is unknown)."""
+    if size:
+        for arena in member.arenas:
+            note(arena, member.records.record, "moved", size=size)
+
+
+def flush() -> None:
+    """Write every event queued so far (tests, and a program about to end)."""
+    _writer.flush()
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """One journal line. ``trusted``: its file is its claimed uid's, writable by nobody
+    else; an untrusted line may speak for somebody it is not. (A tuple: a journal of
+    100,000 lines is read in well under a second.)"""
+
+    time: float  # Unix time
+    mono: float  # CLOCK_MONOTONIC seconds, comparable between processes of one boot
+    pid: int
+    start: int  # the process's start time (procfs.starttime): with pid, names one process
+    uid: int
+    name: str
+    event: str
+    strategy: str
+    state: str | None
+    bytes: int | None
+    trusted: bool
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
+
+
+_DECODE = json.JSONDecoder(parse_constant=_reject_constant).decode
+_NUMBERS = (int, float)
+_LARGEST = 1 << 63
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < _LARGEST
+
+
+def _event(data: Any, file_uid: int, file_trusted: bool) -> Event | None:
+    """The event a decoded line describes, or None when it is not one."""
+    try:
+        t, mono, pid, uid = data["time"], data["mono"], data["pid"], data["uid"]
+        name, event, strategy = data["name"], data["event"], data.get("strategy", "")
+        start, got_state, size = data.get("start", 0), data.get("state"), data.get("bytes")
+    except (TypeError, KeyError, AttributeError):
+        return None
+    if not (
+        type(t) in _NUMBERS
+        and type(mono) in _NUMBERS
+        and _count(pid)
+        and _count(uid)
+        and _count(start)
+        and (size is None or _count(size))
+        and type(name) is str
+        and type(event) is str
+        and type(strategy) is str
+        and (got_state is None or type(got_state) is str)
+    ):
+        return None
+    trusted = file_trusted and uid == file_uid
+    return Event(t, mono, pid, start, uid, name, event, strategy, got_state, size, trusted)
+
+
+def parse(line: str, file_uid: int, file_trusted: bool) -> Event | None:
+    """The event in one line, or None for anything that is not one."""
+    try:
+        return _event(_DECODE(line), file_uid, file_trusted)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _decoded(lines: list[str]) -> list[Any] | None:
+    """Every line decoded at once, as one array (a line at a time took most of the
+    time of ``vramlock stats``); None unless it is exactly one value per line."""
+    try:
+        values = _DECODE("[" + ",".join(lines) + "]")
+    except (ValueError, RecursionError):
+        return None
+    return values if isinstance(values, list) and len(values) == len(lines) else None
+
+
+_WHEN = operator.itemgetter(0, 1)  # (time, mono)
+
+
+def _journal_files(jdir: int) -> list[str]:
+    try:
+        names = os.listdir(jdir)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        stem = name[: -len(OLDER)] if name.endswith(OLDER) else name[: -len(SUFFIX)]
+        if name.endswith((SUFFIX, OLDER)) and stem.isascii() and stem.isdigit():
+            found.append(name)
+    return sorted(found, key=lambda n: n.endswith(SUFFIX))  # older files first
+
+
+def _lines(jdir: int, name: str) -> Iterator[Event]:
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=jdir)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(2 * MAX_BYTES)  # a file somebody grew past any cap is cut
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    trusted = not _writable_by_others(st)
+    # Only newlines end lines (str.splitlines would also split at U+2028 and friends).
+    # What follows the last newline is a line cut by the size limit (writes are whole lines).
+    whole = data[: data.rfind(b"\n") + 1]
+    lines = [raw for raw in whole.decode(errors="replace").split("\n") if raw.strip()]
+    values = _decoded(lines)
+    if values is None:  # a bad line somewhere: each on its own
+        found = [parse(raw, st.st_uid, trusted) for raw in lines]
+    else:
+        found = [_event(v, st.st_uid, trusted) for v in values]
+    yield from (e for e in found if e is not None)
+
+
+def signature(arena: Arena) -> tuple[tuple[str, int, int], ...]:
+    """Each journal file's name, size and change time: equal signatures, equal journals
+    (a reader that keeps what it read need not read it again)."""
+    try:
+        jdir = os.open(JOURNAL, _DIR_FLAGS, dir_fd=arena.dirfd)
+    except OSError:
+        return ()
+    try:
+        found = []
+        for name in _journal_files(jdir):
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=jdir, follow_symlinks=False)
+                found.append((name, st.st_size, st.st_mtime_ns))
+        return tuple(found)
+    finally:
+        os.close(jdir)
+
+
+def read(arena: Arena, since: float | None = None) -> list[Event]:
+    """Every event of the arena's journal (from Unix time ``since``), oldest first."""
+    try:
+        jdir = os.open(JOURNAL, _DIR_FLAGS, dir_fd=arena.dirfd)
+    except OSError:
+        return []  # none yet, or none we may read
+    try:
+        events: Iterable[Event] = [e for n in _journal_files(jdir) for e in _lines(jdir, n)]
+    finally:
+        os.close(jdir)
+    if since is not None:
+        events = [e for e in events if e.time >= since]
+    return sorted(events, key=_WHEN)

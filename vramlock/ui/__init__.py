@@ -1,0 +1,159 @@
+"""``vramlock ui``: a live page of one arena, its members, their VRAM, a timeline and the
+journal, for any browser (a phone's too).
+
+The page (``page.html``) is self-contained: no CDN, nothing fetched but this server's
+``api/state``, which it polls every second. That JSON is made by ``state``, in a worker
+thread, from the kernel's lock state and the records (as ``vramlock who``) and the
+journal (as ``vramlock stats``), re-read only when its files changed. Nothing is locked
+or written in the arena: watching is never activity. Needs the ``serve`` extra
+(aiohttp), imported here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from ..arena import journal
+from ..arena.directory import Arena
+from ..arena.roster import budget_view, gpu_view, snapshot, with_vram
+from ..errors import AddressError, VramlockError
+from ..observe.prometheus import waiters
+from ..observe.stats import compute
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+DEFAULT_LISTEN = "127.0.0.1:8090"
+# The timeline's window, and how many journal lines and switches the page lists.
+WINDOW = 600.0
+RECENT = 15
+
+
+class Watch:
+    """One arena, as the page shows it; the journal kept between calls while unchanged."""
+
+    def __init__(self, arena: Arena, gpu: int | None, window: float = WINDOW) -> None:
+        self.arena = arena
+        self.gpu = gpu
+        self.window = window
+        self._signature: tuple[tuple[str, int, int], ...] | None = None
+        self._events: list[journal.Event] = []
+
+    def events(self) -> list[journal.Event]:
+        now = journal.signature(self.arena)
+        if now != self._signature:
+            self._signature, self._events = now, journal.read(self.arena)
+        return self._events
+
+    def state(self) -> dict[str, Any]:
+        """What the page shows, as JSON-ready data."""
+        now = time.time()
+        rows = snapshot(self.arena)
+        view = gpu_view(self.gpu)
+        if view is not None:
+            rows = with_vram(rows, view)
+        budget = budget_view(self.arena)
+        events = self.events()
+        # The timeline from the first event of the window: a quiet arena's is not a sliver.
+        first = next((e.time for e in events if e.time >= now - self.window), now - self.window)
+        report = compute(events, first, now)
+        gpu = view.gpus[0] if view is not None and len(view.gpus) == 1 else None
+        return {
+            "arena": self.arena.path,
+            "now": now,
+            "gpu": None if gpu is None else asdict(gpu),
+            "budget": None if budget is None else {
+                "unit": budget.budget.unit, "units": budget.budget.units, "held": budget.held
+            },
+            "members": [
+                {"pid": r.pid, "name": r.name, "state": r.state, "strategy": r.strategy,
+                 "vram": r.vram, "footprint": r.footprint}
+                for r in rows
+            ],
+            "waiters": waiters(rows),
+            "handoffs": report.handoffs,
+            "timeline": {
+                "start": report.start,
+                "end": report.end,
+                "members": [m.name for m in report.members],
+                "segments": [s._asdict() for s in report.segments],
+            },
+            "switches": [s._asdict() for s in reversed(report.switches[-RECENT:])],
+            "journal": [
+                {"time": e.time, "event": e.event, "name": e.name, "pid": e.pid,
+                 "trusted": e.trusted}
+                for e in reversed(events[-RECENT:])
+            ],
+        }  # fmt: skip
+
+
+def page() -> str:
+    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+
+
+def app(watch: Watch) -> web.Application:
+    """The page at ``/`` and its data at ``/api/state``."""
+    from aiohttp import web
+
+    html = page()
+
+    async def index(request: web.Request) -> web.Response:
+        return web.Response(text=html, content_type="text/html")
+
+    async def state(request: web.Request) -> web.Response:
+        data = await asyncio.to_thread(watch.state)
+        return web.json_response(data, headers={"Cache-Control": "no-store"})
+
+    application = web.Application()
+    application.router.add_get("/", index)
+    application.router.add_get("/api/state", state)
+    return application
+
+
+def serve(watch: Watch, listen: str, warn: Callable[[str], None]) -> int:
+    """Serve the page until SIGTERM, SIGINT or SIGHUP; 0 then. UsageError for a bad
+    ``listen``, AddressError when it cannot be listened on."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise VramlockError("vramlock ui needs aiohttp: pip install 'vramlock[serve]'") from None
+    from ..net.address import parse
+
+    host, port = parse(listen, "--listen")
+    return asyncio.run(_main(watch, listen, host, port, warn))
+
+
+async def _main(
+    watch: Watch, listen: str, host: str, port: int, warn: Callable[[str], None]
+) -> int:
+
+    from aiohttp import web
+
+    from ..net.address import show
+
+    runner = web.AppRunner(app(watch), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise AddressError("--listen", listen, reason) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(s, stop.set)
+    warn(f"showing {watch.arena.path} at http://{show((host, port))}/")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
