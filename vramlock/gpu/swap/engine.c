@@ -20,6 +20,13 @@ static struct {
 } copy_ctx[MAX_CONTEXTS];
 static size_t ncopy_ctx;
 
+/* In a forked child: the streams are its parent's. */
+void engine_forget(void)
+{
+	ncopy_ctx = 0;
+	atomic_store(&captures, 0);
+}
+
 static CUresult streams_of(CUcontext ctx, CUstream **out)
 {
 	for (size_t i = 0; i < ncopy_ctx; i++)
@@ -227,8 +234,9 @@ static double now_ms(void)
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* Answers a `release`. With `mu` held and the gate open. */
-void do_release(char *answer, size_t len)
+/* Answers a `release`. With `mu` held. A release that fails opens the gate again,
+ * unless `stay_closed`. */
+void do_release(char *answer, size_t len, int stay_closed)
 {
 	if (released) {
 		snprintf(answer, len, "released");
@@ -243,7 +251,8 @@ void do_release(char *answer, size_t len)
 	if (atomic_load(&captures) > 0) {
 		/* Synchronizing would invalidate the capture: the program's graph would be
 		 * lost. Captures are short; the wrapper asks again. */
-		gate_open_locked();
+		if (!stay_closed)
+			gate_open_locked();
 		snprintf(answer, len, "failed a CUDA graph is being captured");
 		return;
 	}
@@ -286,7 +295,7 @@ void do_release(char *answer, size_t len)
 		if (u) {
 			say("and could not be put back as it was (%s): GPU calls stay blocked", errname(u));
 			released = 1; /* never let the program run on memory that is not there */
-		} else {
+		} else if (!stay_closed) {
 			gate_open_locked();
 		}
 		snprintf(answer, len, "failed %s: %s", step, errname(r));

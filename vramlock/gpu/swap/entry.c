@@ -45,7 +45,7 @@ static void find_real_dlsym(void)
 
 /* Set when the library is to act (VRAMLOCK_SWAP_SOCKET given). */
 int active;
-static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t resolve_mu = PTHREAD_MUTEX_INITIALIZER;
 static __thread int resolving __attribute__((tls_model("initial-exec"))); /* dlopen of libcuda may look names up itself */
 static void *libcuda;
 
@@ -60,16 +60,15 @@ const char *errname(CUresult r)
 /* Once, from our constructor or from the first hook called, whichever comes first:
  * another library's constructor may look the driver up before ours has run. */
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
-static void resolve(void);
+static void resolve(void *lib, int load);
 
 static void setup(void)
 {
 	const char *dbg = getenv("VRAMLOCK_SWAP_DEBUG");
-	const char *sock = getenv("VRAMLOCK_SWAP_SOCKET");
 	debug_on = dbg && *dbg && strcmp(dbg, "0");
-	active = sock && *sock;
+	active = control_setup();
 	find_real_dlsym();
-	pthread_atfork(NULL, NULL, after_fork_child);
+	pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
 __attribute__((constructor)) static void init(void)
@@ -80,13 +79,19 @@ __attribute__((constructor)) static void init(void)
 /* Set once the driver is found: every hook reads it first (ready()). */
 atomic_int is_ready;
 
-int get_ready(void)
+/* Is the driver there (looked for in `lib` too, loaded when `load`)? */
+static int find_driver(void *lib, int load)
 {
 	pthread_once(&setup_once, setup);
-	pthread_once(&resolve_once, resolve);
+	resolve(lib, load);
 	if (libcuda)
 		atomic_store_explicit(&is_ready, 1, memory_order_release);
 	return libcuda != NULL;
+}
+
+int get_ready(void)
+{
+	return find_driver(NULL, 1);
 }
 
 CUresult (*real_cuGetProcAddress)(const char *, void **, int, cuuint64_t);
@@ -103,24 +108,14 @@ static const struct {
 	DRIVER(INTERNAL)
 };
 
-static void resolve(void)
+/* Takes the driver's entry points from `lib`. With resolve_mu. */
+static void resolve_in(void *lib)
 {
-	resolving = 1;
-	/* Loaded already by whoever calls us (RTLD_NOLOAD finds it whatever name it was
-	 * opened by); else a program calling our exports as its libcuda gets it now. */
-	libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-	if (!libcuda)
-		libcuda = dlopen("libcuda.so.1", RTLD_NOW);
-	if (!libcuda) {
-		say("cannot load libcuda.so.1: %s", dlerror());
-		resolving = 0;
-		return;
-	}
 	for (size_t i = 0; i < nhooks; i++)
-		*hooks[i].real = real_dlsym(libcuda, hooks[i].name);
+		*hooks[i].real = real_dlsym(lib, hooks[i].name);
 	int missing = 0;
 	for (size_t i = 0; i < sizeof internal / sizeof *internal; i++) {
-		*internal[i].slot = real_dlsym(libcuda, internal[i].name);
+		*internal[i].slot = real_dlsym(lib, internal[i].name);
 		if (!*internal[i].slot && !internal[i].optional) {
 			say("the driver has no %s", internal[i].name);
 			missing = 1;
@@ -130,7 +125,39 @@ static void resolve(void)
 		say("this driver cannot be swapped: GPU calls stay blocked");
 		atomic_store(&closed, 1);
 	}
+	libcuda = lib;
+}
+
+/* A library the program looks a driver name up in, if it is a driver (not ours). */
+static void *driver_in(void *lib)
+{
+	if (lib == RTLD_DEFAULT || lib == RTLD_NEXT)
+		return NULL;
+	void *gpa = real_dlsym(lib, "cuGetProcAddress");
+	return gpa && gpa != (void *)cuGetProcAddress ? lib : NULL;
+}
+
+/* Finds the driver: loaded already (RTLD_NOLOAD finds it by the name it goes by), `lib`
+ * when that is one (a driver opened by its path), or, with `load`, loaded now (a
+ * program calling our exports as its libcuda). Not found, it is looked for again next
+ * time: a program may look up a cu... name (libc's cuserid) long before it loads the
+ * driver, which must not then run unhooked. */
+static void resolve(void *lib, int load)
+{
+	static int said;
+	if (resolving)
+		return; /* dlopen of libcuda may look names up itself */
+	pthread_mutex_lock(&resolve_mu);
+	resolving = 1;
+	void *found = libcuda ? NULL : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+	if (!libcuda && !found)
+		found = driver_in(lib);
+	if (!libcuda && !found && load && !(found = dlopen("libcuda.so.1", RTLD_NOW)) && !said++)
+		say("cannot load libcuda.so.1: %s", dlerror());
+	if (!libcuda && found)
+		resolve_in(found);
 	resolving = 0;
+	pthread_mutex_unlock(&resolve_mu);
 }
 
 /* Our wrapper for the real entry point `fn`, or NULL. By address: the driver's
@@ -152,7 +179,7 @@ EXPORT void *dlsym(void *handle, const char *name)
 	if (!active || name[0] != 'c' || name[1] != 'u' || resolving)
 		return real_dlsym(handle, name);
 	void *fn = real_dlsym(handle, name);
-	if (!fn || !ready())
+	if (!fn || !(atomic_load_explicit(&is_ready, memory_order_acquire) || find_driver(handle, 0)))
 		return fn;
 	void *w = wrapper_of(fn);
 	TRACE("dlsym %s: %s", name, w ? "hooked" : "driver's");

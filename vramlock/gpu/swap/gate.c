@@ -9,6 +9,8 @@ static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
 static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
 atomic_int closed;
 atomic_long inflight;
+/* A forked child that has not joined yet: its first call through the gate joins. */
+static atomic_int must_join;
 
 void wake_releaser(void)
 {
@@ -20,6 +22,8 @@ void wake_releaser(void)
 void wait_for_open_gate(void)
 {
 	gate_leave();
+	if (atomic_load(&must_join))
+		join_now();
 	pthread_mutex_lock(&mu);
 	while (atomic_load(&closed))
 		pthread_cond_wait(&gate_cv, &mu);
@@ -38,4 +42,24 @@ void gate_open_locked(void)
 {
 	atomic_store(&closed, 0);
 	pthread_cond_broadcast(&gate_cv);
+}
+
+/* With `mu`, at a joining process's first word: `resident` opens a gate that was
+ * closed for the join (any other word is a release, which keeps it closed). */
+void gate_joined_locked(int resident)
+{
+	if (atomic_exchange(&must_join, 0) && resident)
+		gate_open_locked();
+}
+
+/* In a forked child (only the forking thread lives on): no call is in flight, nobody
+ * waits, and a child that is to join keeps the gate closed until it has. */
+void gate_after_fork(int join)
+{
+	pthread_cond_init(&gate_cv, NULL);
+	pthread_cond_init(&drain_cv, NULL);
+	atomic_store(&inflight, 0);
+	atomic_store(&must_join, join);
+	if (join)
+		atomic_store(&closed, 1);
 }

@@ -6,7 +6,7 @@
 #include "swap.h"
 
 /* Reads a small /proc file whole; its length, or -1. */
-static ssize_t read_proc(const char *path, char *buf, size_t size)
+ssize_t read_proc(const char *path, char *buf, size_t size)
 {
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
@@ -16,6 +16,22 @@ static ssize_t read_proc(const char *path, char *buf, size_t size)
 	if (n >= 0)
 		buf[n] = 0;
 	return n;
+}
+
+/* The state letter and start time (field 22) of process `pid`: 0, or -1 when gone. */
+int proc_stat(int pid, char *state, unsigned long long *start)
+{
+	char path[64], line[1024];
+	snprintf(path, sizeof path, "/proc/%d/stat", pid);
+	if (read_proc(path, line, sizeof line) <= 0)
+		return -1;
+	/* Counting from the state (3), after the command name's closing parenthesis. */
+	char *field = strrchr(line, ')');
+	if (!field || sscanf(field + 1, " %c", state) != 1)
+		return -1;
+	for (int k = 2; field && k < 22; k++)
+		field = strchr(field + 1, ' ');
+	return field && sscanf(field + 1, "%llu", start) == 1 ? 0 : -1;
 }
 
 /* `s` as a JSON string (bytes >= 0x80 as Latin-1: the record stays valid UTF-8). */
@@ -40,18 +56,12 @@ static void json_string(FILE *f, const char *s, size_t len)
 void write_orphan_record(void)
 {
 	const char *arena = getenv("VRAMLOCK_ARENA");
-	char stat_line[1024], comm[64], cmdline[4096], name[64], tmp[96];
+	char comm[64], cmdline[4096], name[64], tmp[96], state;
 	ssize_t ncmd;
 	unsigned long long start = 0;
-	if (!arena || !*arena || read_proc("/proc/self/stat", stat_line, sizeof stat_line) <= 0 ||
+	if (!arena || !*arena || proc_stat(getpid(), &state, &start) ||
 	    read_proc("/proc/self/comm", comm, sizeof comm) <= 0 ||
 	    (ncmd = read_proc("/proc/self/cmdline", cmdline, sizeof cmdline)) <= 0)
-		return;
-	/* Field 22, counting from the one after the command name's closing parenthesis (3). */
-	char *field = strrchr(stat_line, ')');
-	for (int k = 2; field && k < 22; k++)
-		field = strchr(field + 1, ' ');
-	if (!field || sscanf(field + 1, "%llu", &start) != 1)
 		return;
 	comm[strcspn(comm, "\n")] = 0;
 	int dir = open(arena, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

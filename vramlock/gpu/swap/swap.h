@@ -192,6 +192,8 @@ void wake_releaser(void);
 void wait_for_open_gate(void);
 void gate_close_locked(void);
 void gate_open_locked(void);
+void gate_joined_locked(int resident);
+void gate_after_fork(int join);
 
 INLINE void gate_leave(void)
 {
@@ -261,20 +263,28 @@ int region_of(CUdeviceptr p, CUdeviceptr *base, size_t *size);
 int is_own(CUdeviceptr ptr);
 CUresult own_alloc(CUdeviceptr *dptr, size_t size);
 int own_free(CUdeviceptr ptr);
+void table_forget(void);
 
 /* ---- engine.c: swapping ------------------------------------------------------- */
 
 /* Streams capturing a CUDA graph now (a capture starts at the gate only). */
 extern atomic_int captures;
 
-void do_release(char *answer, size_t len);
+void do_release(char *answer, size_t len, int stay_closed);
+void engine_forget(void);
 void do_restore(char *answer, size_t len);
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 
 extern pthread_once_t connect_once;
+int control_setup(void);
 void connect_control(void);
+void join_now(void);
+void before_fork(void);
+void after_fork_parent(void);
 void after_fork_child(void);
 void write_orphan_record(void);
+ssize_t read_proc(const char *path, char *buf, size_t size);
+int proc_stat(int pid, char *state, unsigned long long *start);
 
 #endif

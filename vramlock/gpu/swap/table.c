@@ -15,15 +15,20 @@ struct slab {
 	CUdevice dev;
 	CUdeviceptr base;
 	size_t size, units, used;
+	size_t free_from; /* no free unit below it: searches start there */
 	uint64_t *bits;
+	uint32_t *piece; /* for each unit in use: the unit its piece starts at */
+	uint32_t *asked; /* for each piece's first unit: the bytes asked for */
 	struct phys *phys;
 };
 
-/* What cuMemAlloc handed out. */
+/* What cuMemAlloc handed out, by address: a big allocation, or a whole slab (its
+ * pieces are the slab's own: a table of pieces kept sorted would cost a move of the
+ * whole table for each of a hundred thousand small allocations). */
 struct region {
 	CUdeviceptr ptr;
 	size_t size;
-	struct phys *phys; /* NULL for a slab's piece */
+	struct phys *phys; /* NULL for a slab */
 	struct slab *slab;
 };
 
@@ -339,18 +344,27 @@ static void unmap_own(CUdeviceptr va, struct phys *p)
 		say("cuMemAddressFree: %s", errname(r));
 }
 
+/* The first run of `n` free units, from `free_from` on. Every unit the search passes
+ * is used, or free in a run too short; `free_from` moves up to the first free one, so
+ * that filling a slab one unit at a time costs a step each, not a walk over the
+ * units in use (160,000 small allocations once took 80 times the driver's time). */
 static int slab_find(struct slab *s, size_t n, size_t *at)
 {
-	for (size_t i = 0; i + n <= s->units;) {
+	size_t i = s->free_from, first = s->units; /* the first free unit passed */
+	while (i + n <= s->units) {
 		size_t j = i;
 		while (j < i + n && !(s->bits[j / 64] >> (j % 64) & 1))
 			j++;
+		if (j > i && first == s->units)
+			first = i;
 		if (j == i + n) {
 			*at = i;
+			s->free_from = first;
 			return 1;
 		}
 		i = j + 1;
 	}
+	s->free_from = first < i ? first : i;
 	return 0;
 }
 
@@ -363,6 +377,46 @@ static void slab_mark(struct slab *s, size_t at, size_t n, int used)
 			s->bits[i / 64] &= ~(1ULL << (i % 64));
 	}
 	s->used = used ? s->used + n : s->used - n;
+	if (!used && at < s->free_from)
+		s->free_from = at;
+	else if (used && at == s->free_from)
+		s->free_from = at + n;
+}
+
+static void slab_destroy(struct slab *s)
+{
+	free(s->bits);
+	free(s->piece);
+	free(s->asked);
+	free(s);
+}
+
+/* A new slab on `dev`, first in the list. With `mu` held. */
+static CUresult slab_new(CUdevice dev, CUcontext ctx, size_t g, struct slab **out)
+{
+	struct slab *s = calloc(1, sizeof *s);
+	if (!s)
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	s->dev = dev;
+	s->size = 4 * g;
+	s->units = s->size / SLAB_UNIT;
+	s->bits = calloc((s->units + 63) / 64, sizeof *s->bits);
+	s->piece = calloc(s->units, sizeof *s->piece);
+	s->asked = calloc(s->units, sizeof *s->asked);
+	CUresult r = s->bits && s->piece && s->asked ? map_new(s->size, dev, ctx, &s->base, &s->phys)
+						     : CUDA_ERROR_OUT_OF_MEMORY;
+	if (!r && add_region(s->base, s->size, NULL, s)) {
+		unmap_own(s->base, s->phys);
+		r = CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	if (r) {
+		slab_destroy(s);
+		return r;
+	}
+	s->next = slabs;
+	slabs = s;
+	*out = s;
+	return CUDA_SUCCESS;
 }
 
 /* Small allocations share slabs of a few granules: a thousand small cudaMallocs must
@@ -375,37 +429,23 @@ static CUresult slab_alloc(CUdeviceptr *dptr, size_t size, CUdevice dev, CUconte
 		if (s->dev == dev && s->units - s->used >= n && slab_find(s, n, &at))
 			break;
 	if (!s) {
-		s = calloc(1, sizeof *s);
-		if (!s)
-			return CUDA_ERROR_OUT_OF_MEMORY;
-		s->dev = dev;
-		s->size = 4 * g;
-		s->units = s->size / SLAB_UNIT;
-		s->bits = calloc((s->units + 63) / 64, sizeof *s->bits);
-		CUresult r = s->bits ? map_new(s->size, dev, ctx, &s->base, &s->phys)
-				     : CUDA_ERROR_OUT_OF_MEMORY;
-		if (r) {
-			free(s->bits);
-			free(s);
+		CUresult r = slab_new(dev, ctx, g, &s);
+		if (r)
 			return r;
-		}
-		s->next = slabs;
-		slabs = s;
 		at = 0;
 	}
 	*dptr = s->base + at * SLAB_UNIT;
-	if (add_region(*dptr, size, NULL, s))
-		return CUDA_ERROR_OUT_OF_MEMORY;
 	slab_mark(s, at, n, 1);
+	for (size_t u = at; u < at + n; u++)
+		s->piece[u] = (uint32_t)at;
+	s->asked[at] = (uint32_t)size;
 	return CUDA_SUCCESS;
 }
 
-static void slab_free(struct region *reg)
+/* Frees the piece of `s` that starts at unit `at`; the slab too once it is empty. */
+static void slab_free(struct slab *s, size_t at)
 {
-	struct slab *s = reg->slab;
-	size_t n = (reg->size + SLAB_UNIT - 1) / SLAB_UNIT;
-	slab_mark(s, (size_t)(reg->ptr - s->base) / SLAB_UNIT, n, 0);
-	drop_region(reg);
+	slab_mark(s, at, (s->asked[at] + SLAB_UNIT - 1) / SLAB_UNIT, 0);
 	if (s->used)
 		return;
 	/* Empty: give it back, or a program that frees everything keeps its peak. */
@@ -413,32 +453,71 @@ static void slab_free(struct region *reg)
 	while (*pp != s)
 		pp = &(*pp)->next;
 	*pp = s->next;
+	drop_region(&regions[region_index(s->base)]);
 	unmap_own(s->base, s->phys);
-	free(s->bits);
-	free(s);
+	slab_destroy(s);
 }
 
-/* The region holding `p` (its base and size), with `mu`: 1 when there is one. */
+/* What cuMemAlloc & co. handed out that holds `p`: its start and size, and the
+ * region it is (or whose slab it is a piece of). 0 when nothing does. With `mu`. */
+static int lookup(CUdeviceptr p, CUdeviceptr *base, size_t *size, struct region **reg)
+{
+	struct region *r = region_at(p);
+	if (!r)
+		return 0;
+	*reg = r;
+	if (!r->slab) {
+		*base = r->ptr;
+		*size = r->size;
+		return 1;
+	}
+	struct slab *s = r->slab;
+	size_t u = (size_t)(p - s->base) / SLAB_UNIT;
+	if (!(s->bits[u / 64] >> (u % 64) & 1))
+		return 0;
+	*base = s->base + (CUdeviceptr)s->piece[u] * SLAB_UNIT;
+	*size = s->asked[s->piece[u]];
+	return p < *base + *size;
+}
+
+/* In a forked child: the tables describe its parent's memory (the child's copies of
+ * the structures are left as they are, unreachable). */
+void table_forget(void)
+{
+	physes = NULL;
+	maps = NULL;
+	nmaps = capmaps = 0;
+	regions = NULL;
+	nregions = capregions = 0;
+	slabs = NULL;
+	released = 0;
+	refused[0] = 0;
+}
+
+/* The allocation holding `p` (its base and size): 1 when there is one. */
 int region_of(CUdeviceptr p, CUdeviceptr *base, size_t *size)
 {
+	CUdeviceptr b;
+	size_t n;
+	struct region *reg;
 	pthread_mutex_lock(&mu);
-	struct region *reg = region_at(p);
-	if (reg) {
-		if (base)
-			*base = reg->ptr;
-		if (size)
-			*size = reg->size;
-	}
+	int found = lookup(p, &b, &n, &reg);
 	pthread_mutex_unlock(&mu);
-	return reg != NULL;
+	if (found && base)
+		*base = b;
+	if (found && size)
+		*size = n;
+	return found;
 }
 
-/* Did cuMemAlloc & co. hand out `ptr` (the start of a region)? */
+/* Did cuMemAlloc & co. hand out `ptr` (the start of an allocation)? */
 int is_own(CUdeviceptr ptr)
 {
+	CUdeviceptr base;
+	size_t size;
+	struct region *reg;
 	pthread_mutex_lock(&mu);
-	size_t i = region_index(ptr);
-	int ours = i < nregions && regions[i].ptr == ptr;
+	int ours = lookup(ptr, &base, &size, &reg) && base == ptr;
 	pthread_mutex_unlock(&mu);
 	return ours;
 }
@@ -479,20 +558,18 @@ CUresult own_alloc(CUdeviceptr *dptr, size_t size)
 /* 1 when `ptr` was ours (and is freed now), 0 when the driver should have it. */
 int own_free(CUdeviceptr ptr)
 {
+	CUdeviceptr base;
+	size_t size;
+	struct region *reg;
 	pthread_mutex_lock(&mu);
-	size_t i = region_index(ptr);
-	if (i >= nregions || regions[i].ptr != ptr) {
-		pthread_mutex_unlock(&mu);
-		return 0;
-	}
-	struct region *reg = &regions[i];
-	if (reg->slab) {
-		slab_free(reg);
-	} else {
+	int ours = lookup(ptr, &base, &size, &reg) && base == ptr;
+	if (ours && reg->slab) {
+		slab_free(reg->slab, (size_t)(ptr - reg->slab->base) / SLAB_UNIT);
+	} else if (ours) {
 		struct phys *p = reg->phys;
 		drop_region(reg);
 		unmap_own(ptr, p);
 	}
 	pthread_mutex_unlock(&mu);
-	return 1;
+	return ours;
 }
