@@ -12,6 +12,7 @@ its times, the fake's launch log and its physical-memory file are the witnesses.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -32,6 +33,7 @@ from conftest import ROOT, Spawn, token_free, vramlock, wait_until, who_json
 from vramlock.arena import records
 from vramlock.gpu import swap
 from vramlock.procfs import descendants, environ, starttime
+from vramlock.strategies.swap import Hub
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -398,21 +400,31 @@ def test_legacy_cuda_ipc_fails_with_a_line_saying_what_to_do(rig: Rig, spawn: Sp
 
 
 @pytest.mark.parametrize(
-    "how",
-    ["-u LD_PRELOAD", "-u VRAMLOCK_SWAP_SOCKET", "SWAP_PROG_CLOSE_SOCKETS=1"],
+    ("how", "why"),
+    [
+        ("-u LD_PRELOAD", "uses CUDA without the swap library"),
+        ("-u VRAMLOCK_SWAP_SOCKET", "uses CUDA without the swap library"),
+        ("SWAP_PROG_CLOSE_SOCKETS=1", "cannot be swapped: it closed its connection to vramlock"),
+    ],
     ids=["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET", "closes-its-socket"],
 )
 def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
-    rig: Rig, spawn: Spawn, how: str
+    rig: Rig, spawn: Spawn, how: str, why: str
 ) -> None:
     # The shell removes LD_PRELOAD (as a setuid program or an env scrub would), or the
     # socket's name: the program runs on the driver with no library to release it, or a
     # library that cannot reach its run. Or the program closes every socket it has, its
     # connection to vramlock among them: it can no longer be asked.
-    prog = str(rig.fakes.program)
+    refused_and_kept(rig, spawn, [], f"env {how}", why)
+
+
+def refused_and_kept(rig: Rig, spawn: Spawn, before: list[str], env: str, why: str) -> None:
+    """``before vramlock run --release swap -- sh -c "ENV swap_prog 2"``, a member queued
+    meanwhile: the release is refused (one line, saying ``why``), and the member gets the
+    token only once the command is done."""
     job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "sh", "-c", f"env {how} {prog} 2"),
+        [*before, *vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release",
+                            "swap", "--", "sh", "-c", f"{env} {rig.fakes.program} 2")],
         env=rig.env,
     )  # fmt: skip
     assert read_line(job) == ["ready"]
@@ -421,11 +433,57 @@ def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gp
     assert job.returncode == 0, (out, err)
     lines = [line for line in err.splitlines() if not line.startswith("vramlock-swap: ")]
     assert len(lines) == 1, err
-    assert "uses CUDA without the swap library" in lines[0] or "closed its connection" in lines[0]
-    assert "holding the GPU until it exits" in lines[0]
+    assert why in lines[0] and "holding the GPU until it exits" in lines[0]
     held = read_line(holder)
     assert held[0] == "held"
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def test_a_process_whose_memory_map_cannot_be_read_cannot_be_verified(tmp_path: Path) -> None:
+    # A setuid or non-dumpable program's /proc/PID/maps is closed to others of its uid:
+    # it cannot be told from a program without CUDA, so a release must not let it by.
+    # The wrapper's side runs as a user of its own (root reads every process's maps),
+    # in a child of the test: no interpreter needs starting as that user.
+    hub = Hub(str(tmp_path / "control"), str(tmp_path / "lib.so"))
+    try:
+        found = [_unverified_as_nobody(hub, dumpable) for dumpable in (True, False)]
+    finally:
+        hub.close()
+    assert found[0] == "None"  # readable, no driver: not a CUDA process
+    assert "cannot be verified: its memory map cannot be read" in found[1], found
+
+
+def _unverified_as_nobody(hub: Hub, dumpable: bool) -> str:
+    """What ``hub.unverified`` says, as an unprivileged user, of a process of that user
+    that is ``dumpable`` or not."""
+    answer_r, answer_w = os.pipe()
+    checker = os.fork()
+    if checker == 0:  # pragma: no cover - the child's work comes back through the pipe
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            ready_r, ready_w = os.pipe()
+            hold_r, hold_w = os.pipe()
+            target = os.fork()
+            if target == 0:
+                for fd in (answer_w, ready_r, hold_w):
+                    os.close(fd)
+                # PR_SET_DUMPABLE, either way: a change of uid leaves a process not
+                # dumpable, and its children.
+                ctypes.CDLL(None).prctl(4, int(dumpable), 0, 0, 0)
+                os.write(ready_w, b"x")
+                os.read(hold_r, 1)  # until the checker is done
+                os._exit(0)
+            os.read(ready_r, 1)
+            os.write(answer_w, repr(hub.unverified([target])).encode())
+        finally:
+            os._exit(0)
+    os.close(answer_w)
+    with os.fdopen(answer_r) as answer:
+        said = answer.read()
+    os.waitpid(checker, 0)
+    return said
 
 
 def check_orphan_record(arena: Path, pid: int) -> None:
@@ -575,10 +633,6 @@ def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn)
 
 
 def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
-    import socket
-
-    from vramlock.strategies.swap import Hub
-
     path = str(tmp_path / "control")
     hub = Hub(path, str(tmp_path / "lib.so"))
     hub.close()
