@@ -3,9 +3,12 @@
 ``prepare`` puts the swap library in front of the command (``LD_PRELOAD``, before
 any the user set) and listens on a unix socket in a private directory, named to
 the command by ``VRAMLOCK_SWAP_SOCKET``. Each process of the command that
-initialises CUDA connects once and says ``hello <pid>``; the hub answers
-``resident``, or ``release`` when the command is released at that moment, so a
-process that starts while another member holds the token never touches the GPU.
+initialises CUDA connects once and says ``hello <pid>``; the hub keeps it only when
+the kernel's pid for the connection (``SO_PEERCRED``) is that pid and a process of
+this run, and answers ``resident``, or ``release`` when the command is released at
+that moment, so a process that starts while another member holds the token never
+touches the GPU. A release is refused while a process of the command has the driver
+loaded without being a connected peer, or cannot be seen (its memory map unreadable).
 
 A release says ``release`` to every process and waits for each to answer:
 
