@@ -234,6 +234,39 @@ static double now_ms(void)
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+/* Copies every allocation to pinned host memory (pinned once, kept): the step it
+ * failed at in `step`, the bytes there are in `bytes`. With `mu` and the gate closed. */
+static CUresult copy_out(const char **step, size_t *bytes)
+{
+	CUresult r = CUDA_SUCCESS;
+	*step = "cuMemHostAlloc";
+	for (struct phys *p = physes; p && !r; p = p->next) {
+		/* Pinning needs a context, even for memory every context may use. */
+		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
+			r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
+		if (r)
+			p->host = NULL;
+		*bytes += p->size;
+	}
+	if (!r) {
+		*step = "cuCtxSynchronize";
+		r = sync_all(0);
+	}
+	if (!r) {
+		*step = "finding the allocations";
+		r = find_copy_places();
+	}
+	if (!r) {
+		*step = "mapping an unmapped allocation";
+		r = map_temps();
+	}
+	if (!r) {
+		*step = "copying out";
+		r = copy_all(1);
+	}
+	return r;
+}
+
 /* Answers a `release`. With `mu` held. A release that fails opens the gate again,
  * unless `stay_closed`. */
 void do_release(char *answer, size_t len, int stay_closed)
@@ -257,32 +290,8 @@ void do_release(char *answer, size_t len, int stay_closed)
 		return;
 	}
 	size_t bytes = 0;
-	const char *step = "cuMemHostAlloc";
-	CUresult r = CUDA_SUCCESS;
-	for (struct phys *p = physes; p && !r; p = p->next) {
-		/* Pinning needs a context, even for memory every context may use. */
-		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
-			r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
-		if (r)
-			p->host = NULL;
-		bytes += p->size;
-	}
-	if (!r) {
-		step = "cuCtxSynchronize";
-		r = sync_all(0);
-	}
-	if (!r) {
-		step = "finding the allocations";
-		r = find_copy_places();
-	}
-	if (!r) {
-		step = "mapping an unmapped allocation";
-		r = map_temps();
-	}
-	if (!r) {
-		step = "copying out";
-		r = copy_all(1);
-	}
+	const char *step;
+	CUresult r = copy_out(&step, &bytes);
 	double t1 = now_ms();
 	drop_temps();
 	if (!r) {
