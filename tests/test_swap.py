@@ -698,8 +698,11 @@ def test_threads_racing_the_releases_never_touch_memory_that_is_gone(
     [
         {"SWAP_PROG_FORK": "1"},  # forked without exec from a parent that never ran cuInit
         {"SWAP_PROG_CLEARENV": "1"},  # the environment cleared before cuInit
+        # A child forked from the joined program that never uses CUDA: it has the driver
+        # mapped, and cannot run GPU work before it joins; it must not block the release.
+        {"SWAP_PROG_IDLE_CHILD": "1"},
     ],
-    ids=["forked", "clearenv"],
+    ids=["forked", "clearenv", "idle-child"],
 )
 def test_a_process_that_slips_away_is_swapped_all_the_same(
     rig: Rig, spawn: Spawn, release: str, way: dict[str, str]

@@ -28,12 +28,14 @@
  * to others); SWAP_PROG_CUSERID=1 looks up libc's cuserid before the driver is there;
  * SWAP_PROG_DRIVER=PATH opens the driver by that path, not by name;
  * SWAP_PROG_CLEARENV=1 clears the environment before cuInit; SWAP_PROG_CLOSE_SOCKETS=1
- * closes every socket it has once it is ready.
+ * closes every socket it has once it is ready. With SWAP_PROG_IDLE_CHILD=1 it forks a
+ * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -237,7 +239,7 @@ int main(int argc, char **argv)
 	/* Read first: SWAP_PROG_CLEARENV clears them all. */
 	const char *threads = getenv("SWAP_PROG_THREADS"), *bench = getenv("SWAP_PROG_BENCH");
 	const char *stop = getenv("SWAP_PROG_STOP"), *capture = getenv("SWAP_PROG_CAPTURE");
-	const char *small = getenv("SWAP_PROG_SMALL");
+	const char *small = getenv("SWAP_PROG_SMALL"), *idle = getenv("SWAP_PROG_IDLE_CHILD");
 	if (getenv("SWAP_PROG_FORK"))
 		fork_here();
 	if (getenv("SWAP_PROG_UNDUMPABLE") && prctl(PR_SET_DUMPABLE, 0, 0, 0, 0))
@@ -412,6 +414,12 @@ int main(int argc, char **argv)
 		time_small_allocs(atol(small));
 	if (getenv("SWAP_PROG_CLOSE_SOCKETS"))
 		close_sockets();
+	pid_t idler = idle ? fork() : -1;
+	if (idler == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		for (;;)
+			pause();
+	}
 	printf("ready\n");
 
 	long rounds = 0;
@@ -459,6 +467,8 @@ int main(int argc, char **argv)
 	CHECK(cuMemAddressFree(kept_va, g));
 	CHECK(cuMemUnmap(pool, pool_size));
 	CHECK(cuMemAddressFree(pool, pool_max));
+	if (idler > 0 && (kill(idler, SIGKILL) || waitpid(idler, NULL, 0) < 0))
+		return 4;
 	if (nworkers)
 		printf("worked %ld\n", atomic_load(&worked));
 	printf("done %ld\n", rounds);

@@ -55,6 +55,8 @@ JOIN_WITHIN = 5.0
 # did not exit: it closed the connection itself.
 EXIT_WITHIN = 1.0
 CLOSED = "it closed its connection to vramlock"
+# The name of the mapping the library keeps while its process has not joined (swap.h).
+UNJOINED = "vramlock-swap-unjoined"
 # Releases that failed in a row (each a second apart) before swap is given up as
 # refused: the member then releases another way, or holds the GPU until it exits.
 GIVE_UP_AFTER = 3
@@ -152,8 +154,9 @@ class Hub:
     def unverified(self, pids: list[int]) -> str | None:
         """Why a release cannot reach every CUDA process among ``pids``, or None when it
         can: each that has the CUDA driver loaded, or whose memory map cannot be read,
-        must be connected now as a verified peer. One that is not would run on without
-        the token."""
+        must be connected now as a verified peer, or have the library saying it has not
+        joined yet (its GPU calls wait for the join). One that is neither would run on
+        without the token."""
         with self.lock:
             for peer in self.peers:
                 peer.channel.read_lines()  # stale; notices a connection that closed
@@ -168,6 +171,9 @@ class Hub:
                     " be read (a setuid or non-dumpable program)"
                 )
             if any(os.path.basename(p).startswith("libcuda.so") for p in paths or ()):
+                assert paths is not None
+                if self.library in paths and any(UNJOINED in p for p in paths):
+                    continue  # it runs no GPU call before it joins (told release if it does)
                 return (
                     f"process {pid} of the command uses CUDA without the swap library (were"
                     f" LD_PRELOAD or {ENV_SOCKET} removed on the way, or its connection to"

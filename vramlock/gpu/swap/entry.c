@@ -67,6 +67,8 @@ static void setup(void)
 	const char *dbg = getenv("VRAMLOCK_SWAP_DEBUG");
 	debug_on = dbg && *dbg && strcmp(dbg, "0");
 	active = control_setup();
+	if (active)
+		gate_unjoined();
 	find_real_dlsym();
 	pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
@@ -123,7 +125,7 @@ static void resolve_in(void *lib)
 	}
 	if (missing && active) {
 		say("this driver cannot be swapped: GPU calls stay blocked");
-		atomic_store(&closed, 1);
+		gate_break();
 	}
 	libcuda = lib;
 }

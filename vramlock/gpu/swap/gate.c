@@ -9,8 +9,13 @@ static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
 static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
 atomic_int closed;
 atomic_long inflight;
-/* A forked child that has not joined yet: its first call through the gate joins. */
+/* Not joined yet: the first call through the gate joins. */
 static atomic_int must_join;
+/* The driver lacks what a swap needs: the gate never opens. */
+static int broken;
+/* A mapping whose name tells the wrapper, which reads /proc/PID/maps, that this
+ * process has not joined yet and cannot touch the GPU before it has. */
+static void *marker;
 
 void wake_releaser(void)
 {
@@ -44,12 +49,37 @@ void gate_open_locked(void)
 	pthread_cond_broadcast(&gate_cv);
 }
 
-/* With `mu`, at a joining process's first word: `resident` opens a gate that was
- * closed for the join (any other word is a release, which keeps it closed). */
+/* Until it joins, a process runs no GPU call: its first one joins (cuInit, or any
+ * call through the gate), and waits for the wrapper's first word. */
+void gate_unjoined(void)
+{
+	atomic_store(&must_join, 1);
+	atomic_store(&closed, 1);
+	int fd = memfd_create(UNJOINED, MFD_CLOEXEC);
+	if (fd >= 0 && !ftruncate(fd, 4096))
+		marker = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+	if (fd >= 0)
+		close(fd);
+}
+
+/* With `mu`, at a joining process's first word: `resident` opens the gate (any other
+ * word is a release, which keeps it closed). */
 void gate_joined_locked(int resident)
 {
-	if (atomic_exchange(&must_join, 0) && resident)
+	if (!atomic_exchange(&must_join, 0))
+		return;
+	if (marker && marker != MAP_FAILED)
+		munmap(marker, 4096);
+	marker = NULL;
+	if (resident && !broken)
 		gate_open_locked();
+}
+
+/* The driver cannot be swapped: GPU calls stay blocked for good. */
+void gate_break(void)
+{
+	broken = 1;
+	atomic_store(&closed, 1);
 }
 
 /* In a forked child (only the forking thread lives on): no call is in flight, nobody
@@ -59,7 +89,6 @@ void gate_after_fork(int join)
 	pthread_cond_init(&gate_cv, NULL);
 	pthread_cond_init(&drain_cv, NULL);
 	atomic_store(&inflight, 0);
-	atomic_store(&must_join, join);
 	if (join)
-		atomic_store(&closed, 1);
+		gate_unjoined();
 }

@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -192,7 +193,11 @@ void wake_releaser(void);
 void wait_for_open_gate(void);
 void gate_close_locked(void);
 void gate_open_locked(void);
+/* The name of gate_unjoined's mapping (vramlock/strategies/swap.py looks for it). */
+#define UNJOINED "vramlock-swap-unjoined"
+void gate_unjoined(void);
 void gate_joined_locked(int resident);
+void gate_break(void);
 void gate_after_fork(int join);
 
 INLINE void gate_leave(void)
