@@ -11,11 +11,17 @@ its times, the fake's launch log and its physical-memory file are the witnesses.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -34,8 +40,10 @@ from helpers.swap_rig import (
     take_turn,
 )
 
+from vramlock.arena import records
 from vramlock.gpu import swap
-from vramlock.procfs import descendants
+from vramlock.procfs import descendants, environ, starttime
+from vramlock.strategies.swap import Hub
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -162,7 +170,7 @@ def test_the_library_compiles_without_warnings(tmp_path: Path) -> None:
     swap.build(tmp_path / "lib.so", "-Werror")
     nm = shutil.which("nm")
     if nm is None:
-        return
+        pytest.skip("no nm here to list the library's exported names")
     exported = subprocess.run([nm, "-D", "--defined-only", str(tmp_path / "lib.so")],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
     names = {line.split()[-1] for line in exported.splitlines()}
@@ -209,30 +217,115 @@ def test_legacy_cuda_ipc_fails_with_a_line_saying_what_to_do(rig: Rig, spawn: Sp
     assert "--release checkpoint" in hint[0]
 
 
-@pytest.mark.parametrize("variable", ["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET"])
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("-u LD_PRELOAD", "uses CUDA without the swap library"),
+        ("-u VRAMLOCK_SWAP_SOCKET", "uses CUDA without the swap library"),
+        ("SWAP_PROG_CLOSE_SOCKETS=1", "cannot be swapped: it closed its connection to vramlock"),
+    ],
+    ids=["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET", "closes-its-socket"],
+)
 def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
-    rig: Rig, spawn: Spawn, variable: str
+    rig: Rig, spawn: Spawn, how: str, why: str
 ) -> None:
     # The shell removes LD_PRELOAD (as a setuid program or an env scrub would), or the
     # socket's name: the program runs on the driver with no library to release it, or a
-    # library that cannot reach its run.
-    prog = str(rig.fakes.program)
+    # library that cannot reach its run. Or the program closes every socket it has, its
+    # connection to vramlock among them: it can no longer be asked.
+    refused_and_kept(rig, spawn, [], f"env {how}", why)
+
+
+def refused_and_kept(rig: Rig, spawn: Spawn, before: list[str], env: str, why: str) -> None:
+    """``before vramlock run --release swap -- sh -c "ENV swap_prog 2"``, a member queued
+    meanwhile: the release is refused (one line, saying ``why``), and the member gets the
+    token only once the command is done."""
     job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "sh", "-c", f"env -u {variable} {prog} 2"),
+        [*before, *vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release",
+                            "swap", "--", "sh", "-c", f"{env} {rig.fakes.program} 2")],
         env=rig.env,
     )  # fmt: skip
     assert read_line(job) == ["ready"]
     holder = rig.holder(spawn)  # queues; the command cannot let it in
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
-    lines = err.splitlines()
+    lines = [line for line in err.splitlines() if not line.startswith("vramlock-swap: ")]
     assert len(lines) == 1, err
-    assert "uses CUDA without the swap library" in lines[0]
-    assert "holding the GPU until it exits" in lines[0]
+    assert why in lines[0] and "holding the GPU until it exits" in lines[0]
     held = read_line(holder)
     assert held[0] == "held"
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def test_a_process_whose_memory_map_cannot_be_read_cannot_be_verified(tmp_path: Path) -> None:
+    # A setuid or non-dumpable program's /proc/PID/maps is closed to others of its uid:
+    # it cannot be told from a program without CUDA, so a release must not let it by.
+    # The wrapper's side runs as a user of its own (root reads every process's maps),
+    # in a child of the test: no interpreter needs starting as that user.
+    hub = Hub(str(tmp_path / "control"), str(tmp_path / "lib.so"))
+    try:
+        found = [_unverified_as_nobody(hub, dumpable) for dumpable in (True, False)]
+    finally:
+        hub.close()
+    assert found[0] == "None"  # readable, no driver: not a CUDA process
+    assert "cannot be verified: its memory map cannot be read" in found[1], found
+
+
+def _unverified_as_nobody(hub: Hub, dumpable: bool) -> str:
+    """What ``hub.unverified`` says, as an unprivileged user, of a process of that user
+    that is ``dumpable`` or not."""
+    answer_r, answer_w = os.pipe()
+    checker = os.fork()
+    if checker == 0:  # pragma: no cover - the child's work comes back through the pipe
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            ready_r, ready_w = os.pipe()
+            hold_r, hold_w = os.pipe()
+            target = os.fork()
+            if target == 0:
+                for fd in (answer_w, ready_r, hold_w):
+                    os.close(fd)
+                # PR_SET_DUMPABLE, either way: a change of uid leaves a process not
+                # dumpable, and its children.
+                ctypes.CDLL(None).prctl(4, int(dumpable), 0, 0, 0)
+                os.write(ready_w, b"x")
+                os.read(hold_r, 1)  # until the checker is done
+                os._exit(0)
+            os.read(ready_r, 1)
+            os.write(answer_w, repr(hub.unverified([target])).encode())
+        finally:
+            os._exit(0)
+    os.close(answer_w)
+    with os.fdopen(answer_r) as answer:
+        said = answer.read()
+    os.waitpid(checker, 0)
+    return said
+
+
+def check_orphan_record(arena: Path, pid: int) -> None:
+    """The record the library wrote for ``pid`` is one vramlock.arena.records reads whole:
+    every field it writes is a field of Record, and each the reader takes is right (a field
+    renamed on either side fails here)."""
+    members = os.open(arena / "members", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        found = [(rec, ok) for rec, ok in records.read_live(members) if rec.pid == pid]
+    finally:
+        os.close(members)
+    assert len(found) == 1, found
+    rec, trusted = found[0]
+    assert trusted  # file owner, stated uid and process owner agree
+    start = starttime(pid)
+    raw = json.loads((arena / "members" / records.record_name(pid, start or 0)).read_text())
+    assert set(raw) <= {f.name for f in fields(records.Record)}, raw
+    assert raw["version"] == records.RECORD_VERSION
+    assert (rec.pid, rec.starttime, rec.uid) == (pid, start, os.geteuid())
+    assert rec.name == Path(f"/proc/{pid}/comm").read_text().strip()
+    assert rec.command == Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    assert (rec.strategy, rec.state) == ("swap", "released")
+    assert abs(rec.since - time.time()) < 60
+    assert rec.note == "its vramlock run is gone: blocked until ended"
 
 
 def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
@@ -259,6 +352,7 @@ def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
         (row,) = [r for r in who_json(rig.arena) if r["pid"] == program[0]]
         assert row["state"] == "released" and row["strategy"] == "swap"
         assert "its vramlock run is gone" in row["note"]
+        check_orphan_record(rig.arena, program[0])
         time.sleep(0.5)  # the program's loop would have launched dozens of times
         assert len(rig.launches()) == launched
         assert int(rig.phys.read_text()) == 0
@@ -357,10 +451,6 @@ def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn)
 
 
 def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
-    import socket
-
-    from vramlock.strategies.swap import Hub
-
     path = str(tmp_path / "control")
     hub = Hub(path, str(tmp_path / "lib.so"))
     hub.close()
@@ -414,3 +504,136 @@ def test_threads_racing_the_releases_never_touch_memory_that_is_gone(
     out, _ = swap_turns(rig, spawn, job, stop, 8)
     assert int(out.split()[out.split().index("worked") + 1]) > 0
     assert int(rig.phys.read_text()) == 0
+
+
+# -- nothing escapes: each way a process of the command could run CUDA during another
+# member's turn, against the fake driver's launch log.
+
+
+@pytest.mark.parametrize("release", ["swap", "auto"])
+@pytest.mark.parametrize(
+    "way",
+    [
+        {"SWAP_PROG_FORK": "1"},  # forked without exec from a parent that never ran cuInit
+        {"SWAP_PROG_CLEARENV": "1"},  # the environment cleared before cuInit
+        # A child forked from the joined program that never uses CUDA: it has the driver
+        # mapped, and cannot run GPU work before it joins; it must not block the release.
+        {"SWAP_PROG_IDLE_CHILD": "1"},
+    ],
+    ids=["forked", "clearenv", "idle-child"],
+)
+def test_a_process_that_slips_away_is_swapped_all_the_same(
+    rig: Rig, spawn: Spawn, release: str, way: dict[str, str]
+) -> None:
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", release=release, env=dict(rig.env, SWAP_PROG_STOP=str(stop), **way))
+    assert read_line(job) == ["ready"]
+    out, err = swap_turns(rig, spawn, job, stop, 2)  # its memory was gone, no launch ran
+    assert out.split()[-2] == "done" and err == ""
+
+
+def test_a_driver_opened_by_path_after_a_cu_lookup_is_hooked(rig: Rig, spawn: Spawn) -> None:
+    # libc's cuserid starts as the driver's names do: looked up before the driver can be
+    # loaded by name, it must not leave the driver, opened later by its path, unhooked.
+    stop, driver = rig.tmp / "stop", rig.fakes.directory / "libcuda.so.1"
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "env", "-u", "LD_LIBRARY_PATH", "SWAP_PROG_CUSERID=1",
+                 f"SWAP_PROG_DRIVER={driver}", str(rig.fakes.program), "60"),
+        env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    _, err = swap_turns(rig, spawn, job, stop, 2)
+    assert err == ""
+
+
+def line_within(proc: subprocess.Popen[str], seconds: float) -> list[str]:
+    """``proc``'s next line, or [] when none came within ``seconds``."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
+    return proc.stdout.readline().split() if ready else []
+
+
+def test_a_stranger_on_the_socket_is_dropped(rig: Rig, spawn: Spawn) -> None:
+    # Any process of the same user can reach the socket and claim to be the program; the
+    # kernel says who connected, and it is no process of the command.
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    with socket.socket(socket.AF_UNIX) as stranger:
+        stranger.connect(environ(program)["VRAMLOCK_SWAP_SOCKET"])
+        stranger.sendall(f"hello {program}\n".encode())
+        stranger.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):  # dropped unread
+            assert stranger.recv(64) == b""  # told nothing
+        holder = rig.holder(spawn)
+        held = line_within(holder, 20)  # not kept waiting for the stranger's answer
+        assert held[:1] == ["held"] and int(held[2]) == 0
+        assert holder.stdin is not None
+        holder.stdin.close()
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+
+
+def test_a_wrapper_killed_mid_release_leaves_the_program_running_on_its_token(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    # Two processes; one cannot answer (stopped), so the release waits with the other
+    # already swapped out, and the token still held. Killed then, the run leaves the
+    # token with the command (its processes share the description): the swapped one
+    # must take its memory back and run on, not block for good holding the token.
+    prog, first, second = str(rig.fakes.program), tmp_path / "phys1", tmp_path / "phys2"
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
+                 "sh", "-c", f"FAKE_CUDA_PHYS={first} {prog} 60 & FAKE_CUDA_PHYS={second}"
+                 f" {prog} 60; wait"),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
+    phys = {p: environ(p).get("FAKE_CUDA_PHYS") for p in descendants(job.pid)}
+    programs = [p for p, path in phys.items() if path in (str(first), str(second))]
+    (stopped,) = [p for p in programs if phys[p] == str(first)]
+    try:
+        os.kill(stopped, signal.SIGSTOP)
+        holder = rig.holder(spawn)  # queues: the release starts
+        wait_until(lambda: int(second.read_text()) == 0)  # the running one swapped out
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        launched = len(rig.launches())
+        wait_until(resumed(rig, launched))  # restored, running on
+        assert int(second.read_text()) > 0
+        assert not token_free(rig.arena) and line_within(holder, 0.3) == []
+    finally:
+        for pid in programs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert line_within(holder, 20)[:1] == ["held"]  # the token went with the command
+
+
+def test_a_long_temporary_directory_still_gets_a_socket(rig: Rig, spawn: Spawn) -> None:
+    long_tmp = rig.tmp / ("t" * 90)
+    long_tmp.mkdir()
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, TMPDIR=str(long_tmp), SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    swap_turns(rig, spawn, job, stop, 1)
+
+
+def small_allocs(out: str) -> float:
+    words = out.split()
+    return float(words[words.index("s_small_allocs") + 1])
+
+
+def test_many_small_allocations_stay_fast(rig: Rig, spawn: Spawn) -> None:
+    # 160,000 live 256-byte allocations: the tables must not grow quadratic (11 s once,
+    # against 0.14 s on the bare driver).
+    env = dict(rig.env, SWAP_PROG_SMALL="160000")
+    bare = subprocess.run([str(rig.fakes.program), "0"], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert bare.returncode == 0, bare
+    job = rig.run(spawn, "0", env=env)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert small_allocs(out) < 2 * small_allocs(bare.stdout) + 0.5, (out, bare.stdout)

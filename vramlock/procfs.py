@@ -160,14 +160,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def mapped(pid: int) -> set[str]:
-    """The paths of the files ``pid`` has mapped (its libraries); empty when it is gone or
-    not ours to read."""
+def mapped(pid: int) -> set[str] | None:
+    """The paths of the files ``pid`` has mapped (its libraries); None when it is gone or
+    not ours to read (a setuid or non-dumpable program's)."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
-        return set()
+        return None
     # ADDRESS PERMS OFFSET DEV INODE PATH, the path possibly with spaces
     fields = (line.split(maxsplit=5) for line in lines)
     return {f[5].decode(errors="replace") for f in fields if len(f) == 6 and f[5][:1] == b"/"}

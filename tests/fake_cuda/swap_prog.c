@@ -19,16 +19,31 @@
  * while PATH exists (saying "capturing", then "captured"); with SWAP_PROG_THREADS=N,
  * N more threads allocate, fill, launch on, check and free buffers of their own
  * meanwhile, as fast as they can; with SWAP_PROG_BENCH=N it times N launches of an
- * empty kernel first (what a launch costs through whatever is in front of the driver).
+ * empty kernel first (what a launch costs through whatever is in front of the driver);
+ * with SWAP_PROG_SMALL=N it times N live 256-byte cuMemAllocs first (freed again).
+ *
+ * Ways out of the swap library, each off unless set: SWAP_PROG_FORK=1 forks before
+ * anything and runs in the child (the parent waits, never touching CUDA);
+ * SWAP_PROG_UNDUMPABLE=1 makes the process non-dumpable (its /proc/PID/maps unreadable
+ * to others); SWAP_PROG_CUSERID=1 looks up libc's cuserid before the driver is there;
+ * SWAP_PROG_DRIVER=PATH opens the driver by that path, not by name;
+ * SWAP_PROG_CLEARENV=1 clears the environment before cuInit; SWAP_PROG_CLOSE_SOCKETS=1
+ * closes every socket it has once it is ready. With SWAP_PROG_IDLE_CHILD=1 it forks a
+ * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -174,10 +189,63 @@ static double now(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* Runs the rest of main in a child forked without exec; the parent only waits. */
+static void fork_here(void)
+{
+	pid_t child = fork();
+	if (child < 0)
+		exit(4);
+	if (child == 0)
+		return;
+	int status;
+	while (waitpid(child, &status, 0) < 0)
+		;
+	exit(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+}
+
+static void close_sockets(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *e;
+	struct stat st;
+	int mine = d ? dirfd(d) : -1;
+	while (d && (e = readdir(d))) {
+		int fd = atoi(e->d_name);
+		if (fd > 2 && fd != mine && !fstat(fd, &st) && S_ISSOCK(st.st_mode))
+			close(fd);
+	}
+	if (d)
+		closedir(d);
+}
+
+static void time_small_allocs(long n)
+{
+	CUdeviceptr *small = malloc((size_t)n * sizeof *small);
+	if (!small)
+		exit(4);
+	double t0 = now();
+	for (long i = 0; i < n; i++)
+		CHECK(cuMemAlloc(&small[i], 256));
+	printf("s_small_allocs %.3f\n", now() - t0);
+	for (long i = 0; i < n; i++)
+		CHECK(cuMemFree(small[i]));
+	free(small);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2)
 		return 2;
+	/* Read first: SWAP_PROG_CLEARENV clears them all. */
+	const char *threads = getenv("SWAP_PROG_THREADS"), *bench = getenv("SWAP_PROG_BENCH");
+	const char *stop = getenv("SWAP_PROG_STOP"), *capture = getenv("SWAP_PROG_CAPTURE");
+	const char *small = getenv("SWAP_PROG_SMALL"), *idle = getenv("SWAP_PROG_IDLE_CHILD");
+	if (getenv("SWAP_PROG_FORK"))
+		fork_here();
+	if (getenv("SWAP_PROG_UNDUMPABLE") && prctl(PR_SET_DUMPABLE, 0, 0, 0, 0))
+		return 4;
+	if (getenv("SWAP_PROG_CUSERID") && !dlsym(RTLD_DEFAULT, "cuserid"))
+		return 4;
 	double seconds = atof(argv[1]);
 	const char *unswappable = argc > 2 ? argv[2] : "";
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -189,7 +257,8 @@ int main(int argc, char **argv)
 			nanosleep(&tick, NULL);
 	}
 
-	void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+	const char *driver = getenv("SWAP_PROG_DRIVER");
+	void *lib = dlopen(driver ? driver : "libcuda.so.1", RTLD_NOW);
 	if (!lib) {
 		fprintf(stderr, "swap_prog: %s\n", dlerror());
 		return 4;
@@ -241,6 +310,8 @@ int main(int argc, char **argv)
 	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
 
 	void *stream;
+	if (getenv("SWAP_PROG_CLEARENV"))
+		clearenv();
 	CHECK(cuInit(0));
 	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
 	CHECK(cuCtxSetCurrent(ctx));
@@ -327,13 +398,11 @@ int main(int argc, char **argv)
 		CHECK(cuMemcpyHtoD(bufs[b].ptr, host, bufs[b].count * sizeof *host));
 		free(host);
 	}
-	const char *threads = getenv("SWAP_PROG_THREADS");
 	pthread_t workers[16];
 	size_t nworkers = threads ? (size_t)atoi(threads) : 0;
 	for (size_t t = 0; t < nworkers && t < 16; t++)
 		if (pthread_create(&workers[t], NULL, worker, (void *)(uintptr_t)t))
 			return 4;
-	const char *bench = getenv("SWAP_PROG_BENCH");
 	if (bench) {
 		long n = atol(bench);
 		double t0 = now();
@@ -341,12 +410,20 @@ int main(int argc, char **argv)
 			CHECK(launch((void *)nothing, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL));
 		printf("ns_per_launch %.1f\n", (now() - t0) / (double)n * 1e9);
 	}
+	if (small)
+		time_small_allocs(atol(small));
+	if (getenv("SWAP_PROG_CLOSE_SOCKETS"))
+		close_sockets();
+	pid_t idler = idle ? fork() : -1;
+	if (idler == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		for (;;)
+			pause();
+	}
 	printf("ready\n");
 
 	long rounds = 0;
 	double end = now() + seconds;
-	const char *stop = getenv("SWAP_PROG_STOP");
-	const char *capture = getenv("SWAP_PROG_CAPTURE");
 	int capturing = 0;
 	while (now() < end && !(stop && !access(stop, F_OK))) {
 		if (capture && capturing != !access(capture, F_OK)) {
@@ -390,6 +467,8 @@ int main(int argc, char **argv)
 	CHECK(cuMemAddressFree(kept_va, g));
 	CHECK(cuMemUnmap(pool, pool_size));
 	CHECK(cuMemAddressFree(pool, pool_max));
+	if (idler > 0 && (kill(idler, SIGKILL) || waitpid(idler, NULL, 0) < 0))
+		return 4;
 	if (nworkers)
 		printf("worked %ld\n", atomic_load(&worked));
 	printf("done %ld\n", rounds);

@@ -122,11 +122,13 @@ class Rig:
             out.append((int(start), int(end)))
         return out
 
-    def run(self, spawn: Spawn, *args: str, **kw: object) -> subprocess.Popen[str]:
+    def run(
+        self, spawn: Spawn, *args: str, release: str = "swap", **kw: object
+    ) -> subprocess.Popen[str]:
         """``vramlock run --release swap -- swap_prog ARGS``."""
         kw.setdefault("env", self.env)
         return spawn(
-            vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", "swap",
+            vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", release,
                      "--", str(self.fakes.program), *args),
             **kw,
         )  # fmt: skip

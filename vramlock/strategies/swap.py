@@ -3,9 +3,12 @@
 ``prepare`` puts the swap library in front of the command (``LD_PRELOAD``, before
 any the user set) and listens on a unix socket in a private directory, named to
 the command by ``VRAMLOCK_SWAP_SOCKET``. Each process of the command that
-initialises CUDA connects once and says ``hello <pid>``; the hub answers
-``resident``, or ``release`` when the command is released at that moment, so a
-process that starts while another member holds the token never touches the GPU.
+initialises CUDA connects once and says ``hello <pid>``; the hub keeps it only when
+the kernel's pid for the connection (``SO_PEERCRED``) is that pid and a process of
+this run, and answers ``resident``, or ``release`` when the command is released at
+that moment, so a process that starts while another member holds the token never
+touches the GPU. A release is refused while a process of the command has the driver
+loaded without being a connected peer, or cannot be seen (its memory map unreadable).
 
 A release says ``release`` to every process and waits for each to answer:
 
@@ -27,6 +30,7 @@ import os
 import select
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -47,11 +51,20 @@ ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
 # nothing to copy yet.
 HELLO_WITHIN = 2.0
 JOIN_WITHIN = 5.0
+# A process whose connection closed without an answer, and still there this much later,
+# did not exit: it closed the connection itself.
+EXIT_WITHIN = 1.0
+CLOSED = "it closed its connection to vramlock"
+# The name of the mapping the library keeps while its process has not joined (swap.h).
+UNJOINED = "vramlock-swap-unjoined"
 # Releases that failed in a row (each a second apart) before swap is given up as
 # refused: the member then releases another way, or holds the GPU until it exits.
 GIVE_UP_AFTER = 3
 # Virtual memory management came with CUDA 10.2.
 VMM_VERSION = 10020
+SOCKET_NAME = "control"
+MAX_SOCKET_PATH = 108  # a unix socket's address, its final NUL included
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 class Refused(Immovable):
@@ -107,15 +120,18 @@ class Hub:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed: the run is over
-            self._join(LineChannel(conn))
+            pid = _peer_pid(conn)
+            if pid is None or pid not in procfs.descendants(os.getpid()):
+                conn.close()  # a stranger: nothing it says counts
+                continue
+            self._join(pid, LineChannel(conn))
 
-    def _join(self, channel: LineChannel) -> None:
+    def _join(self, pid: int, channel: LineChannel) -> None:
         lines = channel.wait_lines(HELLO_WITHIN)
-        words = lines[0].split() if lines else []
-        if len(words) != 2 or words[0] != "hello" or not words[1].isdigit():
+        if lines[:1] != [f"hello {pid}"]:
             channel.close()  # not ours; if it was, it stays blocked: the safe side
             return
-        peer = Peer(int(words[1]), channel)
+        peer = Peer(pid, channel)
         with self.lock:
             if not self.released:
                 channel.send("resident")
@@ -135,16 +151,34 @@ class Hub:
             self.peers = [p for p in self.peers if not p.channel.closed]
             return bool(self.peers)
 
-    def outsider(self, pids: list[int]) -> int | None:
-        """One of ``pids`` that has the CUDA driver loaded but not the swap library, or
-        not the name of this hub's socket: a release cannot reach it, and it would run
-        on without the token."""
+    def unverified(self, pids: list[int]) -> str | None:
+        """Why a release cannot reach every CUDA process among ``pids``, or None when it
+        can: each that has the CUDA driver loaded, or whose memory map cannot be read,
+        must be connected now as a verified peer, or have the library saying it has not
+        joined yet (its GPU calls wait for the join). One that is neither would run on
+        without the token."""
+        with self.lock:
+            for peer in self.peers:
+                peer.channel.read_lines()  # stale; notices a connection that closed
+            peers = {p.pid for p in self.peers if not p.channel.closed}
         for pid in pids:
-            paths = procfs.mapped(pid)
-            if not any(os.path.basename(p).startswith("libcuda.so") for p in paths):
+            if pid in peers:
                 continue
-            if self.library not in paths or procfs.environ(pid).get(ENV_SOCKET) != self.path:
-                return pid
+            paths = procfs.mapped(pid)
+            if paths is None and procfs.living(pid):
+                return (
+                    f"process {pid} of the command cannot be verified: its memory map cannot"
+                    " be read (a setuid or non-dumpable program)"
+                )
+            if any(os.path.basename(p).startswith("libcuda.so") for p in paths or ()):
+                assert paths is not None
+                if self.library in paths and any(UNJOINED in p for p in paths):
+                    continue  # it runs no GPU call before it joins (told release if it does)
+                return (
+                    f"process {pid} of the command uses CUDA without the swap library (were"
+                    f" LD_PRELOAD or {ENV_SOCKET} removed on the way, or its connection to"
+                    " vramlock closed?)"
+                )
         return None
 
     def tell(self, word: str, *, released: bool) -> list[Peer]:
@@ -203,6 +237,27 @@ def usable() -> str | None:
     return None
 
 
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The pid of the process at the other end, as the kernel saw it connect."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid: int = _UCRED.unpack(creds)[0]
+    return pid if pid > 0 else None
+
+
+def socket_dir() -> str:
+    """A private directory (mode 0700) for the hub's socket, in the temporary directory
+    where its path fits a unix socket's address, else in /tmp."""
+    for base in (None, "/tmp"):
+        directory = tempfile.mkdtemp(prefix="vramlock-swap-", dir=base)
+        if len(os.path.join(directory, SOCKET_NAME).encode()) < MAX_SOCKET_PATH:
+            return directory
+        os.rmdir(directory)
+    raise SwapUnavailable("no directory for its socket has a path short enough")
+
+
 _HUBS: dict[str, Hub] = {}
 
 
@@ -228,7 +283,7 @@ class SwapStrategy(Strategy):
         """Did the command's CUDA processes join this run's hub, and does none of them
         use CUDA without the library? (For ``auto``.)"""
         hub = hub_of(ctx)
-        return hub is not None and hub.joined() and hub.outsider(ctx.child.processes()) is None
+        return hub is not None and hub.joined() and hub.unverified(ctx.child.processes()) is None
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
@@ -239,9 +294,9 @@ class SwapStrategy(Strategy):
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         library = str(library_path())
-        directory = tempfile.mkdtemp(prefix="vramlock-swap-")  # private: mode 0700
+        directory = socket_dir()
         scratch.callback(shutil.rmtree, directory, ignore_errors=True)
-        path = os.path.join(directory, "control")
+        path = os.path.join(directory, SOCKET_NAME)
         hub = Hub(path, library)
         _HUBS[path] = hub
         scratch.callback(_HUBS.pop, path, None)
@@ -253,12 +308,9 @@ class SwapStrategy(Strategy):
         return command
 
     def release(self, deadline: float | None) -> None:
-        outsider = self.hub.outsider(self.ctx.child.processes())
-        if outsider is not None:
-            raise Refused(
-                f"process {outsider} of the command uses CUDA without the swap library (were"
-                f" LD_PRELOAD or {ENV_SOCKET} removed on the way?); it was left running"
-            )
+        why = self.hub.unverified(self.ctx.child.processes())
+        if why is not None:
+            raise Refused(f"{why}; it was left running")
         bad = self._tell("release", "released", deadline)
         if not bad:
             self._failures = 0
@@ -307,11 +359,13 @@ class SwapStrategy(Strategy):
         super().restore()
 
     def _answers(self, peers: list[Peer], deadline: float | None) -> dict[int, list[str]]:
-        """Each live process's answer (its words), by pid; a process that closed its
-        connection (it exited) has none."""
+        """Each live process's answer (its words), by pid. A process that closed its
+        connection without answering has none once it is gone (it exited); one that lives
+        on a while later closed it itself, and can no longer be asked: refused."""
         answers: dict[int, list[str]] = {}
         waiting = {p.channel.fileno(): p for p in peers}
-        while waiting:
+        closing: dict[int, float] = {}  # pid: until when it may still be exiting
+        while waiting or closing:
             if not self.ctx.child.alive:
                 raise ChildExited
             left = None if deadline is None else deadline - time.monotonic()
@@ -324,6 +378,14 @@ class SwapStrategy(Strategy):
                 lines = peer.channel.read_lines()
                 if lines:
                     answers[peer.pid] = lines[0].split() or ["?"]
+                elif peer.channel.closed:
+                    closing[peer.pid] = time.monotonic() + EXIT_WITHIN
                 if lines or peer.channel.closed:
                     del waiting[fd]
+            for pid, until in list(closing.items()):
+                if not self.ctx.child.owns(pid):
+                    del closing[pid]
+                elif time.monotonic() > until:
+                    answers[pid] = ["refused", *CLOSED.split()]
+                    del closing[pid]
         return answers

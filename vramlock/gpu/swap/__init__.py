@@ -2,8 +2,8 @@
 
 A wheel built where a C compiler exists carries the library, compiled at install
 (``libvramlock-swap.so`` beside this file). Anywhere else (a source checkout, a
-wheel built without a compiler) it is compiled once from ``vramlock_swap.c`` into
-the user's cache directory, under a name that changes with the source.
+wheel built without a compiler) it is compiled once from its sources (``*.c``,
+``swap.h``) into the user's cache directory, under a name that changes with any of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ...errors import StrategyError
-from .build import CFLAGS, LIBRARY, SOURCE, BuildError, compiler
+from .build import CFLAGS, HEADER, HERE, LIBRARY, LIBS, SOURCES, BuildError, compiler
 
 __all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]
 
@@ -43,14 +43,16 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     """The library to preload, built first if needed; SwapUnavailable when it cannot be."""
-    packaged = SOURCE.with_name(LIBRARY)
+    packaged = HERE / LIBRARY
     if packaged.is_file():
         return packaged
+    digest = hashlib.sha256(" ".join(CFLAGS + LIBS).encode())
     try:
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()
+        for source in (*SOURCES, HEADER):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
     except OSError as err:
         raise SwapUnavailable(f"the swap library's source is missing ({err.strerror})") from None
-    cached = cache_dir() / f"libvramlock-swap-{digest[:16]}.so"
+    cached = cache_dir() / f"libvramlock-swap-{digest.hexdigest()[:16]}.so"
     if not cached.is_file():
         build(cached)
     return cached

@@ -8,12 +8,17 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("vramlock_swap.c")
+HERE = Path(__file__).parent
+# The library's parts, and the one header they share (swap.h says what each holds).
+PARTS = ("entry", "hooks", "gate", "table", "engine", "control", "record")
+SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
+HEADER = HERE / "swap.h"
 LIBRARY = "libvramlock-swap.so"
 # No CUDA headers or libraries: the library declares the driver types it uses and
 # finds the driver at run time.
 CFLAGS = ("-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra")
-LIBS = ("-ldl", "-lpthread")
+# -z defs: a name one part uses and none defines fails here, not at load.
+LIBS = ("-Wl,-z,defs", "-ldl", "-lpthread")
 TIMEOUT = 120.0
 
 
@@ -39,7 +44,7 @@ def build(target: Path, *extra: str) -> None:
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         done = subprocess.run(
-            [cc, *CFLAGS, *extra, "-o", str(partial), str(SOURCE), *LIBS],
+            [cc, *CFLAGS, *extra, "-o", str(partial), *map(str, SOURCES), *LIBS],
             capture_output=True,
             text=True,
             timeout=TIMEOUT,

@@ -1,0 +1,273 @@
+/*
+ * control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET): `hello <pid>` at
+ * cuInit, then a thread of its own answering `release` and `restore`.
+ */
+#include "swap.h"
+
+/* ---- control ------------------------------------------------------------------ */
+
+static int control_fd = -1;
+/* Read at start: the program may clear its environment before it uses CUDA. */
+static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static int token_fd = -1;
+static dev_t token_dev;
+static ino_t token_ino;
+static int wrapper_pid; /* the process listening at sock_path, as the kernel saw it */
+static unsigned long long wrapper_start;
+static int greeted; /* the wrapper said where we stand */
+static pthread_cond_t greet_cv = PTHREAD_COND_INITIALIZER;
+pthread_once_t connect_once = PTHREAD_ONCE_INIT;
+
+static int send_line(const char *line)
+{
+	char buf[256];
+	int n = snprintf(buf, sizeof buf, "%s\n", line);
+	if (n < 0 || (size_t)n >= sizeof buf)
+		n = (int)sizeof buf - 1, buf[n - 1] = '\n';
+	for (int off = 0; off < n;) {
+		ssize_t w = send(control_fd, buf + off, (size_t)(n - off), MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return -1;
+		off += (int)w;
+	}
+	return 0;
+}
+
+/* Does the token's open file description, the one the command inherited
+ * (VRAMLOCK_TOKEN_FD), hold the token now? 1 yes (exclusive, or shared in a budget
+ * arena), 0 no, -1 cannot tell (no such descriptor, or not that file any more). The
+ * kernel says so in fdinfo, per description: nothing is locked or unlocked here. */
+static int token_held(void)
+{
+	char path[64], info[4096];
+	struct stat st;
+	if (token_fd < 0 || fstat(token_fd, &st) || st.st_dev != token_dev ||
+	    st.st_ino != token_ino)
+		return -1;
+	snprintf(path, sizeof path, "/proc/self/fdinfo/%d", token_fd);
+	if (read_proc(path, info, sizeof info) <= 0)
+		return -1;
+	return strstr(info, "\nlock:") && strstr(info, " FLOCK ") ? 1 : 0;
+}
+
+/* Is the wrapper (the process that listens at the socket) gone, or a zombie? */
+static int wrapper_gone(void)
+{
+	char state;
+	unsigned long long start;
+	return wrapper_pid > 0 && (proc_stat(wrapper_pid, &state, &start) || start != wrapper_start ||
+				   state == 'Z' || state == 'X');
+}
+
+/* With `mu` and the token: the program runs on, its memory back first. */
+static int resume_locked(void)
+{
+	char answer[256] = "restored";
+	if (released)
+		do_restore(answer, sizeof answer);
+	else
+		gate_open_locked();
+	return !strcmp(answer, "restored");
+}
+
+/* The connection to the wrapper is gone: the wrapper died, or the program closed
+ * it. Nobody will say release or restore again, so the token decides: while the
+ * description the command inherited holds it, nobody else is resident (the kernel
+ * frees it only when every copy is closed) and the program runs on, restored; while
+ * it does not, the program's memory stays out and its GPU calls wait until it does.
+ * Gone before the first word, the safe side is the same as released (nothing is on
+ * the GPU yet). */
+static void orphaned(void)
+{
+	int said = 0;
+	pthread_mutex_lock(&mu);
+	int was_released = released;
+	if (!greeted) {
+		atomic_store(&closed, 1);
+		released = 1;
+	}
+	greeted = 1;
+	pthread_cond_broadcast(&greet_cv);
+	for (;;) {
+		int held = token_held();
+		if (held == 1 && resume_locked()) {
+			if (said || was_released)
+				say("vramlock run is out of reach, and the command holds the token:"
+				    " this process's GPU calls go on");
+			break;
+		}
+		if (held < 0 && !released)
+			break; /* resident, and cannot tell: as before, the next release is refused */
+		if (!released) {
+			char answer[256];
+			do_release(answer, sizeof answer, 1);
+		}
+		/* Nobody can hand the token back: the wrapper is gone, or the token cannot
+		 * be seen (it may still be exiting: what closed the connection). */
+		if (held < 0 || wrapper_gone()) {
+			say("vramlock run went away while this process's GPU memory was released:"
+			    " its GPU calls stay blocked for good (end it)");
+			write_orphan_record();
+			break;
+		}
+		said = 1;
+		pthread_mutex_unlock(&mu);
+		struct timespec tick = {0, 20000000};
+		nanosleep(&tick, NULL);
+		pthread_mutex_lock(&mu);
+	}
+	pthread_mutex_unlock(&mu);
+}
+
+static void handle(const char *word)
+{
+	char answer[256] = "";
+	TRACE("vramlock run says %s", word);
+	pthread_mutex_lock(&mu);
+	if (!strcmp(word, "release"))
+		do_release(answer, sizeof answer, 0);
+	else if (!strcmp(word, "restore"))
+		do_restore(answer, sizeof answer);
+	/* `resident` asks nothing: the first word only says the gate may stay open. */
+	if (!greeted)
+		gate_joined_locked(!strcmp(word, "resident"));
+	greeted = 1;
+	pthread_cond_broadcast(&greet_cv);
+	pthread_mutex_unlock(&mu);
+	if (answer[0] && send_line(answer))
+		TRACE("cannot answer %s: %s", word, strerror(errno));
+}
+
+static void *control_thread(void *arg)
+{
+	(void)arg;
+	char buf[512];
+	size_t have = 0;
+	for (;;) {
+		ssize_t n = recv(control_fd, buf + have, sizeof buf - 1 - have, 0);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		have += (size_t)n;
+		char *start = buf, *nl;
+		while ((nl = memchr(start, '\n', (size_t)(buf + have - start)))) {
+			*nl = 0;
+			handle(start);
+			start = nl + 1;
+		}
+		have = (size_t)(buf + have - start);
+		memmove(buf, start, have);
+		if (have == sizeof buf - 1)
+			have = 0; /* a line that long is no word of ours */
+	}
+	orphaned();
+	return NULL;
+}
+
+/* At start, from the environment: whether the library is to act (1), where the
+ * wrapper listens, and which descriptor holds the command's token. */
+int control_setup(void)
+{
+	const char *path = getenv("VRAMLOCK_SWAP_SOCKET");
+	const char *fd = getenv("VRAMLOCK_TOKEN_FD");
+	struct stat st;
+	if (!path || !*path)
+		return 0;
+	/* Too long a path stays empty: connect_control then says so. */
+	if (strlen(path) < sizeof sock_path)
+		memcpy(sock_path, path, strlen(path) + 1);
+	if (fd && *fd && sscanf(fd, "%d", &token_fd) == 1 && !fstat(token_fd, &st)) {
+		token_dev = st.st_dev;
+		token_ino = st.st_ino;
+	} else {
+		token_fd = -1;
+	}
+	return 1;
+}
+
+/* Connects to the wrapper and waits for its first word. Whatever goes wrong, the
+ * process cannot know that its command holds the token: the gate stays closed. */
+void connect_control(void)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	pthread_t t;
+	pthread_attr_t attr;
+	const char *why = NULL;
+	char hello[64];
+
+	control_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (!sock_path[0])
+		why = "the socket path is too long";
+	else if (control_fd < 0)
+		why = strerror(errno);
+	if (!why) {
+		memcpy(addr.sun_path, sock_path, sizeof addr.sun_path);
+		if (connect(control_fd, (struct sockaddr *)&addr, sizeof addr))
+			why = strerror(errno);
+	}
+	struct ucred cred;
+	socklen_t clen = sizeof cred;
+	char state;
+	if (!why && !getsockopt(control_fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) &&
+	    !proc_stat(cred.pid, &state, &wrapper_start))
+		wrapper_pid = cred.pid;
+	snprintf(hello, sizeof hello, "hello %d", (int)getpid());
+	if (!why && send_line(hello))
+		why = strerror(errno);
+	if (!why) {
+		pthread_attr_init(&attr);
+		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+		if (pthread_create(&t, &attr, control_thread, NULL))
+			why = "cannot start the control thread";
+		pthread_attr_destroy(&attr);
+	}
+	pthread_mutex_lock(&mu);
+	if (why) {
+		say("cannot reach vramlock run at %s (%s): GPU calls stay blocked", sock_path, why);
+		atomic_store(&closed, 1);
+		greeted = 1;
+	}
+	while (!greeted)
+		pthread_cond_wait(&greet_cv, &mu);
+	pthread_mutex_unlock(&mu);
+}
+
+/* Joins now, at a forked child's first CUDA use (see after_fork_child). */
+void join_now(void)
+{
+	pthread_once(&connect_once, connect_control);
+}
+
+/* fork: `mu` is taken around it, so that the child's copy of every table is whole. */
+void before_fork(void)
+{
+	pthread_mutex_lock(&mu);
+}
+
+void after_fork_parent(void)
+{
+	pthread_mutex_unlock(&mu);
+}
+
+/* A forked child is a process of its own: its parent's connection and memory are
+ * not its to answer for (the copies of the tables are forgotten, not freed). It
+ * joins as its own peer at its first CUDA use, and no GPU call passes before the
+ * wrapper has said where the command stands. Only the forking thread lives on. */
+void after_fork_child(void)
+{
+	if (control_fd >= 0)
+		close(control_fd);
+	control_fd = -1;
+	pthread_cond_init(&greet_cv, NULL);
+	connect_once = (pthread_once_t)PTHREAD_ONCE_INIT;
+	greeted = 0;
+	if (active) {
+		table_forget();
+		engine_forget();
+	}
+	gate_after_fork(active);
+	pthread_mutex_unlock(&mu);
+}

@@ -1,0 +1,359 @@
+/*
+ * engine.c: the swap itself. A release copies every physical allocation out to
+ * pinned host memory and releases it; a restore creates new physical memory,
+ * maps it at the same addresses and copies back. Both run with `mu` held.
+ */
+#include "swap.h"
+
+/* ---- swapping --------------------------------------------------------------- */
+
+atomic_int captures;
+
+#define COPY_CHUNK (64ULL << 20)
+#define COPY_STREAMS 2
+#define MAX_CONTEXTS 16
+
+/* Streams of our own in each context the copies go through, made once. */
+static struct {
+	CUcontext ctx;
+	CUstream stream[COPY_STREAMS];
+} copy_ctx[MAX_CONTEXTS];
+static size_t ncopy_ctx;
+
+/* In a forked child: the streams are its parent's. */
+void engine_forget(void)
+{
+	ncopy_ctx = 0;
+	atomic_store(&captures, 0);
+}
+
+static CUresult streams_of(CUcontext ctx, CUstream **out)
+{
+	for (size_t i = 0; i < ncopy_ctx; i++)
+		if (copy_ctx[i].ctx == ctx) {
+			*out = copy_ctx[i].stream;
+			return CUDA_SUCCESS;
+		}
+	if (ncopy_ctx == MAX_CONTEXTS)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	CUresult r = real_cuCtxSetCurrent(ctx);
+	for (int k = 0; !r && k < COPY_STREAMS; k++)
+		r = real_cuStreamCreate(&copy_ctx[ncopy_ctx].stream[k], CU_STREAM_NON_BLOCKING);
+	if (r)
+		return r;
+	copy_ctx[ncopy_ctx].ctx = ctx;
+	*out = copy_ctx[ncopy_ctx++].stream;
+	return CUDA_SUCCESS;
+}
+
+/* Syncs every context that owns tracked memory, and every stream of ours. */
+static CUresult sync_all(int ours_only)
+{
+	CUresult r = CUDA_SUCCESS;
+	if (!ours_only) {
+		CUcontext seen[MAX_CONTEXTS];
+		size_t n = 0;
+		for (struct phys *p = physes; p && !r; p = p->next) {
+			size_t k = 0;
+			while (k < n && seen[k] != p->ctx)
+				k++;
+			if (k < n)
+				continue;
+			if (n < MAX_CONTEXTS)
+				seen[n++] = p->ctx;
+			r = real_cuCtxSetCurrent(p->ctx);
+			if (!r)
+				r = real_cuCtxSynchronize();
+		}
+	}
+	for (size_t i = 0; i < ncopy_ctx && !r; i++) {
+		r = real_cuCtxSetCurrent(copy_ctx[i].ctx);
+		for (int k = 0; !r && k < COPY_STREAMS; k++)
+			r = real_cuStreamSynchronize(copy_ctx[i].stream[k]);
+	}
+	return r;
+}
+
+/* Big allocations in chunks on two streams: one stream alone leaves the link idle
+ * between copies. `out`: device to host, else back. */
+static CUresult copy_all(int out)
+{
+	size_t turn = 0;
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->copy_len)
+			continue;
+		CUstream *streams;
+		CUresult r = streams_of(p->ctx, &streams);
+		if (!r)
+			r = real_cuCtxSetCurrent(p->ctx);
+		for (size_t off = 0; !r && off < p->copy_len; off += COPY_CHUNK) {
+			size_t len = p->copy_len - off < COPY_CHUNK ? p->copy_len - off : COPY_CHUNK;
+			CUstream s = streams[turn++ % COPY_STREAMS];
+			char *host = (char *)p->host + off;
+			r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, len, s)
+				: real_cuMemcpyHtoDAsync_v2(p->copy_va + off, host, len, s);
+		}
+		if (r)
+			return r;
+	}
+	return sync_all(1);
+}
+
+/* Where to copy each physical allocation from (or to): a mapping of it, or a
+ * mapping made for the purpose (a handle the program has not mapped). */
+static CUresult find_copy_places(void)
+{
+	for (struct phys *p = physes; p; p = p->next)
+		p->copy_va = p->copy_len = 0;
+	for (size_t i = 0; i < nmaps; i++) {
+		struct phys *p = maps[i].phys;
+		if (!p->copy_len && maps[i].offset == 0) {
+			p->copy_va = maps[i].va;
+			p->copy_len = maps[i].size < p->size ? maps[i].size : p->size;
+		}
+	}
+	for (struct phys *p = physes; p; p = p->next) {
+		if (p->copy_len)
+			continue;
+		size_t g;
+		CUresult r = granularity(p->prop.location.id, &g);
+		if (!r)
+			r = real_cuMemAddressReserve(&p->temp_va, p->size, g, 0, 0);
+		if (r)
+			return r;
+		p->copy_va = p->temp_va;
+		p->copy_len = p->size;
+	}
+	return CUDA_SUCCESS;
+}
+
+static CUresult map_temps(void)
+{
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->temp_va)
+			continue;
+		CUmemAccessDesc access = device_access(p->prop.location.id);
+		CUresult r = real_cuMemMap(p->temp_va, p->size, 0, p->real, 0);
+		if (!r)
+			r = real_cuMemSetAccess(p->temp_va, p->size, &access, 1);
+		if (r)
+			return r;
+	}
+	return CUDA_SUCCESS;
+}
+
+static void drop_temps(void)
+{
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->temp_va)
+			continue;
+		real_cuMemUnmap(p->temp_va, p->size); /* fails harmlessly if never mapped */
+		real_cuMemAddressFree(p->temp_va, p->size);
+		p->temp_va = 0;
+	}
+}
+
+/* Unmaps and releases every physical allocation (contents copied already). */
+static CUresult let_go(void)
+{
+	for (size_t i = 0; i < nmaps; i++) {
+		CUresult r = real_cuMemUnmap(maps[i].va, maps[i].size);
+		if (r)
+			return r;
+	}
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->real)
+			continue;
+		CUresult r = real_cuMemRelease(p->real);
+		if (r)
+			return r;
+		p->real = 0;
+	}
+	return CUDA_SUCCESS;
+}
+
+/* New physical memory at the old addresses, as the program had set its access. */
+static CUresult take_back(void)
+{
+	CUresult r = CUDA_SUCCESS;
+	for (struct phys *p = physes; p && !r; p = p->next) {
+		if (p->real)
+			continue;
+		r = real_cuCtxSetCurrent(p->ctx);
+		if (!r)
+			r = real_cuMemCreate(&p->real, p->size, &p->prop, 0);
+		if (r)
+			p->real = 0;
+	}
+	for (size_t i = 0; i < nmaps && !r; i++) {
+		struct mapping *m = &maps[i];
+		r = real_cuMemMap(m->va, m->size, m->offset, m->phys->real, 0);
+		if (!r && m->naccess)
+			r = real_cuMemSetAccess(m->va, m->size, m->access, m->naccess);
+	}
+	return r;
+}
+
+/* Back to where we were before a swap that failed half-way: whatever is still
+ * mapped stays as it is, whatever was released comes back from its host copy
+ * (complete: releasing starts only once every copy is done). */
+static CUresult undo_release(void)
+{
+	CUresult r = CUDA_SUCCESS;
+	for (struct phys *p = physes; p && !r; p = p->next) {
+		p->lost = !p->real;
+		if (p->lost)
+			r = real_cuMemCreate(&p->real, p->size, &p->prop, 0);
+		if (r)
+			p->real = 0;
+	}
+	for (size_t i = 0; i < nmaps && !r; i++) {
+		struct mapping *m = &maps[i];
+		/* One still mapped fails here, harmlessly: it is what we want. */
+		if (real_cuMemMap(m->va, m->size, m->offset, m->phys->real, 0) == CUDA_SUCCESS &&
+		    m->naccess)
+			r = real_cuMemSetAccess(m->va, m->size, m->access, m->naccess);
+	}
+	if (!r)
+		r = find_copy_places();
+	for (struct phys *p = physes; p; p = p->next)
+		if (!p->lost)
+			p->copy_len = 0; /* its memory never left */
+	if (!r)
+		r = map_temps();
+	if (!r)
+		r = copy_all(0);
+	drop_temps();
+	return r;
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Copies every allocation to pinned host memory (pinned once, kept): the step it
+ * failed at in `step`, the bytes there are in `bytes`. With `mu` and the gate closed. */
+static CUresult copy_out(const char **step, size_t *bytes)
+{
+	CUresult r = CUDA_SUCCESS;
+	*step = "cuMemHostAlloc";
+	for (struct phys *p = physes; p && !r; p = p->next) {
+		/* Pinning needs a context, even for memory every context may use. */
+		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
+			r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
+		if (r)
+			p->host = NULL;
+		*bytes += p->size;
+	}
+	if (!r) {
+		*step = "cuCtxSynchronize";
+		r = sync_all(0);
+	}
+	if (!r) {
+		*step = "finding the allocations";
+		r = find_copy_places();
+	}
+	if (!r) {
+		*step = "mapping an unmapped allocation";
+		r = map_temps();
+	}
+	if (!r) {
+		*step = "copying out";
+		r = copy_all(1);
+	}
+	return r;
+}
+
+/* Answers a `release`. With `mu` held. A release that fails opens the gate again,
+ * unless `stay_closed`. */
+void do_release(char *answer, size_t len, int stay_closed)
+{
+	if (released) {
+		snprintf(answer, len, "released");
+		return;
+	}
+	if (refused[0]) {
+		snprintf(answer, len, "refused %s", refused);
+		return;
+	}
+	double t0 = now_ms();
+	gate_close_locked();
+	if (atomic_load(&captures) > 0) {
+		/* Synchronizing would invalidate the capture: the program's graph would be
+		 * lost. Captures are short; the wrapper asks again. */
+		if (!stay_closed)
+			gate_open_locked();
+		snprintf(answer, len, "failed a CUDA graph is being captured");
+		return;
+	}
+	size_t bytes = 0;
+	const char *step;
+	CUresult r = copy_out(&step, &bytes);
+	double t1 = now_ms();
+	drop_temps();
+	if (!r) {
+		step = "releasing";
+		r = let_go();
+	}
+	if (r) {
+		say("release failed while %s: %s; the program keeps its GPU memory", step, errname(r));
+		CUresult u = undo_release();
+		if (u) {
+			say("and could not be put back as it was (%s): GPU calls stay blocked", errname(u));
+			released = 1; /* never let the program run on memory that is not there */
+		} else if (!stay_closed) {
+			gate_open_locked();
+		}
+		snprintf(answer, len, "failed %s: %s", step, errname(r));
+		return;
+	}
+	released = 1;
+	real_cuCtxSetCurrent(NULL);
+	TRACE("released %zu bytes: copy %.1f ms, release %.1f ms", bytes, t1 - t0, now_ms() - t1);
+	snprintf(answer, len, "released");
+}
+
+/* Answers a `restore`. With `mu` held and the gate closed. */
+void do_restore(char *answer, size_t len)
+{
+	if (!released) {
+		snprintf(answer, len, "restored");
+		return;
+	}
+	double t0 = now_ms();
+	const char *step = "creating and mapping";
+	CUresult r = take_back();
+	if (!r) {
+		step = "finding the allocations";
+		r = find_copy_places();
+	}
+	if (!r) {
+		step = "mapping an unmapped allocation";
+		r = map_temps();
+	}
+	if (!r) {
+		step = "copying back";
+		r = copy_all(0);
+	}
+	drop_temps();
+	if (r) {
+		/* The memory is not all there: the program must not run. Give back what was
+		 * taken so a later restore starts clean. */
+		say("restore failed while %s: %s; GPU calls stay blocked", step, errname(r));
+		for (size_t i = 0; i < nmaps; i++)
+			real_cuMemUnmap(maps[i].va, maps[i].size);
+		for (struct phys *p = physes; p; p = p->next)
+			if (p->real && real_cuMemRelease(p->real) == CUDA_SUCCESS)
+				p->real = 0;
+		snprintf(answer, len, "failed %s: %s", step, errname(r));
+		return;
+	}
+	real_cuCtxSetCurrent(NULL);
+	released = 0;
+	gate_open_locked();
+	TRACE("restored in %.1f ms", now_ms() - t0);
+	snprintf(answer, len, "restored");
+}

@@ -1,0 +1,94 @@
+/*
+ * gate.c: the gate every GPU call passes (swap.h says how it works): what waits
+ * for it to open, and what closes and opens it.
+ */
+#include "swap.h"
+
+pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER; /* the gate's waits and every table */
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
+static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
+atomic_int closed;
+atomic_long inflight;
+/* Not joined yet: the first call through the gate joins. */
+static atomic_int must_join;
+/* The driver lacks what a swap needs: the gate never opens. */
+static int broken;
+/* A mapping whose name tells the wrapper, which reads /proc/PID/maps, that this
+ * process has not joined yet and cannot touch the GPU before it has. */
+static void *marker;
+
+void wake_releaser(void)
+{
+	pthread_mutex_lock(&mu);
+	pthread_cond_broadcast(&drain_cv);
+	pthread_mutex_unlock(&mu);
+}
+
+void wait_for_open_gate(void)
+{
+	gate_leave();
+	if (atomic_load(&must_join))
+		join_now();
+	pthread_mutex_lock(&mu);
+	while (atomic_load(&closed))
+		pthread_cond_wait(&gate_cv, &mu);
+	pthread_mutex_unlock(&mu);
+}
+
+/* With `mu` held: close the gate and wait for every call inside to leave. */
+void gate_close_locked(void)
+{
+	atomic_store(&closed, 1);
+	while (atomic_load(&inflight) > 0)
+		pthread_cond_wait(&drain_cv, &mu);
+}
+
+void gate_open_locked(void)
+{
+	atomic_store(&closed, 0);
+	pthread_cond_broadcast(&gate_cv);
+}
+
+/* Until it joins, a process runs no GPU call: its first one joins (cuInit, or any
+ * call through the gate), and waits for the wrapper's first word. */
+void gate_unjoined(void)
+{
+	atomic_store(&must_join, 1);
+	atomic_store(&closed, 1);
+	int fd = memfd_create(UNJOINED, MFD_CLOEXEC);
+	if (fd >= 0 && !ftruncate(fd, 4096))
+		marker = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+	if (fd >= 0)
+		close(fd);
+}
+
+/* With `mu`, at a joining process's first word: `resident` opens the gate (any other
+ * word is a release, which keeps it closed). */
+void gate_joined_locked(int resident)
+{
+	if (!atomic_exchange(&must_join, 0))
+		return;
+	if (marker && marker != MAP_FAILED)
+		munmap(marker, 4096);
+	marker = NULL;
+	if (resident && !broken)
+		gate_open_locked();
+}
+
+/* The driver cannot be swapped: GPU calls stay blocked for good. */
+void gate_break(void)
+{
+	broken = 1;
+	atomic_store(&closed, 1);
+}
+
+/* In a forked child (only the forking thread lives on): no call is in flight, nobody
+ * waits, and a child that is to join keeps the gate closed until it has. */
+void gate_after_fork(int join)
+{
+	pthread_cond_init(&gate_cv, NULL);
+	pthread_cond_init(&drain_cv, NULL);
+	atomic_store(&inflight, 0);
+	if (join)
+		gate_unjoined();
+}

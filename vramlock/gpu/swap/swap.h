@@ -1,0 +1,295 @@
+/*
+ * libvramlock-swap's one internal header: the driver's types (no CUDA headers are
+ * needed), the state every part shares, and each part's entry points.
+ *
+ * The library, put in front of an unmodified CUDA program (LD_PRELOAD) by
+ * `vramlock run --release swap`, lets the program give its device memory back
+ * while it keeps running, and take it back later at the same addresses:
+ *
+ *  entry.c   set-up, finding the driver, dlsym and cuGetProcAddress: the program
+ *            gets our wrappers for the entry points we care about
+ *  hooks.c   the wrappers: through the gate, allocations served by table.c, and
+ *            what makes a process impossible to swap (refused)
+ *  gate.c    the in-flight counter that blocks GPU work while released
+ *  table.c   allocations (virtual memory management, slabs) and their tables
+ *  engine.c  swapping out to pinned host memory and back in
+ *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
+ *  record.c  the member record a process writes when its wrapper is gone
+ *
+ * Without VRAMLOCK_SWAP_SOCKET the library stays out of the way: every hook
+ * passes straight to the driver.
+ */
+#ifndef VRAMLOCK_SWAP_H
+#define VRAMLOCK_SWAP_H
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- the driver's types, as the CUDA headers declare them ------------------ */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef unsigned long long cuuint64_t;
+typedef unsigned int cuuint32_t;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUfunction;
+typedef void *CUgraphExec;
+typedef void *CUmemoryPool;
+typedef void *CUarray;
+
+typedef struct {
+	int type; /* CU_MEM_LOCATION_TYPE_DEVICE */
+	int id;
+} CUmemLocation;
+
+typedef struct {
+	int type; /* CU_MEM_ALLOCATION_TYPE_PINNED */
+	int requestedHandleTypes;
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+	CUmemLocation location;
+	int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
+} CUmemAccessDesc;
+
+typedef struct {
+	char reserved[64];
+} CUipcMemHandle;
+
+enum {
+	CUDA_SUCCESS = 0,
+	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_OUT_OF_MEMORY = 2,
+	CUDA_ERROR_NOT_INITIALIZED = 3,
+	CUDA_ERROR_INVALID_CONTEXT = 201,
+	CUDA_ERROR_NOT_FOUND = 500,
+	CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+	CU_MEM_LOCATION_TYPE_DEVICE = 1,
+	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+	CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+	CU_MEMHOSTALLOC_PORTABLE = 1,
+	CU_STREAM_NON_BLOCKING = 1,
+	CU_STREAM_CAPTURE_STATUS_NONE = 0,
+	CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2,
+};
+
+/* ---- diagnostics: on failure only, or with VRAMLOCK_SWAP_DEBUG=1 ----------- */
+
+extern int debug_on;
+void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#define TRACE(...)                      \
+	do {                            \
+		if (debug_on)           \
+			say(__VA_ARGS__); \
+	} while (0)
+
+/* ---- entry.c: finding the driver ---------------------------------------------- */
+
+/* Every hooked entry point: the name the driver exports, our wrapper, and where
+ * the real one is kept (hooks.c's table). Filled once libcuda is there. */
+struct hook {
+	const char *name;
+	void *wrapper;
+	void **real;
+};
+extern struct hook hooks[];
+extern const size_t nhooks;
+
+/* Set when the library is to act (VRAMLOCK_SWAP_SOCKET given). */
+extern int active;
+const char *errname(CUresult r);
+int get_ready(void);
+extern atomic_int is_ready;
+EXPORT CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
+EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, int *);
+extern CUresult (*real_cuGetProcAddress)(const char *, void **, int, cuuint64_t);
+extern CUresult (*real_cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t, int *);
+
+/* Every hook asks first: one load once set up (a launch-bound program calls hooks
+ * some hundred thousand times a second). */
+static inline __attribute__((always_inline)) int ready(void)
+{
+	return __builtin_expect(atomic_load_explicit(&is_ready, memory_order_acquire), 1) ||
+	       get_ready();
+}
+
+/* Real driver entry points the library calls itself; the hooked ones among them
+ * are the same pointers as the hook table's (defined in hooks.c). */
+#define DRIVER(X)                                                                                   \
+	X(cuInit, (unsigned), 0)                                                                    \
+	X(cuCtxGetCurrent, (CUcontext *), 0)                                                        \
+	X(cuCtxSetCurrent, (CUcontext), 0)                                                          \
+	X(cuCtxGetDevice, (CUdevice *), 0)                                                          \
+	X(cuCtxSynchronize, (void), 0)                                                              \
+	X(cuDeviceGetCount, (int *), 1)                                                             \
+	X(cuDeviceCanAccessPeer, (int *, CUdevice, CUdevice), 1)                                    \
+	X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice), 0)                                     \
+	X(cuStreamCreate, (CUstream *, unsigned), 0)                                                \
+	X(cuStreamSynchronize, (CUstream), 0)                                                       \
+	X(cuStreamIsCapturing, (CUstream, int *), 1)                                                \
+	X(cuMemHostAlloc, (void **, size_t, unsigned), 0)                                           \
+	X(cuMemFreeHost, (void *), 0)                                                               \
+	X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long), 0) \
+	X(cuMemAddressFree, (CUdeviceptr, size_t), 0)                                               \
+	X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, int), 0)           \
+	X(cuMemCreate,                                                                              \
+	  (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long), \
+	  0)                                                                                        \
+	X(cuMemRelease, (CUmemGenericAllocationHandle), 0)                                          \
+	X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long), \
+	  0)                                                                                        \
+	X(cuMemUnmap, (CUdeviceptr, size_t), 0)                                                     \
+	X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t), 0)                \
+	X(cuMemcpyDtoHAsync_v2, (void *, CUdeviceptr, size_t, CUstream), 0)                         \
+	X(cuMemcpyHtoDAsync_v2, (CUdeviceptr, const void *, size_t, CUstream), 0)                   \
+	X(cuGetErrorString, (CUresult, const char **), 0)
+
+#define DECLARE_DRIVER(name, params, optional) extern CUresult(*real_##name) params;
+DRIVER(DECLARE_DRIVER)
+
+/* ---- gate.c ------------------------------------------------------------------
+ * Open: a call increments `inflight`, sees the gate open and goes on, no lock.
+ * A release sets `closed`, then waits for `inflight` to reach 0. Both sides use
+ * sequentially consistent atomics, so either the caller sees `closed` (and steps
+ * back out) or the releaser sees the caller in flight (and waits for it). */
+
+extern pthread_mutex_t mu; /* the gate's waits and every table */
+extern atomic_int closed;
+extern atomic_long inflight;
+
+/* The fast paths are inlined into every hook; what waits is not. */
+#define INLINE static inline __attribute__((always_inline))
+
+void wake_releaser(void);
+void wait_for_open_gate(void);
+void gate_close_locked(void);
+void gate_open_locked(void);
+/* The name of gate_unjoined's mapping (vramlock/strategies/swap.py looks for it). */
+#define UNJOINED "vramlock-swap-unjoined"
+void gate_unjoined(void);
+void gate_joined_locked(int resident);
+void gate_break(void);
+void gate_after_fork(int join);
+
+INLINE void gate_leave(void)
+{
+	if (__builtin_expect(atomic_fetch_sub(&inflight, 1) == 1 && atomic_load(&closed), 0))
+		wake_releaser();
+}
+
+INLINE void gate_enter(void)
+{
+	for (;;) {
+		atomic_fetch_add(&inflight, 1);
+		if (__builtin_expect(!atomic_load(&closed), 1))
+			return;
+		wait_for_open_gate();
+	}
+}
+
+/* ---- table.c: what the library keeps track of -------------------------------- */
+
+/* One physical allocation: the unit that is copied out and released. */
+struct phys {
+	struct phys *next, *prev;
+	size_t size;
+	CUmemAllocationProp prop;
+	CUcontext ctx;                      /* copies go through this context */
+	CUmemGenericAllocationHandle real;  /* 0 while swapped out */
+	unsigned long long handle;          /* the program's handle (its own VMM), else 0 */
+	int refs;                           /* the program's references to `handle` */
+	int maps;                           /* mappings of it */
+	void *host;                         /* pinned copy, kept from one release to the next */
+	CUdeviceptr copy_va;                /* during a swap: where it is (or was) mapped */
+	size_t copy_len;
+	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
+	int lost;                           /* released by a swap that then failed */
+};
+
+/* A mapping of (part of) a physical allocation at a virtual address. */
+struct mapping {
+	CUdeviceptr va;
+	size_t size, offset;
+	struct phys *phys;
+	CUmemAccessDesc *access; /* as last set by the program (or by us) */
+	size_t naccess;
+};
+
+#define MAX_DEVICES 64
+
+extern struct phys *physes;
+extern struct mapping *maps;
+extern size_t nmaps;
+extern int released;
+extern char refused[160]; /* why this process cannot be swapped, once known */
+
+void refuse(const char *why);
+size_t map_index(CUdeviceptr key);
+struct mapping *mapping_at(CUdeviceptr p);
+int add_mapping(CUdeviceptr va, size_t size, size_t offset, struct phys *p);
+void forget_mappings(CUdeviceptr va, size_t size);
+int set_access(struct mapping *m, const CUmemAccessDesc *desc, size_t n);
+struct phys *phys_by_handle(unsigned long long h);
+struct phys *phys_new(size_t size, const CUmemAllocationProp *prop, CUcontext ctx);
+void phys_destroy(struct phys *p);
+CUmemAccessDesc device_access(CUdevice dev);
+CUresult granularity(CUdevice dev, size_t *g);
+size_t round_up(size_t n, size_t to);
+int region_of(CUdeviceptr p, CUdeviceptr *base, size_t *size);
+int is_own(CUdeviceptr ptr);
+CUresult own_alloc(CUdeviceptr *dptr, size_t size);
+int own_free(CUdeviceptr ptr);
+void table_forget(void);
+
+/* ---- engine.c: swapping ------------------------------------------------------- */
+
+/* Streams capturing a CUDA graph now (a capture starts at the gate only). */
+extern atomic_int captures;
+
+void do_release(char *answer, size_t len, int stay_closed);
+void engine_forget(void);
+void do_restore(char *answer, size_t len);
+
+/* ---- control.c and record.c ---------------------------------------------------- */
+
+extern pthread_once_t connect_once;
+int control_setup(void);
+void connect_control(void);
+void join_now(void);
+void before_fork(void);
+void after_fork_parent(void);
+void after_fork_child(void);
+void write_orphan_record(void);
+ssize_t read_proc(const char *path, char *buf, size_t size);
+int proc_stat(int pid, char *state, unsigned long long *start);
+
+#endif
