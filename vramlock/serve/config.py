@@ -371,6 +371,137 @@ def load(path: str, duration: Duration) -> Config:
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings)
 
 
+class _Entry:
+    """One ``models:`` entry being read: its fields, its macros, where errors point."""
+
+    def __init__(self, reader: _Reader, macros: _Macros, name: str, node: yaml.Node) -> None:
+        self.reader, self.name = reader, name
+        self.where = f"model {name!r}"
+        self.fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, self.where)}
+        reader.check_keys(self.fields, MODEL_KEYS, IGNORED_MODEL, f"{self.where}: ")
+        self.macros = _Macros(reader, macros.values)
+        if "macros" in self.fields:
+            self.macros.define(self.fields["macros"][1])
+        self.filled: dict[str, str] = {}  # ${PORT} and ${MODEL_ID}, once known
+
+    def node(self, key: str) -> yaml.Node:
+        return self.fields[key][1]
+
+    def text(self, key: str) -> str | None:
+        """The field ``key`` as a string, as written; None when absent."""
+        return (
+            self.reader.text(self.node(key), f"{self.where}: {key}") if key in self.fields else None
+        )
+
+    def expanded(self, key: str, text: str, filled: bool = True) -> str:
+        """``text`` (the field ``key``'s) with its macros expanded; with ``filled``,
+        ${PORT} and ${MODEL_ID} too."""
+        node = self.node(key)
+        return self.macros.expand(
+            text, node, f"{self.where}: {key}", self.filled if filled else None
+        )
+
+    def server(self, key: yaml.Node, port: int) -> tuple[list[str], str, str, bool]:
+        """The command, its server's HOST:PORT and path prefix, and whether it takes the
+        automatic port ``port``."""
+        if "cmd" not in self.fields:
+            raise self.reader.fail(
+                key, f"{self.where}: no cmd (the command that starts its server)"
+            )
+        cmd_text = self.expanded("cmd", self.text("cmd") or "", filled=False)
+        proxy = self.text("proxy")
+        proxy_text = (
+            "http://localhost:${PORT}"
+            if proxy is None
+            else self.expanded("proxy", proxy, filled=False)
+        )
+        uses_port = "${PORT}" in cmd_text or "${PORT}" in proxy_text
+        if proxy is None and "${PORT}" not in cmd_text:
+            say = "say where its server listens (proxy: http://127.0.0.1:PORT)"
+            raise self.reader.fail(
+                key, f"{self.where}: no proxy, and its cmd has no ${{PORT}}: {say}"
+            )
+        self.filled = {"PORT": str(port), "MODEL_ID": self.name}
+        cmd_node = self.node("cmd")
+        try:
+            command = _command(self.expanded("cmd", cmd_text))
+        except ValueError as err:
+            raise self.reader.fail(cmd_node, f"{self.where}: cmd: {err}") from None
+        if not command:
+            raise self.reader.fail(cmd_node, f"{self.where}: cmd is empty")
+        proxy_node = self.node("proxy") if proxy is not None else cmd_node
+        url = self.macros.expand(proxy_text, proxy_node, self.where, self.filled)
+        upstream, prefix = _upstream(self.reader, proxy_node, url, self.where)
+        return command, upstream, prefix, uses_port
+
+    def check_endpoint(self) -> str | None:
+        """checkEndpoint: a path, or None for ``none``."""
+        text = self.text("checkEndpoint")
+        if text is None:
+            return DEFAULT_CHECK_ENDPOINT
+        check = self.expanded("checkEndpoint", text)
+        if check == "none":
+            return None
+        if not check.startswith("/"):
+            raise self.reader.fail(
+                self.node("checkEndpoint"), f"{self.where}: checkEndpoint must be /PATH or none"
+            )
+        return check
+
+    def ttl(self, global_ttl: float) -> float:
+        if "ttl" not in self.fields:
+            return global_ttl
+        ttl = self.reader.number(self.node("ttl"), f"{self.where}: ttl", -1)
+        ttl = global_ttl if ttl == -1 else ttl
+        if ttl < 0:
+            raise self.reader.fail(
+                self.node("ttl"), f"{self.where}: ttl must be 0 or more seconds, or -1"
+            )
+        return ttl
+
+    def env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if "env" not in self.fields:
+            return env
+        for item in self.reader.strings(self.node("env"), f"{self.where}: env"):
+            var, eq, value = item.partition("=")
+            if not eq or not var or "\0" in item:
+                raise self.reader.fail(
+                    self.node("env"), f"{self.where}: env entry {item!r} is not NAME=value"
+                )
+            env[var] = self.expanded("env", value)
+        return env
+
+    def run_options(self) -> tuple[list[str], str | None, str | None]:
+        """vramlock run's options from the vramlock keys, and the gpu and arena."""
+        release, preset = self.text("release") or "auto", self.text("preset")
+        run = ["--release", release] + (["--preset", preset] if preset is not None else [])
+        for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
+            if k in self.fields:
+                run += [option, self.reader.seconds(self.node(k), f"{self.where}: {k}")]
+        if "vram" in self.fields:
+            run += ["--vram", self.reader.size(self.node("vram"), f"{self.where}: vram")]
+        gpu, arena = self.text("gpu"), self.text("arena")
+        if gpu is not None and arena is not None:
+            raise self.reader.fail(
+                self.fields["arena"][0], f"{self.where}: give gpu or arena, not both"
+            )
+        if gpu is not None:
+            run += ["--gpu", gpu]
+        if arena is not None:
+            arena = os.path.abspath(os.path.join(os.path.dirname(self.reader.path), arena))
+            run += ["--arena", arena]
+        return run, gpu, arena
+
+    def flag(self, key: str) -> bool:
+        return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        if key not in self.fields:
+            return ()
+        return tuple(self.reader.strings(self.node(key), f"{self.where}: {key}"))
+
+
 def _model(
     reader: _Reader,
     global_macros: _Macros,
@@ -381,78 +512,10 @@ def _model(
     global_ttl: float,
 ) -> tuple[Model, bool]:
     """One ``models:`` entry, and whether it took the automatic port ``port``."""
-    where = f"model {name!r}"
-    fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, where)}
-    reader.check_keys(fields, MODEL_KEYS, IGNORED_MODEL, f"{where}: ")
-    if "cmd" not in fields:
-        raise reader.fail(key, f"{where}: no cmd (the command that starts its server)")
-    macros = _Macros(reader, global_macros.values)
-    if "macros" in fields:
-        macros.define(fields["macros"][1])
-
-    cmd_node = fields["cmd"][1]
-    cmd_text = macros.expand(reader.text(cmd_node, f"{where}: cmd"), cmd_node, f"{where}: cmd")
-    proxy_node = fields.get("proxy", (None, cmd_node))[1]
-    proxy_text = "http://localhost:${PORT}"
-    if "proxy" in fields:
-        proxy_text = macros.expand(reader.text(proxy_node, f"{where}: proxy"), proxy_node, where)
-    uses_port = "${PORT}" in cmd_text or "${PORT}" in proxy_text
-    if "proxy" not in fields and "${PORT}" not in cmd_text:
-        raise reader.fail(key, f"{where}: no proxy, and its cmd has no ${{PORT}}: say where its"
-                               " server listens (proxy: http://127.0.0.1:PORT)")  # fmt: skip
-    filled = {"PORT": str(port), "MODEL_ID": name}
-    try:
-        command = _command(macros.expand(cmd_text, cmd_node, f"{where}: cmd", filled))
-    except ValueError as err:
-        raise reader.fail(cmd_node, f"{where}: cmd: {err}") from None
-    if not command:
-        raise reader.fail(cmd_node, f"{where}: cmd is empty")
-    upstream, prefix = _upstream(
-        reader, proxy_node, macros.expand(proxy_text, proxy_node, where, filled), where
-    )
-
-    check: str | None = DEFAULT_CHECK_ENDPOINT
-    if "checkEndpoint" in fields:
-        check_node = fields["checkEndpoint"][1]
-        check = macros.expand(reader.text(check_node, f"{where}: checkEndpoint"), check_node,
-                              where, filled)  # fmt: skip
-        if check == "none":
-            check = None
-        elif not check.startswith("/"):
-            raise reader.fail(check_node, f"{where}: checkEndpoint must be /PATH or none")
-    ttl = global_ttl
-    if "ttl" in fields:
-        ttl = reader.number(fields["ttl"][1], f"{where}: ttl", -1)
-        ttl = global_ttl if ttl == -1 else ttl
-        if ttl < 0:
-            raise reader.fail(fields["ttl"][1], f"{where}: ttl must be 0 or more seconds, or -1")
-    env: dict[str, str] = {}
-    if "env" in fields:
-        env_node = fields["env"][1]
-        for item in reader.strings(env_node, f"{where}: env"):
-            var, eq, value = item.partition("=")
-            if not eq or not var or "\0" in item:
-                raise reader.fail(env_node, f"{where}: env entry {item!r} is not NAME=value")
-            env[var] = macros.expand(value, env_node, where, filled)
-
-    def opt(k: str) -> str | None:
-        return reader.text(fields[k][1], f"{where}: {k}") if k in fields else None
-
-    release, preset = opt("release") or "auto", opt("preset")
-    run = ["--release", release] + (["--preset", preset] if preset is not None else [])
-    for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
-        if k in fields:
-            run += [option, reader.seconds(fields[k][1], f"{where}: {k}")]
-    if "vram" in fields:
-        run += ["--vram", reader.size(fields["vram"][1], f"{where}: vram")]
-    gpu, arena = opt("gpu"), opt("arena")
-    if gpu is not None and arena is not None:
-        raise reader.fail(fields["arena"][0], f"{where}: give gpu or arena, not both")
-    if gpu is not None:
-        run += ["--gpu", gpu]
-    if arena is not None:
-        arena = os.path.abspath(os.path.join(os.path.dirname(reader.path), arena))
-        run += ["--arena", arena]
+    entry = _Entry(reader, global_macros, name, node)
+    command, upstream, prefix, uses_port = entry.server(key, port)
+    check, ttl, env = entry.check_endpoint(), entry.ttl(global_ttl), entry.env()
+    run, gpu, arena = entry.run_options()
     model = Model(
         name=name,
         line=key.start_mark.line + 1,
@@ -461,17 +524,13 @@ def _model(
         prefix=prefix,
         check_endpoint=check,
         ttl=ttl,
-        aliases=tuple(reader.strings(fields["aliases"][1], f"{where}: aliases"))
-        if "aliases" in fields
-        else (),
+        aliases=entry.strings("aliases"),
         env=env,
-        unlisted=reader.flag(fields["unlisted"][1], f"{where}: unlisted")
-        if "unlisted" in fields
-        else False,
-        title=opt("name"),
-        description=opt("description"),
-        release=release,
-        preset=preset,
+        unlisted=entry.flag("unlisted"),
+        title=entry.text("name"),
+        description=entry.text("description"),
+        release=entry.text("release") or "auto",
+        preset=entry.text("preset"),
         run_options=tuple(run),
         arena=arena,
         gpu=gpu,
