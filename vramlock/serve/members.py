@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable
 
 from ..arena.directory import Arena, parse_gpus
-from ..arena.records import HOLDING
+from ..arena.member import TRANSITIONS
+from ..arena.records import HOLDING, State
 from ..arena.roster import snapshot
+from ..errors import InvalidTransition
 from .config import Config, Model
 
 # How long a wrapper just started may take to listen (Python's start, the arena joined).
@@ -31,14 +33,23 @@ LISTEN_WITHIN = 15.0
 STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
 
-# A model's state, as /v1/models shows it, from its wrapper's member state.
-_SHOWN = {
-    "resident": "resident",
-    "releasing": "resident",
-    "restoring": "loading",
-    "waiting": "waiting",
-    "released": "released",
-}
+_STATES = {s.value: s for s in State}
+
+
+def follow(old: State, seen: State) -> list[State]:
+    """The member's steps from ``old`` to ``seen`` by its transition table, fewest first:
+    serve looks now and then, so the states between two looks go unseen.
+    InvalidTransition when the table allows no way there."""
+    paths: dict[State, list[State]] = {old: []}
+    queue = [old]
+    for state in queue:  # breadth first: queue grows as it is walked
+        if state is seen:
+            return paths[state]
+        for nxt in sorted(TRANSITIONS[state], key=lambda s: s.value):
+            if nxt not in paths:
+                paths[nxt] = [*paths[state], nxt]
+                queue.append(nxt)
+    raise InvalidTransition(old.value, seen.value)
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -76,6 +87,7 @@ class Wrapper:
         self.ttl_timer: asyncio.TimerHandle | None = None
         self.unloading: asyncio.Task[bool] | None = None
         self.listening = False  # its listen address accepted since it was started
+        self.shown = State.RELEASED  # the member's state as last seen
 
     @property
     def where(self) -> list[str]:
@@ -149,12 +161,18 @@ class Wrapper:
             row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
         return None if row is None else row.state
 
-    def state(self) -> str:
-        """resident, released, waiting, loading (starting or restoring) or exited."""
+    def state(self) -> State:
+        """The model's member state: its wrapper's, WAITING before the wrapper joined
+        (it is about to queue for the token), RELEASED when no wrapper runs. Each change
+        goes the member's way (``follow``)."""
         if not self.alive():
-            return "exited"
-        found = self.member_state()
-        return "loading" if found is None else _SHOWN.get(found, "loading")
+            seen = State.RELEASED
+        else:
+            found = self.member_state()
+            seen = State.WAITING if found is None else _STATES.get(found, self.shown)
+        follow(self.shown, seen)
+        self.shown = seen
+        return seen
 
     async def unload(self, timeout: float) -> bool:
         """Release the model now, if it is resident: take the token once as a waiter

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..arena.records import HOLDING
 from .config import Config
 from .members import Wrapper
 from .upstream import Pool
@@ -285,7 +286,7 @@ class Router:
         if m.description is not None:
             entry["description"] = m.description
         entry["aliases"] = list(m.aliases)
-        entry["state"] = w.state()
+        entry["state"] = w.state().value
         return entry
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -293,10 +294,10 @@ class Router:
         return web.json_response({"object": "list", "data": data})
 
     async def running(self, request: web.Request) -> web.Response:
-        states = {name: w.state() for name, w in self.wrappers.items()}
+        states = {name: w.state().value for name, w in self.wrappers.items()}
         running = [
             {"model": name, "state": state, "proxy": f"http://{self.wrappers[name].model.upstream}"}
             for name, state in states.items()
-            if state in ("resident", "loading")
+            if state in HOLDING
         ]
         return web.json_response({"running": running})
