@@ -174,6 +174,38 @@ def test_macros_env_model_macros_and_model_id(
     assert (oss.title, oss.description) == ("gpt-oss 120B", "A thinking model")
 
 
+def test_no_proxy_is_llama_swap_s_default_even_without_port_in_cmd(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          fixed:
+            cmd: some-upstream-server
+          next:
+            cmd: srv --port ${PORT}
+        """)  # fmt: skip
+    fixed, after = config.models.values()
+    # http://localhost:${PORT}: the port is taken whether cmd says it or not
+    assert (fixed.upstream, fixed.command) == ("127.0.0.1:5800", ["some-upstream-server"])
+    assert after.upstream == "127.0.0.1:5801"
+
+
+def test_an_environment_value_is_not_expanded_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SERVE_TEST_ODD", "${PORT}-${env.HOME}-${nope}")
+    config = read(tmp_path, """\
+        macros:
+          odd: "${env.SERVE_TEST_ODD}"
+        models:
+          a:
+            cmd: srv --port ${PORT} --odd ${env.SERVE_TEST_ODD} --macro ${odd}
+            env: ["ODD=${env.SERVE_TEST_ODD}"]
+        """)  # fmt: skip
+    a = config.models["a"]
+    odd = "${PORT}-${env.HOME}-${nope}"
+    assert a.command == ["srv", "--port", "5800", "--odd", odd, "--macro", odd]
+    assert a.env == {"ODD": odd}
+
+
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         models:
@@ -216,7 +248,6 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ("models:\n  a:\n    proxy: http://127.0.0.1:1\n", 2, "model 'a': no cmd"),
         ("- a\n- b\n", 1, "the file must be a mapping with a models: key"),
         ("macros: {}\n", 1, "no models: key"),
-        ("models:\n  a:\n    cmd: srv --port 1\n", 2, "no proxy, and its cmd has no ${PORT}"),
         ("models:\n  a:\n    cmd: srv ${nope}\n", 3, "${nope} is not a defined macro"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    proxy: https://h:1\n", 4,
          "proxy must be an http://HOST:PORT URL"),
@@ -233,10 +264,17 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ('models:\n  a:\n    cmd: srv ${PORT}\n    env: ["A=\\0"]\n', 4, "is not NAME=value"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: .inf\n", 4, "ttl must be a number"),
         ("healthCheckTimeout: .inf\nmodels: {}\n", 1, "healthCheckTimeout must be a number"),
+        ("macros:\n" + "".join(f"  m{i}: ${{m{i - 1}}}${{m{i - 1}}}\n" for i in range(1, 40))
+         .replace("${m0}${m0}", "xx") + "models:\n  a:\n    cmd: srv ${m39}\n",
+         22, "macro m21: its macros expand to more than 1 MiB"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    gpu: one\n", 4,
+         "model 'a': gpu: expected a GPU number"),
+        ('models:\n  a:\n    cmd: srv ${PORT}\n    checkEndpoint: "/health\\r\\nX-A: b"\n', 4,
+         "checkEndpoint must be /PATH (no spaces or control characters)"),
     ],
-    ids=["yaml", "no-cmd", "not-mapping", "no-models", "no-proxy", "macro", "https", "ttl",
+    ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
-         "env-nul", "ttl-inf", "health-inf"],
+         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

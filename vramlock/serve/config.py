@@ -3,8 +3,9 @@
 What llama-swap's keys mean here:
 
 - ``models.NAME``: ``cmd`` (required; lines starting with ``#`` dropped, then split as a
-  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``
-  where the command uses ``${PORT}``), ``checkEndpoint`` (default ``/health``; ``none``),
+  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``,
+  as in llama-swap, whether the command uses ``${PORT}`` or not), ``checkEndpoint``
+  (default ``/health``; ``none``; no spaces or control characters),
   ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
   ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``;
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
@@ -33,6 +34,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from ..arena.directory import parse_gpus
 from ..errors import UsageError
 
 DEFAULT_START_PORT = 5800
@@ -42,6 +44,8 @@ DEFAULT_CHECK_ENDPOINT = "/health"
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
 _RESERVED = frozenset({"PORT", "MODEL_ID"})
+# What one value may expand to: macros that double each other must not exhaust memory.
+MAX_EXPANDED = 1 << 20
 
 # llama-swap's keys that have no meaning here, and why.
 _NO_UI = "vramlock serve has no web UI, metrics or request log"
@@ -278,25 +282,49 @@ class _Macros:
                 raise self.reader.fail(value, f"macros: {name} must be a string or a number")
             self.values[name] = self.expand(str(raw).strip(), value, f"macro {name}")
 
-    def expand(
-        self, text: str, node: yaml.Node, where: str, model: dict[str, str] | None = None
-    ) -> str:
+    def expand(self, text: str, node: yaml.Node, where: str) -> str:
+        """``text`` with its macros expanded, in one pass: what a macro or variable brings
+        in is not expanded again. ``${PORT}`` and ``${MODEL_ID}`` are left as marks for
+        ``fill``. The result is at most ``MAX_EXPANDED`` characters."""
+        if "\0" in text:
+            raise self.reader.fail(node, f"{where}: a NUL character cannot be passed to a program")
+        size = len(text)
+
         def one(m: re.Match[str]) -> str:
-            name = m.group(1)
-            if name.startswith("env."):
-                found = os.environ.get(name[4:])
-                if found is None:
-                    raise self.reader.fail(node, f"{where}: ${{{name}}}: {name[4:]} is not set")
-                return found
-            if model is not None and name in model:
-                return model[name]
-            if model is None and name in _RESERVED:
-                return m.group(0)  # the model fills these in
-            if name in self.values:
-                return self.values[name]
-            raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
+            nonlocal size
+            value = self._value(m.group(1), node, where)
+            size += len(value) - len(m.group(0))
+            if size > MAX_EXPANDED:
+                limit = f"{MAX_EXPANDED >> 20} MiB"
+                raise self.reader.fail(node, f"{where}: its macros expand to more than {limit}")
+            return value
 
         return _MACRO.sub(one, text)
+
+    def _value(self, name: str, node: yaml.Node, where: str) -> str:
+        if name.startswith("env."):
+            found = os.environ.get(name[4:])
+            if found is None:
+                raise self.reader.fail(node, f"{where}: ${{{name}}}: {name[4:]} is not set")
+            return found
+        if name in _RESERVED:
+            return _mark(name)  # the model fills these in
+        if name in self.values:
+            return self.values[name]
+        raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
+
+
+def _mark(name: str) -> str:
+    """Where ``${PORT}`` or ``${MODEL_ID}`` goes, until ``fill``: NUL is refused in the
+    file's text and cannot be in the environment, so no value can look like it."""
+    return f"\0{name}\0"
+
+
+def fill(text: str, model: dict[str, str]) -> str:
+    """``text`` (expanded) with the model's ``${PORT}`` and ``${MODEL_ID}`` filled in."""
+    for name, value in model.items():
+        text = text.replace(_mark(name), value)
+    return text
 
 
 def _command(text: str) -> list[str]:
@@ -374,7 +402,9 @@ def load(path: str, duration: Duration) -> Config:
 class _Entry:
     """One ``models:`` entry being read: its fields, its macros, where errors point."""
 
-    def __init__(self, reader: _Reader, macros: _Macros, name: str, node: yaml.Node) -> None:
+    def __init__(
+        self, reader: _Reader, macros: _Macros, name: str, node: yaml.Node, port: int
+    ) -> None:
         self.reader, self.name = reader, name
         self.where = f"model {name!r}"
         self.fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, self.where)}
@@ -382,7 +412,7 @@ class _Entry:
         self.macros = _Macros(reader, macros.values)
         if "macros" in self.fields:
             self.macros.define(self.fields["macros"][1])
-        self.filled: dict[str, str] = {}  # ${PORT} and ${MODEL_ID}, once known
+        self.filled = {"PORT": str(port), "MODEL_ID": name}
 
     def node(self, key: str) -> yaml.Node:
         return self.fields[key][1]
@@ -393,44 +423,37 @@ class _Entry:
             self.reader.text(self.node(key), f"{self.where}: {key}") if key in self.fields else None
         )
 
-    def expanded(self, key: str, text: str, filled: bool = True) -> str:
-        """``text`` (the field ``key``'s) with its macros expanded; with ``filled``,
-        ${PORT} and ${MODEL_ID} too."""
-        node = self.node(key)
-        return self.macros.expand(
-            text, node, f"{self.where}: {key}", self.filled if filled else None
-        )
+    def marked(self, key: str, text: str) -> str:
+        """``text`` (the field ``key``'s) with its macros expanded, ${PORT} and
+        ${MODEL_ID} marked (see ``fill``)."""
+        return self.macros.expand(text, self.node(key), f"{self.where}: {key}")
 
-    def server(self, key: yaml.Node, port: int) -> tuple[list[str], str, str, bool]:
+    def expanded(self, key: str, text: str) -> str:
+        """``text`` (the field ``key``'s) with its macros expanded, ${PORT} and
+        ${MODEL_ID} filled in."""
+        return fill(self.marked(key, text), self.filled)
+
+    def server(self, key: yaml.Node) -> tuple[list[str], str, str, bool]:
         """The command, its server's HOST:PORT and path prefix, and whether it takes the
-        automatic port ``port``."""
+        automatic port (llama-swap's default proxy does, as does a cmd with ${PORT})."""
         if "cmd" not in self.fields:
             raise self.reader.fail(
                 key, f"{self.where}: no cmd (the command that starts its server)"
             )
-        cmd_text = self.expanded("cmd", self.text("cmd") or "", filled=False)
+        cmd_text = self.marked("cmd", self.text("cmd") or "")
         proxy = self.text("proxy")
-        proxy_text = (
-            "http://localhost:${PORT}"
-            if proxy is None
-            else self.expanded("proxy", proxy, filled=False)
-        )
-        uses_port = "${PORT}" in cmd_text or "${PORT}" in proxy_text
-        if proxy is None and "${PORT}" not in cmd_text:
-            say = "say where its server listens (proxy: http://127.0.0.1:PORT)"
-            raise self.reader.fail(
-                key, f"{self.where}: no proxy, and its cmd has no ${{PORT}}: {say}"
-            )
-        self.filled = {"PORT": str(port), "MODEL_ID": self.name}
-        cmd_node = self.node("cmd")
+        if proxy is None:
+            proxy_text, proxy_node = f"http://localhost:{_mark('PORT')}", self.node("cmd")
+        else:
+            proxy_text, proxy_node = self.marked("proxy", proxy), self.node("proxy")
+        uses_port = _mark("PORT") in cmd_text + proxy_text
         try:
-            command = _command(self.expanded("cmd", cmd_text))
+            command = _command(fill(cmd_text, self.filled))
         except ValueError as err:
-            raise self.reader.fail(cmd_node, f"{self.where}: cmd: {err}") from None
+            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd: {err}") from None
         if not command:
-            raise self.reader.fail(cmd_node, f"{self.where}: cmd is empty")
-        proxy_node = self.node("proxy") if proxy is not None else cmd_node
-        url = self.macros.expand(proxy_text, proxy_node, self.where, self.filled)
+            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd is empty")
+        url = fill(proxy_text, self.filled)
         upstream, prefix = _upstream(self.reader, proxy_node, url, self.where)
         return command, upstream, prefix, uses_port
 
@@ -442,9 +465,10 @@ class _Entry:
         check = self.expanded("checkEndpoint", text)
         if check == "none":
             return None
-        if not check.startswith("/"):
+        if not check.startswith("/") or not check.isprintable() or " " in check:
+            path = "/PATH (no spaces or control characters)"
             raise self.reader.fail(
-                self.node("checkEndpoint"), f"{self.where}: checkEndpoint must be /PATH or none"
+                self.node("checkEndpoint"), f"{self.where}: checkEndpoint must be {path} or none"
             )
         return check
 
@@ -487,6 +511,10 @@ class _Entry:
                 self.fields["arena"][0], f"{self.where}: give gpu or arena, not both"
             )
         if gpu is not None:
+            try:
+                parse_gpus(gpu, "gpu")
+            except UsageError as err:
+                raise self.reader.fail(self.node("gpu"), f"{self.where}: {err}") from None
             run += ["--gpu", gpu]
         if arena is not None:
             arena = os.path.abspath(os.path.join(os.path.dirname(self.reader.path), arena))
@@ -512,8 +540,8 @@ def _model(
     global_ttl: float,
 ) -> tuple[Model, bool]:
     """One ``models:`` entry, and whether it took the automatic port ``port``."""
-    entry = _Entry(reader, global_macros, name, node)
-    command, upstream, prefix, uses_port = entry.server(key, port)
+    entry = _Entry(reader, global_macros, name, node, port)
+    command, upstream, prefix, uses_port = entry.server(key)
     check, ttl, env = entry.check_endpoint(), entry.ttl(global_ttl), entry.env()
     run, gpu, arena = entry.run_options()
     model = Model(
