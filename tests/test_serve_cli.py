@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Spawn, free_port, vramlock
@@ -165,4 +166,52 @@ def test_a_model_that_never_gets_healthy_fails_without_its_503(
     # held while /health said 503, then serve's own answer: the engine's 503 never
     assert reply.status == 502, body
     assert body["error"]["message"].startswith("model m: its server did not answer")
+    # the cause, not a bare errno
+    assert "/health on 127.0.0.1:" in body["error"]["message"]
+    assert "answered 503 (no 2xx within healthCheckTimeout, 1 s)" in body["error"]["message"]
     assert time.monotonic() - started < 10
+
+
+def serve_on(spawn: Spawn, path: Path, arena: Path) -> int:
+    """serve started on ``path``; its port, once it serves."""
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+    return port
+
+
+def ask(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def test_a_command_not_found_is_said_in_the_502(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = config(tmp_path, "models:\n  m:\n    cmd: vramlock-test-no-such-command ${PORT}\n"
+                            "    release: restart\n")  # fmt: skip
+    status, body = ask(serve_on(spawn, path, arena), "POST", "/v1/completions", b'{"model": "m"}')
+    assert status == 502
+    assert body["error"]["message"] == (
+        "model m: its server did not answer: its wrapper exited with status 127 (command not found)"
+    )
+
+
+def test_unknown_routes_and_models_answer_openai_json(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    hidden = "  secret:\n    cmd: sleep 60 ${PORT}\n    release: restart\n    unlisted: true\n"
+    port = serve_on(spawn, config(tmp_path, GOOD + hidden), arena)
+    status, body = ask(port, "GET", "/no/such/route")
+    assert status == 404
+    assert body["error"] == {"code": 404, "message": "GET /no/such/route: no such route",
+                             "type": "invalid_request_error", "param": None}  # fmt: skip
+    status, body = ask(port, "DELETE", "/models/unload")
+    assert (status, body["error"]["message"]) == (404, "DELETE /models/unload: no such route")
+    # an unlisted model is served, not told of
+    status, body = ask(port, "POST", "/v1/completions", b'{"model": "nope"}')
+    assert (status, body["models"]) == (404, ["m"])

@@ -138,8 +138,10 @@ class Config:
         return next((m for m in self.models.values() if name in m.aliases), None)
 
     def known(self) -> list[str]:
-        """Every name a request may use: models, then aliases."""
-        return [*self.models, *(a for m in self.models.values() for a in m.aliases)]
+        """The names a 404 may tell: listed models, then their aliases (an unlisted
+        model is served, not told of)."""
+        listed = [m for m in self.models.values() if not m.unlisted]
+        return [*(m.name for m in listed), *(a for m in listed for a in m.aliases)]
 
 
 Duration = Callable[[str, str], float]

@@ -24,6 +24,7 @@ from ..arena.member import TRANSITIONS
 from ..arena.records import HOLDING, State
 from ..arena.roster import snapshot
 from ..errors import InvalidTransition
+from ..net.address import parse
 from .config import Config, Model
 
 # How long a wrapper just started may take to listen (Python's start, the arena joined).
@@ -32,6 +33,12 @@ LISTEN_WITHIN = 15.0
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
+# When a wrapper cut a request, how long it may take to exit (then its status says why),
+# and how long its server's checkEndpoint is given to say what it answers.
+EXIT_WITHIN = 0.5
+HEALTH_ASK_WITHIN = 2.0
+# What vramlock run's own exit statuses mean.
+_EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
 _STATES = {s.value: s for s in State}
 
@@ -149,6 +156,47 @@ class Wrapper:
                 continue
             writer.close()
             self.listening = True
+
+    async def cause(self, err: OSError) -> str:
+        """Why the wrapper gave no answer, in words: its exit status (what 126 and 127
+        mean), else what its server's checkEndpoint answers now, else ``err``."""
+        if self.proc is None:
+            return (err.strerror or str(err)).lower()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            # A wrapper that cut the connection may be ending: its status says why.
+            await asyncio.to_thread(self.proc.wait, EXIT_WITHIN)
+        if not self.alive():
+            code = self.proc.returncode
+            return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+        if self.ready_url is not None:
+            return await self._health(self.ready_url, err)
+        return (err.strerror or str(err)).lower()
+
+    async def _health(self, path: str, err: OSError) -> str:
+        """What ``GET path`` on the model's server answers now."""
+        what = f"GET {path} on {self.model.upstream}"
+        try:
+            line = await asyncio.wait_for(self._ask(path), HEALTH_ASK_WITHIN)
+        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s"
+        except OSError as failed:
+            return f"{what}: {(failed.strerror or str(failed)).lower()}"
+        parts = line.decode("latin-1").split()
+        status = parts[1][:20] if len(parts) > 1 else "no status"
+        if status.startswith("2"):
+            return f"{what} answers {status} now; the request was cut: {err}"
+        within = f"healthCheckTimeout, {self.config.health_timeout:g} s"
+        return f"{what} answered {status} (no 2xx within {within})"
+
+    async def _ask(self, path: str) -> bytes:
+        host, port = parse(self.model.upstream, "proxy")
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.model.upstream}\r\n"
+                         "Connection: close\r\n\r\n".encode())  # fmt: skip
+            return await reader.readline()
+        finally:
+            writer.close()
 
     def arena(self) -> Arena:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()

@@ -129,7 +129,9 @@ class Turns:
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
-    body = {"error": {"code": status, "message": message}, **extra}
+    """An error as the OpenAI API answers one (``error.message`` and ``error.type``)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
     return web.json_response(body, status=status)
 
 
@@ -150,6 +152,7 @@ class Router:
         r.add_post("/models/unload/{model}", self.unload_one)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         r.add_post("/{path:.*}", self.by_model)
+        r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
 
     async def _close(self, app: web.Application) -> None:
@@ -214,7 +217,8 @@ class Router:
         try:
             up = await pool.request(request.method, path, headers, body)
         except OSError as err:
-            return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+            cause = await w.cause(err)
+            return _error(502, f"model {w.model.name}: its server did not answer: {cause}")
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         try:
             if up.length is not None and up.length <= WHOLE:
@@ -272,6 +276,9 @@ class Router:
         tasks = {name: self._unload(w) for name, w in self.wrappers.items()}
         done = {name: await task for name, task in tasks.items()}
         return web.json_response({"released": [name for name, ok in done.items() if ok]})
+
+    async def no_route(self, request: web.Request) -> web.Response:
+        return _error(404, f"{request.method} {request.path}: no such route")
 
     # -- what is there -------------------------------------------------------------
 
