@@ -81,6 +81,28 @@ def test_unknown_key_warns_and_serve_runs(spawn: Spawn, tmp_path: Path, arena: P
     assert proc.wait(30) == 0
 
 
+def test_llama_swap_s_command_line(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    """--config FILE and --listen :PORT, as llama-swap takes them."""
+    port = free_port()
+    proc = spawn(vramlock("serve", "--config", str(config(tmp_path, GOOD)), "--listen", f":{port}"),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == f"vramlock: serving m on port {port} of every interface\n"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() == b"OK"
+    conn.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_the_configuration_once(errcli: ErrCli, tmp_path: Path, twice: bool) -> None:
+    path = str(config(tmp_path, GOOD))
+    args = [path, "--config", path] if twice else []
+    expect_error(errcli("serve", *args), 2, "give the configuration file once: CONFIG or --config")
+
+
 def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: Path) -> None:
     # aiohttp made unimportable, as where the serve extra is not installed
     code = "import sys; sys.modules['aiohttp'] = None; from vramlock.cli import main; main()"

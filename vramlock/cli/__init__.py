@@ -736,23 +736,36 @@ def _demo_live(show: Demo) -> None:
 @app.command()
 def serve(
     config: Annotated[
-        str,
+        str | None,
         typer.Argument(
             metavar="CONFIG", help="llama-swap's YAML configuration file.", show_default=False
         ),
-    ],
+    ] = None,
+    config_option: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            metavar="FILE",
+            help="The configuration file, as llama-swap takes it (instead of CONFIG).",
+            show_default=False,
+        ),
+    ] = None,
     listen: Annotated[
         str,
         typer.Option(
             metavar="ADDR",
-            help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1).",
+            help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, PORT on 127.0.0.1, or"
+            " :PORT on every interface).",
         ),
     ] = "127.0.0.1:8080",
 ) -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
     from ..serve import serve as serve_models
 
-    raise typer.Exit(serve_models(config, listen, duration=parse_duration, warn=_warn))
+    paths = [p for p in (config, config_option) if p is not None]
+    if len(paths) != 1:
+        raise UsageError("give the configuration file once: CONFIG or --config FILE")
+    raise typer.Exit(serve_models(paths[0], listen, duration=parse_duration, warn=_warn))
 
 
 def _version(value: bool) -> None:

@@ -43,11 +43,13 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
     config = load(path, duration)
     for message in config.warnings:
         warn(message)
-    host, port = parse(listen, "--listen")
+    # llama-swap's :PORT: every interface (the port checked as any address's).
+    every = listen.startswith(":")
+    host, port = parse(f"0.0.0.0{listen}" if every else listen, "--listen")
     wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
-    return asyncio.run(_main(config, wrappers, listen, host, port, warn))
+    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, warn))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -103,10 +105,11 @@ async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
     listen: str,
-    host: str,
+    host: str | None,
     port: int,
     warn: Callable[[str], None],
 ) -> int:
+    """Serve until told to end; ``host`` None: every interface."""
     from aiohttp import web
 
     from ..net.address import show
@@ -138,7 +141,8 @@ async def _main(
     try:
         for w in wrappers.values():
             w.start()
-        warn(f"serving {', '.join(wrappers)} at http://{show((host, port))}")
+        where = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
+        warn(f"serving {', '.join(wrappers)} {where}")
         await stop.wait()
     finally:
         await runner.cleanup()
