@@ -206,6 +206,28 @@ def test_an_environment_value_is_not_expanded_again(
     assert a.env == {"ODD": odd}
 
 
+def test_preload_names_models_or_aliases(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            aliases: [first]
+          b:
+            cmd: srv --port ${PORT}
+        hooks:
+          on_startup:
+            preload: [first, nope, a]
+            later: [b]
+        """)  # fmt: skip
+    assert config.preload == ("a",)
+    path = tmp_path / "config.yaml"
+    assert config.warnings == [
+        f"{path}:10: hooks.on_startup: unknown key later ignored",
+        f"{path}:9: hooks.on_startup.preload: no model 'nope'; not preloaded",
+    ]
+    assert read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT}\n").preload == ()
+
+
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         models:

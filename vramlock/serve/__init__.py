@@ -1,6 +1,7 @@
 """``vramlock serve CONFIG``: every model of a llama-swap configuration at one address.
 
 Each model runs under its own ``vramlock run --demand listen`` wrapper (``members``),
+started on the model's first request (or with serve: ``hooks.on_startup.preload``),
 a member of the arena like any other; the router (``router``) takes the OpenAI API at
 one address and passes each request to its model's wrapper. Needs the ``serve`` extra
 (aiohttp, PyYAML); nothing else in vramlock imports this package.
@@ -139,8 +140,8 @@ async def _main(
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(s, stop.set)
     try:
-        for w in wrappers.values():
-            w.start()
+        for name in config.preload:  # the others start on their first request
+            wrappers[name].start()
         where = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
         warn(f"serving {', '.join(wrappers)} {where}")
         await stop.wait()

@@ -10,7 +10,8 @@ What llama-swap's keys mean here:
   ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``;
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
-  ``globalTTL``.
+  ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
+  starts on its first request).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
@@ -66,7 +67,6 @@ IGNORED_TOP = {
     "performance": _NO_UI,
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
-    "hooks": "every model's wrapper starts at once and queues for the token",
     "peers": "only the models listed here are served",
     "apiKeys": "no authentication: listen on loopback, or put an authenticating proxy in front",
     "profiles": _UNCHANGED,
@@ -84,7 +84,7 @@ IGNORED_MODEL = {
     "concurrencyLimit": "requests queue in the model's server",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
-TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL"})
+TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks"})
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "release", "preset", "min_hold", "yield_within", "vram", "gpu",
@@ -129,19 +129,24 @@ class Config:
     models: dict[str, Model]
     health_timeout: float
     warnings: list[str]
+    preload: tuple[str, ...] = ()  # models started with serve; others on their first request
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
-        found = self.models.get(name)
-        if found is not None:
-            return found
-        return next((m for m in self.models.values() if name in m.aliases), None)
+        return _find(self.models, name)
 
     def known(self) -> list[str]:
         """The names a 404 may tell: listed models, then their aliases (an unlisted
         model is served, not told of)."""
         listed = [m for m in self.models.values() if not m.unlisted]
         return [*(m.name for m in listed), *(a for m in listed for a in m.aliases)]
+
+
+def _find(models: dict[str, Model], name: str) -> Model | None:
+    found = models.get(name)
+    if found is not None:
+        return found
+    return next((m for m in models.values() if name in m.aliases), None)
 
 
 Duration = Callable[[str, str], float]
@@ -378,10 +383,19 @@ def load(path: str, duration: Duration) -> Config:
         health = reader.number(top["healthCheckTimeout"][1], "healthCheckTimeout", 1)
     global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
 
+    models = _models(reader, macros, top["models"][1], start_port, global_ttl)
+    preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
+    return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
+                  preload=preload)  # fmt: skip
+
+
+def _models(
+    reader: _Reader, macros: _Macros, models_node: yaml.Node, start_port: int, global_ttl: float
+) -> dict[str, Model]:
+    """The ``models:`` entries, each taking the next automatic port it uses."""
     models: dict[str, Model] = {}
     names: dict[str, int] = {}  # model names and aliases -> line, for clashes
     next_port = start_port
-    models_node = top["models"][1]
     entries = reader.pairs(models_node, "models")
     if not entries:
         raise reader.fail(models_node, "models: is empty")
@@ -398,7 +412,28 @@ def load(path: str, duration: Duration) -> Config:
                 raise reader.fail(node, f"model {name!r}: {taken}")
             names[alias] = line
         models[name] = model
-    return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings)
+    return models
+
+
+def _preload(reader: _Reader, node: yaml.Node, models: dict[str, Model]) -> tuple[str, ...]:
+    """``hooks.on_startup.preload``: the models started with serve (names or aliases)."""
+    hooks = {name: (key, value) for name, key, value in reader.pairs(node, "hooks")}
+    reader.check_keys(hooks, frozenset({"on_startup"}), {}, "hooks: ")
+    if "on_startup" not in hooks:
+        return ()
+    start = {n: (k, v) for n, k, v in reader.pairs(hooks["on_startup"][1], "hooks.on_startup")}
+    reader.check_keys(start, frozenset({"preload"}), {}, "hooks.on_startup: ")
+    if "preload" not in start:
+        return ()
+    out: list[str] = []
+    preload = start["preload"][1]
+    for name in reader.strings(preload, "hooks.on_startup.preload"):
+        found = _find(models, name)
+        if found is None:
+            reader.warn(preload, f"hooks.on_startup.preload: no model {name!r}; not preloaded")
+        elif found.name not in out:
+            out.append(found.name)
+    return tuple(out)
 
 
 class _Entry:
