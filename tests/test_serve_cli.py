@@ -223,6 +223,31 @@ def test_a_command_not_found_is_said_in_the_502(spawn: Spawn, tmp_path: Path, ar
     )
 
 
+def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    from vramlock.serve.router import MAX_BODY
+
+    port = serve_on(spawn, config(tmp_path, GOOD), arena)
+    message = f"the request body is over {MAX_BODY >> 20} MiB"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        # said from Content-Length, before any of the body is read
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % (MAX_BODY + 1))  # fmt: skip
+        head, _, body = s.recv(65536).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 ")
+        assert json.loads(body)["error"]["message"] == message
+    # chunked: refused once it is over, not held whole
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        chunks = (b"x" * (1 << 20) for _ in range((MAX_BODY >> 20) + 1))
+        conn.request("POST", "/upstream/m/x", body=chunks, encode_chunked=True)
+        reply = conn.getresponse()
+        assert (reply.status, json.loads(reply.read())["error"]["message"]) == (413, message)
+    except (BrokenPipeError, ConnectionResetError):
+        pytest.fail("serve cut the connection instead of answering 413")
+    finally:
+        conn.close()
+
+
 def test_unknown_routes_and_models_answer_openai_json(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:

@@ -32,6 +32,9 @@ LINGER = 0.1
 # A response of known length up to this size is read whole and sent in one write;
 # others (streams, chunked, large) are passed on chunk by chunk as they come.
 WHOLE = 1 << 20
+# A request body larger than this is refused (413): bodies are read whole, to find the
+# model, and several large ones at once must not exhaust memory.
+MAX_BODY = 64 << 20
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -135,6 +138,18 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def _body(request: web.Request) -> bytes | web.Response:
+    """The request's body, or a 413 when it is over ``MAX_BODY`` (said before any of it
+    is read where Content-Length tells)."""
+    too_large = _error(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    if (request.content_length or 0) > MAX_BODY:
+        return too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return too_large
+
+
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
@@ -143,7 +158,7 @@ class Router:
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
         self.pools: dict[str, Pool] = {}
-        self.app = web.Application(client_max_size=1 << 30)
+        self.app = web.Application(client_max_size=MAX_BODY)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.list_models)
@@ -171,7 +186,9 @@ class Router:
     # -- forwarding ----------------------------------------------------------------
 
     async def by_model(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        body = await _body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             name = json.loads(body).get("model")
         except (ValueError, AttributeError, RecursionError):  # RecursionError: nested deep
@@ -212,7 +229,10 @@ class Router:
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         if body is None:
-            body = await request.read()
+            read = await _body(request)
+            if isinstance(read, web.Response):
+                return read
+            body = read
         pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
             up = await pool.request(request.method, path, headers, body)
