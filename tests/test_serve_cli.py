@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, free_port, vramlock
+from conftest import Spawn, free_port, vramlock, who_json
 from test_cli_errors import ErrCli, expect_error
 
 pytest.importorskip("aiohttp")
@@ -221,6 +221,48 @@ def test_a_command_not_found_is_said_in_the_502(spawn: Spawn, tmp_path: Path, ar
     assert body["error"]["message"] == (
         "model m: its server did not answer: its wrapper exited with status 127 (command not found)"
     )
+
+
+# A server no preset knows (auto finds no way to release it): answers with its pid.
+PLAIN = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = str(os.getpid()).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_model_auto_cannot_release_is_restarted_for_another(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    model = f"    cmd: {sys.executable} {script} ${{PORT}}\n    checkEndpoint: none\n"
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  a:\n{model}  b:\n{model}")
+    port = serve_on(spawn, path, arena)
+
+    def pid(name: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": name}))
+            reply = conn.getresponse()
+            assert reply.status == 200
+            return int(reply.read())
+        finally:
+            conn.close()
+
+    first = pid("a")
+    assert [r["strategy"] for r in who_json(arena)] == ["auto:none"]
+    pid("b")  # not held for good behind a: a was ended first
+    assert not os.path.exists(f"/proc/{first}")
+    assert pid("a") != first  # started again on its next request
 
 
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:

@@ -19,10 +19,11 @@ import sys
 import time
 from collections.abc import Callable
 
+from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
 from ..arena.member import TRANSITIONS
 from ..arena.records import HOLDING, State
-from ..arena.roster import snapshot
+from ..arena.roster import Row, snapshot
 from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
@@ -37,6 +38,8 @@ _PR_SET_PDEATHSIG = 1
 # and how long its server's checkEndpoint is given to say what it answers.
 EXIT_WITHIN = 0.5
 HEALTH_ASK_WITHIN = 2.0
+# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
+_CANNOT_RELEASE = "auto:none"
 # What vramlock run's own exit statuses mean.
 _EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
@@ -202,12 +205,33 @@ class Wrapper:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
         return Arena.open(self.model.arena, min(gpus) if gpus else None)
 
-    def member_state(self) -> str | None:
-        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+    def _row(self) -> Row | None:
+        """The wrapper's row in ``vramlock who``; None before it joined."""
         assert self.proc is not None
         with contextlib.closing(self.arena()) as opened:
-            row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+            return next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+
+    def member_state(self) -> str | None:
+        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+        row = self._row()
         return None if row is None else row.state
+
+    def holds_for_good(self) -> bool:
+        """The wrapper holds the token alone and cannot release it: ``auto`` found no way
+        (the arena has no budget, under which others could be resident beside it)."""
+        if not self.alive():
+            return False
+        row = self._row()
+        if row is None or row.state not in HOLDING or row.strategy != _CANNOT_RELEASE:
+            return False
+        with contextlib.closing(self.arena()) as opened:
+            return read_budget(opened) is None
+
+    async def restart(self) -> None:
+        """End the wrapper and its command, as llama-swap ends a model for another: it
+        starts again on its next request."""
+        await asyncio.to_thread(stop_all, [self])
+        self.proc = None  # ended on purpose: nothing to warn about when it starts again
 
     def state(self) -> State:
         """The model's member state: its wrapper's, WAITING before the wrapper joined

@@ -217,12 +217,23 @@ class Router:
             w.ttl_timer.cancel()
             w.ttl_timer = None
         try:
+            await self._make_room(w)
             await w.ensure_running()
             return await self._pass(request, w, path, body)
         finally:
             w.in_flight -= 1
             turns.leave()
             self._arm_ttl(w)
+
+    async def _make_room(self, w: Wrapper) -> None:
+        """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
+        to release it) would make ``w`` wait forever: it is restarted, as llama-swap
+        does to every model. Its turn is over (``Turns``): none of its requests runs."""
+        for other in self.wrappers.values():
+            same = (other.model.arena, other.model.gpu) == (w.model.arena, w.model.gpu)
+            maybe = other.model.release == "auto" and other.in_flight == 0 and other.alive()
+            if other is not w and same and maybe and other.holds_for_good():
+                await other.restart()
 
     async def _pass(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
