@@ -8,6 +8,7 @@ answers its checkEndpoint never has a request forwarded.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -263,6 +264,38 @@ def test_a_model_auto_cannot_release_is_restarted_for_another(
     pid("b")  # not held for good behind a: a was ended first
     assert not os.path.exists(f"/proc/{first}")
     assert pid("a") != first  # started again on its next request
+
+
+def test_api_keys_are_asked_for_as_llama_swap_does(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = config(tmp_path, GOOD + 'apiKeys: ["sk-one", "${env.SERVE_TEST_KEY}"]\n')
+    port = free_port()
+    env = {**os.environ, "VRAMLOCK_ARENA": str(arena), "SERVE_TEST_KEY": "sk-env"}
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)), env=env)
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+
+    def status(headers: dict[str, str], path: str = "/v1/models") -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", path, headers=headers)
+            reply = conn.getresponse()
+            body = reply.read()
+            if reply.status == 401:
+                message = json.loads(body)["error"]["message"]
+                assert message == "unauthorized: invalid or missing API key"
+                assert reply.getheader("WWW-Authenticate") == 'Basic realm="vramlock"'
+            return reply.status
+        finally:
+            conn.close()
+
+    basic = base64.b64encode(b"anyone:sk-one").decode()
+    assert status({}) == 401
+    assert status({"Authorization": "Bearer sk-nope"}) == 401
+    assert status({"Authorization": "Bearer sk-one"}) == 200
+    assert status({"x-api-key": "sk-env"}) == 200  # from the environment
+    assert status({"Authorization": f"Basic {basic}"}) == 200
+    assert status({}, "/health") == 200  # no key asked
 
 
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:

@@ -293,10 +293,12 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
          "model 'a': gpu: expected a GPU number"),
         ('models:\n  a:\n    cmd: srv ${PORT}\n    checkEndpoint: "/health\\r\\nX-A: b"\n', 4,
          "checkEndpoint must be /PATH (no spaces or control characters)"),
+        ('apiKeys: ["sk-a", "has space"]\nmodels:\n  a:\n    cmd: srv ${PORT}\n', 1,
+         "apiKeys[1]: a key must be non-empty, without spaces"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
-         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf"],
+         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -68,23 +68,24 @@ IGNORED_TOP = {
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
     "peers": "only the models listed here are served",
-    "apiKeys": "no authentication: listen on loopback, or put an authenticating proxy in front",
     "profiles": _UNCHANGED,
     "sendLoadingState": _UNCHANGED,
     "includeAliasesInList": "/v1/models lists models, with their aliases in each entry",
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
+    "concurrencyLimit": "requests queue in the model's server",
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
     "useModelName": _UNCHANGED,
     "filters": _UNCHANGED,
     "sendLoadingState": _UNCHANGED,
     "metadata": "/v1/models shows name, description, aliases and state",
-    "concurrencyLimit": "requests queue in the model's server",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
-TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks"})
+TOP_KEYS = frozenset(
+    {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys"}
+)
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "release", "preset", "min_hold", "yield_within", "vram", "gpu",
@@ -130,6 +131,7 @@ class Config:
     health_timeout: float
     warnings: list[str]
     preload: tuple[str, ...] = ()  # models started with serve; others on their first request
+    api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -385,8 +387,9 @@ def load(path: str, duration: Duration) -> Config:
 
     models = _models(reader, macros, top["models"][1], start_port, global_ttl)
     preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
+    keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
-                  preload=preload)  # fmt: skip
+                  preload=preload, api_keys=keys)  # fmt: skip
 
 
 def _models(
@@ -413,6 +416,19 @@ def _models(
             names[alias] = line
         models[name] = model
     return models
+
+
+def _api_keys(reader: _Reader, macros: _Macros, node: yaml.Node) -> tuple[str, ...]:
+    """``apiKeys``: each one non-empty, without spaces, its macros (``${env.VAR}``) expanded."""
+    if not isinstance(node, yaml.SequenceNode):
+        raise reader.fail(node, "apiKeys must be a list")
+    keys = []
+    for i, item in enumerate(node.value):
+        key = macros.expand(reader.text(item, f"apiKeys[{i}]"), item, f"apiKeys[{i}]")
+        if not key or not key.isprintable() or " " in key:
+            raise reader.fail(item, f"apiKeys[{i}]: a key must be non-empty, without spaces")
+        keys.append(key)
+    return tuple(keys)
 
 
 def _preload(reader: _Reader, node: yaml.Node, models: dict[str, Model]) -> tuple[str, ...]:

@@ -12,11 +12,15 @@ models is served grouped by model instead of swapping on every request.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hmac
 import json
 import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.records import HOLDING
 from .config import Config
@@ -131,9 +135,13 @@ class Turns:
             fut.set_result(None)
 
 
+# OpenAI's error.type for the statuses that have their own.
+_KINDS = {401: "authentication_error"}
+
+
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     """An error as the OpenAI API answers one (``error.message`` and ``error.type``)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
     return web.json_response(body, status=status)
 
@@ -150,6 +158,41 @@ async def _body(request: web.Request) -> bytes | web.Response:
         return too_large
 
 
+def _key(request: web.Request) -> str | None:
+    """The API key a request carries, as llama-swap reads it: Authorization's Basic
+    password, else its Bearer token, else x-api-key."""
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            _, colon, password = base64.b64decode(credentials, validate=True).partition(b":")
+        except (ValueError, binascii.Error):
+            colon = b""
+        if colon and password:
+            return password.decode("utf-8", "replace")
+    if scheme.lower() == "bearer" and credentials:
+        return credentials
+    return request.headers.get("x-api-key")
+
+
+def _auth(keys: tuple[str, ...]) -> Middleware:
+    """Every route but /health wants one of ``keys``: 401 without it."""
+    wanted = [k.encode() for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = _key(request)
+        ok = given is not None and any(
+            hmac.compare_digest(given.encode(), k) for k in wanted
+        )  # fmt: skip
+        if ok or request.path == "/health":
+            return await handler(request)
+        refused = _error(401, "unauthorized: invalid or missing API key")
+        refused.headers["WWW-Authenticate"] = 'Basic realm="vramlock"'
+        return refused
+
+    return check
+
+
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
@@ -158,7 +201,8 @@ class Router:
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
         self.pools: dict[str, Pool] = {}
-        self.app = web.Application(client_max_size=MAX_BODY)
+        middlewares = [_auth(config.api_keys)] if config.api_keys else []
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.list_models)
