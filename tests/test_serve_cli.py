@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Spawn, free_port, vramlock, who_json
+from conftest import Spawn, free_port, vramlock, wait_until, who_json
 from test_cli_errors import ErrCli, expect_error
 
 pytest.importorskip("aiohttp")
@@ -296,6 +296,38 @@ def test_api_keys_are_asked_for_as_llama_swap_does(
     assert status({"x-api-key": "sk-env"}) == 200  # from the environment
     assert status({"Authorization": f"Basic {basic}"}) == 200
     assert status({}, "/health") == 200  # no key asked
+
+
+def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STREAM)
+    path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            f"    checkEndpoint: none\n    concurrencyLimit: 1\n"
+                            f"startPort: {free_port()}\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        body = b'{"model": "m", "stream": true}'
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))  # fmt: skip
+        got = b""
+        while b"data: first" not in got:  # the one request allowed is in progress
+            got += s.recv(65536)
+        refused, reply = ask(port, "POST", "/v1/completions", b'{"model": "m"}')
+        assert (refused, reply["error"]["type"]) == (429, "rate_limit_error")
+        assert reply["error"]["message"] == "model m: 1 requests at once already (concurrencyLimit)"
+        while b"data: last" not in got:
+            got += s.recv(65536)
+
+    def status() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=b'{"model": "m"}')
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    wait_until(lambda: status() != 429)  # its end gives the place back
+    assert status() == 200
 
 
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:

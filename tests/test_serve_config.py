@@ -228,6 +228,21 @@ def test_preload_names_models_or_aliases(tmp_path: Path) -> None:
     assert read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT}\n").preload == ()
 
 
+def test_concurrency_limit_zero_or_absent_is_llama_swap_s_default(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            concurrencyLimit: 0
+          b:
+            cmd: srv --port ${PORT}
+            concurrencyLimit: 2
+          c:
+            cmd: srv --port ${PORT}
+        """)  # fmt: skip
+    assert [m.concurrency for m in config.models.values()] == [10, 2, 10]
+
+
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         models:
@@ -295,10 +310,13 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
          "checkEndpoint must be /PATH (no spaces or control characters)"),
         ('apiKeys: ["sk-a", "has space"]\nmodels:\n  a:\n    cmd: srv ${PORT}\n', 1,
          "apiKeys[1]: a key must be non-empty, without spaces"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    concurrencyLimit: -1\n", 4,
+         "model 'a': concurrencyLimit must be 0 or more"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
-         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key"],
+         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key",
+         "concurrency"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

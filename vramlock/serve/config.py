@@ -41,6 +41,7 @@ from ..errors import UsageError
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
+DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -74,7 +75,6 @@ IGNORED_TOP = {
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
-    "concurrencyLimit": "requests queue in the model's server",
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
     "useModelName": _UNCHANGED,
@@ -88,8 +88,8 @@ TOP_KEYS = frozenset(
 )
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
-     "description", "macros", "release", "preset", "min_hold", "yield_within", "vram", "gpu",
-     "arena"}
+     "description", "macros", "concurrencyLimit", "release", "preset", "min_hold",
+     "yield_within", "vram", "gpu", "arena"}
 )  # fmt: skip
 
 
@@ -122,6 +122,7 @@ class Model:
     run_options: tuple[str, ...] = ()  # vramlock run's options from the vramlock keys
     arena: str | None = None
     gpu: str | None = None
+    concurrency: int = DEFAULT_CONCURRENCY  # requests at once; more get 429
 
 
 @dataclass(frozen=True)
@@ -574,6 +575,16 @@ class _Entry:
             run += ["--arena", arena]
         return run, gpu, arena
 
+    def concurrency(self) -> int:
+        """concurrencyLimit: more than 0, else llama-swap's default."""
+        if "concurrencyLimit" not in self.fields:
+            return DEFAULT_CONCURRENCY
+        node = self.node("concurrencyLimit")
+        value = self.reader.value(node)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.reader.fail(node, f"{self.where}: concurrencyLimit must be 0 or more")
+        return value or DEFAULT_CONCURRENCY
+
     def flag(self, key: str) -> bool:
         return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
 
@@ -615,5 +626,6 @@ def _model(
         run_options=tuple(run),
         arena=arena,
         gpu=gpu,
+        concurrency=entry.concurrency(),
     )
     return model, uses_port

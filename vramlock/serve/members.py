@@ -93,7 +93,8 @@ class Wrapper:
         self.warn = warn
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # requests in its turn
+        self.admitted = 0  # requests taken for it, waiting for its turn or in it
         self.ttl_timer: asyncio.TimerHandle | None = None
         self.unloading: asyncio.Task[bool] | None = None
         self.listening = False  # its listen address accepted since it was started

@@ -136,7 +136,7 @@ class Turns:
 
 
 # OpenAI's error.type for the statuses that have their own.
-_KINDS = {401: "authentication_error"}
+_KINDS = {401: "authentication_error", 429: "rate_limit_error"}
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
@@ -254,8 +254,17 @@ class Router:
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
     ) -> web.StreamResponse:
-        turns = self._turns(w)
-        await turns.enter(w.model.name)
+        limit = w.model.concurrency
+        if w.admitted >= limit:
+            return _error(429, f"model {w.model.name}: {limit} requests at once already"
+                               " (concurrencyLimit)")  # fmt: skip
+        w.admitted += 1
+        try:
+            turns = self._turns(w)
+            await turns.enter(w.model.name)
+        except BaseException:
+            w.admitted -= 1
+            raise
         w.in_flight += 1
         if w.ttl_timer is not None:
             w.ttl_timer.cancel()
@@ -266,6 +275,7 @@ class Router:
             return await self._pass(request, w, path, body)
         finally:
             w.in_flight -= 1
+            w.admitted -= 1
             turns.leave()
             self._arm_ttl(w)
 
