@@ -330,6 +330,28 @@ def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, a
     assert status() == 200
 
 
+def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    slashed = "  org/big:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
+    port = serve_on(spawn, config(tmp_path, "healthCheckTimeout: 1\n" + GOOD + slashed), arena)
+    status, entry = ask(port, "GET", "/v1/models/org/big")
+    assert (status, entry["id"], entry["state"]) == (200, "org/big", "released")
+    assert ask(port, "GET", "/v1/models/nope")[0] == 404
+    assert ask(port, "GET", "/upstream") == (200, {"object": "list", "data": [
+        {"id": "m", "upstream": "/upstream/m/"},
+        {"id": "org/big", "upstream": "/upstream/org/big/"}]})  # fmt: skip
+    # a name with a slash reaches its server (here: none listens)
+    status, reply = ask(port, "GET", "/upstream/org/big/health")
+    assert status == 502 and reply["error"]["message"].startswith("model org/big: ")
+    assert ask(port, "POST", "/api/models/unload") == (200, {"msg": "ok"})
+    assert ask(port, "POST", "/api/models/unload/nope")[0] == 404
+    for method, path in (("GET", "/unload"), ("POST", "/api/models/unload/org/big")):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request(method, path)
+        reply = conn.getresponse()
+        assert (reply.status, reply.read()) == (200, b"OK")
+        conn.close()
+
+
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     from vramlock.serve.router import MAX_BODY
 

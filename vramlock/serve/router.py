@@ -206,9 +206,14 @@ class Router:
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.list_models)
+        r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
         r.add_post("/models/unload", self.unload_all)
         r.add_post("/models/unload/{model}", self.unload_one)
+        r.add_get("/unload", self.unload_all_plain)
+        r.add_post("/api/models/unload", self.api_unload_all)
+        r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
+        r.add_get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         r.add_post("/{path:.*}", self.by_model)
         r.add_route("*", "/{path:.*}", self.no_route)
@@ -245,10 +250,14 @@ class Router:
         return await self._forward(request, found, found.model.prefix + request.path_qs, body)
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
-        found = self._wrapper(request.match_info["model"])
+        # The longest name that the path starts with: a model's name may hold "/".
+        rest = request.raw_path[len("/upstream/") :]
+        names = [*self.config.models, *(a for m in self.config.models.values() for a in m.aliases)]
+        name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+        found = self._wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found
-        path = request.raw_path.split("/", 3)[3] if request.raw_path.count("/") >= 3 else ""
+        path = rest[len(name) + 1 :] if name is not None else ""
         return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
 
     async def _forward(
@@ -357,10 +366,32 @@ class Router:
         released = await self._unload(found)
         return web.json_response({"model": found.model.name, "released": released})
 
-    async def unload_all(self, request: web.Request) -> web.Response:
+    async def _unload_all(self) -> list[str]:
+        """Release every resident model; the names of those that were."""
         tasks = {name: self._unload(w) for name, w in self.wrappers.items()}
         done = {name: await task for name, task in tasks.items()}
-        return web.json_response({"released": [name for name, ok in done.items() if ok]})
+        return [name for name, ok in done.items() if ok]
+
+    async def unload_all(self, request: web.Request) -> web.Response:
+        return web.json_response({"released": await self._unload_all()})
+
+    async def unload_all_plain(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /unload: "OK" once every model is released."""
+        await self._unload_all()
+        return web.Response(text="OK")
+
+    async def api_unload_all(self, request: web.Request) -> web.Response:
+        """llama-swap's POST /api/models/unload."""
+        await self._unload_all()
+        return web.json_response({"msg": "ok"})
+
+    async def api_unload_one(self, request: web.Request) -> web.Response:
+        """llama-swap's POST /api/models/unload/MODEL: "OK" once it is released."""
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        await self._unload(found)
+        return web.Response(text="OK")
 
     async def no_route(self, request: web.Request) -> web.Response:
         return _error(404, f"{request.method} {request.path}: no such route")
@@ -383,6 +414,18 @@ class Router:
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [self._entry(w) for w in self.wrappers.values() if not w.model.unlisted]
+        return web.json_response({"object": "list", "data": data})
+
+    async def one_model(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/models/ID: one model's entry (by name or alias)."""
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        return web.json_response(self._entry(found))
+
+    async def upstream_list(self, request: web.Request) -> web.Response:
+        """The models whose servers /upstream/MODEL/PATH reaches, with that path."""
+        data = [{"id": name, "upstream": f"/upstream/{name}/"} for name in self.wrappers]
         return web.json_response({"object": "list", "data": data})
 
     async def running(self, request: web.Request) -> web.Response:
