@@ -352,6 +352,37 @@ def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) ->
         conn.close()
 
 
+# A server that answers with the JSON body it received.
+ECHO = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_use_model_name_and_filters_reach_the_server(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n    useModelName: served-name\n"
+                            "    filters:\n      stripParams: temperature\n"
+                            "      setParams: {top_p: 0.5}\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+    sent = {"model": "m", "temperature": 2, "prompt": "x"}
+    status, got = ask(port, "POST", "/v1/completions", json.dumps(sent).encode())
+    assert (status, got) == (200, {"model": "served-name", "prompt": "x", "top_p": 0.5})
+
+
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     from vramlock.serve.router import MAX_BODY
 

@@ -140,6 +140,7 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert llama.env == {"CUDA_VISIBLE_DEVICES": "0"}
     assert (llama.upstream, llama.check_endpoint) == ("127.0.0.1:8999", "/custom-endpoint")
     assert llama.ttl == 60
+    assert llama.filters.model == "qwen:qwq"  # useModelName
     # ${PORT}: startPort, then the next one, in the file's order
     assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10001"]
     assert unlisted.upstream == "127.0.0.1:10001"
@@ -154,8 +155,6 @@ def test_readme_full_example(tmp_path: Path) -> None:
         " at a time, unless the arena has a budget (vramlock arena --budget), when they stay"
         " resident together while they fit (vram: declared, or measured with NVML); models on"
         " different GPUs (gpu:) run together",
-        f"{path}:27: model 'llama': useModelName ignored: requests are passed to the model"
-        " unchanged",
         f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
         " release strategy, not by being stopped",
     ]
@@ -241,6 +240,28 @@ def test_concurrency_limit_zero_or_absent_is_llama_swap_s_default(tmp_path: Path
             cmd: srv --port ${PORT}
         """)  # fmt: skip
     assert [m.concurrency for m in config.models.values()] == [10, 2, 10]
+
+
+def test_filters_change_the_body_the_model_gets(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            useModelName: upstream-name
+            filters:
+              stripParams: "temperature, model, top_k"
+              setParams: {top_p: 0.9, model: no}
+              setParamsByID:
+                "${MODEL_ID}:high": {effort: high}
+                "${MODEL_ID}": {effort: medium}
+        """)  # fmt: skip
+    a = config.models["a"]
+    assert a.aliases == ("a:high",)  # setParamsByID's names are aliases
+    assert config.find("a:high") is a
+    body = {"model": "a:high", "temperature": 1, "top_k": 5, "prompt": "x"}
+    assert a.filters.apply(body, "a:high") == {"model": "upstream-name", "prompt": "x",
+                                               "top_p": 0.9, "effort": "high"}  # fmt: skip
+    assert a.filters.apply({"model": "a"}, "a")["effort"] == "medium"
 
 
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:

@@ -77,8 +77,6 @@ IGNORED_TOP = {
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
-    "useModelName": _UNCHANGED,
-    "filters": _UNCHANGED,
     "sendLoadingState": _UNCHANGED,
     "metadata": "/v1/models shows name, description, aliases and state",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
@@ -88,8 +86,8 @@ TOP_KEYS = frozenset(
 )
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
-     "description", "macros", "concurrencyLimit", "release", "preset", "min_hold",
-     "yield_within", "vram", "gpu", "arena"}
+     "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
+     "preset", "min_hold", "yield_within", "vram", "gpu", "arena"}
 )  # fmt: skip
 
 
@@ -123,6 +121,30 @@ class Model:
     arena: str | None = None
     gpu: str | None = None
     concurrency: int = DEFAULT_CONCURRENCY  # requests at once; more get 429
+    filters: Filters = field(default_factory=lambda: Filters())
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What is changed in a request's JSON body before its model gets it: llama-swap's
+    useModelName and filters (``model`` itself is never stripped or set by them)."""
+
+    model: str | None = None  # useModelName
+    strip: tuple[str, ...] = ()  # stripParams
+    set: dict[str, Any] = field(default_factory=dict)  # setParams
+    by_name: dict[str, dict[str, Any]] = field(default_factory=dict)  # setParamsByID
+
+    def __bool__(self) -> bool:
+        return bool(self.model or self.strip or self.set or self.by_name)
+
+    def apply(self, body: dict[str, Any], asked: str) -> dict[str, Any]:
+        """``body`` as the model gets it, asked for by the name ``asked``."""
+        out = {k: v for k, v in body.items() if k == "model" or k not in self.strip}
+        for params in (self.set, self.by_name.get(asked, {})):
+            out.update((k, v) for k, v in params.items() if k != "model")
+        if self.model is not None:
+            out["model"] = self.model
+        return out
 
 
 @dataclass(frozen=True)
@@ -323,6 +345,10 @@ class _Macros:
             return self.values[name]
         raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
 
+    def fill_in(self, text: str, node: yaml.Node, where: str, model: dict[str, str]) -> str:
+        """``text`` expanded, the model's ``${PORT}`` and ``${MODEL_ID}`` filled in."""
+        return fill(self.expand(text, node, where), model)
+
 
 def _mark(name: str) -> str:
     """Where ``${PORT}`` or ``${MODEL_ID}`` goes, until ``fill``: NUL is refused in the
@@ -485,7 +511,7 @@ class _Entry:
     def expanded(self, key: str, text: str) -> str:
         """``text`` (the field ``key``'s) with its macros expanded, ${PORT} and
         ${MODEL_ID} filled in."""
-        return fill(self.marked(key, text), self.filled)
+        return self.macros.fill_in(text, self.node(key), f"{self.where}: {key}", self.filled)
 
     def server(self, key: yaml.Node) -> tuple[list[str], str, str, bool]:
         """The command, its server's HOST:PORT and path prefix, and whether it takes the
@@ -585,6 +611,36 @@ class _Entry:
             raise self.reader.fail(node, f"{self.where}: concurrencyLimit must be 0 or more")
         return value or DEFAULT_CONCURRENCY
 
+    def filters(self) -> Filters:
+        """useModelName and filters (stripParams, setParams, setParamsByID, whose names
+        become aliases)."""
+        model = self.text("useModelName")
+        if "filters" not in self.fields:
+            return Filters(model=model)
+        where = f"{self.where}: filters"
+        entries = {n: (k, v) for n, k, v in self.reader.pairs(self.node("filters"), where)}
+        known = frozenset({"stripParams", "setParams", "setParamsByID"})
+        self.reader.check_keys(entries, known, {}, f"{where}: ")
+        strip: tuple[str, ...] = ()
+        if "stripParams" in entries:
+            text = self.reader.text(entries["stripParams"][1], f"{where}: stripParams")
+            strip = tuple(p.strip() for p in text.split(",") if p.strip())
+        params = self._params(entries["setParams"][1], where) if "setParams" in entries else {}
+        by_name = {}
+        if "setParamsByID" in entries:
+            node = entries["setParamsByID"][1]
+            for name, key, value in self.reader.pairs(node, f"{where}: setParamsByID"):
+                by_name[self.macros.fill_in(name, key, where, self.filled)] = self._params(
+                    value, where
+                )
+        return Filters(model=model, strip=strip, set=params, by_name=by_name)
+
+    def _params(self, node: yaml.Node, where: str) -> dict[str, Any]:
+        value = self.reader.value(node)
+        if not isinstance(value, dict):
+            raise self.reader.fail(node, f"{where}: parameters must be a mapping")
+        return value
+
     def flag(self, key: str) -> bool:
         return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
 
@@ -608,6 +664,7 @@ def _model(
     command, upstream, prefix, uses_port = entry.server(key)
     check, ttl, env = entry.check_endpoint(), entry.ttl(global_ttl), entry.env()
     run, gpu, arena = entry.run_options()
+    filters = entry.filters()
     model = Model(
         name=name,
         line=key.start_mark.line + 1,
@@ -616,7 +673,7 @@ def _model(
         prefix=prefix,
         check_endpoint=check,
         ttl=ttl,
-        aliases=entry.strings("aliases"),
+        aliases=(*entry.strings("aliases"), *(n for n in filters.by_name if n != name)),
         env=env,
         unlisted=entry.flag("unlisted"),
         title=entry.text("name"),
@@ -627,5 +684,6 @@ def _model(
         arena=arena,
         gpu=gpu,
         concurrency=entry.concurrency(),
+        filters=filters,
     )
     return model, uses_port

@@ -239,7 +239,8 @@ class Router:
         if isinstance(body, web.Response):
             return body
         try:
-            name = json.loads(body).get("model")
+            doc = json.loads(body)
+            name = doc.get("model")
         except (ValueError, AttributeError, RecursionError):  # RecursionError: nested deep
             name = None
         if not isinstance(name, str):
@@ -247,6 +248,8 @@ class Router:
         found = self._wrapper(name)
         if isinstance(found, web.Response):
             return found
+        if found.model.filters:
+            body = json.dumps(found.model.filters.apply(doc, name)).encode()
         return await self._forward(request, found, found.model.prefix + request.path_qs, body)
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
