@@ -9,6 +9,7 @@ answers its checkEndpoint never has a request forwarded.
 from __future__ import annotations
 
 import base64
+import errno
 import http.client
 import json
 import os
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 from conftest import Spawn, free_port, vramlock, wait_until, who_json
 from test_cli_errors import ErrCli, expect_error
+
+from vramlock import procfs
 
 pytest.importorskip("aiohttp")
 
@@ -350,6 +353,33 @@ def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) ->
         reply = conn.getresponse()
         assert (reply.status, reply.read()) == (200, b"OK")
         conn.close()
+
+
+def test_no_other_program_takes_a_model_s_port_between_its_runs(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n    release: restart\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+
+    def pid() -> int:
+        status, answer = ask(port, "POST", "/v1/completions", b'{"model": "m"}')
+        assert status == 200
+        return int(answer)
+
+    first = pid()
+    (row,) = who_json(arena)
+    os.kill(row["pid"], signal.SIGTERM)  # the wrapper ends, and its server with it
+    wait_until(lambda: not procfs.living(row["pid"]))
+    # its port stays serve's: a program that took it would get the model's requests
+    with socket.socket() as thief, pytest.raises(OSError) as err:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past any TIME_WAIT
+        thief.bind(("127.0.0.1", int(row["listen"].rsplit(":", 1)[1])))
+    assert err.value.errno == errno.EADDRINUSE
+    assert pid() != first  # started again on its next request
 
 
 # A server that answers with the JSON body it received.

@@ -48,8 +48,11 @@ def test_a_model_shows_its_member_state(
     path.write_text(textwrap.dedent("models:\n  a:\n    cmd: srv --port ${PORT}\n"))
     config = load(str(path), parse_duration)
     w = Wrapper(config.models["a"], config, lambda _: None)
-    monkeypatch.setattr(w, "alive", lambda: alive)
-    monkeypatch.setattr(w, "member_state", lambda: record)
-    w.shown = State.WAITING
-    assert w.state() is shown
-    assert w.shown is shown
+    try:
+        monkeypatch.setattr(w, "alive", lambda: alive)
+        monkeypatch.setattr(w, "member_state", lambda: record)
+        w.shown = State.WAITING
+        assert w.state() is shown
+        assert w.shown is shown
+    finally:
+        w.close()

@@ -148,4 +148,6 @@ async def _main(
     finally:
         await runner.cleanup()
         stop_all(list(wrappers.values()))
+        for w in wrappers.values():
+            w.close()
     return 0

@@ -17,7 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
@@ -28,8 +29,7 @@ from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
 
-# How long a wrapper just started may take to listen (Python's start, the arena joined).
-LISTEN_WITHIN = 15.0
+T = TypeVar("T")
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
@@ -76,12 +76,14 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def free_port() -> int:
-    """A loopback port that was free an instant ago, for a wrapper's listen address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _listener() -> socket.socket:
+    """A loopback socket listening on a port of its own, for a wrapper's clients: serve
+    keeps it for as long as it runs, so that no other program can take the port while
+    the wrapper is not running (between two starts) and get the model's requests."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(socket.SOMAXCONN)
+    return sock
 
 
 class Wrapper:
@@ -91,13 +93,14 @@ class Wrapper:
         self.model = model
         self.config = config
         self.warn = warn
-        self.port = free_port()
+        self.listener = _listener()
+        self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
         self.in_flight = 0  # requests in its turn
         self.admitted = 0  # requests taken for it, waiting for its turn or in it
         self.ttl_timer: asyncio.TimerHandle | None = None
         self.unloading: asyncio.Task[bool] | None = None
-        self.listening = False  # its listen address accepted since it was started
+        self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
         self.shown = State.RELEASED  # the member's state as last seen
 
     @property
@@ -117,7 +120,7 @@ class Wrapper:
     def argv(self) -> list[str]:
         m = self.model
         args = [sys.executable, "-m", "vramlock", "run", "--name", m.name,
-                "--demand", "listen", "--listen", f"127.0.0.1:{self.port}",
+                "--demand", "listen", "--listen", f"fd:{self.listener.fileno()}",
                 "--upstream", m.upstream,
                 "--ready-within", f"{self.config.health_timeout:.3f}"]  # fmt: skip
         if self.ready_url is not None:
@@ -125,7 +128,7 @@ class Wrapper:
         return [*args, *m.run_options, *self.where, "--", *m.command]
 
     def start(self) -> None:
-        self.listening = False
+        """Start the wrapper (from serve's event loop), on serve's listening socket."""
         env = dict(os.environ)
         env.update(self.model.env)
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
@@ -135,31 +138,40 @@ class Wrapper:
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            pass_fds=(self.listener.fileno(),),
             preexec_fn=_die_with_parent(os.getpid()),
         )
+        self.exited = _exit_of(self.proc)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    async def ensure_running(self) -> None:
+    def ensure_running(self) -> None:
         """Start the wrapper again if it ended (its server died, say): on demand, as
-        llama-swap starts a model on a request. Returns once it listens (or ended)."""
+        llama-swap starts a model on a request. Clients may connect at once: the
+        listening socket is serve's, they wait in its backlog."""
         if self.proc is not None and self.proc.poll() is not None:
             self.warn(f"model {self.model.name}: wrapper exited with status"
                       f" {self.proc.returncode}; starting it again")  # fmt: skip
         if not self.alive():
             self.start()
-        # Until the wrapper listens, a request would be refused: it waits instead. Polled:
-        # a start-up happens once, and nothing tells when the wrapper has bound.
-        end = time.monotonic() + LISTEN_WITHIN
-        while not self.listening and self.alive() and time.monotonic() < end:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            except OSError:
-                await asyncio.sleep(0.02)
-                continue
-            writer.close()
-            self.listening = True
+
+    async def unless_exited(self, work: Awaitable[T]) -> T:
+        """``work``'s result; ConnectionResetError if the wrapper exits first (a client
+        in the backlog of serve's listening socket would wait for nobody)."""
+        task = asyncio.ensure_future(work)
+        if self.exited is None:
+            return await task
+        either: set[asyncio.Future[Any]] = {task, self.exited}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            raise ConnectionResetError("the wrapper exited")
+        return task.result()
 
     async def cause(self, err: OSError) -> str:
         """Why the wrapper gave no answer, in words: its exit status (what 126 and 127
@@ -262,10 +274,34 @@ class Wrapper:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
 
+    def close(self) -> None:
+        """Close serve's listening socket for the model (its wrapper ended first)."""
+        self.listener.close()
+
     def terminate(self) -> None:
         if self.alive():
             assert self.proc is not None
             self.proc.send_signal(signal.SIGTERM)
+
+
+def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
+    """A future done once ``proc`` exits, from a pidfd watched by the event loop; None
+    without pidfds (Linux before 5.3)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except OSError:
+        return None
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, exited)
+    return done
 
 
 def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:

@@ -283,7 +283,7 @@ class Router:
             w.ttl_timer = None
         try:
             await self._make_room(w)
-            await w.ensure_running()
+            w.ensure_running()
             return await self._pass(request, w, path, body)
         finally:
             w.in_flight -= 1
@@ -312,7 +312,7 @@ class Router:
             body = read
         pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
-            up = await pool.request(request.method, path, headers, body)
+            up = await w.unless_exited(pool.request(request.method, path, headers, body))
         except OSError as err:
             cause = await w.cause(err)
             return _error(502, f"model {w.model.name}: its server did not answer: {cause}")

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from ...errors import AddressError
-from ...net.address import resolve, show
+from ...net.address import inherited, resolve, show
 from .conn import Conn
 from .loop import READ, Loop
 from .probe import PROBE_EVERY, Probe
@@ -25,7 +25,12 @@ CUT_WITHIN = 1.0
 
 
 def _listen(listen: str) -> socket.socket:
-    """A non-blocking socket listening on ``listen``; AddressError if it cannot be."""
+    """A non-blocking socket listening on ``listen``, or the listening socket ``fd:N``
+    handed down (``vramlock serve`` keeps its models' ports that way, so that nobody
+    else takes one between two runs); AddressError if it cannot be."""
+    fd = inherited(listen)
+    if fd is not None:
+        return _inherited(listen, fd)
     family, where = resolve(listen, "--listen")[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -36,6 +41,21 @@ def _listen(listen: str) -> socket.socket:
     except OSError as err:
         sock.close()
         raise AddressError("--listen", listen, err.strerror or str(err)) from None
+    sock.setblocking(False)
+    return sock
+
+
+def _inherited(listen: str, fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as err:
+        raise AddressError("--listen", listen, err.strerror or str(err)) from None
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+    ):
+        sock.detach()  # not ours to close
+        raise AddressError("--listen", listen, "not a listening TCP socket")
+    sock.set_inheritable(False)  # the command does not get it
     sock.setblocking(False)
     return sock
 
