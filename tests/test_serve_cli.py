@@ -334,10 +334,19 @@ def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, a
 
 
 def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    slashed = "  org/big:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
-    port = serve_on(spawn, config(tmp_path, "healthCheckTimeout: 1\n" + GOOD + slashed), arena)
+    slashed = (
+        "  org/big:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
+        "    aliases: [big]\n    metadata:\n      port: ${PORT}\n    capabilities: {context: 8}\n"
+    )
+    text = "healthCheckTimeout: 1\nincludeAliasesInList: true\n" + GOOD + slashed
+    port = serve_on(spawn, config(tmp_path, text), arena)
     status, entry = ask(port, "GET", "/v1/models/org/big")
     assert (status, entry["id"], entry["state"]) == (200, "org/big", "released")
+    assert entry["meta"] == {"llamaswap": {"port": 5801, "type": "model"}, "n_ctx": 8}
+    assert entry["capabilities"] == {"context": 8}
+    listed = ask(port, "GET", "/v1/models")[1]["data"]
+    assert [(e["id"], e["meta"]["llamaswap"]["type"]) for e in listed] == [
+        ("m", "model"), ("org/big", "model"), ("big", "alias")]  # fmt: skip
     assert ask(port, "GET", "/v1/models/nope")[0] == 404
     assert ask(port, "GET", "/upstream") == (200, {"object": "list", "data": [
         {"id": "m", "upstream": "/upstream/m/"},

@@ -264,6 +264,28 @@ def test_filters_change_the_body_the_model_gets(tmp_path: Path) -> None:
     assert a.filters.apply({"model": "a"}, "a")["effort"] == "medium"
 
 
+def test_metadata_and_capabilities_keep_their_types(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        macros:
+          temp: 0.7
+        includeAliasesInList: true
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            metadata:
+              port: ${PORT}
+              temperature: ${temp}
+              note: "${MODEL_ID} on ${PORT}"
+              a_list: [1, "${MODEL_ID}"]
+            capabilities: {in: [text], context: 32000}
+        """)  # fmt: skip
+    a = config.models["a"]
+    assert a.metadata == {"port": 5800, "temperature": 0.7, "note": "a on 5800",
+                          "a_list": [1, "a"]}  # fmt: skip
+    assert a.capabilities == {"in": ["text"], "context": 32000}
+    assert config.aliases_listed
+
+
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         models:

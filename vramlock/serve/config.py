@@ -71,23 +71,30 @@ IGNORED_TOP = {
     "peers": "only the models listed here are served",
     "profiles": _UNCHANGED,
     "sendLoadingState": _UNCHANGED,
-    "includeAliasesInList": "/v1/models lists models, with their aliases in each entry",
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
     "sendLoadingState": _UNCHANGED,
-    "metadata": "/v1/models shows name, description, aliases and state",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
 TOP_KEYS = frozenset(
-    {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys"}
+    {
+        "models",
+        "macros",
+        "startPort",
+        "healthCheckTimeout",
+        "globalTTL",
+        "hooks",
+        "apiKeys",
+        "includeAliasesInList",
+    }
 )
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
-     "preset", "min_hold", "yield_within", "vram", "gpu", "arena"}
+     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities"}
 )  # fmt: skip
 
 
@@ -122,6 +129,8 @@ class Model:
     gpu: str | None = None
     concurrency: int = DEFAULT_CONCURRENCY  # requests at once; more get 429
     filters: Filters = field(default_factory=lambda: Filters())
+    metadata: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
+    capabilities: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,7 @@ class Config:
     warnings: list[str]
     preload: tuple[str, ...] = ()  # models started with serve; others on their first request
     api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
+    aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -415,8 +425,11 @@ def load(path: str, duration: Duration) -> Config:
     models = _models(reader, macros, top["models"][1], start_port, global_ttl)
     preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
     keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
+    listed = "includeAliasesInList" in top and reader.flag(
+        top["includeAliasesInList"][1], "includeAliasesInList"
+    )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
-                  preload=preload, api_keys=keys)  # fmt: skip
+                  preload=preload, api_keys=keys, aliases_listed=listed)  # fmt: skip
 
 
 def _models(
@@ -635,6 +648,35 @@ class _Entry:
                 )
         return Filters(model=model, strip=strip, set=params, by_name=by_name)
 
+    def shown(self, key: str) -> dict[str, Any]:
+        """metadata or capabilities: a mapping for /v1/models, macros expanded in its
+        strings (one that is a macro alone takes its value's type: ``port: ${PORT}``
+        stays a number)."""
+        if key not in self.fields:
+            return {}
+        node = self.node(key)
+        value = self._params(node, f"{self.where}: {key}")
+        where = f"{self.where}: {key}"
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            if not isinstance(v, str):
+                return v
+            text = self.macros.fill_in(v, node, where, self.filled)
+            if not _MACRO.fullmatch(v) or not text:
+                return text
+            try:
+                typed = yaml.safe_load(text)
+            except yaml.YAMLError:
+                return text
+            return typed if isinstance(typed, int | float | bool) else text
+
+        result: dict[str, Any] = walk(value)
+        return result
+
     def _params(self, node: yaml.Node, where: str) -> dict[str, Any]:
         value = self.reader.value(node)
         if not isinstance(value, dict):
@@ -685,5 +727,7 @@ def _model(
         gpu=gpu,
         concurrency=entry.concurrency(),
         filters=filters,
+        metadata=entry.shown("metadata"),
+        capabilities=entry.shown("capabilities"),
     )
     return model, uses_port

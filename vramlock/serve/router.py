@@ -404,19 +404,32 @@ class Router:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
 
-    def _entry(self, w: Wrapper) -> dict[str, Any]:
+    def _entry(self, w: Wrapper, alias: str | None = None) -> dict[str, Any]:
+        """A model's /v1/models entry (or its alias's, for includeAliasesInList), with
+        llama-swap's meta.llamaswap (metadata and type) and capabilities."""
         m = w.model
-        entry: dict[str, Any] = {"id": m.name, "object": "model", "owned_by": "vramlock"}
+        entry: dict[str, Any] = {"id": alias or m.name, "object": "model", "owned_by": "vramlock"}
         if m.title is not None:
             entry["name"] = m.title
         if m.description is not None:
             entry["description"] = m.description
         entry["aliases"] = list(m.aliases)
         entry["state"] = w.state().value
+        kind = {"type": "alias", "modelID": m.name} if alias else {"type": "model"}
+        entry["meta"] = {"llamaswap": {**m.metadata, **kind}}
+        if m.capabilities:
+            entry["capabilities"] = m.capabilities
+            if isinstance(m.capabilities.get("context"), int):
+                entry["meta"]["n_ctx"] = m.capabilities["context"]
         return entry
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [self._entry(w) for w in self.wrappers.values() if not w.model.unlisted]
+        data = []
+        for w in self.wrappers.values():
+            if not w.model.unlisted:
+                data.append(self._entry(w))
+                if self.config.aliases_listed:
+                    data += [self._entry(w, alias) for alias in w.model.aliases]
         return web.json_response({"object": "list", "data": data})
 
     async def one_model(self, request: web.Request) -> web.Response:
