@@ -13,6 +13,7 @@ import errno
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -389,6 +390,30 @@ def test_no_other_program_takes_a_model_s_port_between_its_runs(
         thief.bind(("127.0.0.1", int(row["listen"].rsplit(":", 1)[1])))
     assert err.value.errno == errno.EADDRINUSE
     assert pid() != first  # started again on its next request
+
+
+@pytest.mark.parametrize("level", ["info", "warn"])
+def test_each_start_and_request_is_said_at_log_level_info(
+    spawn: Spawn, tmp_path: Path, arena: Path, level: str
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    path = config(tmp_path, f"logLevel: {level}\nstartPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    assert ask(port, "POST", "/v1/completions", b'{"model": "m"}')[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    said = [line for line in err.splitlines() if line.startswith("vramlock: model m: ")]
+    if level == "warn":
+        assert said == []
+    else:
+        assert said[0] == "vramlock: model m: starting its wrapper"
+        assert re.fullmatch(r"vramlock: model m: POST /v1/completions 200 in [0-9.]+ s", said[1])
 
 
 # A server that answers with the JSON body it received.

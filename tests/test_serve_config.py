@@ -141,6 +141,7 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert (llama.upstream, llama.check_endpoint) == ("127.0.0.1:8999", "/custom-endpoint")
     assert llama.ttl == 60
     assert llama.filters.model == "qwen:qwq"  # useModelName
+    assert config.log_level == "info"
     # ${PORT}: startPort, then the next one, in the file's order
     assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10001"]
     assert unlisted.upstream == "127.0.0.1:10001"
@@ -149,8 +150,6 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
     # one warning per key that means nothing here, each with its line and why
     assert config.warnings == [
-        f"{path}:4: logLevel ignored: the wrappers and servers write to serve's standard output"
-        " and error",
         f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
         " at a time, unless the arena has a budget (vramlock arena --budget), when they stay"
         " resident together while they fit (vram: declared, or measured with NVML); models on"
@@ -355,11 +354,13 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
          "apiKeys[1]: a key must be non-empty, without spaces"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    concurrencyLimit: -1\n", 4,
          "model 'a': concurrencyLimit must be 0 or more"),
+        ("logLevel: chatty\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 1,
+         "logLevel must be one of debug, info, warn, error"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
          "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key",
-         "concurrency"],
+         "concurrency", "log-level"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -41,6 +41,7 @@ from ..errors import UsageError
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
+LOG_LEVELS = ("debug", "info", "warn", "error")
 DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
@@ -58,7 +59,6 @@ _ONE_AT_A_TIME = (
 )
 _UNCHANGED = "requests are passed to the model unchanged"
 IGNORED_TOP = {
-    "logLevel": "the wrappers and servers write to serve's standard output and error",
     "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
     "logToStdout": "the wrappers and servers write to serve's standard output and error",
     "metricsMaxInMemory": _NO_UI,
@@ -80,17 +80,9 @@ IGNORED_MODEL = {
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
 TOP_KEYS = frozenset(
-    {
-        "models",
-        "macros",
-        "startPort",
-        "healthCheckTimeout",
-        "globalTTL",
-        "hooks",
-        "apiKeys",
-        "includeAliasesInList",
-    }
-)
+    {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
+     "includeAliasesInList", "logLevel"}
+)  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
@@ -165,6 +157,7 @@ class Config:
     preload: tuple[str, ...] = ()  # models started with serve; others on their first request
     api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
     aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
+    log_level: str = "info"  # logLevel: info and debug say each request and start
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -428,8 +421,16 @@ def load(path: str, duration: Duration) -> Config:
     listed = "includeAliasesInList" in top and reader.flag(
         top["includeAliasesInList"][1], "includeAliasesInList"
     )
+    level = "info"
+    if "logLevel" in top:
+        level = reader.text(top["logLevel"][1], "logLevel")
+        if level not in LOG_LEVELS:
+            raise reader.fail(
+                top["logLevel"][1], f"logLevel must be one of {', '.join(LOG_LEVELS)}"
+            )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
-                  preload=preload, api_keys=keys, aliases_listed=listed)  # fmt: skip
+                  preload=preload, api_keys=keys, aliases_listed=listed,
+                  log_level=level)  # fmt: skip
 
 
 def _models(

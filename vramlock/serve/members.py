@@ -127,8 +127,14 @@ class Wrapper:
             args += ["--ready-url", self.ready_url]
         return [*args, *m.run_options, *self.where, "--", *m.command]
 
+    def info(self, message: str) -> None:
+        """Say ``message`` about the model, at logLevel info (or debug)."""
+        if self.config.log_level in ("debug", "info"):
+            self.warn(f"model {self.model.name}: {message}")
+
     def start(self) -> None:
         """Start the wrapper (from serve's event loop), on serve's listening socket."""
+        self.info("starting its wrapper")
         env = dict(os.environ)
         env.update(self.model.env)
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the

@@ -281,10 +281,15 @@ class Router:
         if w.ttl_timer is not None:
             w.ttl_timer.cancel()
             w.ttl_timer = None
+        began = time.monotonic()
         try:
             await self._make_room(w)
             w.ensure_running()
-            return await self._pass(request, w, path, body)
+            out = await self._pass(request, w, path, body)
+            w.info(
+                f"{request.method} {request.path} {out.status} in {time.monotonic() - began:.3f} s"
+            )
+            return out
         finally:
             w.in_flight -= 1
             w.admitted -= 1
@@ -299,6 +304,7 @@ class Router:
             same = (other.model.arena, other.model.gpu) == (w.model.arena, w.model.gpu)
             maybe = other.model.release == "auto" and other.in_flight == 0 and other.alive()
             if other is not w and same and maybe and other.holds_for_good():
+                other.info(f"restarting it (it cannot release) for model {w.model.name}")
                 await other.restart()
 
     async def _pass(
