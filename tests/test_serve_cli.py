@@ -416,6 +416,60 @@ def test_each_start_and_request_is_said_at_log_level_info(
         assert re.fullmatch(r"vramlock: model m: POST /v1/completions 200 in [0-9.]+ s", said[1])
 
 
+# A websocket server: each message answered with it and the Authorization it got.
+WS_ECHO = """
+import sys
+from aiohttp import web
+async def ws(request):
+    out = web.WebSocketResponse()
+    await out.prepare(request)
+    async for msg in out:
+        await out.send_str(f"{msg.data} {request.headers.get('Authorization', '-')}")
+    return out
+app = web.Application()
+app.router.add_get("/ws", ws)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_a_websocket_passes_through_upstream(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    import asyncio
+
+    import aiohttp
+
+    script = tmp_path / "ws.py"
+    script.write_text(WS_ECHO)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+
+    async def talk() -> list[str]:
+        async with (
+            aiohttp.ClientSession() as client,
+            client.ws_connect(
+                f"http://127.0.0.1:{port}/upstream/m/ws", headers={"Authorization": "Bearer k"}
+            ) as ws,
+        ):
+            got = []
+            for text in ("one", "two"):
+                await ws.send_str(text)
+                got.append((await ws.receive(timeout=30)).data)
+            return got
+
+    assert asyncio.run(talk()) == ["one Bearer k", "two Bearer k"]
+    # a path the server has no websocket on: serve's 502, saying so
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/upstream/m/none", headers={
+        "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})  # fmt: skip
+    reply = conn.getresponse()
+    message = json.loads(reply.read())["error"]["message"]
+    conn.close()
+    assert reply.status == 502
+    assert message.startswith("model m: no websocket from its server: 404")
+
+
 # A server that answers with the JSON body it received.
 ECHO = """
 import sys

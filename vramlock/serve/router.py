@@ -19,6 +19,7 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
@@ -193,6 +194,19 @@ def _auth(keys: tuple[str, ...]) -> Middleware:
     return check
 
 
+async def _relay(src: Any, dst: Any) -> None:
+    """Pass a websocket's (``src``'s) messages on to another (``dst``) until either
+    closes (aiohttp's client and server websockets, which share these methods)."""
+    async for msg in src:
+        if msg.type is aiohttp.WSMsgType.TEXT:
+            await dst.send_str(msg.data)
+        elif msg.type is aiohttp.WSMsgType.BINARY:
+            await dst.send_bytes(msg.data)
+        else:
+            break
+    await dst.close()
+
+
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
@@ -261,7 +275,42 @@ class Router:
         if isinstance(found, web.Response):
             return found
         path = rest[len(name) + 1 :] if name is not None else ""
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._websocket(request, found, f"{found.model.prefix}/{path}")
         return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
+
+    async def _websocket(self, request: web.Request, w: Wrapper, path: str) -> web.StreamResponse:
+        """A websocket through /upstream: taken here, and its messages relayed both ways
+        over one opened to the model's server (through its wrapper, which holds it as
+        it holds any connection while the model is released)."""
+        w.ensure_running()
+        # The handshake's own headers are aiohttp's client's to make.
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")
+        }
+        protocols = [
+            p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")
+        ]
+        async with aiohttp.ClientSession() as client:
+            try:
+                up = await client.ws_connect(f"http://127.0.0.1:{w.port}{path}", headers=headers,
+                                              protocols=[p for p in protocols if p])  # fmt: skip
+            except (aiohttp.ClientError, OSError) as err:
+                return _error(502, f"model {w.model.name}: no websocket from its server: {err}")
+            async with up:
+                out = web.WebSocketResponse(protocols=[up.protocol] if up.protocol else ())
+                await out.prepare(request)
+                relays = [
+                    asyncio.ensure_future(_relay(out, up)),
+                    asyncio.ensure_future(_relay(up, out)),
+                ]
+                await asyncio.wait(relays, return_when=asyncio.FIRST_COMPLETED)
+                for relay in relays:
+                    relay.cancel()
+                await out.close()
+        return out
 
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
