@@ -214,6 +214,7 @@ class Router:
         self.config = config
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
+        self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
@@ -348,9 +349,14 @@ class Router:
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
         to release it) would make ``w`` wait forever: it is restarted, as llama-swap
-        does to every model. Its turn is over (``Turns``): none of its requests runs."""
+        does to every model. Its turn is over (``Turns``): none of its requests runs.
+        Looked for once a model of the arena takes over from another, not per request."""
+        where = (w.model.arena, w.model.gpu)
+        if self.served.get(where) == w.model.name:
+            return
+        self.served[where] = w.model.name
         for other in self.wrappers.values():
-            same = (other.model.arena, other.model.gpu) == (w.model.arena, w.model.gpu)
+            same = (other.model.arena, other.model.gpu) == where
             maybe = other.model.release == "auto" and other.in_flight == 0 and other.alive()
             if other is not w and same and maybe and other.holds_for_good():
                 other.info(f"restarting it (it cannot release) for model {w.model.name}")
