@@ -307,6 +307,22 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
                              "--arena", str(tmp_path / "shared"))  # fmt: skip
 
 
+def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        routing: {router: {use: group}}
+        selectors: {}
+        upstream: {ignorePaths: []}
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            compat: {ignoreWebsockets: true}
+        """)  # fmt: skip
+    said = [w.split(": ", 1)[1] for w in config.warnings]
+    assert [w.split(" ignored: ")[0] for w in said] == [
+        "routing", "selectors", "upstream", "model 'a': compat"]  # fmt: skip
+    assert "unknown" not in " ".join(said)
+
+
 def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         colour: blue

@@ -7,11 +7,12 @@ What llama-swap's keys mean here:
   as in llama-swap, whether the command uses ``${PORT}`` or not), ``checkEndpoint``
   (default ``/health``; ``none``; no spaces or control characters),
   ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
-  ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``;
+  ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``,
+  ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``;
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
   ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
-  starts on its first request).
+  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``.
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
@@ -57,7 +58,8 @@ _ONE_AT_A_TIME = (
     " has a budget (vramlock arena --budget), when they stay resident together while they fit"
     " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
 )
-_UNCHANGED = "requests are passed to the model unchanged"
+_NO_LOADING = "a request waits while its model loads: no loading messages are streamed"
+_BY_NAME = "a request names its model or one of its aliases"
 IGNORED_TOP = {
     "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
     "logToStdout": "the wrappers and servers write to serve's standard output and error",
@@ -68,15 +70,19 @@ IGNORED_TOP = {
     "performance": _NO_UI,
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
+    "routing": _ONE_AT_A_TIME,
     "peers": "only the models listed here are served",
-    "profiles": _UNCHANGED,
-    "sendLoadingState": _UNCHANGED,
+    "profiles": _BY_NAME,
+    "selectors": _BY_NAME,
+    "upstream": "/upstream passes every path through",
+    "sendLoadingState": _NO_LOADING,
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
-    "sendLoadingState": _UNCHANGED,
+    "sendLoadingState": _NO_LOADING,
+    "compat": "a websocket through /upstream is a connection like any other",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
 TOP_KEYS = frozenset(
