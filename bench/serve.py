@@ -129,6 +129,9 @@ def main() -> int:
                       f"    cmd: {binary} -m {model} --host 127.0.0.1 --port {port} -np 1"
                       " -c 1024 -t 1",
                       f"    proxy: http://127.0.0.1:{port}"]  # fmt: skip
+        # All three start with serve (models start on their first request otherwise):
+        # the settled state is one resident, two released.
+        lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES)}]"]
         config = work / "serve.yaml"
         config.write_text("\n".join(lines) + "\n")
         log = open(work / "serve.log", "w")  # noqa: SIM115 (closed below)
@@ -144,12 +147,13 @@ def main() -> int:
             conn = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=60)
             post(conn, "/v1/completions", {"model": "a", "prompt": "Hi", "max_tokens": 1})
             conn.close()
-            proc = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(serve.pid)],
-                                  capture_output=True, text=True, check=True)  # fmt: skip
+            # the wrapper listens on a socket serve handed it: who says its address
+            who_argv = [sys.executable, "-m", "vramlock", "who", "--arena", str(arena), "--json"]
+            who = subprocess.run(who_argv, capture_output=True, text=True, check=True)
             wrapper_port = next(
-                int(line.split("--listen 127.0.0.1:")[1].split()[0])
-                for line in proc.stdout.splitlines()
-                if "--name a " in line
+                int(m["listen"].rsplit(":", 1)[1])
+                for m in json.loads(who.stdout)["members"]
+                if m["name"] == "a"
             )
             paths = {"server": upstreams[0], "run proxy": wrapper_port, "serve": serve_port}
             results: dict[str, Any] = {"overhead": {}}

@@ -494,6 +494,24 @@ def test_a_failed_release_keeps_the_gpu_with_one_line(
     assert end(job).splitlines() == [f"vramlock: release failed: {message}; staying resident"]
 
 
+def test_a_llama_server_still_loading_is_released_by_ending_it(
+    arena: Path, spawn: Spawn, engine: MakeEngine
+) -> None:
+    eng = engine("llama-server", loading="60")  # every request answers 503: loading
+    job = spawn(vramlock("run", "--arena", str(arena), "--min-hold", "0", "--", *eng.argv),
+                env=dict(os.environ, **eng.env))  # auto: llama-server  # fmt: skip
+
+    def started() -> bool:
+        return any(e.startswith("start ") for _, e in eng.events())
+
+    wait_until(lambda: started() and who_json(arena)[0]["state"] == "resident")
+    waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "10"), timeout=30)
+    assert waiter.returncode == 0  # no cache to save yet: ended, not kept
+    assert eng.requests() == ["GET /props"] and eng.count("503 /props") == 1
+    assert eng.count("exit") == 1
+    assert "release failed" not in end(job)
+
+
 def test_a_refused_connection_keeps_the_gpu(arena: Path, spawn: Spawn, engine: MakeEngine) -> None:
     eng = engine("generic")
     closed = free_port()

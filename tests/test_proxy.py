@@ -545,6 +545,47 @@ def test_a_listen_address_in_use_is_one_line_and_125(
 
 
 @pytest.mark.parametrize(
+    ("fd", "reason"),
+    [("0", "not a listening TCP socket"), ("99", "Bad file descriptor")],
+    ids=["not-listening", "closed"],
+)
+def test_an_inherited_listen_descriptor_that_is_no_listener_is_125(
+    arena: Path, tmp_path: Path, fd: str, reason: str
+) -> None:
+    marker = tmp_path / "ran"
+    with socket.socket() as sock:  # fd 0: a socket, but not listening
+        out = subprocess.run(
+            vramlock("run", "--arena", str(arena), "--demand", "listen", "--listen", f"fd:{fd}",
+                     "--upstream", str(free_ports(1)[0]), "--", "touch", str(marker)),
+            stdin=sock.fileno(), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert out.returncode == 125
+    assert out.stderr == f"vramlock: --listen fd:{fd}: {reason}\n"
+    assert not marker.exists()
+
+
+def test_an_inherited_listening_socket_takes_the_clients(
+    arena: Path, spawn: Spawn, tmp_path: Path
+) -> None:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    upstream, log = free_ports(1)[0], tmp_path / "server.log"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        spawn(vramlock("run", "--arena", str(arena), "--release", "restart", "--demand", "listen",
+                       "--listen", f"fd:{listener.fileno()}", "--upstream", str(upstream), "--",
+                       sys.executable, str(script), str(upstream), str(log)),
+              pass_fds=(listener.fileno(),))  # fmt: skip
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/hello")
+        assert conn.getresponse().read().startswith(b"hello ")
+        conn.close()
+    assert [m.get("listen") for m in who_json(arena)] == [f"127.0.0.1:{port}"]
+
+
+@pytest.mark.parametrize(
     ("args", "fragment"),
     [
         (["--demand", "listen", "--listen", "8080"], "--demand listen needs --listen ADDR and"),

@@ -86,11 +86,6 @@ class Served:
         assert status == 200
         return {m["id"]: m["state"] for m in listing["data"]}
 
-    def settled(self) -> bool:
-        """Start-up is over: every wrapper has taken its turn and waits for demand."""
-        states = sorted(r["state"] for r in who_json(self.arena))
-        return states == ["released", "released", "resident"]
-
 
 def servers_alive(upstreams: list[int]) -> list[int]:
     return BothAlive(upstreams).servers()
@@ -124,10 +119,10 @@ def upstream_ports(config: Path) -> list[int]:
 
 @pytest.fixture
 def start(spawn: Spawn, arena: Path, tmp_path: Path) -> Iterator[Any]:
-    """Starts serve on a config (its output in serve.log); waits until start-up is over."""
+    """Starts serve on a config (its output in serve.log); returns once it answers."""
     logs = []
 
-    def go(config: Path, *, settle: bool = True) -> Served:
+    def go(config: Path) -> Served:
         port = free_port()
         log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed with the test)
         logs.append(log)
@@ -136,8 +131,6 @@ def start(spawn: Spawn, arena: Path, tmp_path: Path) -> Iterator[Any]:
                      env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
         served = Served(proc, port, upstream_ports(config)[:3], arena)
         wait_until(lambda: accepts_http(port), timeout=20)
-        if settle:
-            wait_until(served.settled, timeout=40, step=0.1)
         return served
 
     yield go
@@ -185,10 +178,23 @@ def test_three_models_many_clients_one_resident_at_a_time(
     assert sorted(r["name"] for r in who_json(arena)) == ["a", "b", "c"]
 
 
+def test_a_model_starts_on_its_first_request_or_preloaded(
+    start: Any, tmp_path: Path, models: list[Path], arena: Path
+) -> None:
+    preload = "hooks:\n  on_startup:\n    preload: [b-alias]\n"
+    served = start(serve_config(tmp_path, models, extra=preload))
+    wait_until(lambda: [r["name"] for r in who_json(arena)] == ["b"], timeout=30)
+    assert served.complete("a")["model"].endswith("tiny-0.gguf")
+    assert sorted(r["name"] for r in who_json(arena)) == ["a", "b"]
+    # c was never asked for: no wrapper, no server
+    assert servers_alive([served.upstreams[2]]) == []
+    assert served.states()["c"] == "released"
+
+
 def test_unknown_model_404_lists_the_known_ones(
     start: Any, tmp_path: Path, models: list[Path]
 ) -> None:
-    served = start(serve_config(tmp_path, models), settle=False)
+    served = start(serve_config(tmp_path, models))
     status, reply = served.call("POST", "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404
     assert reply["models"] == ["a", "b", "c", "a-alias", "b-alias", "c-alias"]
@@ -301,17 +307,19 @@ def test_clients_that_never_pause_take_turns_in_groups(
 
 
 def test_client_gone_while_its_model_loads_stalls_nobody(
-    start: Any, tmp_path: Path, models: list[Path]
+    start: Any, tmp_path: Path, models: list[Path], arena: Path
 ) -> None:
     served = start(serve_config(tmp_path, models))
-    states = served.states()
-    released = next(n for n, s in states.items() if s == "released")
-    resident = next(n for n, s in states.items() if s == "resident")
+    for name in NAMES:  # c resident; a released, and nothing else asks for it
+        served.complete(name)
+    released, resident = "a", "c"
     with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
         data = json.dumps({"model": released, "prompt": "Hi", "max_tokens": 3}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                   % (len(data), data))  # fmt: skip
-        time.sleep(0.05)  # the request is in: it is waiting for its model
+        # the request is in: its model's wrapper holds it, and the model comes back for it
+        wait_until(lambda: any(r["name"] == released and r["state"] != "released"
+                               for r in who_json(arena)))  # fmt: skip
     # the turn it held is given back: every model answers after it
     for name in (resident, released, *NAMES):
         served.complete(name)
@@ -347,7 +355,7 @@ def test_a_dead_server_is_started_again_on_the_next_request(
     served.complete("b")
     (pid,) = servers_alive([served.upstreams[1]])
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: served.states()["b"] == "exited")
+    wait_until(lambda: served.states()["b"] == "released")  # its wrapper ended
     assert served.complete("b")["model"].endswith("tiny-1.gguf")
     assert served.complete("a")["model"].endswith("tiny-0.gguf")
 
@@ -364,7 +372,7 @@ def test_a_server_that_never_listens_fails_its_requests_only(
     )
     config = serve_config(tmp_path, models, extra=extra)
     config.write_text(config.read_text().replace("healthCheckTimeout: 30", "healthCheckTimeout: 1"))
-    served = start(config, settle=False)
+    served = start(config)
     started = time.monotonic()
     status, reply = served.call("POST", "/v1/completions", {"model": "never", "prompt": "x"})
     assert status == 502, reply
@@ -376,7 +384,8 @@ def test_sigkilled_serve_leaves_nothing_running_without_the_token(
     start: Any, spawn: Spawn, tmp_path: Path, models: list[Path], arena: Path
 ) -> None:
     served = start(serve_config(tmp_path, models))
-    served.complete("a")
+    for name in NAMES:
+        served.complete(name)
     wrappers = [r["pid"] for r in who_json(arena)]
     assert len(wrappers) == 3
     # vramlock wait takes turns with the models: a waiter gets the token, a releases
@@ -399,7 +408,7 @@ def test_sigkilled_serve_leaves_nothing_running_without_the_token(
 def test_start_up_holds_clients_wait_takes_turns_sigterm_ends_all(
     start: Any, tmp_path: Path, models: list[Path], arena: Path
 ) -> None:
-    served = start(serve_config(tmp_path, models), settle=False)
+    served = start(serve_config(tmp_path, models))
     # at once, while the wrappers start and queue: held, then answered (no 502, no 503)
     with ThreadPoolExecutor(3) as pool:
         replies = list(pool.map(served.complete, NAMES))
@@ -422,7 +431,7 @@ def test_models_that_fit_the_budget_stay_resident_together(
     subprocess.run(vramlock("arena", "--arena", str(arena), "--budget", "3G"),
                    check=True, capture_output=True, timeout=30)  # fmt: skip
     config = serve_config(tmp_path, models, a="vram: 1G", b="vram: 1G", c="vram: 1G")
-    served = start(config, settle=False)
+    served = start(config)
     for name in NAMES:
         served.complete(name)
     wait_until(lambda: len(servers_alive(served.upstreams)) == 3, timeout=30)

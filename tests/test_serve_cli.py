@@ -8,20 +8,26 @@ answers its checkEndpoint never has a request forwarded.
 
 from __future__ import annotations
 
+import base64
+import errno
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers.commands import vramlock
+from helpers.commands import vramlock, who_json
 from helpers.errors import ErrCli, expect_error
 from helpers.net import free_port
-from helpers.processes import Spawn
+from helpers.processes import Spawn, wait_until
+
+from vramlock import procfs
 
 pytest.importorskip("aiohttp")
 
@@ -80,6 +86,28 @@ def test_unknown_key_warns_and_serve_runs(spawn: Spawn, tmp_path: Path, arena: P
     assert proc.stderr.readline() == f"vramlock: serving m at http://127.0.0.1:{port}\n"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+
+
+def test_llama_swap_s_command_line(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    """--config FILE and --listen :PORT, as llama-swap takes them."""
+    port = free_port()
+    proc = spawn(vramlock("serve", "--config", str(config(tmp_path, GOOD)), "--listen", f":{port}"),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == f"vramlock: serving m on port {port} of every interface\n"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() == b"OK"
+    conn.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_the_configuration_once(errcli: ErrCli, tmp_path: Path, twice: bool) -> None:
+    path = str(config(tmp_path, GOOD))
+    args = [path, "--config", path] if twice else []
+    expect_error(errcli("serve", *args), 2, "give the configuration file once: CONFIG or --config")
 
 
 def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: Path) -> None:
@@ -167,4 +195,350 @@ def test_a_model_that_never_gets_healthy_fails_without_its_503(
     # held while /health said 503, then serve's own answer: the engine's 503 never
     assert reply.status == 502, body
     assert body["error"]["message"].startswith("model m: its server did not answer")
+    # the cause, not a bare errno
+    assert "/health on 127.0.0.1:" in body["error"]["message"]
+    assert "answered 503 (no 2xx within healthCheckTimeout, 1 s)" in body["error"]["message"]
     assert time.monotonic() - started < 10
+
+
+def serve_on(spawn: Spawn, path: Path, arena: Path) -> int:
+    """serve started on ``path``; its port, once it serves."""
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+    return port
+
+
+def ask(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def test_a_command_not_found_is_said_in_the_502(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = config(tmp_path, "models:\n  m:\n    cmd: vramlock-test-no-such-command ${PORT}\n"
+                            "    release: restart\n")  # fmt: skip
+    status, body = ask(serve_on(spawn, path, arena), "POST", "/v1/completions", b'{"model": "m"}')
+    assert status == 502
+    assert body["error"]["message"] == (
+        "model m: its server did not answer: its wrapper exited with status 127 (command not found)"
+    )
+
+
+# A server no preset knows (auto finds no way to release it): answers with its pid.
+PLAIN = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = str(os.getpid()).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_model_auto_cannot_release_is_restarted_for_another(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    model = f"    cmd: {sys.executable} {script} ${{PORT}}\n    checkEndpoint: none\n"
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  a:\n{model}  b:\n{model}")
+    port = serve_on(spawn, path, arena)
+
+    def pid(name: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": name}))
+            reply = conn.getresponse()
+            assert reply.status == 200
+            return int(reply.read())
+        finally:
+            conn.close()
+
+    first = pid("a")
+    assert [r["strategy"] for r in who_json(arena)] == ["auto:none"]
+    pid("b")  # not held for good behind a: a was ended first
+    assert not os.path.exists(f"/proc/{first}")
+    assert pid("a") != first  # started again on its next request
+
+
+def test_api_keys_are_asked_for_as_llama_swap_does(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = config(tmp_path, GOOD + 'apiKeys: ["sk-one", "${env.SERVE_TEST_KEY}"]\n')
+    port = free_port()
+    env = {**os.environ, "VRAMLOCK_ARENA": str(arena), "SERVE_TEST_KEY": "sk-env"}
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)), env=env)
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+
+    def status(headers: dict[str, str], path: str = "/v1/models") -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", path, headers=headers)
+            reply = conn.getresponse()
+            body = reply.read()
+            if reply.status == 401:
+                message = json.loads(body)["error"]["message"]
+                assert message == "unauthorized: invalid or missing API key"
+                assert reply.getheader("WWW-Authenticate") == 'Basic realm="vramlock"'
+            return reply.status
+        finally:
+            conn.close()
+
+    basic = base64.b64encode(b"anyone:sk-one").decode()
+    assert status({}) == 401
+    assert status({"Authorization": "Bearer sk-nope"}) == 401
+    assert status({"Authorization": "Bearer sk-one"}) == 200
+    assert status({"x-api-key": "sk-env"}) == 200  # from the environment
+    assert status({"Authorization": f"Basic {basic}"}) == 200
+    assert status({}, "/health") == 200  # no key asked
+
+
+def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STREAM)
+    path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            f"    checkEndpoint: none\n    concurrencyLimit: 1\n"
+                            f"startPort: {free_port()}\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        body = b'{"model": "m", "stream": true}'
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))  # fmt: skip
+        got = b""
+        while b"data: first" not in got:  # the one request allowed is in progress
+            got += s.recv(65536)
+        refused, reply = ask(port, "POST", "/v1/completions", b'{"model": "m"}')
+        assert (refused, reply["error"]["type"]) == (429, "rate_limit_error")
+        assert reply["error"]["message"] == "model m: 1 requests at once already (concurrencyLimit)"
+        while b"data: last" not in got:
+            got += s.recv(65536)
+
+    def status() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=b'{"model": "m"}')
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    wait_until(lambda: status() != 429)  # its end gives the place back
+    assert status() == 200
+
+
+def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    slashed = (
+        "  org/big:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
+        "    aliases: [big]\n    metadata:\n      port: ${PORT}\n    capabilities: {context: 8}\n"
+    )
+    text = "healthCheckTimeout: 1\nincludeAliasesInList: true\n" + GOOD + slashed
+    port = serve_on(spawn, config(tmp_path, text), arena)
+    status, entry = ask(port, "GET", "/v1/models/org/big")
+    assert (status, entry["id"], entry["state"]) == (200, "org/big", "released")
+    assert entry["meta"] == {"llamaswap": {"port": 5801, "type": "model"}, "n_ctx": 8}
+    assert entry["capabilities"] == {"context": 8}
+    listed = ask(port, "GET", "/v1/models")[1]["data"]
+    assert [(e["id"], e["meta"]["llamaswap"]["type"]) for e in listed] == [
+        ("m", "model"), ("org/big", "model"), ("big", "alias")]  # fmt: skip
+    assert ask(port, "GET", "/v1/models/nope")[0] == 404
+    assert ask(port, "GET", "/upstream") == (200, {"object": "list", "data": [
+        {"id": "m", "upstream": "/upstream/m/"},
+        {"id": "org/big", "upstream": "/upstream/org/big/"}]})  # fmt: skip
+    # a name with a slash reaches its server (here: none listens)
+    status, reply = ask(port, "GET", "/upstream/org/big/health")
+    assert status == 502 and reply["error"]["message"].startswith("model org/big: ")
+    assert ask(port, "POST", "/api/models/unload") == (200, {"msg": "ok"})
+    assert ask(port, "POST", "/api/models/unload/nope")[0] == 404
+    for method, path in (("GET", "/unload"), ("POST", "/api/models/unload/org/big")):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request(method, path)
+        reply = conn.getresponse()
+        assert (reply.status, reply.read()) == (200, b"OK")
+        conn.close()
+
+
+def test_no_other_program_takes_a_model_s_port_between_its_runs(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n    release: restart\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+
+    def pid() -> int:
+        status, answer = ask(port, "POST", "/v1/completions", b'{"model": "m"}')
+        assert status == 200
+        return int(answer)
+
+    first = pid()
+    (row,) = who_json(arena)
+    os.kill(row["pid"], signal.SIGTERM)  # the wrapper ends, and its server with it
+    wait_until(lambda: not procfs.living(row["pid"]))
+    # its port stays serve's: a program that took it would get the model's requests
+    with socket.socket() as thief, pytest.raises(OSError) as err:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past any TIME_WAIT
+        thief.bind(("127.0.0.1", int(row["listen"].rsplit(":", 1)[1])))
+    assert err.value.errno == errno.EADDRINUSE
+    assert pid() != first  # started again on its next request
+
+
+@pytest.mark.parametrize("level", ["info", "warn"])
+def test_each_start_and_request_is_said_at_log_level_info(
+    spawn: Spawn, tmp_path: Path, arena: Path, level: str
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    path = config(tmp_path, f"logLevel: {level}\nstartPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving m" in proc.stderr.readline()
+    assert ask(port, "POST", "/v1/completions", b'{"model": "m"}')[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    said = [line for line in err.splitlines() if line.startswith("vramlock: model m: ")]
+    if level == "warn":
+        assert said == []
+    else:
+        assert said[0] == "vramlock: model m: starting its wrapper"
+        assert re.fullmatch(r"vramlock: model m: POST /v1/completions 200 in [0-9.]+ s", said[1])
+
+
+# A websocket server: each message answered with it and the Authorization it got.
+WS_ECHO = """
+import sys
+from aiohttp import web
+async def ws(request):
+    out = web.WebSocketResponse()
+    await out.prepare(request)
+    async for msg in out:
+        await out.send_str(f"{msg.data} {request.headers.get('Authorization', '-')}")
+    return out
+app = web.Application()
+app.router.add_get("/ws", ws)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_a_websocket_passes_through_upstream(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    import asyncio
+
+    import aiohttp
+
+    script = tmp_path / "ws.py"
+    script.write_text(WS_ECHO)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+
+    async def talk() -> list[str]:
+        async with (
+            aiohttp.ClientSession() as client,
+            client.ws_connect(
+                f"http://127.0.0.1:{port}/upstream/m/ws", headers={"Authorization": "Bearer k"}
+            ) as ws,
+        ):
+            got = []
+            for text in ("one", "two"):
+                await ws.send_str(text)
+                got.append((await ws.receive(timeout=30)).data)
+            return got
+
+    assert asyncio.run(talk()) == ["one Bearer k", "two Bearer k"]
+    # a path the server has no websocket on: serve's 502, saying so
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/upstream/m/none", headers={
+        "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})  # fmt: skip
+    reply = conn.getresponse()
+    message = json.loads(reply.read())["error"]["message"]
+    conn.close()
+    assert reply.status == 502
+    assert message.startswith("model m: no websocket from its server: 404")
+
+
+# A server that answers with the JSON body it received.
+ECHO = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_use_model_name_and_filters_reach_the_server(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+                            f"    cmd: {sys.executable} {script} ${{PORT}}\n"
+                            "    checkEndpoint: none\n    useModelName: served-name\n"
+                            "    filters:\n      stripParams: temperature\n"
+                            "      setParams: {top_p: 0.5}\n")  # fmt: skip
+    port = serve_on(spawn, path, arena)
+    sent = {"model": "m", "temperature": 2, "prompt": "x"}
+    status, got = ask(port, "POST", "/v1/completions", json.dumps(sent).encode())
+    assert (status, got) == (200, {"model": "served-name", "prompt": "x", "top_p": 0.5})
+
+
+def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    from vramlock.serve.router import MAX_BODY
+
+    port = serve_on(spawn, config(tmp_path, GOOD), arena)
+    message = f"the request body is over {MAX_BODY >> 20} MiB"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        # said from Content-Length, before any of the body is read
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % (MAX_BODY + 1))  # fmt: skip
+        head, _, body = s.recv(65536).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 ")
+        assert json.loads(body)["error"]["message"] == message
+    # chunked: refused once it is over, not held whole
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        chunks = (b"x" * (1 << 20) for _ in range((MAX_BODY >> 20) + 1))
+        conn.request("POST", "/upstream/m/x", body=chunks, encode_chunked=True)
+        reply = conn.getresponse()
+        assert (reply.status, json.loads(reply.read())["error"]["message"]) == (413, message)
+    except (BrokenPipeError, ConnectionResetError):
+        pytest.fail("serve cut the connection instead of answering 413")
+    finally:
+        conn.close()
+
+
+def test_unknown_routes_and_models_answer_openai_json(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    hidden = "  secret:\n    cmd: sleep 60 ${PORT}\n    release: restart\n    unlisted: true\n"
+    port = serve_on(spawn, config(tmp_path, GOOD + hidden), arena)
+    status, body = ask(port, "GET", "/no/such/route")
+    assert status == 404
+    assert body["error"] == {"code": 404, "message": "GET /no/such/route: no such route",
+                             "type": "invalid_request_error", "param": None}  # fmt: skip
+    status, body = ask(port, "DELETE", "/models/unload")
+    assert (status, body["error"]["message"]) == (404, "DELETE /models/unload: no such route")
+    # an unlisted model is served, not told of
+    status, body = ask(port, "POST", "/v1/completions", b'{"model": "nope"}')
+    assert (status, body["models"]) == (404, ["m"])

@@ -140,6 +140,8 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert llama.env == {"CUDA_VISIBLE_DEVICES": "0"}
     assert (llama.upstream, llama.check_endpoint) == ("127.0.0.1:8999", "/custom-endpoint")
     assert llama.ttl == 60
+    assert llama.filters.model == "qwen:qwq"  # useModelName
+    assert config.log_level == "info"
     # ${PORT}: startPort, then the next one, in the file's order
     assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10001"]
     assert unlisted.upstream == "127.0.0.1:10001"
@@ -148,14 +150,10 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
     # one warning per key that means nothing here, each with its line and why
     assert config.warnings == [
-        f"{path}:4: logLevel ignored: the wrappers and servers write to serve's standard output"
-        " and error",
         f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
         " at a time, unless the arena has a budget (vramlock arena --budget), when they stay"
         " resident together while they fit (vram: declared, or measured with NVML); models on"
         " different GPUs (gpu:) run together",
-        f"{path}:27: model 'llama': useModelName ignored: requests are passed to the model"
-        " unchanged",
         f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
         " release strategy, not by being stopped",
     ]
@@ -172,6 +170,119 @@ def test_macros_env_model_macros_and_model_id(
                            "/home/u/models/gpt-oss.gguf", "--ctx-size", "16384", "--ctx-size",
                            "4096", "--alias", "gpt-oss"]  # fmt: skip
     assert (oss.title, oss.description) == ("gpt-oss 120B", "A thinking model")
+
+
+def test_no_proxy_is_llama_swap_s_default_even_without_port_in_cmd(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          fixed:
+            cmd: some-upstream-server
+          next:
+            cmd: srv --port ${PORT}
+        """)  # fmt: skip
+    fixed, after = config.models.values()
+    # http://localhost:${PORT}: the port is taken whether cmd says it or not
+    assert (fixed.upstream, fixed.command) == ("127.0.0.1:5800", ["some-upstream-server"])
+    assert after.upstream == "127.0.0.1:5801"
+
+
+def test_an_environment_value_is_not_expanded_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SERVE_TEST_ODD", "${PORT}-${env.HOME}-${nope}")
+    config = read(tmp_path, """\
+        macros:
+          odd: "${env.SERVE_TEST_ODD}"
+        models:
+          a:
+            cmd: srv --port ${PORT} --odd ${env.SERVE_TEST_ODD} --macro ${odd}
+            env: ["ODD=${env.SERVE_TEST_ODD}"]
+        """)  # fmt: skip
+    a = config.models["a"]
+    odd = "${PORT}-${env.HOME}-${nope}"
+    assert a.command == ["srv", "--port", "5800", "--odd", odd, "--macro", odd]
+    assert a.env == {"ODD": odd}
+
+
+def test_preload_names_models_or_aliases(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            aliases: [first]
+          b:
+            cmd: srv --port ${PORT}
+        hooks:
+          on_startup:
+            preload: [first, nope, a]
+            later: [b]
+        """)  # fmt: skip
+    assert config.preload == ("a",)
+    path = tmp_path / "config.yaml"
+    assert config.warnings == [
+        f"{path}:10: hooks.on_startup: unknown key later ignored",
+        f"{path}:9: hooks.on_startup.preload: no model 'nope'; not preloaded",
+    ]
+    assert read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT}\n").preload == ()
+
+
+def test_concurrency_limit_zero_or_absent_is_llama_swap_s_default(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            concurrencyLimit: 0
+          b:
+            cmd: srv --port ${PORT}
+            concurrencyLimit: 2
+          c:
+            cmd: srv --port ${PORT}
+        """)  # fmt: skip
+    assert [m.concurrency for m in config.models.values()] == [10, 2, 10]
+
+
+def test_filters_change_the_body_the_model_gets(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            useModelName: upstream-name
+            filters:
+              stripParams: "temperature, model, top_k"
+              setParams: {top_p: 0.9, model: no}
+              setParamsByID:
+                "${MODEL_ID}:high": {effort: high}
+                "${MODEL_ID}": {effort: medium}
+        """)  # fmt: skip
+    a = config.models["a"]
+    assert a.aliases == ("a:high",)  # setParamsByID's names are aliases
+    assert config.find("a:high") is a
+    body = {"model": "a:high", "temperature": 1, "top_k": 5, "prompt": "x"}
+    assert a.filters.apply(body, "a:high") == {"model": "upstream-name", "prompt": "x",
+                                               "top_p": 0.9, "effort": "high"}  # fmt: skip
+    assert a.filters.apply({"model": "a"}, "a")["effort"] == "medium"
+
+
+def test_metadata_and_capabilities_keep_their_types(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        macros:
+          temp: 0.7
+        includeAliasesInList: true
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            metadata:
+              port: ${PORT}
+              temperature: ${temp}
+              note: "${MODEL_ID} on ${PORT}"
+              a_list: [1, "${MODEL_ID}"]
+            capabilities: {in: [text], context: 32000}
+        """)  # fmt: skip
+    a = config.models["a"]
+    assert a.metadata == {"port": 5800, "temperature": 0.7, "note": "a on 5800",
+                          "a_list": [1, "a"]}  # fmt: skip
+    assert a.capabilities == {"in": ["text"], "context": 32000}
+    assert config.aliases_listed
 
 
 def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
@@ -196,6 +307,22 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
                              "--arena", str(tmp_path / "shared"))  # fmt: skip
 
 
+def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
+    config = read(tmp_path, """\
+        routing: {router: {use: group}}
+        selectors: {}
+        upstream: {ignorePaths: []}
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            compat: {ignoreWebsockets: true}
+        """)  # fmt: skip
+    said = [w.split(": ", 1)[1] for w in config.warnings]
+    assert [w.split(" ignored: ")[0] for w in said] == [
+        "routing", "selectors", "upstream", "model 'a': compat"]  # fmt: skip
+    assert "unknown" not in " ".join(said)
+
+
 def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         colour: blue
@@ -216,7 +343,6 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ("models:\n  a:\n    proxy: http://127.0.0.1:1\n", 2, "model 'a': no cmd"),
         ("- a\n- b\n", 1, "the file must be a mapping with a models: key"),
         ("macros: {}\n", 1, "no models: key"),
-        ("models:\n  a:\n    cmd: srv --port 1\n", 2, "no proxy, and its cmd has no ${PORT}"),
         ("models:\n  a:\n    cmd: srv ${nope}\n", 3, "${nope} is not a defined macro"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    proxy: https://h:1\n", 4,
          "proxy must be an http://HOST:PORT URL"),
@@ -233,10 +359,24 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
         ('models:\n  a:\n    cmd: srv ${PORT}\n    env: ["A=\\0"]\n', 4, "is not NAME=value"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: .inf\n", 4, "ttl must be a number"),
         ("healthCheckTimeout: .inf\nmodels: {}\n", 1, "healthCheckTimeout must be a number"),
+        ("macros:\n" + "".join(f"  m{i}: ${{m{i - 1}}}${{m{i - 1}}}\n" for i in range(1, 40))
+         .replace("${m0}${m0}", "xx") + "models:\n  a:\n    cmd: srv ${m39}\n",
+         22, "macro m21: its macros expand to more than 1 MiB"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    gpu: one\n", 4,
+         "model 'a': gpu: expected a GPU number"),
+        ('models:\n  a:\n    cmd: srv ${PORT}\n    checkEndpoint: "/health\\r\\nX-A: b"\n', 4,
+         "checkEndpoint must be /PATH (no spaces or control characters)"),
+        ('apiKeys: ["sk-a", "has space"]\nmodels:\n  a:\n    cmd: srv ${PORT}\n', 1,
+         "apiKeys[1]: a key must be non-empty, without spaces"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    concurrencyLimit: -1\n", 4,
+         "model 'a': concurrencyLimit must be 0 or more"),
+        ("logLevel: chatty\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 1,
+         "logLevel must be one of debug, info, warn, error"),
     ],
-    ids=["yaml", "no-cmd", "not-mapping", "no-models", "no-proxy", "macro", "https", "ttl",
+    ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
-         "env-nul", "ttl-inf", "health-inf"],
+         "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key",
+         "concurrency", "log-level"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

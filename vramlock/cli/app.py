@@ -25,6 +25,7 @@ from .params import (
     BudgetOpt,
     CommandArg,
     ConfigArg,
+    ConfigOpt,
     ConflictOpt,
     DemandOpt,
     FdOpt,
@@ -165,9 +166,13 @@ def demo(members: MembersOpt = 3, seconds: SecondsOpt = "8") -> None:
 
 
 @app.command()
-def serve(config: ConfigArg, listen: ServeListenOpt = "127.0.0.1:8080") -> None:
+def serve(
+    config: ConfigArg = None,
+    config_option: ConfigOpt = None,
+    listen: ServeListenOpt = "127.0.0.1:8080",
+) -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
-    raise typer.Exit(serve_command.serve(config, listen))
+    raise typer.Exit(serve_command.serve(config, config_option, listen))
 
 
 @app.command()

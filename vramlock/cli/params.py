@@ -229,16 +229,26 @@ SecondsOpt = Annotated[str, typer.Option(metavar="SECONDS", help="How long to ru
 # -- serve ------------------------------------------------------------------------------------
 
 ConfigArg = Annotated[
-    str,
+    MaybeText,
     typer.Argument(
         metavar="CONFIG", help="llama-swap's YAML configuration file.", show_default=False
+    ),
+]
+ConfigOpt = Annotated[
+    MaybeText,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help="The configuration file, as llama-swap takes it (instead of CONFIG).",
+        show_default=False,
     ),
 ]
 ServeListenOpt = Annotated[
     str,
     typer.Option(
         metavar="ADDR",
-        help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, or PORT on 127.0.0.1).",
+        help="Take the OpenAI API here (HOST:PORT, [IPv6]:PORT, PORT on 127.0.0.1, or"
+        " :PORT on every interface).",
     ),
 ]
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from .common import parse_duration, warn
 
 
-def serve(config: str, listen: str) -> int:
-    """Serve every model of CONFIG at one address; each model is a member of the arena."""
+def serve(config: str | None, config_option: str | None, listen: str) -> int:
+    """Serve every model of CONFIG (or ``--config FILE``, llama-swap's way) at one
+    address; each model is a member of the arena."""
     from ..serve import serve as serve_models
 
-    return serve_models(config, listen, duration=parse_duration, warn=warn)
+    paths = [p for p in (config, config_option) if p is not None]
+    if len(paths) != 1:
+        raise UsageError("give the configuration file once: CONFIG or --config FILE")
+    return serve_models(paths[0], listen, duration=parse_duration, warn=warn)

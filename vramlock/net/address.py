@@ -87,10 +87,21 @@ def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return True
 
 
+def inherited(text: str) -> int | None:
+    """The descriptor ``fd:N`` names (a listening socket handed down by the parent);
+    None for an address."""
+    kind, colon, number = text.partition(":")
+    if kind == "fd" and colon and number.isascii() and number.isdigit():
+        return int(number)
+    return None
+
+
 def same_socket(listen: str, upstream: str) -> bool:
     """Would a connection to ``upstream`` reach a socket bound to ``listen``? (A proxy
     that forwards to itself loops.) False when either does not resolve: that is said
     where the address is used."""
+    if inherited(listen) is not None:
+        return False  # bound by the parent, which chose both
     try:
         _, where = resolve(listen, "--listen")[0]
         targets = resolve(upstream, "--upstream", connect=True)

@@ -1,6 +1,7 @@
 """``vramlock serve CONFIG``: every model of a llama-swap configuration at one address.
 
 Each model runs under its own ``vramlock run --demand listen`` wrapper (``members``),
+started on the model's first request (or with serve: ``hooks.on_startup.preload``),
 a member of the arena like any other; the router (``router``) takes the OpenAI API at
 one address and passes each request to its model's wrapper. Needs the ``serve`` extra
 (aiohttp, PyYAML); nothing else in vramlock imports this package.
@@ -43,11 +44,13 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
     config = load(path, duration)
     for message in config.warnings:
         warn(message)
-    host, port = parse(listen, "--listen")
+    # llama-swap's :PORT: every interface (the port checked as any address's).
+    every = listen.startswith(":")
+    host, port = parse(f"0.0.0.0{listen}" if every else listen, "--listen")
     wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
-    return asyncio.run(_main(config, wrappers, listen, host, port, warn))
+    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, warn))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -103,10 +106,11 @@ async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
     listen: str,
-    host: str,
+    host: str | None,
     port: int,
     warn: Callable[[str], None],
 ) -> int:
+    """Serve until told to end; ``host`` None: every interface."""
     from aiohttp import web
 
     from ..net.address import show
@@ -136,11 +140,14 @@ async def _main(
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(s, stop.set)
     try:
-        for w in wrappers.values():
-            w.start()
-        warn(f"serving {', '.join(wrappers)} at http://{show((host, port))}")
+        for name in config.preload:  # the others start on their first request
+            wrappers[name].start()
+        where = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
+        warn(f"serving {', '.join(wrappers)} {where}")
         await stop.wait()
     finally:
         await runner.cleanup()
         stop_all(list(wrappers.values()))
+        for w in wrappers.values():
+            w.close()
     return 0

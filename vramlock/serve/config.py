@@ -3,13 +3,16 @@
 What llama-swap's keys mean here:
 
 - ``models.NAME``: ``cmd`` (required; lines starting with ``#`` dropped, then split as a
-  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``
-  where the command uses ``${PORT}``), ``checkEndpoint`` (default ``/health``; ``none``),
+  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``,
+  as in llama-swap, whether the command uses ``${PORT}`` or not), ``checkEndpoint``
+  (default ``/health``; ``none``; no spaces or control characters),
   ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
-  ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``;
+  ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``,
+  ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``;
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
-  ``globalTTL``.
+  ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
+  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``.
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
@@ -33,15 +36,20 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from ..arena.directory import parse_gpus
 from ..errors import UsageError
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
+LOG_LEVELS = ("debug", "info", "warn", "error")
+DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
 _RESERVED = frozenset({"PORT", "MODEL_ID"})
+# What one value may expand to: macros that double each other must not exhaust memory.
+MAX_EXPANDED = 1 << 20
 
 # llama-swap's keys that have no meaning here, and why.
 _NO_UI = "vramlock serve has no web UI, metrics or request log"
@@ -50,9 +58,9 @@ _ONE_AT_A_TIME = (
     " has a budget (vramlock arena --budget), when they stay resident together while they fit"
     " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
 )
-_UNCHANGED = "requests are passed to the model unchanged"
+_NO_LOADING = "a request waits while its model loads: no loading messages are streamed"
+_BY_NAME = "a request names its model or one of its aliases"
 IGNORED_TOP = {
-    "logLevel": "the wrappers and servers write to serve's standard output and error",
     "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
     "logToStdout": "the wrappers and servers write to serve's standard output and error",
     "metricsMaxInMemory": _NO_UI,
@@ -62,29 +70,29 @@ IGNORED_TOP = {
     "performance": _NO_UI,
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
-    "hooks": "every model's wrapper starts at once and queues for the token",
+    "routing": _ONE_AT_A_TIME,
     "peers": "only the models listed here are served",
-    "apiKeys": "no authentication: listen on loopback, or put an authenticating proxy in front",
-    "profiles": _UNCHANGED,
-    "sendLoadingState": _UNCHANGED,
-    "includeAliasesInList": "/v1/models lists models, with their aliases in each entry",
+    "profiles": _BY_NAME,
+    "selectors": _BY_NAME,
+    "upstream": "/upstream passes every path through",
+    "sendLoadingState": _NO_LOADING,
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
-    "useModelName": _UNCHANGED,
-    "filters": _UNCHANGED,
-    "sendLoadingState": _UNCHANGED,
-    "metadata": "/v1/models shows name, description, aliases and state",
-    "concurrencyLimit": "requests queue in the model's server",
+    "sendLoadingState": _NO_LOADING,
+    "compat": "a websocket through /upstream is a connection like any other",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
-TOP_KEYS = frozenset({"models", "macros", "startPort", "healthCheckTimeout", "globalTTL"})
+TOP_KEYS = frozenset(
+    {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
+     "includeAliasesInList", "logLevel"}
+)  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
-     "description", "macros", "release", "preset", "min_hold", "yield_within", "vram", "gpu",
-     "arena"}
+     "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
+     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities"}
 )  # fmt: skip
 
 
@@ -117,6 +125,33 @@ class Model:
     run_options: tuple[str, ...] = ()  # vramlock run's options from the vramlock keys
     arena: str | None = None
     gpu: str | None = None
+    concurrency: int = DEFAULT_CONCURRENCY  # requests at once; more get 429
+    filters: Filters = field(default_factory=lambda: Filters())
+    metadata: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
+    capabilities: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What is changed in a request's JSON body before its model gets it: llama-swap's
+    useModelName and filters (``model`` itself is never stripped or set by them)."""
+
+    model: str | None = None  # useModelName
+    strip: tuple[str, ...] = ()  # stripParams
+    set: dict[str, Any] = field(default_factory=dict)  # setParams
+    by_name: dict[str, dict[str, Any]] = field(default_factory=dict)  # setParamsByID
+
+    def __bool__(self) -> bool:
+        return bool(self.model or self.strip or self.set or self.by_name)
+
+    def apply(self, body: dict[str, Any], asked: str) -> dict[str, Any]:
+        """``body`` as the model gets it, asked for by the name ``asked``."""
+        out = {k: v for k, v in body.items() if k == "model" or k not in self.strip}
+        for params in (self.set, self.by_name.get(asked, {})):
+            out.update((k, v) for k, v in params.items() if k != "model")
+        if self.model is not None:
+            out["model"] = self.model
+        return out
 
 
 @dataclass(frozen=True)
@@ -125,17 +160,27 @@ class Config:
     models: dict[str, Model]
     health_timeout: float
     warnings: list[str]
+    preload: tuple[str, ...] = ()  # models started with serve; others on their first request
+    api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
+    aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
+    log_level: str = "info"  # logLevel: info and debug say each request and start
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
-        found = self.models.get(name)
-        if found is not None:
-            return found
-        return next((m for m in self.models.values() if name in m.aliases), None)
+        return _find(self.models, name)
 
     def known(self) -> list[str]:
-        """Every name a request may use: models, then aliases."""
-        return [*self.models, *(a for m in self.models.values() for a in m.aliases)]
+        """The names a 404 may tell: listed models, then their aliases (an unlisted
+        model is served, not told of)."""
+        listed = [m for m in self.models.values() if not m.unlisted]
+        return [*(m.name for m in listed), *(a for m in listed for a in m.aliases)]
+
+
+def _find(models: dict[str, Model], name: str) -> Model | None:
+    found = models.get(name)
+    if found is not None:
+        return found
+    return next((m for m in models.values() if name in m.aliases), None)
 
 
 Duration = Callable[[str, str], float]
@@ -278,25 +323,53 @@ class _Macros:
                 raise self.reader.fail(value, f"macros: {name} must be a string or a number")
             self.values[name] = self.expand(str(raw).strip(), value, f"macro {name}")
 
-    def expand(
-        self, text: str, node: yaml.Node, where: str, model: dict[str, str] | None = None
-    ) -> str:
+    def expand(self, text: str, node: yaml.Node, where: str) -> str:
+        """``text`` with its macros expanded, in one pass: what a macro or variable brings
+        in is not expanded again. ``${PORT}`` and ``${MODEL_ID}`` are left as marks for
+        ``fill``. The result is at most ``MAX_EXPANDED`` characters."""
+        if "\0" in text:
+            raise self.reader.fail(node, f"{where}: a NUL character cannot be passed to a program")
+        size = len(text)
+
         def one(m: re.Match[str]) -> str:
-            name = m.group(1)
-            if name.startswith("env."):
-                found = os.environ.get(name[4:])
-                if found is None:
-                    raise self.reader.fail(node, f"{where}: ${{{name}}}: {name[4:]} is not set")
-                return found
-            if model is not None and name in model:
-                return model[name]
-            if model is None and name in _RESERVED:
-                return m.group(0)  # the model fills these in
-            if name in self.values:
-                return self.values[name]
-            raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
+            nonlocal size
+            value = self._value(m.group(1), node, where)
+            size += len(value) - len(m.group(0))
+            if size > MAX_EXPANDED:
+                limit = f"{MAX_EXPANDED >> 20} MiB"
+                raise self.reader.fail(node, f"{where}: its macros expand to more than {limit}")
+            return value
 
         return _MACRO.sub(one, text)
+
+    def _value(self, name: str, node: yaml.Node, where: str) -> str:
+        if name.startswith("env."):
+            found = os.environ.get(name[4:])
+            if found is None:
+                raise self.reader.fail(node, f"{where}: ${{{name}}}: {name[4:]} is not set")
+            return found
+        if name in _RESERVED:
+            return _mark(name)  # the model fills these in
+        if name in self.values:
+            return self.values[name]
+        raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
+
+    def fill_in(self, text: str, node: yaml.Node, where: str, model: dict[str, str]) -> str:
+        """``text`` expanded, the model's ``${PORT}`` and ``${MODEL_ID}`` filled in."""
+        return fill(self.expand(text, node, where), model)
+
+
+def _mark(name: str) -> str:
+    """Where ``${PORT}`` or ``${MODEL_ID}`` goes, until ``fill``: NUL is refused in the
+    file's text and cannot be in the environment, so no value can look like it."""
+    return f"\0{name}\0"
+
+
+def fill(text: str, model: dict[str, str]) -> str:
+    """``text`` (expanded) with the model's ``${PORT}`` and ``${MODEL_ID}`` filled in."""
+    for name, value in model.items():
+        text = text.replace(_mark(name), value)
+    return text
 
 
 def _command(text: str) -> list[str]:
@@ -348,10 +421,31 @@ def load(path: str, duration: Duration) -> Config:
         health = reader.number(top["healthCheckTimeout"][1], "healthCheckTimeout", 1)
     global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
 
+    models = _models(reader, macros, top["models"][1], start_port, global_ttl)
+    preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
+    keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
+    listed = "includeAliasesInList" in top and reader.flag(
+        top["includeAliasesInList"][1], "includeAliasesInList"
+    )
+    level = "info"
+    if "logLevel" in top:
+        level = reader.text(top["logLevel"][1], "logLevel")
+        if level not in LOG_LEVELS:
+            raise reader.fail(
+                top["logLevel"][1], f"logLevel must be one of {', '.join(LOG_LEVELS)}"
+            )
+    return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
+                  preload=preload, api_keys=keys, aliases_listed=listed,
+                  log_level=level)  # fmt: skip
+
+
+def _models(
+    reader: _Reader, macros: _Macros, models_node: yaml.Node, start_port: int, global_ttl: float
+) -> dict[str, Model]:
+    """The ``models:`` entries, each taking the next automatic port it uses."""
     models: dict[str, Model] = {}
     names: dict[str, int] = {}  # model names and aliases -> line, for clashes
     next_port = start_port
-    models_node = top["models"][1]
     entries = reader.pairs(models_node, "models")
     if not entries:
         raise reader.fail(models_node, "models: is empty")
@@ -368,7 +462,241 @@ def load(path: str, duration: Duration) -> Config:
                 raise reader.fail(node, f"model {name!r}: {taken}")
             names[alias] = line
         models[name] = model
-    return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings)
+    return models
+
+
+def _api_keys(reader: _Reader, macros: _Macros, node: yaml.Node) -> tuple[str, ...]:
+    """``apiKeys``: each one non-empty, without spaces, its macros (``${env.VAR}``) expanded."""
+    if not isinstance(node, yaml.SequenceNode):
+        raise reader.fail(node, "apiKeys must be a list")
+    keys = []
+    for i, item in enumerate(node.value):
+        key = macros.expand(reader.text(item, f"apiKeys[{i}]"), item, f"apiKeys[{i}]")
+        if not key or not key.isprintable() or " " in key:
+            raise reader.fail(item, f"apiKeys[{i}]: a key must be non-empty, without spaces")
+        keys.append(key)
+    return tuple(keys)
+
+
+def _preload(reader: _Reader, node: yaml.Node, models: dict[str, Model]) -> tuple[str, ...]:
+    """``hooks.on_startup.preload``: the models started with serve (names or aliases)."""
+    hooks = {name: (key, value) for name, key, value in reader.pairs(node, "hooks")}
+    reader.check_keys(hooks, frozenset({"on_startup"}), {}, "hooks: ")
+    if "on_startup" not in hooks:
+        return ()
+    start = {n: (k, v) for n, k, v in reader.pairs(hooks["on_startup"][1], "hooks.on_startup")}
+    reader.check_keys(start, frozenset({"preload"}), {}, "hooks.on_startup: ")
+    if "preload" not in start:
+        return ()
+    out: list[str] = []
+    preload = start["preload"][1]
+    for name in reader.strings(preload, "hooks.on_startup.preload"):
+        found = _find(models, name)
+        if found is None:
+            reader.warn(preload, f"hooks.on_startup.preload: no model {name!r}; not preloaded")
+        elif found.name not in out:
+            out.append(found.name)
+    return tuple(out)
+
+
+class _Entry:
+    """One ``models:`` entry being read: its fields, its macros, where errors point."""
+
+    def __init__(
+        self, reader: _Reader, macros: _Macros, name: str, node: yaml.Node, port: int
+    ) -> None:
+        self.reader, self.name = reader, name
+        self.where = f"model {name!r}"
+        self.fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, self.where)}
+        reader.check_keys(self.fields, MODEL_KEYS, IGNORED_MODEL, f"{self.where}: ")
+        self.macros = _Macros(reader, macros.values)
+        if "macros" in self.fields:
+            self.macros.define(self.fields["macros"][1])
+        self.filled = {"PORT": str(port), "MODEL_ID": name}
+
+    def node(self, key: str) -> yaml.Node:
+        return self.fields[key][1]
+
+    def text(self, key: str) -> str | None:
+        """The field ``key`` as a string, as written; None when absent."""
+        return (
+            self.reader.text(self.node(key), f"{self.where}: {key}") if key in self.fields else None
+        )
+
+    def marked(self, key: str, text: str) -> str:
+        """``text`` (the field ``key``'s) with its macros expanded, ${PORT} and
+        ${MODEL_ID} marked (see ``fill``)."""
+        return self.macros.expand(text, self.node(key), f"{self.where}: {key}")
+
+    def expanded(self, key: str, text: str) -> str:
+        """``text`` (the field ``key``'s) with its macros expanded, ${PORT} and
+        ${MODEL_ID} filled in."""
+        return self.macros.fill_in(text, self.node(key), f"{self.where}: {key}", self.filled)
+
+    def server(self, key: yaml.Node) -> tuple[list[str], str, str, bool]:
+        """The command, its server's HOST:PORT and path prefix, and whether it takes the
+        automatic port (llama-swap's default proxy does, as does a cmd with ${PORT})."""
+        if "cmd" not in self.fields:
+            raise self.reader.fail(
+                key, f"{self.where}: no cmd (the command that starts its server)"
+            )
+        cmd_text = self.marked("cmd", self.text("cmd") or "")
+        proxy = self.text("proxy")
+        if proxy is None:
+            proxy_text, proxy_node = f"http://localhost:{_mark('PORT')}", self.node("cmd")
+        else:
+            proxy_text, proxy_node = self.marked("proxy", proxy), self.node("proxy")
+        uses_port = _mark("PORT") in cmd_text + proxy_text
+        try:
+            command = _command(fill(cmd_text, self.filled))
+        except ValueError as err:
+            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd: {err}") from None
+        if not command:
+            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd is empty")
+        url = fill(proxy_text, self.filled)
+        upstream, prefix = _upstream(self.reader, proxy_node, url, self.where)
+        return command, upstream, prefix, uses_port
+
+    def check_endpoint(self) -> str | None:
+        """checkEndpoint: a path, or None for ``none``."""
+        text = self.text("checkEndpoint")
+        if text is None:
+            return DEFAULT_CHECK_ENDPOINT
+        check = self.expanded("checkEndpoint", text)
+        if check == "none":
+            return None
+        if not check.startswith("/") or not check.isprintable() or " " in check:
+            path = "/PATH (no spaces or control characters)"
+            raise self.reader.fail(
+                self.node("checkEndpoint"), f"{self.where}: checkEndpoint must be {path} or none"
+            )
+        return check
+
+    def ttl(self, global_ttl: float) -> float:
+        if "ttl" not in self.fields:
+            return global_ttl
+        ttl = self.reader.number(self.node("ttl"), f"{self.where}: ttl", -1)
+        ttl = global_ttl if ttl == -1 else ttl
+        if ttl < 0:
+            raise self.reader.fail(
+                self.node("ttl"), f"{self.where}: ttl must be 0 or more seconds, or -1"
+            )
+        return ttl
+
+    def env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if "env" not in self.fields:
+            return env
+        for item in self.reader.strings(self.node("env"), f"{self.where}: env"):
+            var, eq, value = item.partition("=")
+            if not eq or not var or "\0" in item:
+                raise self.reader.fail(
+                    self.node("env"), f"{self.where}: env entry {item!r} is not NAME=value"
+                )
+            env[var] = self.expanded("env", value)
+        return env
+
+    def run_options(self) -> tuple[list[str], str | None, str | None]:
+        """vramlock run's options from the vramlock keys, and the gpu and arena."""
+        release, preset = self.text("release") or "auto", self.text("preset")
+        run = ["--release", release] + (["--preset", preset] if preset is not None else [])
+        for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
+            if k in self.fields:
+                run += [option, self.reader.seconds(self.node(k), f"{self.where}: {k}")]
+        if "vram" in self.fields:
+            run += ["--vram", self.reader.size(self.node("vram"), f"{self.where}: vram")]
+        gpu, arena = self.text("gpu"), self.text("arena")
+        if gpu is not None and arena is not None:
+            raise self.reader.fail(
+                self.fields["arena"][0], f"{self.where}: give gpu or arena, not both"
+            )
+        if gpu is not None:
+            try:
+                parse_gpus(gpu, "gpu")
+            except UsageError as err:
+                raise self.reader.fail(self.node("gpu"), f"{self.where}: {err}") from None
+            run += ["--gpu", gpu]
+        if arena is not None:
+            arena = os.path.abspath(os.path.join(os.path.dirname(self.reader.path), arena))
+            run += ["--arena", arena]
+        return run, gpu, arena
+
+    def concurrency(self) -> int:
+        """concurrencyLimit: more than 0, else llama-swap's default."""
+        if "concurrencyLimit" not in self.fields:
+            return DEFAULT_CONCURRENCY
+        node = self.node("concurrencyLimit")
+        value = self.reader.value(node)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.reader.fail(node, f"{self.where}: concurrencyLimit must be 0 or more")
+        return value or DEFAULT_CONCURRENCY
+
+    def filters(self) -> Filters:
+        """useModelName and filters (stripParams, setParams, setParamsByID, whose names
+        become aliases)."""
+        model = self.text("useModelName")
+        if "filters" not in self.fields:
+            return Filters(model=model)
+        where = f"{self.where}: filters"
+        entries = {n: (k, v) for n, k, v in self.reader.pairs(self.node("filters"), where)}
+        known = frozenset({"stripParams", "setParams", "setParamsByID"})
+        self.reader.check_keys(entries, known, {}, f"{where}: ")
+        strip: tuple[str, ...] = ()
+        if "stripParams" in entries:
+            text = self.reader.text(entries["stripParams"][1], f"{where}: stripParams")
+            strip = tuple(p.strip() for p in text.split(",") if p.strip())
+        params = self._params(entries["setParams"][1], where) if "setParams" in entries else {}
+        by_name = {}
+        if "setParamsByID" in entries:
+            node = entries["setParamsByID"][1]
+            for name, key, value in self.reader.pairs(node, f"{where}: setParamsByID"):
+                by_name[self.macros.fill_in(name, key, where, self.filled)] = self._params(
+                    value, where
+                )
+        return Filters(model=model, strip=strip, set=params, by_name=by_name)
+
+    def shown(self, key: str) -> dict[str, Any]:
+        """metadata or capabilities: a mapping for /v1/models, macros expanded in its
+        strings (one that is a macro alone takes its value's type: ``port: ${PORT}``
+        stays a number)."""
+        if key not in self.fields:
+            return {}
+        node = self.node(key)
+        value = self._params(node, f"{self.where}: {key}")
+        where = f"{self.where}: {key}"
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            if not isinstance(v, str):
+                return v
+            text = self.macros.fill_in(v, node, where, self.filled)
+            if not _MACRO.fullmatch(v) or not text:
+                return text
+            try:
+                typed = yaml.safe_load(text)
+            except yaml.YAMLError:
+                return text
+            return typed if isinstance(typed, int | float | bool) else text
+
+        result: dict[str, Any] = walk(value)
+        return result
+
+    def _params(self, node: yaml.Node, where: str) -> dict[str, Any]:
+        value = self.reader.value(node)
+        if not isinstance(value, dict):
+            raise self.reader.fail(node, f"{where}: parameters must be a mapping")
+        return value
+
+    def flag(self, key: str) -> bool:
+        return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        if key not in self.fields:
+            return ()
+        return tuple(self.reader.strings(self.node(key), f"{self.where}: {key}"))
 
 
 def _model(
@@ -381,78 +709,11 @@ def _model(
     global_ttl: float,
 ) -> tuple[Model, bool]:
     """One ``models:`` entry, and whether it took the automatic port ``port``."""
-    where = f"model {name!r}"
-    fields = {k: (kn, vn) for k, kn, vn in reader.pairs(node, where)}
-    reader.check_keys(fields, MODEL_KEYS, IGNORED_MODEL, f"{where}: ")
-    if "cmd" not in fields:
-        raise reader.fail(key, f"{where}: no cmd (the command that starts its server)")
-    macros = _Macros(reader, global_macros.values)
-    if "macros" in fields:
-        macros.define(fields["macros"][1])
-
-    cmd_node = fields["cmd"][1]
-    cmd_text = macros.expand(reader.text(cmd_node, f"{where}: cmd"), cmd_node, f"{where}: cmd")
-    proxy_node = fields.get("proxy", (None, cmd_node))[1]
-    proxy_text = "http://localhost:${PORT}"
-    if "proxy" in fields:
-        proxy_text = macros.expand(reader.text(proxy_node, f"{where}: proxy"), proxy_node, where)
-    uses_port = "${PORT}" in cmd_text or "${PORT}" in proxy_text
-    if "proxy" not in fields and "${PORT}" not in cmd_text:
-        raise reader.fail(key, f"{where}: no proxy, and its cmd has no ${{PORT}}: say where its"
-                               " server listens (proxy: http://127.0.0.1:PORT)")  # fmt: skip
-    filled = {"PORT": str(port), "MODEL_ID": name}
-    try:
-        command = _command(macros.expand(cmd_text, cmd_node, f"{where}: cmd", filled))
-    except ValueError as err:
-        raise reader.fail(cmd_node, f"{where}: cmd: {err}") from None
-    if not command:
-        raise reader.fail(cmd_node, f"{where}: cmd is empty")
-    upstream, prefix = _upstream(
-        reader, proxy_node, macros.expand(proxy_text, proxy_node, where, filled), where
-    )
-
-    check: str | None = DEFAULT_CHECK_ENDPOINT
-    if "checkEndpoint" in fields:
-        check_node = fields["checkEndpoint"][1]
-        check = macros.expand(reader.text(check_node, f"{where}: checkEndpoint"), check_node,
-                              where, filled)  # fmt: skip
-        if check == "none":
-            check = None
-        elif not check.startswith("/"):
-            raise reader.fail(check_node, f"{where}: checkEndpoint must be /PATH or none")
-    ttl = global_ttl
-    if "ttl" in fields:
-        ttl = reader.number(fields["ttl"][1], f"{where}: ttl", -1)
-        ttl = global_ttl if ttl == -1 else ttl
-        if ttl < 0:
-            raise reader.fail(fields["ttl"][1], f"{where}: ttl must be 0 or more seconds, or -1")
-    env: dict[str, str] = {}
-    if "env" in fields:
-        env_node = fields["env"][1]
-        for item in reader.strings(env_node, f"{where}: env"):
-            var, eq, value = item.partition("=")
-            if not eq or not var or "\0" in item:
-                raise reader.fail(env_node, f"{where}: env entry {item!r} is not NAME=value")
-            env[var] = macros.expand(value, env_node, where, filled)
-
-    def opt(k: str) -> str | None:
-        return reader.text(fields[k][1], f"{where}: {k}") if k in fields else None
-
-    release, preset = opt("release") or "auto", opt("preset")
-    run = ["--release", release] + (["--preset", preset] if preset is not None else [])
-    for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
-        if k in fields:
-            run += [option, reader.seconds(fields[k][1], f"{where}: {k}")]
-    if "vram" in fields:
-        run += ["--vram", reader.size(fields["vram"][1], f"{where}: vram")]
-    gpu, arena = opt("gpu"), opt("arena")
-    if gpu is not None and arena is not None:
-        raise reader.fail(fields["arena"][0], f"{where}: give gpu or arena, not both")
-    if gpu is not None:
-        run += ["--gpu", gpu]
-    if arena is not None:
-        arena = os.path.abspath(os.path.join(os.path.dirname(reader.path), arena))
-        run += ["--arena", arena]
+    entry = _Entry(reader, global_macros, name, node, port)
+    command, upstream, prefix, uses_port = entry.server(key)
+    check, ttl, env = entry.check_endpoint(), entry.ttl(global_ttl), entry.env()
+    run, gpu, arena = entry.run_options()
+    filters = entry.filters()
     model = Model(
         name=name,
         line=key.start_mark.line + 1,
@@ -461,19 +722,19 @@ def _model(
         prefix=prefix,
         check_endpoint=check,
         ttl=ttl,
-        aliases=tuple(reader.strings(fields["aliases"][1], f"{where}: aliases"))
-        if "aliases" in fields
-        else (),
+        aliases=(*entry.strings("aliases"), *(n for n in filters.by_name if n != name)),
         env=env,
-        unlisted=reader.flag(fields["unlisted"][1], f"{where}: unlisted")
-        if "unlisted" in fields
-        else False,
-        title=opt("name"),
-        description=opt("description"),
-        release=release,
-        preset=preset,
+        unlisted=entry.flag("unlisted"),
+        title=entry.text("name"),
+        description=entry.text("description"),
+        release=entry.text("release") or "auto",
+        preset=entry.text("preset"),
         run_options=tuple(run),
         arena=arena,
         gpu=gpu,
+        concurrency=entry.concurrency(),
+        filters=filters,
+        metadata=entry.shown("metadata"),
+        capabilities=entry.shown("capabilities"),
     )
     return model, uses_port

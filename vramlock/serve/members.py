@@ -17,28 +17,49 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
-from ..arena.records import HOLDING
-from ..arena.roster import snapshot
+from ..arena.member import TRANSITIONS
+from ..arena.records import HOLDING, State
+from ..arena.roster import Row, snapshot
+from ..errors import InvalidTransition
+from ..net.address import parse
 from .config import Config, Model
 
-# How long a wrapper just started may take to listen (Python's start, the arena joined).
-LISTEN_WITHIN = 15.0
+T = TypeVar("T")
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
+# When a wrapper cut a request, how long it may take to exit (then its status says why),
+# and how long its server's checkEndpoint is given to say what it answers.
+EXIT_WITHIN = 0.5
+HEALTH_ASK_WITHIN = 2.0
+# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
+_CANNOT_RELEASE = "auto:none"
+# What vramlock run's own exit statuses mean.
+_EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
-# A model's state, as /v1/models shows it, from its wrapper's member state.
-_SHOWN = {
-    "resident": "resident",
-    "releasing": "resident",
-    "restoring": "loading",
-    "waiting": "waiting",
-    "released": "released",
-}
+_STATES = {s.value: s for s in State}
+
+
+def follow(old: State, seen: State) -> list[State]:
+    """The member's steps from ``old`` to ``seen`` by its transition table, fewest first:
+    serve looks now and then, so the states between two looks go unseen.
+    InvalidTransition when the table allows no way there."""
+    paths: dict[State, list[State]] = {old: []}
+    queue = [old]
+    for state in queue:  # breadth first: queue grows as it is walked
+        if state is seen:
+            return paths[state]
+        for nxt in sorted(TRANSITIONS[state], key=lambda s: s.value):
+            if nxt not in paths:
+                paths[nxt] = [*paths[state], nxt]
+                queue.append(nxt)
+    raise InvalidTransition(old.value, seen.value)
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -55,12 +76,14 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def free_port() -> int:
-    """A loopback port that was free an instant ago, for a wrapper's listen address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _listener() -> socket.socket:
+    """A loopback socket listening on a port of its own, for a wrapper's clients: serve
+    keeps it for as long as it runs, so that no other program can take the port while
+    the wrapper is not running (between two starts) and get the model's requests."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(socket.SOMAXCONN)
+    return sock
 
 
 class Wrapper:
@@ -70,12 +93,15 @@ class Wrapper:
         self.model = model
         self.config = config
         self.warn = warn
-        self.port = free_port()
+        self.listener = _listener()
+        self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # requests in its turn
+        self.admitted = 0  # requests taken for it, waiting for its turn or in it
         self.ttl_timer: asyncio.TimerHandle | None = None
         self.unloading: asyncio.Task[bool] | None = None
-        self.listening = False  # its listen address accepted since it was started
+        self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
+        self.shown = State.RELEASED  # the member's state as last seen
 
     @property
     def where(self) -> list[str]:
@@ -94,15 +120,21 @@ class Wrapper:
     def argv(self) -> list[str]:
         m = self.model
         args = [sys.executable, "-m", "vramlock", "run", "--name", m.name,
-                "--demand", "listen", "--listen", f"127.0.0.1:{self.port}",
+                "--demand", "listen", "--listen", f"fd:{self.listener.fileno()}",
                 "--upstream", m.upstream,
                 "--ready-within", f"{self.config.health_timeout:.3f}"]  # fmt: skip
         if self.ready_url is not None:
             args += ["--ready-url", self.ready_url]
         return [*args, *m.run_options, *self.where, "--", *m.command]
 
+    def info(self, message: str) -> None:
+        """Say ``message`` about the model, at logLevel info (or debug)."""
+        if self.config.log_level in ("debug", "info"):
+            self.warn(f"model {self.model.name}: {message}")
+
     def start(self) -> None:
-        self.listening = False
+        """Start the wrapper (from serve's event loop), on serve's listening socket."""
+        self.info("starting its wrapper")
         env = dict(os.environ)
         env.update(self.model.env)
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
@@ -112,49 +144,126 @@ class Wrapper:
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            pass_fds=(self.listener.fileno(),),
             preexec_fn=_die_with_parent(os.getpid()),
         )
+        self.exited = _exit_of(self.proc)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    async def ensure_running(self) -> None:
+    def ensure_running(self) -> None:
         """Start the wrapper again if it ended (its server died, say): on demand, as
-        llama-swap starts a model on a request. Returns once it listens (or ended)."""
+        llama-swap starts a model on a request. Clients may connect at once: the
+        listening socket is serve's, they wait in its backlog."""
         if self.proc is not None and self.proc.poll() is not None:
             self.warn(f"model {self.model.name}: wrapper exited with status"
                       f" {self.proc.returncode}; starting it again")  # fmt: skip
         if not self.alive():
             self.start()
-        # Until the wrapper listens, a request would be refused: it waits instead. Polled:
-        # a start-up happens once, and nothing tells when the wrapper has bound.
-        end = time.monotonic() + LISTEN_WITHIN
-        while not self.listening and self.alive() and time.monotonic() < end:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            except OSError:
-                await asyncio.sleep(0.02)
-                continue
+
+    async def unless_exited(self, work: Awaitable[T]) -> T:
+        """``work``'s result; ConnectionResetError if the wrapper exits first (a client
+        in the backlog of serve's listening socket would wait for nobody)."""
+        task = asyncio.ensure_future(work)
+        if self.exited is None:
+            return await task
+        either: set[asyncio.Future[Any]] = {task, self.exited}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            raise ConnectionResetError("the wrapper exited")
+        return task.result()
+
+    async def cause(self, err: OSError) -> str:
+        """Why the wrapper gave no answer, in words: its exit status (what 126 and 127
+        mean), else what its server's checkEndpoint answers now, else ``err``."""
+        if self.proc is None:
+            return (err.strerror or str(err)).lower()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            # A wrapper that cut the connection may be ending: its status says why.
+            await asyncio.to_thread(self.proc.wait, EXIT_WITHIN)
+        if not self.alive():
+            code = self.proc.returncode
+            return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+        if self.ready_url is not None:
+            return await self._health(self.ready_url, err)
+        return (err.strerror or str(err)).lower()
+
+    async def _health(self, path: str, err: OSError) -> str:
+        """What ``GET path`` on the model's server answers now."""
+        what = f"GET {path} on {self.model.upstream}"
+        try:
+            line = await asyncio.wait_for(self._ask(path), HEALTH_ASK_WITHIN)
+        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s"
+        except OSError as failed:
+            return f"{what}: {(failed.strerror or str(failed)).lower()}"
+        parts = line.decode("latin-1").split()
+        status = parts[1][:20] if len(parts) > 1 else "no status"
+        if status.startswith("2"):
+            return f"{what} answers {status} now; the request was cut: {err}"
+        within = f"healthCheckTimeout, {self.config.health_timeout:g} s"
+        return f"{what} answered {status} (no 2xx within {within})"
+
+    async def _ask(self, path: str) -> bytes:
+        host, port = parse(self.model.upstream, "proxy")
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.model.upstream}\r\n"
+                         "Connection: close\r\n\r\n".encode())  # fmt: skip
+            return await reader.readline()
+        finally:
             writer.close()
-            self.listening = True
 
     def arena(self) -> Arena:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
         return Arena.open(self.model.arena, min(gpus) if gpus else None)
 
-    def member_state(self) -> str | None:
-        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+    def _row(self) -> Row | None:
+        """The wrapper's row in ``vramlock who``; None before it joined."""
         assert self.proc is not None
         with contextlib.closing(self.arena()) as opened:
-            row = next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+            return next((r for r in snapshot(opened) if r.pid == self.proc.pid), None)
+
+    def member_state(self) -> str | None:
+        """The wrapper's state as ``vramlock who`` shows it; None before it joined."""
+        row = self._row()
         return None if row is None else row.state
 
-    def state(self) -> str:
-        """resident, released, waiting, loading (starting or restoring) or exited."""
+    def holds_for_good(self) -> bool:
+        """The wrapper holds the token alone and cannot release it: ``auto`` found no way
+        (the arena has no budget, under which others could be resident beside it)."""
         if not self.alive():
-            return "exited"
-        found = self.member_state()
-        return "loading" if found is None else _SHOWN.get(found, "loading")
+            return False
+        row = self._row()
+        if row is None or row.state not in HOLDING or row.strategy != _CANNOT_RELEASE:
+            return False
+        with contextlib.closing(self.arena()) as opened:
+            return read_budget(opened) is None
+
+    async def restart(self) -> None:
+        """End the wrapper and its command, as llama-swap ends a model for another: it
+        starts again on its next request."""
+        await asyncio.to_thread(stop_all, [self])
+        self.proc = None  # ended on purpose: nothing to warn about when it starts again
+
+    def state(self) -> State:
+        """The model's member state: its wrapper's, WAITING before the wrapper joined
+        (it is about to queue for the token), RELEASED when no wrapper runs. Each change
+        goes the member's way (``follow``)."""
+        if not self.alive():
+            seen = State.RELEASED
+        else:
+            found = self.member_state()
+            seen = State.WAITING if found is None else _STATES.get(found, self.shown)
+        follow(self.shown, seen)
+        self.shown = seen
+        return seen
 
     async def unload(self, timeout: float) -> bool:
         """Release the model now, if it is resident: take the token once as a waiter
@@ -171,10 +280,34 @@ class Wrapper:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
 
+    def close(self) -> None:
+        """Close serve's listening socket for the model (its wrapper ended first)."""
+        self.listener.close()
+
     def terminate(self) -> None:
         if self.alive():
             assert self.proc is not None
             self.proc.send_signal(signal.SIGTERM)
+
+
+def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
+    """A future done once ``proc`` exits, from a pidfd watched by the event loop; None
+    without pidfds (Linux before 5.3)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except OSError:
+        return None
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, exited)
+    return done
 
 
 def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:

@@ -12,12 +12,18 @@ models is served grouped by model instead of swapping on every request.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hmac
 import json
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
+from ..arena.records import HOLDING
 from .config import Config
 from .members import Wrapper
 from .upstream import Pool
@@ -31,6 +37,9 @@ LINGER = 0.1
 # A response of known length up to this size is read whole and sent in one write;
 # others (streams, chunked, large) are passed on chunk by chunk as they come.
 WHOLE = 1 << 20
+# A request body larger than this is refused (413): bodies are read whole, to find the
+# model, and several large ones at once must not exhaust memory.
+MAX_BODY = 64 << 20
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -127,9 +136,75 @@ class Turns:
             fut.set_result(None)
 
 
+# OpenAI's error.type for the statuses that have their own.
+_KINDS = {401: "authentication_error", 429: "rate_limit_error"}
+
+
 def _error(status: int, message: str, **extra: Any) -> web.Response:
-    body = {"error": {"code": status, "message": message}, **extra}
+    """An error as the OpenAI API answers one (``error.message`` and ``error.type``)."""
+    kind = _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
     return web.json_response(body, status=status)
+
+
+async def _body(request: web.Request) -> bytes | web.Response:
+    """The request's body, or a 413 when it is over ``MAX_BODY`` (said before any of it
+    is read where Content-Length tells)."""
+    too_large = _error(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    if (request.content_length or 0) > MAX_BODY:
+        return too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return too_large
+
+
+def _key(request: web.Request) -> str | None:
+    """The API key a request carries, as llama-swap reads it: Authorization's Basic
+    password, else its Bearer token, else x-api-key."""
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            _, colon, password = base64.b64decode(credentials, validate=True).partition(b":")
+        except (ValueError, binascii.Error):
+            colon = b""
+        if colon and password:
+            return password.decode("utf-8", "replace")
+    if scheme.lower() == "bearer" and credentials:
+        return credentials
+    return request.headers.get("x-api-key")
+
+
+def _auth(keys: tuple[str, ...]) -> Middleware:
+    """Every route but /health wants one of ``keys``: 401 without it."""
+    wanted = [k.encode() for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = _key(request)
+        ok = given is not None and any(
+            hmac.compare_digest(given.encode(), k) for k in wanted
+        )  # fmt: skip
+        if ok or request.path == "/health":
+            return await handler(request)
+        refused = _error(401, "unauthorized: invalid or missing API key")
+        refused.headers["WWW-Authenticate"] = 'Basic realm="vramlock"'
+        return refused
+
+    return check
+
+
+async def _relay(src: Any, dst: Any) -> None:
+    """Pass a websocket's (``src``'s) messages on to another (``dst``) until either
+    closes (aiohttp's client and server websockets, which share these methods)."""
+    async for msg in src:
+        if msg.type is aiohttp.WSMsgType.TEXT:
+            await dst.send_str(msg.data)
+        elif msg.type is aiohttp.WSMsgType.BINARY:
+            await dst.send_bytes(msg.data)
+        else:
+            break
+    await dst.close()
 
 
 class Router:
@@ -139,16 +214,24 @@ class Router:
         self.config = config
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
+        self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
-        self.app = web.Application(client_max_size=1 << 30)
+        middlewares = [_auth(config.api_keys)] if config.api_keys else []
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/models", self.list_models)
+        r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
         r.add_post("/models/unload", self.unload_all)
         r.add_post("/models/unload/{model}", self.unload_one)
+        r.add_get("/unload", self.unload_all_plain)
+        r.add_post("/api/models/unload", self.api_unload_all)
+        r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
+        r.add_get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         r.add_post("/{path:.*}", self.by_model)
+        r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
 
     async def _close(self, app: web.Application) -> None:
@@ -167,9 +250,12 @@ class Router:
     # -- forwarding ----------------------------------------------------------------
 
     async def by_model(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        body = await _body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
-            name = json.loads(body).get("model")
+            doc = json.loads(body)
+            name = doc.get("model")
         except (ValueError, AttributeError, RecursionError):  # RecursionError: nested deep
             name = None
         if not isinstance(name, str):
@@ -177,43 +263,120 @@ class Router:
         found = self._wrapper(name)
         if isinstance(found, web.Response):
             return found
+        if found.model.filters:
+            body = json.dumps(found.model.filters.apply(doc, name)).encode()
         return await self._forward(request, found, found.model.prefix + request.path_qs, body)
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
-        found = self._wrapper(request.match_info["model"])
+        # The longest name that the path starts with: a model's name may hold "/".
+        rest = request.raw_path[len("/upstream/") :]
+        names = [*self.config.models, *(a for m in self.config.models.values() for a in m.aliases)]
+        name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+        found = self._wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found
-        path = request.raw_path.split("/", 3)[3] if request.raw_path.count("/") >= 3 else ""
+        path = rest[len(name) + 1 :] if name is not None else ""
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._websocket(request, found, f"{found.model.prefix}/{path}")
         return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
+
+    async def _websocket(self, request: web.Request, w: Wrapper, path: str) -> web.StreamResponse:
+        """A websocket through /upstream: taken here, and its messages relayed both ways
+        over one opened to the model's server (through its wrapper, which holds it as
+        it holds any connection while the model is released)."""
+        w.ensure_running()
+        # The handshake's own headers are aiohttp's client's to make.
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")
+        }
+        protocols = [
+            p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")
+        ]
+        async with aiohttp.ClientSession() as client:
+            try:
+                up = await client.ws_connect(f"http://127.0.0.1:{w.port}{path}", headers=headers,
+                                              protocols=[p for p in protocols if p])  # fmt: skip
+            except (aiohttp.ClientError, OSError) as err:
+                return _error(502, f"model {w.model.name}: no websocket from its server: {err}")
+            async with up:
+                out = web.WebSocketResponse(protocols=[up.protocol] if up.protocol else ())
+                await out.prepare(request)
+                relays = [
+                    asyncio.ensure_future(_relay(out, up)),
+                    asyncio.ensure_future(_relay(up, out)),
+                ]
+                await asyncio.wait(relays, return_when=asyncio.FIRST_COMPLETED)
+                for relay in relays:
+                    relay.cancel()
+                await out.close()
+        return out
 
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
     ) -> web.StreamResponse:
-        turns = self._turns(w)
-        await turns.enter(w.model.name)
+        limit = w.model.concurrency
+        if w.admitted >= limit:
+            return _error(429, f"model {w.model.name}: {limit} requests at once already"
+                               " (concurrencyLimit)")  # fmt: skip
+        w.admitted += 1
+        try:
+            turns = self._turns(w)
+            await turns.enter(w.model.name)
+        except BaseException:
+            w.admitted -= 1
+            raise
         w.in_flight += 1
         if w.ttl_timer is not None:
             w.ttl_timer.cancel()
             w.ttl_timer = None
+        began = time.monotonic()
         try:
-            await w.ensure_running()
-            return await self._pass(request, w, path, body)
+            await self._make_room(w)
+            w.ensure_running()
+            out = await self._pass(request, w, path, body)
+            w.info(
+                f"{request.method} {request.path} {out.status} in {time.monotonic() - began:.3f} s"
+            )
+            return out
         finally:
             w.in_flight -= 1
+            w.admitted -= 1
             turns.leave()
             self._arm_ttl(w)
+
+    async def _make_room(self, w: Wrapper) -> None:
+        """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
+        to release it) would make ``w`` wait forever: it is restarted, as llama-swap
+        does to every model. Its turn is over (``Turns``): none of its requests runs.
+        Looked for once a model of the arena takes over from another, not per request."""
+        where = (w.model.arena, w.model.gpu)
+        if self.served.get(where) == w.model.name:
+            return
+        self.served[where] = w.model.name
+        for other in self.wrappers.values():
+            same = (other.model.arena, other.model.gpu) == where
+            maybe = other.model.release == "auto" and other.in_flight == 0 and other.alive()
+            if other is not w and same and maybe and other.holds_for_good():
+                other.info(f"restarting it (it cannot release) for model {w.model.name}")
+                await other.restart()
 
     async def _pass(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         if body is None:
-            body = await request.read()
+            read = await _body(request)
+            if isinstance(read, web.Response):
+                return read
+            body = read
         pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
-            up = await pool.request(request.method, path, headers, body)
+            up = await w.unless_exited(pool.request(request.method, path, headers, body))
         except OSError as err:
-            return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+            cause = await w.cause(err)
+            return _error(502, f"model {w.model.name}: its server did not answer: {cause}")
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         try:
             if up.length is not None and up.length <= WHOLE:
@@ -267,36 +430,86 @@ class Router:
         released = await self._unload(found)
         return web.json_response({"model": found.model.name, "released": released})
 
-    async def unload_all(self, request: web.Request) -> web.Response:
+    async def _unload_all(self) -> list[str]:
+        """Release every resident model; the names of those that were."""
         tasks = {name: self._unload(w) for name, w in self.wrappers.items()}
         done = {name: await task for name, task in tasks.items()}
-        return web.json_response({"released": [name for name, ok in done.items() if ok]})
+        return [name for name, ok in done.items() if ok]
+
+    async def unload_all(self, request: web.Request) -> web.Response:
+        return web.json_response({"released": await self._unload_all()})
+
+    async def unload_all_plain(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /unload: "OK" once every model is released."""
+        await self._unload_all()
+        return web.Response(text="OK")
+
+    async def api_unload_all(self, request: web.Request) -> web.Response:
+        """llama-swap's POST /api/models/unload."""
+        await self._unload_all()
+        return web.json_response({"msg": "ok"})
+
+    async def api_unload_one(self, request: web.Request) -> web.Response:
+        """llama-swap's POST /api/models/unload/MODEL: "OK" once it is released."""
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        await self._unload(found)
+        return web.Response(text="OK")
+
+    async def no_route(self, request: web.Request) -> web.Response:
+        return _error(404, f"{request.method} {request.path}: no such route")
 
     # -- what is there -------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
 
-    def _entry(self, w: Wrapper) -> dict[str, Any]:
+    def _entry(self, w: Wrapper, alias: str | None = None) -> dict[str, Any]:
+        """A model's /v1/models entry (or its alias's, for includeAliasesInList), with
+        llama-swap's meta.llamaswap (metadata and type) and capabilities."""
         m = w.model
-        entry: dict[str, Any] = {"id": m.name, "object": "model", "owned_by": "vramlock"}
+        entry: dict[str, Any] = {"id": alias or m.name, "object": "model", "owned_by": "vramlock"}
         if m.title is not None:
             entry["name"] = m.title
         if m.description is not None:
             entry["description"] = m.description
         entry["aliases"] = list(m.aliases)
-        entry["state"] = w.state()
+        entry["state"] = w.state().value
+        kind = {"type": "alias", "modelID": m.name} if alias else {"type": "model"}
+        entry["meta"] = {"llamaswap": {**m.metadata, **kind}}
+        if m.capabilities:
+            entry["capabilities"] = m.capabilities
+            if isinstance(m.capabilities.get("context"), int):
+                entry["meta"]["n_ctx"] = m.capabilities["context"]
         return entry
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [self._entry(w) for w in self.wrappers.values() if not w.model.unlisted]
+        data = []
+        for w in self.wrappers.values():
+            if not w.model.unlisted:
+                data.append(self._entry(w))
+                if self.config.aliases_listed:
+                    data += [self._entry(w, alias) for alias in w.model.aliases]
+        return web.json_response({"object": "list", "data": data})
+
+    async def one_model(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/models/ID: one model's entry (by name or alias)."""
+        found = self._wrapper(request.match_info["model"])
+        if isinstance(found, web.Response):
+            return found
+        return web.json_response(self._entry(found))
+
+    async def upstream_list(self, request: web.Request) -> web.Response:
+        """The models whose servers /upstream/MODEL/PATH reaches, with that path."""
+        data = [{"id": name, "upstream": f"/upstream/{name}/"} for name in self.wrappers]
         return web.json_response({"object": "list", "data": data})
 
     async def running(self, request: web.Request) -> web.Response:
-        states = {name: w.state() for name, w in self.wrappers.items()}
+        states = {name: w.state().value for name, w in self.wrappers.items()}
         running = [
             {"model": name, "state": state, "proxy": f"http://{self.wrappers[name].model.upstream}"}
             for name, state in states.items()
-            if state in ("resident", "loading")
+            if state in HOLDING
         ]
         return web.json_response({"running": running})

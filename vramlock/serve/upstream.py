@@ -51,7 +51,7 @@ class Pool:
         lines = [f"{method} {target} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
         lines += [f"{k}: {v}" for k, v in headers]
         lines += [f"Content-Length: {len(body)}", "", ""]
-        data = "\r\n".join(lines).encode("latin-1") + body
+        data = ["\r\n".join(lines).encode("latin-1"), body]  # sent as two: no copy of body
         while self._idle:
             reader, writer = self._idle.pop()
             if reader.at_eof() or writer.is_closing():
@@ -69,11 +69,12 @@ class Pool:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         method: str,
-        data: bytes,
+        data: list[bytes],
         fresh: bool = False,
     ) -> Response:
         try:
-            writer.write(data)
+            for part in data:
+                writer.write(part)
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as err:
             writer.close()

@@ -128,7 +128,12 @@ class LlamaServer(Preset, RestartStrategy):
 
     def free(self, deadline: float | None) -> None:
         self.saved = []
-        props = _object(self.get("/props", deadline), "GET /props", self.engine)
+        status, raw = self.call("GET", "/props", deadline=deadline, at=self.address,
+                                accept=lambda s: 200 <= s < 300 or s == 503)  # fmt: skip
+        if status == 503:  # still loading its model: no cache to save yet
+            RestartStrategy.release(self, deadline)
+            return
+        props = _object(self.decode(raw, "GET /props"), "GET /props", self.engine)
         # Any request to /slots would wake a sleeping server (and its cache is gone).
         if props.get("is_sleeping") is not True:
             for slot in self._slot_ids(props, deadline):
