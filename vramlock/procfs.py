@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 
 _MAX_PROC_LOCKS = 4 * 1024 * 1024
 _READ_ATTEMPTS = 4
@@ -196,11 +195,18 @@ def text(pid: int, what: str, limit: int = 4096) -> str:
     return raw.decode(errors="replace").strip()
 
 
-@dataclass
 class LockEntry:
-    pid: int
-    write: bool
-    blocked: bool
+    """One FLOCK entry of /proc/locks: the locker, exclusive or shared, granted or waiting."""
+
+    __slots__ = ("blocked", "pid", "write")
+
+    def __init__(self, pid: int, write: bool, blocked: bool) -> None:
+        self.pid = pid
+        self.write = write
+        self.blocked = blocked
+
+    def __repr__(self) -> str:
+        return f"LockEntry(pid={self.pid}, write={self.write}, blocked={self.blocked})"
 
 
 def parse_proc_locks(listing: str, dev: int, ino: int) -> list[LockEntry]:
