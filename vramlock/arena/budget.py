@@ -23,7 +23,6 @@ import math
 import os
 import re
 import stat
-from dataclasses import dataclass
 
 from ..errors import ArenaError, UsageError
 from .directory import Arena
@@ -61,12 +60,25 @@ def show_size(size: int) -> str:
     return f"{size / (1 << 20):.0f}M"
 
 
-@dataclass(frozen=True)
 class Budget:
-    """An arena's budget: ``units`` units of ``unit`` bytes."""
+    """An arena's budget: ``units`` units of ``unit`` bytes; equal budgets compare equal."""
 
-    unit: int
-    units: int
+    __slots__ = ("unit", "units")
+
+    def __init__(self, unit: int, units: int) -> None:
+        self.unit = unit
+        self.units = units
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Budget):
+            return NotImplemented
+        return (self.unit, self.units) == (other.unit, other.units)
+
+    def __hash__(self) -> int:
+        return hash((self.unit, self.units))
+
+    def __repr__(self) -> str:
+        return f"Budget(unit={self.unit}, units={self.units})"
 
     @property
     def total(self) -> int:
