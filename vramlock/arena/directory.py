@@ -14,7 +14,6 @@ import errno
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from ..errors import ArenaError, UnsupportedFilesystem, UsageError
 
@@ -165,14 +164,19 @@ def _ensure_private_dir(path: str) -> None:
         raise ArenaError(path, f"cannot be created: {err.strerror}") from None
 
 
-@dataclass
 class Arena:
     """An opened arena directory. Files inside are opened relative to ``dirfd``."""
 
-    path: str
-    dirfd: int
-    owner: int
-    _closed: bool = field(default=False, repr=False)
+    __slots__ = ("_closed", "dirfd", "owner", "path")
+
+    def __init__(self, path: str, dirfd: int, owner: int) -> None:
+        self.path = path
+        self.dirfd = dirfd
+        self.owner = owner
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Arena(path={self.path!r}, dirfd={self.dirfd}, owner={self.owner})"
 
     @classmethod
     def open(cls, arena: str | None = None, gpu: int | None = None, adopt: bool = False) -> Arena:
