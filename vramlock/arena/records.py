@@ -25,7 +25,6 @@ import os
 import stat
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import procfs
@@ -118,46 +117,83 @@ def _clip_command(command: list[str], limit: int) -> list[str]:
     return out
 
 
-@dataclass
 class Record:
-    """What a member says about itself."""
+    """What a member says about itself.
 
-    pid: int
-    name: str
-    command: list[str]
-    strategy: str
-    state: str
-    since: float  # wall-clock seconds (time.time()) when the state began
-    starttime: int = 0
-    child_pid: int | None = None
-    uid: int = field(default_factory=os.geteuid)
-    version: int = RECORD_VERSION
-    # Processes the command left running when it exited, being ended before the token goes.
-    leftovers: list[int] = field(default_factory=list)
-    # --demand listen: the address clients connect to, and how many connections are open.
-    listen: str | None = None
-    connections: int | None = None
-    # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
-    gpus: list[int] = field(default_factory=list)
-    # A budget arena: the capacity units it holds while resident, its footprint in
-    # bytes and where that comes from, whether it is working now (a request in flight,
-    # a job running), when it last worked (Unix time), until when its minimum hold keeps
-    # it resident (Unix time), and how long it may put a release off while busy
-    # (seconds; None: until its work is done). Budget waiters choose whom to ask to
-    # step aside from these; a false value can only make that choice worse, never put
-    # two members on one unit.
-    units: list[int] = field(default_factory=list)
-    vram: int | None = None
-    vram_from: str | None = None  # "declared", "measured", or "whole budget" (not yet measured)
-    busy: bool = False
-    used: float | None = None
-    hold_until: float | None = None
-    yield_within: float | None = None
-    # The inode of the token.lock the member locks: who tells when it is not the arena's.
-    token_ino: int | None = None
-    # What ``who`` should add about the member (the swap library writes one for a
-    # released process whose ``vramlock run`` is gone).
-    note: str | None = None
+    Its fields are ``FIELDS``, in the order a record's JSON has them; a record file holds
+    every one (``dump``), and ``parse`` needs only the first six.
+    """
+
+    FIELDS = (
+        "pid", "name", "command", "strategy", "state", "since", "starttime", "child_pid",
+        "uid", "version", "leftovers", "listen", "connections", "gpus", "units", "vram",
+        "vram_from", "busy", "used", "hold_until", "yield_within", "token_ino", "note",
+    )  # fmt: skip
+    __slots__ = FIELDS
+
+    def __init__(
+        self,
+        pid: int,
+        name: str,
+        command: list[str],
+        strategy: str,
+        state: str,
+        since: float,  # wall-clock seconds (time.time()) when the state began
+        *,
+        starttime: int = 0,
+        child_pid: int | None = None,
+        uid: int | None = None,  # None: our effective uid
+        version: int = RECORD_VERSION,
+        leftovers: list[int] | None = None,
+        listen: str | None = None,
+        connections: int | None = None,
+        gpus: list[int] | None = None,
+        units: list[int] | None = None,
+        vram: int | None = None,
+        vram_from: str | None = None,
+        busy: bool = False,
+        used: float | None = None,
+        hold_until: float | None = None,
+        yield_within: float | None = None,
+        token_ino: int | None = None,
+        note: str | None = None,
+    ) -> None:
+        self.pid = pid
+        self.name = name
+        self.command = command
+        self.strategy = strategy
+        self.state = state
+        self.since = since
+        self.starttime = starttime
+        self.child_pid = child_pid
+        self.uid = os.geteuid() if uid is None else uid
+        self.version = version
+        # Processes the command left running when it exited, being ended before the token goes.
+        self.leftovers = [] if leftovers is None else leftovers
+        # --demand listen: the address clients connect to, and how many connections are open.
+        self.listen = listen
+        self.connections = connections
+        # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
+        self.gpus = [] if gpus is None else gpus
+        # A budget arena: the capacity units it holds while resident, its footprint in
+        # bytes and where that comes from, whether it is working now (a request in flight,
+        # a job running), when it last worked (Unix time), until when its minimum hold keeps
+        # it resident (Unix time), and how long it may put a release off while busy
+        # (seconds; None: until its work is done). Budget waiters choose whom to ask to
+        # step aside from these; a false value can only make that choice worse, never put
+        # two members on one unit.
+        self.units = [] if units is None else units
+        self.vram = vram
+        self.vram_from = vram_from  # "declared", "measured", or "whole budget" (not yet measured)
+        self.busy = busy
+        self.used = used
+        self.hold_until = hold_until
+        self.yield_within = yield_within
+        # The inode of the token.lock the member locks: who tells when it is not the arena's.
+        self.token_ino = token_ino
+        # What ``who`` should add about the member (the swap library writes one for a
+        # released process whose ``vramlock run`` is gone).
+        self.note = note
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -210,7 +246,7 @@ class Record:
 
     def dump(self) -> bytes:
         """JSON, with the free text clipped so that the file always fits ``MAX_RECORD``."""
-        data = asdict(self)
+        data = {name: getattr(self, name) for name in self.FIELDS}
         data["name"] = _clip(self.name, _CLIP_NAME)
         data["strategy"] = _clip(self.strategy, _CLIP_NAME)
         data["listen"] = None if self.listen is None else _clip(self.listen, _CLIP_NAME)
