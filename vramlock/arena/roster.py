@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import procfs
@@ -43,29 +42,55 @@ def printable(value: str, limit: int) -> str:
     return head if len(head) <= limit else head[: limit - 1] + "…"
 
 
-@dataclass
 class Row:
     """One line of ``who``."""
 
-    pid: int
-    state: str
-    name: str
-    command: str
-    strategy: str
-    since: float | None
-    child_pid: int | None
-    member: bool  # False: no verified record (flock(1), a C program, an exited locker)
-    note: str | None = None  # stopped, an unverified record, the locker is gone
-    vram: int | None = None  # bytes on the GPU (NVML), for the member and its processes
-    listen: str | None = None  # --demand listen: where its clients connect
-    connections: int | None = None  # --demand listen: its clients' open connections
-    gpus: list[int] | None = None  # a member of several GPUs' arenas: all of them
-    footprint: int | None = None  # a budget member: its footprint in bytes
-    footprint_from: str | None = None  # "declared", "measured" or "whole budget"
-    units: list[int] | None = None  # a budget member: the budget units it holds
+    # In this order in ``who --json``.
+    FIELDS = (
+        "pid", "state", "name", "command", "strategy", "since", "child_pid", "member", "note",
+        "vram", "listen", "connections", "gpus", "footprint", "footprint_from", "units",
+    )  # fmt: skip
+    __slots__ = FIELDS
+
+    def __init__(
+        self,
+        pid: int,
+        state: str,
+        name: str,
+        command: str,
+        strategy: str,
+        since: float | None,
+        child_pid: int | None,
+        member: bool,  # False: no verified record (flock(1), a C program, an exited locker)
+        *,
+        note: str | None = None,  # stopped, an unverified record, the locker is gone
+        vram: int | None = None,  # bytes on the GPU (NVML), for the member and its processes
+        listen: str | None = None,  # --demand listen: where its clients connect
+        connections: int | None = None,  # --demand listen: its clients' open connections
+        gpus: list[int] | None = None,  # a member of several GPUs' arenas: all of them
+        footprint: int | None = None,  # a budget member: its footprint in bytes
+        footprint_from: str | None = None,  # "declared", "measured" or "whole budget"
+        units: list[int] | None = None,  # a budget member: the budget units it holds
+    ) -> None:
+        self.pid = pid
+        self.state = state
+        self.name = name
+        self.command = command
+        self.strategy = strategy
+        self.since = since
+        self.child_pid = child_pid
+        self.member = member
+        self.note = note
+        self.vram = vram
+        self.listen = listen
+        self.connections = connections
+        self.gpus = gpus
+        self.footprint = footprint
+        self.footprint_from = footprint_from
+        self.units = units
 
     def as_json(self, now: float) -> dict[str, Any]:
-        data = asdict(self)
+        data = {name: getattr(self, name) for name in self.FIELDS}
         data["seconds_in_state"] = None if self.since is None else round(now - self.since, 3)
         return data
 
@@ -195,12 +220,14 @@ def _resident_pids(locker: int, dev: int, ino: int) -> list[tuple[int, str | Non
     return [(pid, f"locker {locker} gone") for pid in top] or [(locker, None)]
 
 
-@dataclass
 class GpuView:
     """What NVML says about the arena's GPU(s): ``gpus`` and pid -> bytes."""
 
-    gpus: list[Gpu] = field(default_factory=list)
-    used: dict[int, int] = field(default_factory=dict)
+    __slots__ = ("gpus", "used")
+
+    def __init__(self, gpus: list[Gpu] | None = None, used: dict[int, int] | None = None) -> None:
+        self.gpus = [] if gpus is None else gpus
+        self.used = {} if used is None else used
 
 
 def gpu_view(index: int | None) -> GpuView | None:
@@ -258,12 +285,14 @@ def _footprint(size: int, source: str | None) -> str:
     return f"{_size(size)} {source}"
 
 
-@dataclass
 class BudgetView:
     """An arena's budget, and how many of its units are taken (by /proc/locks)."""
 
-    budget: Budget
-    held: int
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: Budget, held: int) -> None:
+        self.budget = budget
+        self.held = held
 
     def line(self) -> str:
         return f"budget {self.budget}: {self.held} held, {self.budget.units - self.held} free"

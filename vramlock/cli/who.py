@@ -167,8 +167,6 @@ def _rich_table(
 
 def _one(opened: Arena, index: int | None, tty: int, as_json: bool) -> Any:
     """One arena's part of a frame: a rich table, a JSON document or plain text."""
-    from dataclasses import asdict
-
     from ..arena.roster import budget_view, gpu_view, snapshot, with_vram
 
     rows, now, view = snapshot(opened), time.time(), gpu_view(index)
@@ -180,7 +178,11 @@ def _one(opened: Arena, index: int | None, tty: int, as_json: bool) -> Any:
         return _rich_table(opened.path, rows, now, view, line, width=tty)
     if as_json:
         members = [r.as_json(now) for r in rows]
-        gpus = None if view is None else [asdict(g) for g in view.gpus]
+        gpus = None
+        if view is not None:
+            from dataclasses import asdict  # nvml's Gpu: with NVML, dataclasses is loaded
+
+            gpus = [asdict(g) for g in view.gpus]
         units = None if budget is None else {
             "unit": budget.budget.unit, "units": budget.budget.units, "held": budget.held
         }  # fmt: skip
