@@ -11,20 +11,26 @@ shell completion) goes to the typer app, so that every message and exit status i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 FLAG, TEXT, CODE = "flag", "text", "code"  # no value; any string; an exit status 0-255
 
 
-@dataclass(frozen=True)
 class Opt:
     """One option: the parameter it sets, its spellings, what it takes, its default."""
 
-    dest: str
-    names: tuple[str, ...]
-    kind: str = TEXT
-    default: Any = None
+    __slots__ = ("default", "dest", "kind", "names")
+
+    def __init__(
+        self, dest: str, names: tuple[str, ...], kind: str = TEXT, default: Any = None
+    ) -> None:
+        self.dest = dest
+        self.names = names
+        self.kind = kind
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"Opt({self.dest!r}, {self.names!r}, {self.kind!r}, {self.default!r})"
 
 
 def _text(dest: str, default: str | None = None) -> Opt:
