@@ -9,7 +9,6 @@ never deleted, and a ``members/`` directory of self-description records that
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import stat
@@ -92,6 +91,8 @@ def locate(arena: str | None = None, gpu: int | None = None) -> tuple[str, bool]
 
 
 def _fs_type(fd: int) -> int:
+    import ctypes  # here: the short commands pay for it only when they open an arena
+
     libc = ctypes.CDLL(None, use_errno=True)
     fstatfs = libc.fstatfs
     fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
