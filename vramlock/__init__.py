@@ -6,11 +6,12 @@ stay cheap to import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
 
+TYPE_CHECKING = False  # typing's, without importing typing (~3 ms); mypy takes it as True
 if TYPE_CHECKING:
+    from typing import Any
+
     from .arena.directory import Arena
     from .arena.member import Member, resident
     from .arena.records import State
