@@ -510,6 +510,25 @@ def test_who_imports_no_lock_layer_nvml_or_rich(arena: Path) -> None:
     assert not loaded & (heavy | {"pynvml", "vramlock.gpu.nvml", "vramlock.run.runner"})
 
 
+def _imported(args: list[str]) -> set[str]:
+    """The modules a fresh interpreter imports to run ``args`` (python's own included)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *args],
+        capture_output=True, text=True, timeout=30, check=True, cwd=ROOT,
+    )  # fmt: skip
+    return {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_who_imports_no_dataclasses_typing_or_typer(arena: Path, flags: list[str]) -> None:
+    """who in a shell loop costs little more than the interpreter: no dataclasses (it
+    imports inspect, ast, dis and tokenize), no typing, and no typer, click or rich."""
+    loaded = _imported(["-m", "vramlock", "who", "--arena", str(arena), *flags])
+    loaded -= _imported(["-c", "pass"])  # what this interpreter loads anyway (site, .pth)
+    assert "vramlock.arena.roster" in loaded
+    assert loaded & {"dataclasses", "inspect", "typing", "typer", "click", "rich"} == set()
+
+
 # -- the command -----------------------------------------------------------------------------
 
 
