@@ -388,3 +388,10 @@ def test_a_wheel_carries_the_swap_library_where_it_can_be_built(
     carried = "vramlock/gpu/swap/libvramlock-swap.so" in zipfile.ZipFile(wheel).namelist()
     assert carried == with_cc
     assert wheel.name.endswith("-none-any.whl") != with_cc  # a platform wheel with it
+
+
+def test_the_benchmark_page_holds_current_figures_only() -> None:
+    """docs/benchmarks.md is a page a reader can use: one table per benchmark, the history
+    of figures in git, 500 lines at most."""
+    lines = (ROOT / "docs/benchmarks.md").read_text().splitlines()
+    assert len(lines) <= 500, len(lines)
