@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import AddressError, VramlockError
+from ..errors import VramlockError
+from ..net.web import bind_until_signalled
 
 if TYPE_CHECKING:
     from .config import Config, Duration
@@ -127,18 +126,7 @@ async def _main(
     )
     await runner.setup()
     # Bound before any model starts: a client arriving meanwhile is held, not refused.
-    site = web.TCPSite(runner, host, port, reuse_address=True, shutdown_timeout=SHUTDOWN_GRACE)
-    try:
-        await site.start()
-    except OSError as err:
-        await runner.cleanup()
-        # aiohttp rewords the error: the errno says it in the usual words.
-        reason = os.strerror(err.errno) if err.errno else str(err)
-        raise AddressError("--listen", listen, reason) from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(s, stop.set)
+    stop = await bind_until_signalled(runner, host, port, listen, shutdown_timeout=SHUTDOWN_GRACE)
     try:
         for name in config.preload:  # the others start on their first request
             wrappers[name].start()

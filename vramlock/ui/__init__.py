@@ -12,8 +12,6 @@ or written in the arena: watching is never activity. Needs the ``serve`` extra
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ..arena import journal
 from ..arena.directory import Arena
 from ..arena.roster import budget_view, gpu_view, snapshot, with_vram
-from ..errors import AddressError, VramlockError
+from ..errors import VramlockError
+from ..net.web import bind_until_signalled
 from ..observe.prometheus import waiters
 from ..observe.stats import compute
 
@@ -140,17 +139,7 @@ async def _main(
 
     runner = web.AppRunner(app(watch), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as err:
-        await runner.cleanup()
-        reason = os.strerror(err.errno) if err.errno else str(err)
-        raise AddressError("--listen", listen, reason) from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(s, stop.set)
+    stop = await bind_until_signalled(runner, host, port, listen)
     warn(f"showing {watch.arena.path} at http://{show((host, port))}/")
     try:
         await stop.wait()
