@@ -165,6 +165,29 @@ def _ensure_private_dir(path: str) -> None:
         raise ArenaError(path, f"cannot be created: {err.strerror}") from None
 
 
+_SUBDIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_subdir(dirfd: int, name: str, create: bool) -> int | None:
+    """A descriptor of the arena's directory ``name`` (made first, when ``create``), or None
+    when there is none we may use: a link is not followed, and a world-writable one counts
+    only with the sticky bit (else anyone could remove or replace what we write there)."""
+    if create:
+        with contextlib.suppress(OSError):
+            os.mkdir(name, 0o755, dir_fd=dirfd)
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd
+        )
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        os.close(fd)
+        return None
+    return fd
+
+
 class Arena:
     """An opened arena directory. Files inside are opened relative to ``dirfd``."""
 
@@ -217,22 +240,7 @@ class Arena:
 
     def members_dir(self, create: bool) -> int | None:
         """A descriptor of ``members/``, or None when there is none we may use."""
-        if create:
-            with contextlib.suppress(OSError):
-                os.mkdir(MEMBERS, 0o755, dir_fd=self.dirfd)
-        try:
-            fd = os.open(
-                MEMBERS,
-                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                dir_fd=self.dirfd,
-            )
-        except OSError:
-            return None
-        st = os.fstat(fd)
-        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            os.close(fd)
-            return None
-        return fd
+        return open_subdir(self.dirfd, MEMBERS, create)
 
     def close(self) -> None:
         if not self._closed:

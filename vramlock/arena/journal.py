@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import LockError
 from . import lockfd
 from .directory import JOURNAL as JOURNAL  # journal.JOURNAL, as tests name it
-from .directory import Arena
+from .directory import Arena, open_subdir
 from .records import Record
 
 SUFFIX = ".jsonl"
@@ -97,20 +97,6 @@ class _Sink:
         self.jdir: int | None = None
         self.fd: int | None = None
 
-    def _open_dir(self) -> int | None:
-        with contextlib.suppress(OSError):
-            os.mkdir(JOURNAL, 0o755, dir_fd=self.dirfd)
-        try:
-            fd = os.open(JOURNAL, _DIR_FLAGS, dir_fd=self.dirfd)
-        except OSError:
-            return None
-        st = os.fstat(fd)
-        # Anyone may write there: only with the sticky bit may nobody remove our file.
-        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            os.close(fd)
-            return None
-        return fd
-
     def _open_file(self, jdir: int) -> int | None:
         try:
             fd = os.open(self.name, _APPEND_FLAGS, 0o644, dir_fd=jdir)
@@ -125,7 +111,7 @@ class _Sink:
     def _current(self) -> tuple[int, int] | None:
         """The journal directory and our file as the path names it now, opened if need be."""
         if self.jdir is None:
-            self.jdir = self._open_dir()
+            self.jdir = open_subdir(self.dirfd, JOURNAL, create=True)
             if self.jdir is None:
                 return None
         if self.fd is not None and not lockfd.still_linked(self.jdir, self.name, self.fd):
