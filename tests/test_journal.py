@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.budget import Budgeted, run_measured
+from helpers.journal import YIELD_ONCE
 from helpers.processes import Spawn, wait_until
 
 from vramlock.arena import journal
@@ -20,18 +21,6 @@ from vramlock.arena.directory import Arena
 from vramlock.arena.member import Member
 from vramlock.arena.records import Record
 
-# A resident that yields once to a waiter, then comes back and leaves.
-YIELDER = textwrap.dedent(
-    """
-    import sys, time
-    import vramlock
-    with vramlock.resident(sys.argv[1], name="first", min_hold=0) as me:
-        print("resident", flush=True)
-        while not me.wanted():
-            time.sleep(0.001)
-        me.yield_if_wanted(release=lambda: None, restore=lambda: None)
-    """
-)
 VISITOR = textwrap.dedent(
     """
     import sys
@@ -56,7 +45,7 @@ def _read(arena: Path, since: float | None = None) -> list[journal.Event]:
 
 
 def test_a_handoff_is_journalled_in_order(arena: Path, spawn: Spawn) -> None:
-    first = spawn([sys.executable, "-c", YIELDER, str(arena)])
+    first = spawn([sys.executable, "-c", YIELD_ONCE, str(arena)])
     assert first.stdout is not None and first.stdout.readline() == "resident\n"
     second = subprocess.run(
         [sys.executable, "-c", VISITOR, str(arena)], capture_output=True, text=True, timeout=60

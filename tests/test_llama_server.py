@@ -8,8 +8,6 @@ docs/llama-server.md records the figures and the commands.
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import re
 import shutil
@@ -23,7 +21,7 @@ from typing import Any
 
 import pytest
 from helpers import ROOT
-from helpers.llama import llama_binary, needs_llama
+from helpers.llama import call, llama_binary, needs_llama
 from helpers.net import free_port
 from helpers.processes import Spawn
 
@@ -44,14 +42,7 @@ class Server:
 
     def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
         """One request on a fresh connection: (status, decoded JSON body)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            data = None if body is None else json.dumps(body)
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read() or b"null")
-        finally:
-            conn.close()
+        return call(self.port, method, path, body)
 
     def complete(self) -> dict[str, Any]:
         status, reply = self.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4})

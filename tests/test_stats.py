@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock
-from helpers.journal import T0, ev, handoff
+from helpers.journal import T0, YIELD_ONCE, ev, handoff
 
 from vramlock.arena import journal
 from vramlock.arena.directory import Arena
@@ -125,21 +124,8 @@ def _fields(e: Event) -> dict[str, object]:
     return e._asdict()
 
 
-TWO_MEMBERS = textwrap.dedent(
-    """
-    import sys, time
-    import vramlock
-    with vramlock.resident(sys.argv[1], name="first", min_hold=0) as me:
-        print("resident", flush=True)
-        while not me.wanted():
-            time.sleep(0.001)
-        me.yield_if_wanted(release=lambda: None, restore=lambda: None)
-    """
-)
-
-
 def test_stats_of_real_members(arena: Path) -> None:
-    first = subprocess.Popen([sys.executable, "-c", TWO_MEMBERS, str(arena)],
+    first = subprocess.Popen([sys.executable, "-c", YIELD_ONCE, str(arena)],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert first.stdout is not None and first.stdout.readline() == "resident\n"
     visit = "import sys, vramlock\nwith vramlock.resident(sys.argv[1], name='second'): pass"

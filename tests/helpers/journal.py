@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 
 from vramlock.arena.journal import Event
 
@@ -24,3 +25,17 @@ def handoff(at: float, out: int, into: int, release: float, restore: float) -> l
         ev(at + release, into, "restore-start"),
         ev(at + release + restore, into, "restore-end"),
     ]
+
+
+# A resident that yields once to a waiter, then comes back and leaves.
+YIELD_ONCE = textwrap.dedent(
+    """
+    import sys, time
+    import vramlock
+    with vramlock.resident(sys.argv[1], name="first", min_hold=0) as me:
+        print("resident", flush=True)
+        while not me.wanted():
+            time.sleep(0.001)
+        me.yield_if_wanted(release=lambda: None, restore=lambda: None)
+    """
+)
