@@ -75,8 +75,8 @@ def test_a_scheduler_release_journals_the_bytes_moved(arena: Path) -> None:
     opened = Arena.open(str(arena))
     member = Member(opened, name="mover", strategy="swap")
     try:
-        journal.moved(member, "swap", 3 << 30)
-        journal.moved(member, "swap", None)  # unknown: no line
+        journal.moved(member.arenas, member.records.record, 3 << 30)
+        journal.moved(member.arenas, member.records.record, None)  # unknown: no line
     finally:
         member.close()
         opened.close()

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from ..errors import LockError
 from . import lockfd
@@ -64,15 +64,6 @@ _EVENTS = {
 EVENTS = frozenset(
     {*_EVENTS.values(), "want", "release-end", "moved", "exit"}
 )  # every event a line may name
-
-
-class Joined(Protocol):
-    """What the scheduler's member is (one arena's member, or several arenas' together)."""
-
-    @property
-    def arenas(self) -> list[Arena]: ...
-
-    records: Any
 
 
 def event_of(old: str, new: str) -> str:
@@ -296,11 +287,12 @@ def left(arena: Arena, record: Record) -> None:
     _writer.flush()
 
 
-def moved(member: Joined, strategy: str, size: int | None) -> None:
-    """A release moved ``size`` bytes off the GPU (nothing is written when it is unknown)."""
+def moved(arenas: list[Arena], record: Record, size: int | None) -> None:
+    """A release of ``record``'s member moved ``size`` bytes off the GPU of each of
+    ``arenas`` (nothing is written when it is unknown)."""
     if size:
-        for arena in member.arenas:
-            note(arena, member.records.record, "moved", size=size)
+        for arena in arenas:
+            note(arena, record, "moved", size=size)
 
 
 def flush() -> None:

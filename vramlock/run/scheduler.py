@@ -326,7 +326,7 @@ class Scheduler:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
         member.step_aside()
-        journal.moved(member, self.strategy.label, self.meter.peak if self.meter else None)
+        journal.moved(member.arenas, member.records.record, self.meter.peak if self.meter else None)
         self._resize()
         return None
 
