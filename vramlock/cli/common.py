@@ -116,6 +116,17 @@ def arenas(
     return opened
 
 
+def one_arena(arena: str | None, gpu: str | None, several: str) -> tuple[Arena, int | None]:
+    """The one arena ``--arena``/``--gpu`` name, with its GPU as ``arenas`` gives it, for a
+    command that reads one; ``several``: the usage error when --gpu names more GPUs."""
+    from ..arena.directory import parse_gpus
+
+    if gpu is not None and len(parse_gpus(gpu)) > 1:
+        raise UsageError(f"--gpu: {several}")
+    (one,) = arenas(arena, gpu)
+    return one
+
+
 def close_all(opened: list[tuple[Arena, int | None]]) -> None:
     """Close what ``arenas`` opened."""
     for a, _ in opened:

@@ -98,12 +98,10 @@ def _plot(report: Report, path: str) -> None:
         plt.close(fig)
 
 
-def _metrics(opened: Arena, arena: str | None, index: tuple[int, ...] | None, path: str) -> None:
-    from ..arena.directory import default_gpu, locate
+def _metrics(opened: Arena, gpu: int | None, path: str) -> None:
+    """``--prometheus PATH``; ``gpu``: NVML's GPU, the arena's where known, else None (every)."""
     from ..observe.prometheus import metrics, write_textfile
 
-    # NVML's GPU: the arena's where that is known, else every GPU (an arena given by path).
-    gpu = index[0] if index else (default_gpu() if locate(arena)[1] else None)
     try:
         write_textfile(path, metrics(opened, gpu))
     except OSError as err:
@@ -121,18 +119,14 @@ def stats(
     """Show who had the GPU and for how long, waits, switch times and thrash, from the
     arena's journal."""
     from ..arena import journal
-    from ..arena.directory import Arena, parse_gpus
     from ..observe.stats import compute
-    from .common import parse_duration
+    from .common import one_arena, parse_duration
 
-    index = None if gpu is None else parse_gpus(gpu)
-    if index is not None and len(index) > 1:
-        raise UsageError("--gpu: stats reads one arena; name one GPU")
     start = None if since is None else time.time() - parse_duration(since, "--since")
-    opened = Arena.open(arena, None if index is None else index[0])
+    opened, shown = one_arena(arena, gpu, "stats reads one arena; name one GPU")
     try:
         if prometheus is not None:
-            _metrics(opened, arena, index, prometheus)
+            _metrics(opened, shown, prometheus)
             return
         report = compute(journal.read(opened), start)  # earlier: who was busy then
         if plot is not None:
