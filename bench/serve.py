@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -109,107 +110,180 @@ def wait_settled(port: int, timeout: float = 60) -> dict[str, str]:
     raise SystemExit("serve did not settle")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=500)
-    parser.add_argument("--burst", type=int, default=30)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    binary = str(llama_server.cached_binary() or llama_server.ensure())
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        arena = work / "arena"
-        arena.mkdir(mode=0o700)
-        serve_port, *upstreams = free_ports(4)
-        lines = ["healthCheckTimeout: 60", "models:"]
-        for seed, (name, port) in enumerate(zip(NAMES, upstreams, strict=True)):
-            model = work / f"tiny-{seed}.gguf"
-            tiny_gguf.write(model, llama_server.vocab_path(), seed=seed)
-            lines += [f"  {name}:",
-                      f"    cmd: {binary} -m {model} --host 127.0.0.1 --port {port} -np 1"
-                      " -c 1024 -t 1",
-                      f"    proxy: http://127.0.0.1:{port}"]  # fmt: skip
-        # All three start with serve (models start on their first request otherwise):
-        # the settled state is one resident, two released.
-        lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES)}]"]
-        config = work / "serve.yaml"
-        config.write_text("\n".join(lines) + "\n")
-        log = open(work / "serve.log", "w")  # noqa: SIM115 (closed below)
+def startup(binary: str, work: Path, rounds: int) -> dict[str, Any]:
+    """Seconds from serve's exec to the first connection its port accepts, and to the first
+    ``GET /health`` answered, ``rounds`` times; three models, none preloaded."""
+    lines = ["models:"]
+    for name in NAMES:
+        lines += [f"  {name}:", f"    cmd: {binary} --port ${{PORT}}"]
+    config = work / "startup.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    arena = work / "startup-arena"
+    arena.mkdir(mode=0o700, exist_ok=True)
+    accepted, answered = [], []
+    for _ in range(rounds):
+        port = free_ports(1)[0]
+        argv = [sys.executable, "-m", "vramlock", "serve", str(config), "--listen", str(port)]
+        env = {**os.environ, "VRAMLOCK_ARENA": str(arena)}
+        began = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while True:
+                try:
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.0005)
+                if proc.poll() is not None:
+                    raise SystemExit(f"serve exited with status {proc.returncode}")
+            accepted.append(time.perf_counter() - began)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.recv(1024)
+            answered.append(time.perf_counter() - began)
+            sock.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    ms = {"accepting": accepted, "health answered": answered}
+    return {
+        what: {"p50_ms": statistics.median(v) * 1000, "max_ms": max(v) * 1000}
+        for what, v in ms.items()
+    }
+
+
+SECTIONS = ("overhead", "burst", "startup")
+
+
+def overhead_and_burst(
+    binary: str, work: Path, args: argparse.Namespace, sections: set[str]
+) -> dict[str, Any]:
+    """The overhead and burst sections, on one serve of three preloaded models."""
+    arena = work / "arena"
+    arena.mkdir(mode=0o700)
+    serve_port, *upstreams = free_ports(4)
+    lines = ["healthCheckTimeout: 60", "models:"]
+    for seed, (name, port) in enumerate(zip(NAMES, upstreams, strict=True)):
+        model = work / f"tiny-{seed}.gguf"
+        tiny_gguf.write(model, llama_server.vocab_path(), seed=seed)
+        lines += [f"  {name}:",
+                  f"    cmd: {binary} -m {model} --host 127.0.0.1 --port {port} -np 1"
+                  " -c 1024 -t 1",
+                  f"    proxy: http://127.0.0.1:{port}"]  # fmt: skip
+    # All three start with serve (models start on their first request otherwise):
+    # the settled state is one resident, two released.
+    lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES)}]"]
+    config = work / "serve.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
+    argv = [sys.executable, *profile, "-m", "vramlock", "serve", str(config)]
+    with open(work / "serve.log", "w") as log:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "vramlock", "serve", str(config), "--listen", str(serve_port)],
+            [*argv, "--listen", str(serve_port)],
             env={**os.environ, "VRAMLOCK_ARENA": str(arena)},
             stdout=log,
             stderr=log,
         )
         try:
             wait_settled(serve_port)
-            # overhead: a resident, directly / through its wrapper's proxy / through serve
-            conn = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=60)
-            post(conn, "/v1/completions", {"model": "a", "prompt": "Hi", "max_tokens": 1})
-            conn.close()
-            # the wrapper listens on a socket serve handed it: who says its address
-            who_argv = [sys.executable, "-m", "vramlock", "who", "--arena", str(arena), "--json"]
-            who = subprocess.run(who_argv, capture_output=True, text=True, check=True)
-            wrapper_port = next(
-                int(m["listen"].rsplit(":", 1)[1])
-                for m in json.loads(who.stdout)["members"]
-                if m["name"] == "a"
-            )
-            paths = {"server": upstreams[0], "run proxy": wrapper_port, "serve": serve_port}
-            results: dict[str, Any] = {"overhead": {}}
-            for what, seconds in latencies(paths, args.requests).items():
-                ms = [x * 1000 for x in seconds]
-                q = statistics.quantiles(ms, n=10)
-                results["overhead"][what] = {"p50_ms": statistics.median(ms), "p90_ms": q[8]}
-            over = results["overhead"]
-            for what in ("run proxy", "serve"):
-                over[what]["added_p50_ms"] = over[what]["p50_ms"] - over["server"]["p50_ms"]
-
-            # burst: from the settled state
-            before = wait_settled(serve_port)
-            resident = next(n for n, s in before.items() if s == "resident")
-            by_port = {str(p): n for n, p in zip(NAMES, upstreams, strict=True)}
-            runs: list[str] = []
-            stop = threading.Event()
-
-            def sample() -> None:
-                while not stop.is_set():
-                    now = alive(binary, by_port)
-                    if len(now) == 1 and (not runs or runs[-1] != now[0]):
-                        runs.append(now[0])
-                    time.sleep(0.003)
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-
-            def one(i: int) -> int:
-                c = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=300)
-                try:
-                    body = {"model": NAMES[i % 3], "prompt": "Hi", "max_tokens": 4}
-                    return post(c, "/v1/completions", body)[0]
-                finally:
-                    c.close()
-
-            started = time.monotonic()
-            with ThreadPoolExecutor(args.burst) as pool:
-                statuses = list(pool.map(one, range(args.burst)))
-            took = time.monotonic() - started
-            stop.set()
-            sampler.join(5)
-            swaps = len(runs) - 1 if runs and runs[0] == resident else len(runs)
-            results["burst"] = {
-                "requests": args.burst,
-                "answered_200": statuses.count(200),
-                "seconds": took,
-                "resident_before": resident,
-                "servers_in_order": runs,
-                "swaps": swaps,
-                "minimum_swaps": len(set(NAMES) - {resident}),
-            }
+            results: dict[str, Any] = {}
+            if "overhead" in sections:
+                results["overhead"] = overhead(arena, serve_port, upstreams[0], args.requests)
+            if "burst" in sections:
+                results["burst"] = burst(binary, serve_port, upstreams, args.burst)
+            return results
         finally:
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
-            log.close()
+
+
+def overhead(arena: Path, serve_port: int, upstream: int, n: int) -> dict[str, Any]:
+    """A resident, directly / through its wrapper's proxy / through serve."""
+    conn = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=60)
+    post(conn, "/v1/completions", {"model": "a", "prompt": "Hi", "max_tokens": 1})
+    conn.close()
+    # the wrapper listens on a socket serve handed it: who says its address
+    who_argv = [sys.executable, "-m", "vramlock", "who", "--arena", str(arena), "--json"]
+    who = subprocess.run(who_argv, capture_output=True, text=True, check=True)
+    wrapper_port = next(
+        int(m["listen"].rsplit(":", 1)[1])
+        for m in json.loads(who.stdout)["members"]
+        if m["name"] == "a"
+    )
+    paths = {"server": upstream, "run proxy": wrapper_port, "serve": serve_port}
+    over: dict[str, Any] = {}
+    for what, seconds in latencies(paths, n).items():
+        ms = [x * 1000 for x in seconds]
+        q = statistics.quantiles(ms, n=10)
+        over[what] = {"p50_ms": statistics.median(ms), "p90_ms": q[8]}
+    for what in ("run proxy", "serve"):
+        over[what]["added_p50_ms"] = over[what]["p50_ms"] - over["server"]["p50_ms"]
+    return over
+
+
+def burst(binary: str, serve_port: int, upstreams: list[int], n: int) -> dict[str, Any]:
+    """``n`` requests at once over the three models, from the settled state."""
+    before = wait_settled(serve_port)
+    resident = next(name for name, s in before.items() if s == "resident")
+    by_port = {str(p): name for name, p in zip(NAMES, upstreams, strict=True)}
+    runs: list[str] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            now = alive(binary, by_port)
+            if len(now) == 1 and (not runs or runs[-1] != now[0]):
+                runs.append(now[0])
+            time.sleep(0.003)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    def one(i: int) -> int:
+        c = http.client.HTTPConnection("127.0.0.1", serve_port, timeout=300)
+        try:
+            body = {"model": NAMES[i % 3], "prompt": "Hi", "max_tokens": 4}
+            return post(c, "/v1/completions", body)[0]
+        finally:
+            c.close()
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(n) as pool:
+        statuses = list(pool.map(one, range(n)))
+    took = time.monotonic() - started
+    stop.set()
+    sampler.join(5)
+    swaps = len(runs) - 1 if runs and runs[0] == resident else len(runs)
+    return {
+        "requests": n,
+        "answered_200": statuses.count(200),
+        "seconds": took,
+        "resident_before": resident,
+        "servers_in_order": runs,
+        "swaps": swaps,
+        "minimum_swaps": len(set(NAMES) - {resident}),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--burst", type=int, default=30)
+    parser.add_argument("--startups", type=int, default=10)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"of {', '.join(SECTIONS)}")
+    parser.add_argument("--profile", type=Path, help="run serve under cProfile, its stats here")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--only: of {', '.join(SECTIONS)}")
+    binary = str(llama_server.cached_binary() or llama_server.ensure())
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if sections & {"overhead", "burst"}:
+            results.update(overhead_and_burst(binary, work, args, sections))
+        if "startup" in sections:
+            results["startup"] = startup(binary, work, args.startups)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
