@@ -1,3 +1,3 @@
-from .cli import main
+from .start import main
 
 main()

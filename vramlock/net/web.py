@@ -33,6 +33,11 @@ async def bind_until_signalled(
         # aiohttp rewords the error: the errno says it in the usual words.
         reason = os.strerror(err.errno) if err.errno else str(err)
         raise AddressError("--listen", listen, reason) from None
+    return until_signalled()
+
+
+def until_signalled() -> asyncio.Event:
+    """An event that SIGTERM, SIGINT or SIGHUP sets, from now on (in the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import VramlockError
-from ..net.web import bind_until_signalled
+from ..errors import AddressError, VramlockError
+from ..net.web import until_signalled
 
 if TYPE_CHECKING:
     from .config import Config, Duration
@@ -29,27 +30,50 @@ SHUTDOWN_GRACE = 2.0
 def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], None]) -> int:
     """Run until SIGTERM, SIGINT or SIGHUP; 0 then. ConfigError (exit 2) for a bad file,
     UsageError for a bad ``listen``, AddressError when it cannot be listened on."""
-    try:
-        import aiohttp  # noqa: F401
-        import yaml  # noqa: F401
-    except ImportError as err:
-        raise VramlockError(
-            f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
-        ) from None
+    from importlib.util import find_spec
+
+    for module in ("aiohttp", "yaml"):
+        if find_spec(module) is None:
+            raise VramlockError(f"vramlock serve needs {module}: pip install 'vramlock[serve]'")
+    from ..net import prebind
     from ..net.address import parse
+
+    # llama-swap's :PORT: every interface (the port checked as any address's).
+    every = listen.startswith(":")
+    host, port = parse(f"0.0.0.0{listen}" if every else listen, "--listen")
+    # Listening from the start (most often since before the command line was imported):
+    # clients wait in the backlog while the configuration is read and aiohttp imported.
+    socks = prebind.take(listen)
+    if socks is None:
+        try:
+            socks = prebind.bind(None if every else host, port)
+        except OSError as err:
+            raise AddressError("--listen", listen, err.strerror or str(err)) from None
+    try:
+        return _serve(path, socks, None if every else host, port, duration, warn)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _serve(
+    path: str,
+    socks: list[socket.socket],
+    host: str | None,
+    port: int,
+    duration: Duration,
+    warn: Callable[[str], None],
+) -> int:
     from .config import load
     from .members import Wrapper
 
     config = load(path, duration)
     for message in config.warnings:
         warn(message)
-    # llama-swap's :PORT: every interface (the port checked as any address's).
-    every = listen.startswith(":")
-    host, port = parse(f"0.0.0.0{listen}" if every else listen, "--listen")
     wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
-    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, warn))
+    return asyncio.run(_main(config, wrappers, socks, host, port, warn))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -104,7 +128,7 @@ def _one_line_logger(warn: Callable[[str], None]) -> logging.Logger:
 async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
-    listen: str,
+    socks: list[socket.socket],
     host: str | None,
     port: int,
     warn: Callable[[str], None],
@@ -125,8 +149,9 @@ async def _main(
         shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
-    # Bound before any model starts: a client arriving meanwhile is held, not refused.
-    stop = await bind_until_signalled(runner, host, port, listen, shutdown_timeout=SHUTDOWN_GRACE)
+    for sock in socks:
+        await web.SockSite(runner, sock, shutdown_timeout=SHUTDOWN_GRACE).start()
+    stop = until_signalled()
     try:
         for name in config.preload:  # the others start on their first request
             wrappers[name].start()
