@@ -17,6 +17,7 @@ import binascii
 import hmac
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -24,9 +25,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.records import HOLDING
+from . import body as bodies
 from .config import Config
 from .members import Wrapper
-from .upstream import Pool
+from .upstream import Body, Pool, Stream
 
 # Once a request for another model has waited this long, new requests for the model
 # being served queue behind it: grouping never starves a model for longer.
@@ -37,9 +39,13 @@ LINGER = 0.1
 # A response of known length up to this size is read whole and sent in one write;
 # others (streams, chunked, large) are passed on chunk by chunk as they come.
 WHOLE = 1 << 20
-# A request body larger than this is refused (413): bodies are read whole, to find the
-# model, and several large ones at once must not exhaust memory.
+# A request body larger than this is refused (413): a JSON body is held whole, to find
+# its model, and several large ones at once must not exhaust memory. Other bodies are
+# passed on as they come, and cut (413) once this much has passed.
 MAX_BODY = 64 << 20
+# A multipart form's model field must be within its first this many bytes.
+FORM_PREFIX = 1 << 20
+_STREAM_CHUNK = 256 * 1024
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -147,16 +153,51 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response(body, status=status)
 
 
-async def _body(request: web.Request) -> bytes | web.Response:
-    """The request's body, or a 413 when it is over ``MAX_BODY`` (said before any of it
-    is read where Content-Length tells)."""
-    too_large = _error(413, f"the request body is over {MAX_BODY >> 20} MiB")
+class _TooLarge(Exception):
+    """A body went over ``MAX_BODY`` as it was read."""
+
+
+def _too_large() -> web.Response:
+    return _error(413, f"the request body is over {MAX_BODY >> 20} MiB")
+
+
+async def _body(request: web.Request) -> bytearray | web.Response:
+    """The request's body, held once, or a 413 when it is over ``MAX_BODY`` (said
+    before any of it is read where Content-Length tells)."""
     if (request.content_length or 0) > MAX_BODY:
-        return too_large
+        return _too_large()
     try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return too_large
+        return await _read(request, MAX_BODY)
+    except _TooLarge:
+        return _too_large()
+
+
+async def _read(request: web.Request, limit: int) -> bytearray:
+    """The body; _TooLarge past ``limit`` bytes."""
+    held = bytearray()
+    async for chunk in request.content.iter_any():
+        held += chunk
+        if len(held) > limit:
+            raise _TooLarge
+    return held
+
+
+async def _read_some(request: web.Request, into: bytearray) -> None:
+    """What of the body has come (some of it, or the end), appended to ``into``."""
+    into += await request.content.readany()
+
+
+async def _counted(request: web.Request, first: bytes = b"") -> AsyncIterator[bytes]:
+    """The body as it comes (after ``first``, read already); _TooLarge once more than
+    ``MAX_BODY`` bytes have passed."""
+    passed = len(first)
+    if first:
+        yield first
+    async for chunk in request.content.iter_chunked(_STREAM_CHUNK):
+        passed += len(chunk)
+        if passed > MAX_BODY:
+            raise _TooLarge
+        yield chunk
 
 
 def _key(request: web.Request) -> str | None:
@@ -250,22 +291,58 @@ class Router:
     # -- forwarding ----------------------------------------------------------------
 
     async def by_model(self, request: web.Request) -> web.StreamResponse:
+        mark = bodies.boundary(request.headers.get("Content-Type", ""))
+        if mark is not None:
+            return await self._by_form(request, mark)
         body = await _body(request)
         if isinstance(body, web.Response):
             return body
         try:
-            doc = json.loads(body)
-            name = doc.get("model")
-        except (ValueError, AttributeError, RecursionError):  # RecursionError: nested deep
+            name = bodies.json_model(body)
+        except (ValueError, RecursionError):  # RecursionError: nested deep
             name = None
         if not isinstance(name, str):
             return _error(400, 'the request body must be JSON with a "model" field')
         found = self._wrapper(name)
         if isinstance(found, web.Response):
             return found
+        sent: Body = body
         if found.model.filters:
-            body = json.dumps(found.model.filters.apply(doc, name)).encode()
-        return await self._forward(request, found, found.model.prefix + request.path_qs, body)
+            try:
+                doc = json.loads(body)
+            except (ValueError, RecursionError):
+                return _error(400, 'the request body must be JSON with a "model" field')
+            del body  # the document replaces it
+            sent = json.dumps(found.model.filters.apply(doc, name)).encode()
+        return await self._forward(request, found, found.model.prefix + request.path_qs, sent)
+
+    async def _by_form(self, request: web.Request, mark: bytes) -> web.StreamResponse:
+        """A multipart form (an audio transcription, say): routed by its ``model`` field,
+        read from its first bytes; the rest is passed on as it comes."""
+        prefix = bytearray()
+        name: str | None = None
+        try:
+            while name is None and not request.content.at_eof():
+                await _read_some(request, prefix)
+                name = bodies.form_model(prefix, mark)
+                if name is None and len(prefix) > FORM_PREFIX:
+                    raise bodies.Malformed("too far in")
+        except bodies.Malformed:
+            name = None
+        if name is None:
+            return _error(400, "the form must have a model field, before any file"
+                               f" and within its first {FORM_PREFIX >> 20} MiB")  # fmt: skip
+        found = self._wrapper(name)
+        if isinstance(found, web.Response):
+            return found
+        length = request.content_length if "chunked" not in request.headers.get(
+            "Transfer-Encoding", "").lower() else None  # fmt: skip
+        if (length or 0) > MAX_BODY:
+            return _too_large()
+        stream = Stream(_counted(request, bytes(prefix)), length)
+        del prefix
+        path = found.model.prefix + request.path_qs
+        return await self._forward(request, found, path, stream)
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
         # The longest name that the path starts with: a model's name may hold "/".
@@ -314,7 +391,7 @@ class Router:
         return out
 
     async def _forward(
-        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+        self, request: web.Request, w: Wrapper, path: str, body: Body | None
     ) -> web.StreamResponse:
         limit = w.model.concurrency
         if w.admitted >= limit:
@@ -363,17 +440,20 @@ class Router:
                 await other.restart()
 
     async def _pass(
-        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+        self, request: web.Request, w: Wrapper, path: str, body: Body | None
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        if body is None:
-            read = await _body(request)
-            if isinstance(read, web.Response):
-                return read
-            body = read
+        if body is None:  # /upstream: passed on as it comes
+            if (request.content_length or 0) > MAX_BODY:
+                return _too_large()
+            chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+            length = None if chunked else request.content_length
+            body = Stream(_counted(request), length) if chunked or length else b""
         pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
             up = await w.unless_exited(pool.request(request.method, path, headers, body))
+        except _TooLarge:
+            return _too_large()
         except OSError as err:
             cause = await w.cause(err)
             return _error(502, f"model {w.model.name}: its server did not answer: {cause}")

@@ -9,7 +9,7 @@ framing (``Content-Length``, chunked, or to the end of the connection) as it arr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 _CHUNK = 256 * 1024
@@ -30,6 +30,18 @@ class Response:
     body: AsyncGenerator[bytes, None] = field(repr=False)
 
 
+@dataclass
+class Stream:
+    """A request body passed on as it comes, never held whole: ``length`` bytes
+    (Content-Length), or chunked when None."""
+
+    chunks: AsyncIterator[bytes]
+    length: int | None
+
+
+Body = bytes | bytearray | Stream
+
+
 class Pool:
     """Kept-alive connections to one loopback port."""
 
@@ -43,16 +55,23 @@ class Pool:
         self._idle.clear()
 
     async def request(
-        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+        self, method: str, target: str, headers: list[tuple[str, str]], body: Body
     ) -> Response:
         """Send the request; the response once its head has come. A kept-alive
         connection that turns out closed before any byte of an answer is retried once
-        on a new one (the wrapper ends idle connections when its server goes)."""
+        on a new one (the wrapper ends idle connections when its server goes); a
+        streamed body, which cannot be sent twice, always goes on a new connection.
+        What ``body``'s chunks raise ends the request (its connection closed)."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
         lines += [f"{k}: {v}" for k, v in headers]
-        lines += [f"Content-Length: {len(body)}", "", ""]
-        data = ["\r\n".join(lines).encode("latin-1"), body]  # sent as two: no copy of body
-        while self._idle:
+        if not isinstance(body, Stream):
+            lines.append(f"Content-Length: {len(body)}")
+        elif body.length is not None:
+            lines.append(f"Content-Length: {body.length}")
+        else:
+            lines.append("Transfer-Encoding: chunked")
+        data = ("\r\n".join([*lines, "", ""]).encode("latin-1"), body)
+        while self._idle and not isinstance(body, Stream):
             reader, writer = self._idle.pop()
             if reader.at_eof() or writer.is_closing():
                 writer.close()
@@ -69,12 +88,12 @@ class Pool:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         method: str,
-        data: list[bytes],
+        data: tuple[bytes, Body],
         fresh: bool = False,
     ) -> Response:
         try:
-            for part in data:
-                writer.write(part)
+            writer.write(data[0])
+            await _send(writer, data[1])
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as err:
             writer.close()
@@ -145,3 +164,24 @@ class Pool:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
+
+
+async def _send(writer: asyncio.StreamWriter, body: Body) -> None:
+    """Write ``body``, a piece at a time past ``_CHUNK``, each once the last has gone:
+    the transport's buffer never holds a copy of a large body."""
+    if isinstance(body, Stream):
+        chunked = body.length is None
+        async for chunk in body.chunks:
+            if chunk:
+                writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                await writer.drain()
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+        return
+    if len(body) <= _CHUNK:
+        writer.write(body)
+        return
+    view = memoryview(body)
+    for i in range(0, len(view), _CHUNK):
+        writer.write(view[i : i + _CHUNK])
+        await writer.drain()
