@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
 import tiny_gguf  # noqa: E402
-from helpers.net import free_ports  # noqa: E402
+from helpers.net import accepts, free_ports  # noqa: E402
 
 from vramlock import procfs  # noqa: E402
 
@@ -151,7 +151,83 @@ def startup(binary: str, work: Path, rounds: int) -> dict[str, Any]:
     }
 
 
-SECTIONS = ("overhead", "burst", "startup")
+def switch(
+    server: list[str], work: Path, n: int, prompt_tokens: int, release: str
+) -> dict[str, Any]:
+    """A request to a released model, ``n`` times, through serve and through ``vramlock run
+    --demand listen``'s proxy side by side: two servers behind each, serve's in one arena
+    and run's in another, alternating a serve round and a run round. Latency: the whole
+    request, the other server's release and this one's restore included."""
+    arenas = {what: work / f"switch-{what}" for what in ("serve", "run")}
+    for path in arenas.values():
+        path.mkdir(mode=0o700)
+    ups = free_ports(6)
+    serve_port, run_ports = ups[4], [ups[5], free_ports(1)[0]]
+    flags = ["--release", release, "--min-hold", "0"]
+    lines = ["healthCheckTimeout: 60", "models:"]
+    for name, port in zip(NAMES[:2], ups[:2], strict=True):
+        lines += [f"  {name}:", f"    cmd: {' '.join(server)} --host 127.0.0.1 --port {port}",
+                  f"    proxy: http://127.0.0.1:{port}", f"    release: {release}",
+                  "    min_hold: 0"]  # fmt: skip
+    lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES[:2])}]"]
+    config = work / "switch.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    procs = []
+    logs = open(work / "switch.log", "w")  # noqa: SIM115 (closed below)
+    try:
+        serve = [sys.executable, "-m", "vramlock", "serve", str(config)]
+        serve += ["--listen", str(serve_port)]
+        env = {**os.environ, "VRAMLOCK_ARENA": str(arenas["serve"])}
+        procs.append(subprocess.Popen(serve, env=env, stdout=logs, stderr=logs))
+        for listen, port in zip(run_ports, ups[2:4], strict=True):
+            argv = [sys.executable, "-m", "vramlock", "run", "--arena", str(arenas["run"]),
+                    "--demand", "listen", "--listen", str(listen), "--upstream", str(port),
+                    "--idle", "100ms", *flags, "--", *server, "--host", "127.0.0.1",
+                    "--port", str(port)]  # fmt: skip
+            procs.append(subprocess.Popen(argv, stdout=logs, stderr=logs))
+        for port in [serve_port, *run_ports]:
+            end = time.monotonic() + 30
+            while not accepts(port):
+                if time.monotonic() > end:
+                    raise SystemExit(f"nothing listens on {port}: {work / 'switch.log'}")
+                time.sleep(0.01)
+        words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
+        prompts = [f"Server {i}: {words}" for i in range(2)]
+        targets = {"serve": [serve_port, serve_port], "run proxy": run_ports}
+        for ports in targets.values():  # warm: each has its prompt in its slot once
+            for i in range(2):
+                complete(ports[i], NAMES[i], prompts[i])
+        seconds: dict[str, list[float]] = {what: [] for what in targets}
+        for k in range(2 * n):
+            i = k % 2
+            for what, ports in targets.items():
+                t = time.perf_counter()
+                complete(ports[i], NAMES[i], prompts[i])
+                seconds[what].append(time.perf_counter() - t)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
+        logs.close()
+    return {
+        what: {"p50_s": statistics.median(v), "p90_s": statistics.quantiles(v, n=10)[8]}
+        for what, v in seconds.items()
+    }
+
+
+def complete(port: int, model: str, prompt: str) -> None:
+    """POST /completion of ``prompt``, one token, from the prompt cache; 200 expected."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        body = {"model": model, "prompt": prompt, "n_predict": 1, "cache_prompt": True}
+        status, data = post(conn, "/completion", body)
+    finally:
+        conn.close()
+    assert status == 200, (status, data[:200])
+
+
+SECTIONS = ("overhead", "burst", "startup", "switch")
 
 
 def overhead_and_burst(
@@ -270,6 +346,12 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=30)
     parser.add_argument("--startups", type=int, default=10)
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"of {', '.join(SECTIONS)}")
+    parser.add_argument("--switches", type=int, default=20, help="switch: requests per model")
+    parser.add_argument("--binary", help="switch: llama-server (default: the cached CPU build)")
+    parser.add_argument("--model", help="switch: its GGUF (default: tools/tiny_gguf.py's)")
+    parser.add_argument("--ngl", type=int, help="switch: layers on the GPU")
+    parser.add_argument("--ctx", type=int, default=4096, help="switch: -c")
+    parser.add_argument("--release", default="auto", help="switch: every model's release")
     parser.add_argument("--profile", type=Path, help="run serve under cProfile, its stats here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -284,6 +366,12 @@ def main() -> int:
             results.update(overhead_and_burst(binary, work, args, sections))
         if "startup" in sections:
             results["startup"] = startup(binary, work, args.startups)
+        if "switch" in sections:
+            model = args.model or str(tiny_gguf.cached_model())
+            server = [args.binary or binary, "-m", model, "-np", "1", "-c", str(args.ctx)]
+            server += ["-t", "2"] if args.ngl is None else ["-ngl", str(args.ngl)]
+            tokens = args.ctx * 5 // 6
+            results["switch"] = switch(server, work, args.switches, tokens, args.release)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
