@@ -156,13 +156,16 @@ def switch(
 ) -> dict[str, Any]:
     """A request to a released model, ``n`` times, through serve and through ``vramlock run
     --demand listen``'s proxy side by side: two servers behind each, serve's in one arena
-    and run's in another, alternating a serve round and a run round. Latency: the whole
-    request, the other server's release and this one's restore included."""
+    and run's in another (wrapped as bench/servers.py wraps them: ``--min-hold 0 --idle
+    100ms``), a pair of requests (a, then b) through one, then a pair through the other.
+    Latency: the whole request, the other server's release and this one's restore
+    included; "right after" counts the time the other model is kept for its next request
+    (serve's LINGER, run's --idle), "after a pause" does not."""
     arenas = {what: work / f"switch-{what}" for what in ("serve", "run")}
     for path in arenas.values():
         path.mkdir(mode=0o700)
-    ups = free_ports(6)
-    serve_port, run_ports = ups[4], [ups[5], free_ports(1)[0]]
+    ups = free_ports(7)  # serve's two servers, run's two, serve, run's two wrappers
+    serve_port, run_ports = ups[4], ups[5:]
     flags = ["--release", release, "--min-hold", "0"]
     lines = ["healthCheckTimeout: 60", "models:"]
     for name, port in zip(NAMES[:2], ups[:2], strict=True):
@@ -197,13 +200,17 @@ def switch(
         for ports in targets.values():  # warm: each has its prompt in its slot once
             for i in range(2):
                 complete(ports[i], NAMES[i], prompts[i])
-        seconds: dict[str, list[float]] = {what: [] for what in targets}
-        for k in range(2 * n):
-            i = k % 2
+        # Rounds of a pair each, serve's and run's in turn: a pair's first request comes
+        # after the other path's pair (a pause), its second right after the first.
+        seconds: dict[tuple[str, str], list[float]] = {
+            (what, when): [] for what in targets for when in WHEN
+        }
+        for _ in range(n):
             for what, ports in targets.items():
-                t = time.perf_counter()
-                complete(ports[i], NAMES[i], prompts[i])
-                seconds[what].append(time.perf_counter() - t)
+                for i, when in enumerate(WHEN):
+                    t = time.perf_counter()
+                    complete(ports[i], NAMES[i], prompts[i])
+                    seconds[what, when].append(time.perf_counter() - t)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -211,9 +218,20 @@ def switch(
             proc.wait(60)
         logs.close()
     return {
-        what: {"p50_s": statistics.median(v), "p90_s": statistics.quantiles(v, n=10)[8]}
-        for what, v in seconds.items()
+        f"{what}, {when}": {
+            "p50_s": statistics.median(v),
+            "p90_s": statistics.quantiles(v, n=10)[8],
+        }
+        for (what, when), v in seconds.items()
     }
+
+
+WHEN = ("after a pause", "right after the other model")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def complete(port: int, model: str, prompt: str) -> None:
