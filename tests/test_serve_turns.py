@@ -84,3 +84,23 @@ def test_a_cancelled_waiter_gives_its_place_back() -> None:
         return order
 
     assert asyncio.run(main()) == ["A", "C"]
+
+
+def test_another_model_after_a_pause_goes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router, "LINGER", 1.0)
+
+    async def main() -> float:
+        turns, order = Turns(), list[str]()
+        await request(turns, "A", order)
+        await asyncio.sleep(1.1)  # LINGER has passed since A's request left
+        await asyncio.wait_for(turns.enter("B"), 0.5)  # not LINGER more
+        turns.leave()
+        # 0.6 s after B's request left: A waits what is left of LINGER
+        await asyncio.sleep(0.6)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await turns.enter("A")
+        turns.leave()
+        return loop.time() - started
+
+    assert 0.2 < asyncio.run(main()) < 0.8

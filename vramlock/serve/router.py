@@ -60,8 +60,9 @@ class Turns:
     another model has waited ``GROUP_WAIT``; others queue. When no admitted request is
     left (and none came within ``LINGER``, or somebody waited too long), every queued
     request of the model waiting longest is admitted. With nothing in progress, a model
-    other than the last one served waits ``LINGER`` first, so that a burst starts with
-    the model that is likely resident. A B A B arriving together are served A A B B;
+    other than the last one served waits until ``LINGER`` has passed since the last
+    request left, so that a burst starts with the model that is likely resident (and a
+    request after a pause waits for nothing). A B A B arriving together are served A A B B;
     clients that never pause take turns of about ``GROUP_WAIT``, so a request waits at
     most that long for each other model's turn (and its swap).
     """
@@ -73,6 +74,7 @@ class Turns:
         self._switch: asyncio.TimerHandle | None = None
         self._turn_began = 0.0
         self._last: str | None = None  # the model of the last turn: likely resident
+        self._quiet_since = float("-inf")  # when the last turn's last request left
 
     def _overdue(self) -> bool:
         """Has the current turn lasted GROUP_WAIT since it began and since somebody
@@ -83,7 +85,10 @@ class Turns:
         return time.monotonic() - max(oldest, self._turn_began) > GROUP_WAIT
 
     async def enter(self, model: str) -> None:
-        idle = self.current is None and self._last in (None, model)
+        # The last turn's model had LINGER since its last request for its next one: once
+        # that has passed, another model goes at once.
+        linger = LINGER - (time.monotonic() - self._quiet_since)
+        idle = self.current is None and (self._last in (None, model) or linger <= 0)
         if idle or (self.current == model and not self._overdue()):
             if self._switch is not None:
                 self._switch.cancel()
@@ -98,7 +103,7 @@ class Turns:
         if self.current is None and self._switch is None:
             # Nothing in progress, but this model is likely not resident: a request for
             # the one that is, arriving within LINGER (a burst), goes first.
-            self._switch = asyncio.get_running_loop().call_later(LINGER, self._next)
+            self._switch = asyncio.get_running_loop().call_later(linger, self._next)
         try:
             await fut
         except asyncio.CancelledError:
@@ -120,6 +125,7 @@ class Turns:
         self.active -= 1
         if self.active > 0:
             return
+        self._quiet_since = time.monotonic()
         if not any(self._queued.values()):
             self.current = None
         elif self._overdue():
@@ -429,9 +435,15 @@ class Router:
         does to every model. Its turn is over (``Turns``): none of its requests runs.
         Looked for once a model of the arena takes over from another, not per request."""
         where = (w.model.arena, w.model.gpu)
-        if self.served.get(where) == w.model.name:
+        last = self.served.get(where)
+        if last == w.model.name:
             return
         self.served[where] = w.model.name
+        if last is not None and last in self.pools:
+            # Its kept-alive connections would keep its wrapper busy for its --idle
+            # (run's 300 ms) after their last traffic: closed, it releases at once. Its
+            # turn is over, so none of them is in use.
+            self.pools[last].close()
         for other in self.wrappers.values():
             same = (other.model.arena, other.model.gpu) == where
             maybe = other.model.release == "auto" and other.in_flight == 0 and other.alive()

@@ -1,0 +1,73 @@
+"""``vramlock serve`` switching models: nothing of serve's keeps the last model resident.
+
+serve keeps connections to a model's wrapper alive between requests; a wrapper counts a
+connection with traffic in its last ``--idle`` as busy, and a busy model does not
+release. Once another model of the arena takes its turn, serve closes them: the last
+model releases as soon as it is wanted, not ``--idle`` later.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.commands import vramlock, who_json
+from helpers.net import free_port
+from helpers.processes import Spawn, wait_until
+
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.timeout(60)
+
+# A keep-alive HTTP/1.1 server that answers every POST with "ok".
+OK = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_the_last_model_s_connections_are_closed_when_another_takes_its_turn(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text(OK)
+    model = f"    cmd: {sys.executable} {script} ${{PORT}}\n    checkEndpoint: none\n"
+    model += "    release: restart\n"
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"startPort: {free_port()}\nmodels:\n  a:\n{model}  b:\n{model}")
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+
+    def ask(name: str) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=f'{{"model": "{name}"}}')
+            reply = conn.getresponse()
+            assert (reply.status, reply.read()) == (200, b"ok")
+        finally:
+            conn.close()
+
+    def connections() -> dict[str, int]:
+        return {m["name"]: m["connections"] or 0 for m in who_json(arena)}
+
+    ask("a")
+    wait_until(lambda: connections().get("a") == 1)  # kept alive, for a's next request
+    ask("b")
+    # b's turn: serve's connection to a's wrapper closed
+    wait_until(lambda: connections() == {"a": 0, "b": 1})
