@@ -3,13 +3,15 @@
 serve keeps connections to a model's wrapper alive between requests; a wrapper counts a
 connection with traffic in its last ``--idle`` as busy, and a busy model does not
 release. Once another model of the arena takes its turn, serve closes them: the last
-model releases as soon as it is wanted, not ``--idle`` later.
+model releases as soon as it is wanted, not ``--idle`` later. Requests sent together
+on one connection are answered in order, whichever part of serve takes each.
 """
 
 from __future__ import annotations
 
 import http.client
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # A keep-alive HTTP/1.1 server that answers every POST with "ok".
 OK = r"""
+import socket
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 class H(BaseHTTPRequestHandler):
@@ -76,3 +79,31 @@ def test_the_last_model_s_connections_are_closed_when_another_takes_its_turn(
     ask("b")
     # b's turn: serve's connection to a's wrapper closed
     wait_until(lambda: connections().get("a") == 0)
+
+
+def test_requests_sent_together_on_one_connection_are_each_answered(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """Pipelined: two POSTs for the model, then a GET of another route, in one write;
+    serve answers them in order on the one connection (the GET by another server
+    than the POSTs', with the bytes that came with them)."""
+    script = tmp_path / "ok.py"
+    script.write_text(OK)
+    up = free_port()
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"models:\n  a:\n    cmd: {sys.executable} {script} {up}\n"
+                    f"    proxy: http://127.0.0.1:{up}\n    checkEndpoint: none\n")  # fmt: skip
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
+    assert proc.stderr is not None and "serving" in proc.stderr.readline()
+    post = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 14\r\n\r\n{"model": "a"}'
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(post + post + get)
+        answers = b""
+        while chunk := s.recv(65536):
+            answers += chunk
+    bodies = [part.partition(b"\r\n\r\n")[2] for part in answers.split(b"HTTP/1.1 ")[1:]]
+    assert answers.count(b"HTTP/1.1 200") == 3, answers
+    assert bodies == [b"ok", b"ok", b"OK"], answers

@@ -137,6 +137,7 @@ async def _main(
     from aiohttp import web
 
     from ..net.address import show
+    from .front import Front
     from .members import stop_all
     from .router import Router
 
@@ -149,8 +150,12 @@ async def _main(
         shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
-    for sock in socks:
-        await web.SockSite(runner, sock, shutdown_timeout=SHUTDOWN_GRACE).start()
+    handoff = runner.server
+    assert handoff is not None
+    loop = asyncio.get_running_loop()
+    servers = [
+        await loop.create_server(lambda: Front(router, handoff), sock=sock) for sock in socks
+    ]
     stop = until_signalled()
     try:
         for name in config.preload:  # the others start on their first request
@@ -159,6 +164,9 @@ async def _main(
         warn(f"serving {', '.join(wrappers)} {where}")
         await stop.wait()
     finally:
+        for server in servers:
+            server.close()
+        await router.close_fronts(SHUTDOWN_GRACE)
         await runner.cleanup()
         stop_all(list(wrappers.values()))
         for w in wrappers.values():

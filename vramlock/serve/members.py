@@ -17,8 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
@@ -29,7 +28,6 @@ from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
 
-T = TypeVar("T")
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
@@ -161,23 +159,6 @@ class Wrapper:
                       f" {self.proc.returncode}; starting it again")  # fmt: skip
         if not self.alive():
             self.start()
-
-    async def unless_exited(self, work: Awaitable[T]) -> T:
-        """``work``'s result; ConnectionResetError if the wrapper exits first (a client
-        in the backlog of serve's listening socket would wait for nobody)."""
-        task = asyncio.ensure_future(work)
-        if self.exited is None:
-            return await task
-        either: set[asyncio.Future[Any]] = {task, self.exited}
-        try:
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()
-            raise
-        if not task.done():
-            task.cancel()
-            raise ConnectionResetError("the wrapper exited")
-        return task.result()
 
     async def cause(self, err: OSError) -> str:
         """Why the wrapper gave no answer, in words: its exit status (what 126 and 127

@@ -17,8 +17,9 @@ import binascii
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -27,9 +28,11 @@ from aiohttp.typedefs import Handler, Middleware
 from ..arena.records import HOLDING
 from . import body as bodies
 from .config import Config
+from .front import Front, Head
 from .members import Wrapper
 from .upstream import Body, Pool, Stream
 
+T = TypeVar("T")
 # Once a request for another model has waited this long, new requests for the model
 # being served queue behind it: grouping never starves a model for longer.
 GROUP_WAIT = 2.0
@@ -46,6 +49,9 @@ MAX_BODY = 64 << 20
 # A multipart form's model field must be within its first this many bytes.
 FORM_PREFIX = 1 << 20
 _STREAM_CHUNK = 256 * 1024
+# A JSON body up to this size is parsed whole to find its model (faster than skipping
+# over its members, and a copy of it costs nothing); a larger one is scanned.
+_PARSED = 64 * 1024
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -152,11 +158,23 @@ class Turns:
 _KINDS = {401: "authentication_error", 429: "rate_limit_error"}
 
 
-def _error(status: int, message: str, **extra: Any) -> web.Response:
+def error_doc(status: int, message: str, **extra: Any) -> dict[str, Any]:
     """An error as the OpenAI API answers one (``error.message`` and ``error.type``)."""
     kind = _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
-    return web.json_response(body, status=status)
+    return {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
+
+
+@dataclass
+class Refusal:
+    """An error to answer instead of passing a request on."""
+
+    status: int
+    message: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response(error_doc(status, message, **extra), status=status)
 
 
 class _TooLarge(Exception):
@@ -263,6 +281,8 @@ class Router:
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
         self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
+        self.fronts: set[Front] = set()  # connections whose requests front.py takes
+        self._not_fast: tuple[str, ...] | None = None
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
@@ -277,13 +297,64 @@ class Router:
         r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
         r.add_get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
-        r.add_post("/{path:.*}", self.by_model)
+        self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
 
     async def _close(self, app: web.Application) -> None:
         for pool in self.pools.values():
             pool.close()
+
+    # -- the common request, taken by front.py ---------------------------------------
+
+    def fast_path(self, path: str) -> bool:
+        """Would a POST to ``path`` reach ``by_model``, through no middleware?"""
+        if self._not_fast is None:
+            prefixes = []
+            for resource in self.app.router.resources():
+                if resource is self._by_model:
+                    break
+                if any(route.method in ("POST", "*") for route in resource):
+                    prefixes.append(resource.canonical.split("{")[0])
+            self._not_fast = tuple(prefixes)
+        return not self.app.middlewares and not path.startswith(self._not_fast)
+
+    async def fast(self, front: Front, head: Head, body: bytes) -> None:
+        """``by_model`` for the request that ``front`` parsed."""
+        chosen = self.choose(body)
+        if isinstance(chosen, Refusal):
+            front.refuse(chosen.status, chosen.message, chosen.extra)
+            return
+        w, sent = chosen
+        headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
+        path = w.model.prefix + head.target
+
+        async def send() -> int:
+            pool = self.pools.setdefault(w.model.name, Pool(w.port))
+            try:
+                up = await pool.request("POST", path, headers, sent, w.exited)
+            except OSError as err:
+                cause = await w.cause(err)
+                return front.refuse(
+                    502, f"model {w.model.name}: its server did not answer: {cause}"
+                )
+            try:
+                return await front.relay(w, up, WHOLE)
+            finally:
+                await up.body.aclose()
+
+        shown = f"POST {head.target.partition('?')[0]}"
+        await self.in_turn(w, shown, send, int, lambda status, why: front.refuse(status, why))
+
+    async def close_fronts(self, grace: float) -> None:
+        """Let the requests in progress on front.py's connections end, for ``grace`` at
+        most, then cut what is left."""
+        tasks = [f.task for f in self.fronts if f.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        for front in list(self.fronts):
+            if front.transport is not None:
+                front.transport.abort()
 
     def _wrapper(self, name: str) -> Wrapper | web.Response:
         model = self.config.find(name)
@@ -303,24 +374,36 @@ class Router:
         body = await _body(request)
         if isinstance(body, web.Response):
             return body
+        chosen = self.choose(body)
+        if isinstance(chosen, Refusal):
+            return _error(chosen.status, chosen.message, **chosen.extra)
+        found, sent = chosen
+        return await self._forward(request, found, found.model.prefix + request.path_qs, sent)
+
+    def choose(self, body: bytes | bytearray) -> tuple[Wrapper, Body] | Refusal:
+        """The model a JSON body names, and the body to send it (its filters applied)."""
         try:
-            name = bodies.json_model(body)
+            if len(body) <= _PARSED:
+                doc = json.loads(body)
+                name = doc.get("model") if isinstance(doc, dict) else None
+            else:
+                name = bodies.json_model(body)
         except (ValueError, RecursionError):  # RecursionError: nested deep
             name = None
+        no_model = Refusal(400, 'the request body must be JSON with a "model" field')
         if not isinstance(name, str):
-            return _error(400, 'the request body must be JSON with a "model" field')
-        found = self._wrapper(name)
-        if isinstance(found, web.Response):
-            return found
-        sent: Body = body
-        if found.model.filters:
-            try:
-                doc = json.loads(body)
-            except (ValueError, RecursionError):
-                return _error(400, 'the request body must be JSON with a "model" field')
-            del body  # the document replaces it
-            sent = json.dumps(found.model.filters.apply(doc, name)).encode()
-        return await self._forward(request, found, found.model.prefix + request.path_qs, sent)
+            return no_model
+        model = self.config.find(name)
+        if model is None:
+            return Refusal(404, f"model {name!r} not found", {"models": self.config.known()})
+        found = self.wrappers[model.name]
+        if not model.filters:
+            return found, body
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            return no_model
+        return found, json.dumps(model.filters.apply(doc, name)).encode()
 
     async def _by_form(self, request: web.Request, mark: bytes) -> web.StreamResponse:
         """A multipart form (an audio transcription, say): routed by its ``model`` field,
@@ -399,9 +482,27 @@ class Router:
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: Body | None
     ) -> web.StreamResponse:
+        async def send() -> web.StreamResponse:
+            return await self._pass(request, w, path, body)
+
+        def status(out: web.StreamResponse) -> int:
+            return out.status
+
+        return await self.in_turn(w, f"{request.method} {request.path}", send, status, _error)
+
+    async def in_turn(
+        self,
+        w: Wrapper,
+        shown: str,
+        send: Callable[[], Awaitable[T]],
+        status: Callable[[T], int],
+        refuse: Callable[[int, str], T],
+    ) -> T:
+        """``send()``'s answer, in the model's turn (``refuse(429, why)`` over its
+        concurrencyLimit); logged as ``shown`` with ``status(answer)``."""
         limit = w.model.concurrency
         if w.admitted >= limit:
-            return _error(429, f"model {w.model.name}: {limit} requests at once already"
+            return refuse(429, f"model {w.model.name}: {limit} requests at once already"
                                " (concurrencyLimit)")  # fmt: skip
         w.admitted += 1
         try:
@@ -418,10 +519,8 @@ class Router:
         try:
             await self._make_room(w)
             w.ensure_running()
-            out = await self._pass(request, w, path, body)
-            w.info(
-                f"{request.method} {request.path} {out.status} in {time.monotonic() - began:.3f} s"
-            )
+            out = await send()
+            w.info(f"{shown} {status(out)} in {time.monotonic() - began:.3f} s")
             return out
         finally:
             w.in_flight -= 1
@@ -463,7 +562,7 @@ class Router:
             body = Stream(_counted(request), length) if chunked or length else b""
         pool = self.pools.setdefault(w.model.name, Pool(w.port))
         try:
-            up = await w.unless_exited(pool.request(request.method, path, headers, body))
+            up = await pool.request(request.method, path, headers, body, w.exited)
         except _TooLarge:
             return _too_large()
         except OSError as err:

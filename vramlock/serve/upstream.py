@@ -9,10 +9,13 @@ framing (``Content-Length``, chunked, or to the end of the connection) as it arr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 _CHUNK = 256 * 1024
+# A body up to this size is sent with its head, copied: one write, not two.
+_JOINED = 64 * 1024
 # Kept-alive connections per wrapper: more are closed when returned.
 POOL = 32
 
@@ -55,13 +58,20 @@ class Pool:
         self._idle.clear()
 
     async def request(
-        self, method: str, target: str, headers: list[tuple[str, str]], body: Body
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: Body,
+        exited: asyncio.Future[None] | None = None,
     ) -> Response:
         """Send the request; the response once its head has come. A kept-alive
         connection that turns out closed before any byte of an answer is retried once
         on a new one (the wrapper ends idle connections when its server goes); a
         streamed body, which cannot be sent twice, always goes on a new connection.
-        What ``body``'s chunks raise ends the request (its connection closed)."""
+        What ``body``'s chunks raise ends the request (its connection closed). Once
+        ``exited`` is done (the wrapper exited: a connection in the backlog of the
+        listening socket it had would wait for nobody), ConnectionResetError."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
         lines += [f"{k}: {v}" for k, v in headers]
         if not isinstance(body, Stream):
@@ -77,11 +87,13 @@ class Pool:
                 writer.close()
                 continue
             try:
-                return await self._exchange(reader, writer, method, data)
+                return await _unless(exited, writer, self._exchange(reader, writer, method, data))
             except UpstreamError:
                 continue
+        _check(exited)
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        return await self._exchange(reader, writer, method, data, fresh=True)
+        exchange = self._exchange(reader, writer, method, data, fresh=True)
+        return await _unless(exited, writer, exchange)
 
     async def _exchange(
         self,
@@ -92,8 +104,11 @@ class Pool:
         fresh: bool = False,
     ) -> Response:
         try:
-            writer.write(data[0])
-            await _send(writer, data[1])
+            if not isinstance(data[1], Stream) and len(data[1]) <= _JOINED:
+                writer.write(data[0] + data[1])  # one segment: the wrapper wakes once
+            else:
+                writer.write(data[0])
+                await _send(writer, data[1])
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as err:
             writer.close()
@@ -164,6 +179,41 @@ class Pool:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
+
+
+def _check(exited: asyncio.Future[None] | None) -> None:
+    if exited is not None and exited.done():
+        raise ConnectionResetError("the wrapper exited")
+
+
+async def _unless(
+    exited: asyncio.Future[None] | None,
+    writer: asyncio.StreamWriter,
+    exchange: Coroutine[Any, Any, Response],
+) -> Response:
+    """``exchange``'s response; ConnectionResetError if ``exited`` is done first (the
+    connection is cut then, which ends the exchange). No task of its own: a request
+    costs no more turns of the event loop for it."""
+    if exited is None:
+        return await exchange
+    try:
+        _check(exited)
+    except ConnectionResetError:
+        exchange.close()
+        writer.close()
+        raise
+
+    def cut(_: asyncio.Future[None]) -> None:
+        writer.transport.abort()
+
+    exited.add_done_callback(cut)
+    try:
+        return await exchange
+    except (ConnectionError, UpstreamError, asyncio.IncompleteReadError):
+        _check(exited)
+        raise
+    finally:
+        exited.remove_done_callback(cut)
 
 
 async def _send(writer: asyncio.StreamWriter, body: Body) -> None:

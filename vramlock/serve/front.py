@@ -1,0 +1,215 @@
+"""serve's connections: the common request taken here, anything else given to aiohttp.
+
+aiohttp's server costs about 0.12 ms a request on a 2-core machine, more than half of
+what the router may add. The request that almost every client sends, a small JSON POST
+naming its model on a kept-alive HTTP/1.1 connection, is parsed here from the bytes,
+routed as the router routes it, and its answer relayed by its framing. A connection's
+first request that is anything else (another method or route, a large, chunked or
+multipart body, ``Expect``, ``Upgrade``, ``Connection: close``, or an application with
+middlewares, such as the API keys' check) hands the connection, with what it has sent,
+to aiohttp for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .body import boundary
+from .upstream import Response
+
+if TYPE_CHECKING:
+    from .members import Wrapper
+    from .router import Router
+
+HEAD_MAX = 16 * 1024
+# Larger bodies go to aiohttp, which holds them once as they come.
+BODY_MAX = 1 << 20
+_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "host", "content-length"}
+)  # fmt: skip
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large",
+            429: "Too Many Requests", 502: "Bad Gateway"}  # fmt: skip
+
+
+class Head:
+    """A request head that this module takes: its target, headers and body length."""
+
+    __slots__ = ("headers", "length", "target")
+
+    def __init__(self, target: str, headers: list[tuple[str, str]], length: int) -> None:
+        self.target = target
+        self.headers = headers
+        self.length = length
+
+
+def parse_head(head: bytes, taken: Callable[[str], bool]) -> Head | None:
+    """The head (without its blank line) of a request this module takes; None for any
+    other, which aiohttp answers. ``taken(path)``: is the path the router's by-model
+    route for a POST?"""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:
+        return None
+    line, *lines = text.split("\r\n")
+    method, _, rest = line.partition(" ")
+    target, _, version = rest.partition(" ")
+    if method != "POST" or version != "HTTP/1.1" or not target.startswith("/"):
+        return None
+    if not taken(target.partition("?")[0]):
+        return None
+    headers, length = [], None
+    for field in lines:
+        name, colon, value = field.partition(":")
+        if not colon or not name or name != name.strip() or name[0] in " \t":
+            return None
+        lower, value = name.lower(), value.strip()
+        if lower in ("transfer-encoding", "expect", "upgrade"):
+            return None
+        if lower == "connection" and "close" in value.lower():
+            return None
+        if lower == "content-type" and boundary(value) is not None:
+            return None
+        if lower == "content-length":
+            if length is not None or not (value.isascii() and value.isdigit()):
+                return None
+            length = int(value)
+        headers.append((name, value))
+    if length is None or length > BODY_MAX:
+        return None
+    return Head(target, headers, length)
+
+
+class Front(asyncio.Protocol):
+    """One client's connection to serve, while its requests are the common kind."""
+
+    def __init__(self, router: Router, handoff: Callable[[], asyncio.Protocol]) -> None:
+        self.router = router
+        self.handoff = handoff
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.router.fronts.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.router.fronts.discard(self)
+        if self.task is not None:
+            self.task.cancel()  # the client went away: so does its request
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_exception(ConnectionResetError("the client went away"))
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    async def drain(self) -> None:
+        if self._writable is not None:
+            await self._writable
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.task is None:
+            self._next()
+
+    def _next(self) -> None:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > HEAD_MAX:
+                self._hand_off()
+            return
+        head = parse_head(bytes(self.buffer[:end]), self.router.fast_path)
+        if head is None:
+            self._hand_off()
+            return
+        whole = end + 4 + head.length
+        if len(self.buffer) < whole:
+            return  # the rest of the body is on its way
+        body = bytes(self.buffer[end + 4 : whole])
+        del self.buffer[:whole]
+        self.task = asyncio.get_running_loop().create_task(self._serve(head, body))
+
+    def _hand_off(self) -> None:
+        """aiohttp's from now on, with what the client has sent."""
+        assert self.transport is not None
+        self.router.fronts.discard(self)
+        protocol = self.handoff()
+        self.transport.set_protocol(protocol)
+        protocol.connection_made(self.transport)
+        if self.buffer:
+            protocol.data_received(bytes(self.buffer))
+        self.buffer.clear()
+
+    async def _serve(self, head: Head, body: bytes) -> None:
+        try:
+            await self.router.fast(self, head, body)
+        except (OSError, asyncio.CancelledError):
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        finally:
+            self.task = None
+        if self.buffer and self.transport is not None and not self.transport.is_closing():
+            self._next()  # a request sent before this one's answer
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        self.transport.write(data)
+
+    def refuse(self, status: int, message: str, extra: dict[str, Any] | None = None) -> int:
+        """Answer an error as the router does; the status."""
+        from .router import error_doc
+
+        body = json.dumps(error_doc(status, message, **(extra or {}))).encode()
+        self.write(_head(status, _REASONS.get(status, "Error"),
+                         [("Content-Type", "application/json; charset=utf-8")], len(body))
+                   + body)  # fmt: skip
+        return status
+
+    async def relay(self, w: Wrapper, up: Response, whole: int) -> int:
+        """Pass ``up`` on to the client as it comes (read whole up to ``whole`` bytes of
+        known length, and sent in one write); its status."""
+        headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
+        if up.length is not None and up.length <= whole:
+            try:
+                data = b"".join([chunk async for chunk in up.body])
+            except OSError as err:
+                return self.refuse(502, f"model {w.model.name}: its server did not answer: {err}")
+            self.write(_head(up.status, up.reason, headers, len(data)) + data)
+            return up.status
+        chunked = up.length is None
+        self.write(_head(up.status, up.reason, headers, up.length))
+        try:
+            async for chunk in up.body:
+                if chunk:
+                    self.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    await self.drain()
+        except OSError:
+            # Cut in the middle: cut the client's connection too, so that it sees the
+            # answer end early rather than wait for the rest.
+            assert self.transport is not None
+            self.transport.abort()
+            return up.status
+        if chunked:
+            self.write(b"0\r\n\r\n")
+        return up.status
+
+
+def _head(status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> bytes:
+    """A response head; chunked where ``length`` is None."""
+    lines = [f"HTTP/1.1 {status} {reason}".rstrip(), *(f"{k}: {v}" for k, v in headers)]
+    lines.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
