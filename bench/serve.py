@@ -1,6 +1,9 @@
-"""``vramlock serve`` with three real CPU llama-servers: routing overhead, and a burst.
+"""``vramlock serve`` with real llama-servers: overhead, a burst, start-up, a switch.
 
-    python bench/serve.py [--requests 500] [--burst 30] [--json PATH]
+    python bench/serve.py [--only overhead,burst,startup,switch] [--requests 500]
+        [--burst 30] [--startups 10] [--switches 20] [--profile PATH] [--json PATH]
+    python bench/serve.py --only switch --binary CUDA_SERVER --model GGUF --ngl 99 \
+        --ctx 8192 --release swap
 
 Needs the CPU llama-server that ``tools/llama_server.py`` builds and caches, and writes
 three tiny models with ``tools/tiny_gguf.py`` (seeds 0-2). serve runs on a temporary
@@ -14,6 +17,12 @@ arena with one model per server, each under ``vramlock run`` as ``serve`` starts
   c ...), from the settled state (one model resident); every answer's status, and the
   swaps seen in /proc (which server is alive, sampled every 3 ms) against the minimum
   (each model that was not resident loaded once).
+- **startup**: ``--startups`` times, serve (three models, none preloaded) from exec to the
+  first connection its port accepts, and to the first ``GET /health`` answered.
+- **switch**: a request to a released model through serve and through ``vramlock run
+  --demand listen``'s proxy side by side (two servers behind each; ``--binary``,
+  ``--model``, ``--ngl``, ``--ctx`` and ``--release`` for a GPU run), ``--switches`` pairs.
+- ``--profile PATH``: serve runs under cProfile, its stats written there at its end.
 """
 
 from __future__ import annotations
