@@ -26,6 +26,7 @@ from aiohttp.typedefs import Handler, Middleware
 from ..arena.records import HOLDING
 from .config import Config
 from .members import Wrapper
+from .metrics import MODEL, Requests, counting, metrics, ui_app
 from .upstream import Pool
 
 # Once a request for another model has waited this long, new requests for the model
@@ -216,10 +217,16 @@ class Router:
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
         self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
+        self.requests = Requests()
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
+        middlewares.append(counting(self.requests))
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
         r.add_get("/health", self.health)
+        # Watching (the exposition, the page) is never activity: see .metrics.
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/ui", self.to_ui)
+        self.app.add_subapp("/ui/", ui_app(wrappers, self.requests))
         r.add_get("/v1/models", self.list_models)
         r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
@@ -316,6 +323,7 @@ class Router:
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: bytes | None
     ) -> web.StreamResponse:
+        request[MODEL] = w.model.name  # counted (.metrics)
         limit = w.model.concurrency
         if w.admitted >= limit:
             return _error(429, f"model {w.model.name}: {limit} requests at once already"
@@ -464,6 +472,12 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return await metrics(self.wrappers, self.requests)
+
+    async def to_ui(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound("/ui/")
 
     def _entry(self, w: Wrapper, alias: str | None = None) -> dict[str, Any]:
         """A model's /v1/models entry (or its alias's, for includeAliasesInList), with
