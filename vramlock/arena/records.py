@@ -131,6 +131,7 @@ class Record:
         "pid", "name", "command", "strategy", "state", "since", "starttime", "child_pid",
         "uid", "version", "leftovers", "listen", "connections", "gpus", "units", "vram",
         "vram_from", "busy", "used", "hold_until", "yield_within", "token_ino", "note",
+        "released_in", "restored_in",
     )  # fmt: skip
     __slots__ = FIELDS
 
@@ -160,6 +161,8 @@ class Record:
         yield_within: float | None = None,
         token_ino: int | None = None,
         note: str | None = None,
+        released_in: float | None = None,
+        restored_in: float | None = None,
     ) -> None:
         self.pid = pid
         self.name = name
@@ -197,6 +200,10 @@ class Record:
         # What ``who`` should add about the member (the swap library writes one for a
         # released process whose ``vramlock run`` is gone).
         self.note = note
+        # How long its last release took (releasing to released) and its last restore
+        # (restoring to resident), in seconds: ``who``'s SWITCH.
+        self.released_in = released_in
+        self.restored_in = restored_in
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -243,6 +250,8 @@ class Record:
                 yield_within=yield_within,
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
                 note=None if note is None else _typed(note, str),
+                released_in=_time(data.get("released_in")),
+                restored_in=_time(data.get("restored_in")),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -378,14 +387,23 @@ class RecordWriter:
     def change(self, changes: dict[str, Any], at_once: bool) -> None:
         """``update`` or ``update_at_once`` with the changes as a dict."""
         with self._changed:
+            if "state" in changes:
+                self._timed(changes["state"])
             for key, value in changes.items():
                 setattr(self.record, key, value)
-            if "state" in changes and "since" not in changes:
-                self.record.since = time.time()
             self._version += 1
             if at_once:
                 self._hurry.set()
             self._changed.notify()
+
+    def _timed(self, new: str) -> None:
+        """The new state's ``since``, and how long a release or restore that ends took."""
+        now, old = time.time(), self.record.state
+        if old == State.RELEASING.value and new == State.RELEASED.value:
+            self.record.released_in = max(0.0, now - self.record.since)
+        elif old == State.RESTORING.value and new == State.RESIDENT.value:
+            self.record.restored_in = max(0.0, now - self.record.since)
+        self.record.since = now
 
     def flush(self) -> None:
         """Write the latest version now (if it is not on disk yet)."""
