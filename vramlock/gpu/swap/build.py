@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # The library's parts, and the one header they share (swap.h says what each holds).
-PARTS = ("entry", "hooks", "gate", "table", "engine", "control", "record")
+PARTS = ("entry", "hooks", "gate", "table", "engine", "hostmem", "control", "record")
 SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
 HEADER = HERE / "swap.h"
 LIBRARY = "libvramlock-swap.so"

@@ -238,8 +238,8 @@ static double now_ms(void)
  * failed at in `step`, the bytes there are in `bytes`. With `mu` and the gate closed. */
 static CUresult copy_out(const char **step, size_t *bytes)
 {
-	CUresult r = CUDA_SUCCESS;
 	*step = "cuMemHostAlloc";
+	CUresult r = hostmem_check(step); /* before pinning: never past what the host has */
 	for (struct phys *p = physes; p && !r; p = p->next) {
 		/* Pinning needs a context, even for memory every context may use. */
 		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))

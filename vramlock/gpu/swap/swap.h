@@ -13,6 +13,7 @@
  *  gate.c    the in-flight counter that blocks GPU work while released
  *  table.c   allocations (virtual memory management, slabs) and their tables
  *  engine.c  swapping out to pinned host memory and back in
+ *  hostmem.c whether the host has the memory a release would pin
  *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
  *  record.c  the member record a process writes when its wrapper is gone
  *
@@ -278,6 +279,12 @@ extern atomic_int captures;
 void do_release(char *answer, size_t len, int stay_closed);
 void engine_forget(void);
 void do_restore(char *answer, size_t len);
+
+/* ---- hostmem.c: host memory before pinning ------------------------------------- */
+
+/* CUDA_SUCCESS when the release may pin the host memory it needs (allocations without
+ * a pinned copy yet), else CUDA_ERROR_OUT_OF_MEMORY with *step saying why. */
+CUresult hostmem_check(const char **step);
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 
