@@ -3,6 +3,8 @@
 Two modes (``--mode``, default both): ``protocol``, the overhead of the want/token protocol
 between ``Member`` objects, against a bare flock ping-pong; and ``e2e``, what a program feels
 through real ``vramlock run`` wrappers, against a bare-flock C pair (``bench/floor.c``).
+``--journal both`` runs the protocol mode with the members journalling and with
+``VRAMLOCK_JOURNAL=off``, alternating ``--repeat`` times, side by side: what the journal costs.
 
 **protocol.** N member processes use ``vramlock.arena.member.Member`` directly (no
 ``vramlock run``),
