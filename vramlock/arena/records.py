@@ -127,6 +127,15 @@ class Record:
     every one (``dump``), and ``parse`` needs only the first six.
     """
 
+    # units, vram, vram_from, busy, used, hold_until, yield_within: a budget arena's. The
+    # capacity units it holds while resident, its footprint in bytes and where that comes
+    # from, whether it is working now (a request in flight, a job running), when it last
+    # worked (Unix time), until when its minimum hold keeps it resident (Unix time), and
+    # how long it may put a release off while busy (seconds; None: until its work is
+    # done). Budget waiters choose whom to ask to step aside from these; a false value can
+    # only make that choice worse, never put two members on one unit.
+    # released_in, restored_in: how long its last release took (releasing to released)
+    # and its last restore (restoring to resident), in seconds: ``who``'s SWITCH.
     FIELDS = (
         "pid", "name", "command", "strategy", "state", "since", "starttime", "child_pid",
         "uid", "version", "leftovers", "listen", "connections", "gpus", "units", "vram",
@@ -181,13 +190,6 @@ class Record:
         self.connections = connections
         # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
         self.gpus = [] if gpus is None else gpus
-        # A budget arena: the capacity units it holds while resident, its footprint in
-        # bytes and where that comes from, whether it is working now (a request in flight,
-        # a job running), when it last worked (Unix time), until when its minimum hold keeps
-        # it resident (Unix time), and how long it may put a release off while busy
-        # (seconds; None: until its work is done). Budget waiters choose whom to ask to
-        # step aside from these; a false value can only make that choice worse, never put
-        # two members on one unit.
         self.units = [] if units is None else units
         self.vram = vram
         self.vram_from = vram_from  # "declared", "measured", or "whole budget" (not yet measured)
@@ -200,8 +202,6 @@ class Record:
         # What ``who`` should add about the member (the swap library writes one for a
         # released process whose ``vramlock run`` is gone).
         self.note = note
-        # How long its last release took (releasing to released) and its last restore
-        # (restoring to resident), in seconds: ``who``'s SWITCH.
         self.released_in = released_in
         self.restored_in = restored_in
 
