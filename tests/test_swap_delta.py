@@ -19,6 +19,7 @@ import pytest
 from helpers.commands import vramlock
 from helpers.processes import Spawn
 from helpers.swap_rig import (
+    FAKES,
     SWAP_SOURCES,
     Fakes,
     Rig,
@@ -164,6 +165,22 @@ def test_the_host_reference_digest_gives_the_known_answers(tmp_path: Path) -> No
     # The answers are the definition's, not merely what the C code said once.
     for n, known in KNOWN.items():
         assert [f"0x{reference(WORDS[:n], k):016x}" for k in KEYS] == list(known)
+
+
+CXX = shutil.which("c++") or shutil.which("g++")
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler here")
+def test_the_kernels_source_run_on_the_host_gives_the_reference(tmp_path: Path) -> None:
+    # digest.cu itself, each CUDA thread a host thread (tests/fake_cuda/digest_on_host.cpp):
+    # its split of a segment among threads and blocks adds up to digest.h's definition.
+    assert CXX is not None
+    prog = tmp_path / "digest_on_host"
+    subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I",
+                    str(SWAP_SOURCES), "-pthread", "-o", str(prog),
+                    str(FAKES / "digest_on_host.cpp")], check=True, timeout=120)  # fmt: skip
+    done = subprocess.run([str(prog), "5"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "ok 6\n"), done
 
 
 def test_the_committed_ptx_is_the_kernels_sources_compiled() -> None:
