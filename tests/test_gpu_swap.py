@@ -194,7 +194,7 @@ def test_a_release_copies_out_only_what_changed(arena: Path, spawn: Spawn, tmp_p
     print("released, copied:", copies)
     assert len(copies) == 4, copies
     (held, first), (_, idle), (_, last), (_, boundary) = copies
-    assert first == held >= GIB
+    assert held >= first >= GIB  # all it had (what its mappings show of it)
     assert idle <= 4 * MIB
     # The float, and the checksum's temporaries (PyTorch's cache reuses their blocks).
     assert 0 < last <= 96 * MIB and 0 < boundary <= 96 * MIB
