@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock
-from helpers.processes import Spawn
+from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import (
     FAKES,
     SWAP_SOURCES,
@@ -26,6 +26,7 @@ from helpers.swap_rig import (
     build_fakes,
     make_rig,
     read_line,
+    resumed,
     swap_copies,
     take_turn,
 )
@@ -112,6 +113,35 @@ def test_without_the_kernel_a_release_copies_everything(rig: Rig, spawn: Spawn) 
     assert swap_copies(err) == [(SIZE, SIZE), (SIZE, SIZE)], err
     assert err.count("digest: the kernel cannot be loaded") == 1, err  # once: not retried
     assert rig.launches("digest") == []
+
+
+def overlapping(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The intervals of ``a`` that overlap one of ``b``."""
+    return [(s, e) for s, e in a if any(s <= end and e >= start for start, end in b)]
+
+
+def test_the_digest_runs_with_the_program_stopped_and_before_the_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # swap_prog launches kernels all the time: the library's digest launches must fall
+    # where the gate holds them all (none of the program's overlaps one), and before the
+    # other member holds the token (none during a turn): the library's own GPU work is the
+    # command's too.
+    stop = rig.tmp / "stop"
+    job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(3):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    digests = rig.launches("digest")
+    assert len(digests) >= 3 * 2  # each release, each of the program's allocations
+    assert not overlapping(rig.launches(), digests)
+    assert not overlapping(digests, [(t.start, t.end) for t in turns])
+    assert all(t.phys == (0, 0) for t in turns)
 
 
 # -- the digest itself
