@@ -13,14 +13,14 @@ BLOCK = 1024
 
 
 @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
-def _fill(out: Any, n: Any, BLOCK: tl.constexpr) -> None:
+def _fill(out, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     value = (offs.to(tl.int64) * 2654435761) & 0xFFFFFFFF
     tl.store(out + offs, value.to(tl.int32), mask=offs < n)
 
 
 @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
-def _total(data: Any, partial: Any, n: Any, BLOCK: tl.constexpr) -> None:
+def _total(data, partial, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     word = tl.load(data + offs, mask=offs < n, other=0).to(tl.int64) & 0xFFFFFFFF
     tl.store(partial + tl.program_id(0), tl.sum(word, axis=0))
