@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,9 +74,12 @@ def strategy(
     release: str = "checkpoint",
     swaps: int = 1,
     env: dict[str, str] | None = None,
+    before: Callable[[Any], object] | None = None,
+    stderr: IO[str] | None = None,
 ) -> list[dict[str, float]]:
     """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
-    member arrives and takes the token (*out*), then gives it back (*back*)."""
+    member arrives and takes the token (*out*), then gives it back (*back*). ``before``
+    is called with the worker's Client before each release (while resident)."""
     run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release]
     proc = subprocess.Popen(
         [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
@@ -83,6 +87,7 @@ def strategy(
         stdout=subprocess.PIPE,
         text=True,
         env=env,
+        stderr=stderr,
     )
     w = worker.Client(proc)
     runs = []
@@ -92,6 +97,8 @@ def strategy(
         check_s = time.perf_counter() - t
         opened = Arena.open(arena)
         for _ in range(swaps):
+            if before is not None:
+                before(w)
             me = Member(opened, name="bench", command=["bench"])
             try:
                 held = nvml.processes(0).get(w.pid) or 0

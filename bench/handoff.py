@@ -3,6 +3,8 @@
 Two modes (``--mode``, default both): ``protocol``, the overhead of the want/token protocol
 between ``Member`` objects, against a bare flock ping-pong; and ``e2e``, what a program feels
 through real ``vramlock run`` wrappers, against a bare-flock C pair (``bench/floor.c``).
+``--journal both`` runs the protocol mode with the members journalling and with
+``VRAMLOCK_JOURNAL=off``, alternating ``--repeat`` times, side by side: what the journal costs.
 
 **protocol.** N member processes use ``vramlock.arena.member.Member`` directly (no
 ``vramlock run``),
@@ -352,9 +354,14 @@ def pingpong_figures(logs: dict[str, list[Stamp]]) -> Figures:
     return Figures(len(kernel), seconds, [], kernel, kernel, [], [], [])
 
 
-def _spawn(args: list[str], fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: list[str], fds: tuple[int, ...], env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *args], pass_fds=fds, stdin=subprocess.DEVNULL
+        [sys.executable, os.path.abspath(__file__), *args],
+        pass_fds=fds,
+        stdin=subprocess.DEVNULL,
+        env=env,
     )
 
 
@@ -371,9 +378,10 @@ def _reap(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
         raise SystemExit(f"benchmark processes failed: exit codes {bad}")
 
 
-def run_members(tmp: str, n: int, seconds: float) -> Figures:
-    arena = os.path.join(tmp, f"arena{n}")
-    os.mkdir(arena, 0o700)
+def run_members(tmp: str, n: int, seconds: float, journal: bool = True) -> Figures:
+    """``n`` members for ``seconds``; ``journal`` False: with ``VRAMLOCK_JOURNAL=off``."""
+    arena = tempfile.mkdtemp(prefix=f"arena{n}-", dir=tmp)
+    env = {**os.environ, "VRAMLOCK_JOURNAL": "on" if journal else "off"}
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     open_fds = {ready_r, ready_w, go_r, go_w}
@@ -382,12 +390,12 @@ def run_members(tmp: str, n: int, seconds: float) -> Figures:
         open_fds.discard(fd)
         os.close(fd)
 
-    outs = [os.path.join(tmp, f"m{n}-{i}.log") for i in range(n)]
+    outs = [f"{arena}-m{i}.log" for i in range(n)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, out in enumerate(outs):
             args = ["--role", "member", arena, f"m{i}", out, str(seconds), str(ready_w), str(go_r)]
-            procs.append(_spawn(args, (ready_w, go_r)))
+            procs.append(_spawn(args, (ready_w, go_r), env))
         close(ready_w)
         close(go_r)
         got = 0
@@ -407,7 +415,20 @@ def run_members(tmp: str, n: int, seconds: float) -> Figures:
         for fd in list(open_fds):
             close(fd)
     logs = {f"m{i}": _read(out) for i, out in enumerate(outs)}
-    return analyse(logs, start + int(WARMUP * 1e9), start + int(seconds * 1e9))
+    figures = analyse(logs, start + int(WARMUP * 1e9), start + int(seconds * 1e9))
+    written = _journalled(arena)
+    if (written > 0) != journal:
+        raise SystemExit(f"journal {'on' if journal else 'off'}, yet {written} bytes journalled")
+    return figures
+
+
+def _journalled(arena: str) -> int:
+    """Bytes in the arena's journal files."""
+    jdir = os.path.join(arena, "journal")
+    try:
+        return sum(os.path.getsize(os.path.join(jdir, name)) for name in os.listdir(jdir))
+    except OSError:
+        return 0
 
 
 def run_pingpong(tmp: str, rounds: int) -> Figures:
@@ -799,6 +820,14 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=1000, help="ping-pong round trips, floor handoffs"
     )
     parser.add_argument("--seed", type=int, default=1, help="for the e2e waiters and pauses")
+    parser.add_argument(
+        "--journal",
+        choices=("on", "off", "both"),
+        default="on",
+        help="protocol mode: members journal (on), do not (off, VRAMLOCK_JOURNAL=off), or"
+        " both side by side, alternating --repeat times per member count",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="--journal both: rounds of each")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
         "--dir",
@@ -817,8 +846,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.mode in ("all", "protocol"):
             bare = run_pingpong(tmp, opts.rounds)
-            results = {n: run_members(tmp, n, opts.seconds) for n in counts}
-            out.update(report(bare, results, where))
+            if opts.journal == "both":
+                out["journal"] = journal_side_by_side(tmp, counts, opts.seconds, opts.repeat)
+            else:
+                on = opts.journal == "on"
+                results = {n: run_members(tmp, n, opts.seconds, on) for n in counts}
+                out.update(report(bare, results, where))
         if opts.mode in ("all", "e2e"):
             floor = run_floor(tmp, opts.rounds)
             rng = random.Random(opts.seed)
@@ -869,6 +902,41 @@ def report(bare: Figures, results: dict[int, Figures], where: str) -> dict[str, 
         parts = ", ".join(f"{n}: {_cell(getattr(f, attr)).strip()}" for n, f in results.items())
         print(f"{label}: {parts}")
     return {"bare": _summary(bare), "members": members}
+
+
+def journal_side_by_side(
+    tmp: str, counts: list[int], seconds: float, repeat: int
+) -> dict[str, object]:
+    """The protocol's overhead with the journal on and off, runs alternating (on, off,
+    on, ...) so that both see the same machine; each side's handoffs pooled."""
+    print("protocol, journal on vs off (VRAMLOCK_JOURNAL=off), runs alternating;"
+          " overhead in µs: p50 / p99 (max)")  # fmt: skip
+    print(f"{'':>18} {'':>4} {'handoffs':>9} {'/s':>6}  {'overhead':>22}  {'release':>22}")
+    out: dict[str, object] = {}
+    for n in counts:
+        pooled = {
+            True: Figures(0, 0.0, [], [], [], [], [], []),
+            False: Figures(0, 0.0, [], [], [], [], [], []),
+        }
+        for _ in range(repeat):
+            for on in (True, False):
+                f = run_members(tmp, n, seconds, on)
+                p = pooled[on]
+                p.handoffs += f.handoffs
+                p.seconds += f.seconds
+                p.overhead += f.overhead
+                p.release += f.release
+                p.detection += f.detection
+                p.kernel += f.kernel
+        for on in (True, False):
+            f = pooled[on]
+            print(
+                f"{f'{n} members':>18} {'on' if on else 'off':>4} {f.handoffs:>9}"
+                f" {f.handoffs / max(f.seconds, 1e-9):>6.0f}"
+                f"  {_cell(f.overhead)}  {_cell(f.release)}"
+            )
+            out[f"{n} {'on' if on else 'off'}"] = _summary(f)
+    return out
 
 
 TARGET_P50_US, TARGET_P99_US = 500.0, 5000.0  # the issue's end-to-end target, 2-64 members

@@ -80,8 +80,11 @@ def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[s
     # The tree under test first, then whatever the caller put on the path (pinned wheels).
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
-    with tempfile.TemporaryDirectory() as arena:
-        logs = [Path(arena) / f"server{i}.log" for i in range(2)]
+    with tempfile.TemporaryDirectory() as top:
+        # The logs beside the arena, not in it: an arena holds only its own files.
+        arena = str(Path(top) / "arena")
+        os.mkdir(arena)
+        logs = [Path(top) / f"server{i}.log" for i in range(2)]
         try:
             for log in logs:
                 port, upstream = free_port(), free_port()

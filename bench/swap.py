@@ -1,6 +1,6 @@
 """``--release swap`` on one NVIDIA GPU: release and restore throughput, in one run.
 
-    python bench/swap.py [--sizes 1,5,20,60] [--repeat 3] [--json PATH]
+    python bench/swap.py [--sizes 1,5,20,60] [--unchanged 0,50,100] [--repeat 3] [--json PATH]
 
 1. **pinned**: host<->device copy bandwidth of page-locked host memory, as bench/gpu.py
    measures it (the better of one 4 GiB copy and 16 of 256 MiB): the ceiling.
@@ -15,6 +15,13 @@
    was asked for, and all of it moves. The first release pins the host buffers, which
    are kept; it is shown apart, and the table gives the medians of ``--repeat`` later
    swaps, as GB/s of the bytes moved and as a share of the pinned bandwidth that way.
+3. **unchanged**: before each release the worker changes all but UNCHANGED % of its
+   tensors (``touch``: every word of them), for each of ``--unchanged``; a release copies
+   out only the segments that changed since the last one (docs/swap.md), so *out* falls
+   with it, while *back* copies everything. *copied* is what the library says each
+   release copied (its VRAMLOCK_SWAP_DEBUG trace), *digest* how long its digest kernel
+   took. At 100 % the worker's checksum after each restore still writes its temporaries
+   (32 MiB, reused blocks of PyTorch's cache): those segments are copied too.
 
 What the library costs a resident program: bench/interpose.py. Two llama-servers under
 swap, checkpoint, the preset and restart: bench/servers.py. GB/s are 10^9 bytes a
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
@@ -40,23 +49,41 @@ import gpu_run  # noqa: E402
 from vramlock.gpu import nvml  # noqa: E402
 
 
-def switch(gib: float, repeat: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as arena:
-        runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat)
+def traced(err: str) -> tuple[list[int], list[float]]:
+    """The bytes each release copied and each digest's milliseconds, from the trace."""
+    copied = [int(n) for n in re.findall(r"released \d+ bytes, copied (\d+):", err)]
+    digest = [float(ms) for ms in re.findall(r"digest: \d+ segments in ([\d.]+) ms", err)]
+    return copied, digest
+
+
+def switch(gib: float, repeat: int, unchanged: float) -> dict[str, Any]:
+    def change(w: Any) -> None:
+        if unchanged < 100:
+            w.touch(100 - unchanged)
+
+    env = {**os.environ, "VRAMLOCK_SWAP_DEBUG": "1"}
+    with tempfile.TemporaryDirectory() as arena, tempfile.TemporaryFile("w+") as err:
+        runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat, env=env, before=change,
+                                stderr=err)  # fmt: skip
+        err.seek(0)
+        copied, digest = traced(err.read())
+    for run, n, ms in zip(runs, copied, digest + [0.0] * len(runs), strict=False):
+        run["copied"], run["digest_ms"] = n, ms
     first, later = runs[0], runs[1:]
     return {
         "gib": gib,
+        "unchanged": unchanged,
         "first": first,
-        "out": statistics.median(r["out"] for r in later),
-        "back": statistics.median(r["back"] for r in later),
-        "moved": statistics.median(r["moved"] for r in later),
+        **{key: statistics.median(r.get(key, 0) for r in later)
+           for key in ("out", "back", "moved", "copied", "digest_ms")},
         "runs": later,
-    }
+    }  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,5,20,60")
+    parser.add_argument("--unchanged", default="0,50,100", help="percent of memory kept")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
@@ -65,15 +92,18 @@ def main() -> int:
     pinned = gpu.bench_pinned()
     d2h, h2d = pinned["d2h_gbps"], pinned["h2d_gbps"]
     print(f"pinned copy: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s")
-    rows = [switch(float(s), args.repeat) for s in args.sizes.split(",")]
+    rows = [switch(float(s), args.repeat, float(u))
+            for s in args.sizes.split(",") for u in args.unchanged.split(",")]  # fmt: skip
     print(f"\nswitch: medians of {args.repeat} swaps after the first")
-    print("| GiB asked | GiB moved | out: s (GB/s, % pinned) | back: s (GB/s, % pinned)"
-          " | first out / back: s |")  # fmt: skip
-    print("|---:|---:|---|---|---|")
+    print("| GiB asked | unchanged | GiB moved | GiB copied | digest ms | out: s (GB/s,"
+          " % pinned) | back: s (GB/s, % pinned) | first out / back: s |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---|---|---|")
     for r in rows:
         n = r["moved"]
         print(
-            f"| {r['gib']:g} | {n / gpu.GIB:.2f} | {r['out']:.3f} ({gpu.gbps(n, r['out']):.1f},"
+            f"| {r['gib']:g} | {r['unchanged']:g} % | {n / gpu.GIB:.2f}"
+            f" | {r['copied'] / gpu.GIB:.2f} | {r['digest_ms']:.1f}"
+            f" | {r['out']:.3f} ({gpu.gbps(n, r['out']):.1f},"
             f" {gpu.gbps(n, r['out']) / d2h:.0%}) | {r['back']:.3f}"
             f" ({gpu.gbps(n, r['back']):.1f}, {gpu.gbps(n, r['back']) / h2d:.0%})"
             f" | {r['first']['out']:.2f} / {r['first']['back']:.2f} |"

@@ -3,10 +3,10 @@
     python tests/gpu_frameworks.py FRAMEWORK GIB
 
 FRAMEWORK is one of ``FRAMEWORKS``: JAX, CuPy, Numba, cuda-python's driver
-bindings, or a C program built with nvcc against the static CUDA runtime. Each
-fills GIB GiB of device memory with a pattern computed on the GPU and prints
-``ready <pid> <checksum>``; then it answers each ``check`` on stdin with
-``sum <checksum>``, reduced on the GPU again (or copied back, where the framework
+bindings, Triton (on a PyTorch tensor), or a C program built with nvcc against the
+static CUDA runtime. Each fills GIB GiB of device memory with a pattern computed on
+the GPU and prints ``ready <pid> <checksum>``; then it answers each ``check`` on stdin
+with ``sum <checksum>``, reduced on the GPU again (or copied back, where the framework
 has no reduction of its own), and exits at end of input: the protocol of
 tests/gpu_worker.py, so its Client drives these too.
 """
@@ -130,11 +130,20 @@ def static_binary() -> str:
     return out
 
 
+def _triton(words: int) -> Callable[[], int]:
+    """Kernels written in Triton (its own launcher, through the driver API) on a PyTorch
+    tensor."""
+    kernels: Any = importlib.import_module("gpu_triton")
+    check: Callable[[], int] = kernels.program(words)
+    return check
+
+
 FRAMEWORKS: dict[str, Callable[[int], Callable[[], int]]] = {
     "jax": _jax,
     "cupy": _cupy,
     "numba": _numba,
     "driver": _driver,
+    "triton": _triton,
 }
 
 

@@ -11,7 +11,10 @@ Then it answers each line on stdin: ``check`` with ``sum <checksum>`` computed o
 the GPU again, ``spin SECONDS`` by queueing a kernel that keeps the GPU busy about
 that long and saying ``spinning``, and (with ``--graph``) ``replay`` by clearing the
 output of a CUDA graph captured at the start, replaying the graph and saying
-``replayed <checksum of the output>``. It exits at end of input.
+``replayed <checksum of the output>``, ``poke INDEX`` by adding 1 to the float at
+that index of all its data (negative: from the end) and ``touch PERCENT`` by negating
+that share of its tensors (every word of them changes), each saying ``poked`` or
+``touched`` and the new checksum. It exits at end of input.
 ``--managed-mib`` also takes that much managed (UVM) memory through the driver,
 which makes the process impossible to checkpoint.
 """
@@ -31,6 +34,7 @@ torch: Any = importlib.import_module("torch")
 
 PATH = os.path.abspath(__file__)
 CHUNK = 256 << 20  # bytes per tensor
+SUM_PART = 1 << 22  # int32s summed at a time: the temporaries stay small (32 MiB)
 SPIN_HZ = 2_000_000_000  # GPU clock cycles a second, near enough for a busy kernel
 
 
@@ -40,7 +44,7 @@ def checksum(tensors: list[Any]) -> int:
     for t in tensors:
         flat = t.detach().reshape(-1).view(torch.uint8)
         flat = flat[: flat.numel() // 4 * 4].view(torch.int32)
-        for part in flat.split(CHUNK // 4):
+        for part in flat.split(SUM_PART):
             total += int(part.to(torch.int64).sum().item())
     return total
 
@@ -64,6 +68,23 @@ def load(path: str) -> list[Any]:
     chunks = [part.to("cuda") for part in mapped.split(CHUNK)]
     torch.cuda.synchronize()
     return chunks
+
+
+def poke(chunks: list[Any], index: int) -> None:
+    """Add 1 to the float at ``index`` of all the data (negative: from the end)."""
+    sizes = [c.numel() for c in chunks]
+    index %= sum(sizes)
+    for c, n in zip(chunks, sizes, strict=True):
+        if index < n:
+            c[index] += 1.0
+            return
+        index -= n
+
+
+def touch(chunks: list[Any], percent: float) -> None:
+    """Negate the first ``percent`` % of the tensors: every word of them changes."""
+    for c in chunks[: round(len(chunks) * percent / 100)]:
+        c.neg_()
 
 
 def take_managed(mib: int) -> None:
@@ -132,6 +153,16 @@ class Client:
     def replay(self, timeout: float = 120) -> int:
         return self._ask("replay", "replayed", timeout)
 
+    def poke(self, index: int, timeout: float = 120) -> int:
+        """Change the float at ``index``; the new checksum (kept as ``checksum``)."""
+        self.checksum = self._ask(f"poke {index}", "poked", timeout)
+        return self.checksum
+
+    def touch(self, percent: float, timeout: float = 120) -> int:
+        """Change ``percent`` % of the data; the new checksum (kept as ``checksum``)."""
+        self.checksum = self._ask(f"touch {percent:g}", "touched", timeout)
+        return self.checksum
+
     def _ask(self, request: str, answer: str, timeout: float) -> int:
         self.send(request)
         word, value = self.read(timeout).split()
@@ -174,6 +205,12 @@ def main() -> int:
             print("spinning", flush=True)
         elif word == "replay" and graph is not None:
             print("replayed", graph.replay(), flush=True)
+        elif word == "poke":
+            poke(chunks, int(rest[0]))
+            print("poked", checksum(chunks), flush=True)
+        elif word == "touch":
+            touch(chunks, float(rest[0]))
+            print("touched", checksum(chunks), flush=True)
     return 0
 
 

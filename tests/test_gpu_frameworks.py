@@ -28,7 +28,7 @@ from vramlock.gpu import nvml
 pytestmark = [gpu, pytest.mark.timeout(300)]
 
 SWAPS = 5
-FRAMEWORKS = ["jax", "cupy", "numba", "driver", "static"]
+FRAMEWORKS = ["jax", "cupy", "numba", "driver", "static", "triton"]
 # JAX takes 75 % of the GPU at its first use unless told less: on a 141 GB card that is
 # more than the host can pin. Its default is tested on its own below.
 JAX_FRACTION = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.05"}

@@ -23,8 +23,9 @@ import pytest
 from helpers.commands import vramlock, who_json
 from helpers.gpu import ALLOCATORS, GIB, SWAP_KEEPS, env_with, gpu
 from helpers.processes import Spawn, wait_until, waiting_holder
+from helpers.swap_rig import SWAP_SOURCES, swap_copies
 
-from vramlock.gpu import nvml
+from vramlock.gpu import nvml, swap
 
 pytestmark = [gpu, pytest.mark.timeout(300)]
 
@@ -154,3 +155,65 @@ def test_a_released_program_whose_wrapper_dies_stays_off_the_gpu(arena: Path, sp
             os.kill(w.pid, signal.SIGKILL)  # orphaned: the spawn fixture no longer finds it
         except ProcessLookupError:
             pass
+
+
+MIB = 1 << 20
+SEGMENT = 256 << 10  # digest.h's DIGEST_SEGMENT
+
+
+def test_a_release_copies_out_only_what_changed(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
+    """A 1 GiB PyTorch program: its first release copies it all; one after nothing ran
+    copies next to nothing; one after a float changed (the very last one, then one in the
+    first tensor) copies little, and the program finds its data as it left it
+    (the checksum, computed on the GPU, after the restore). The library's trace of each
+    release says what it copied."""
+    worker = __import__("gpu_worker")
+    run = vramlock("run", "--arena", str(arena), "--release", "swap", "--min-hold", "0")
+    err_file = tmp_path / "stderr"
+    with err_file.open("w") as err:
+        proc = spawn([*run, "--", sys.executable, worker.PATH, "--gib", "1"],
+                     stdin=subprocess.PIPE, stderr=err,
+                     env=env_with({"VRAMLOCK_SWAP_DEBUG": "1"}))  # fmt: skip
+    w = worker.Client(proc)
+
+    def swap_once() -> None:
+        holder = waiting_holder(spawn, arena)
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+        wait_until(lambda: row_of(arena, w.pid)["state"] == "resident", timeout=60)
+
+    swap_once()
+    swap_once()  # nothing ran in between
+    for index in (-1, 9 * SEGMENT // 4 - 1):
+        changed = w.poke(index)
+        swap_once()
+        assert w.check() == changed  # the change came back with the rest
+    w.close()
+    copies = swap_copies(err_file.read_text())
+    print("released, copied:", copies)
+    assert len(copies) == 4, copies
+    (held, first), (_, idle), (_, last), (_, boundary) = copies
+    assert held >= first >= GIB  # all it had (what its mappings show of it)
+    assert idle <= 4 * MIB
+    # The float, and the checksum's temporaries (PyTorch's cache reuses their blocks).
+    assert 0 < last <= 96 * MIB and 0 < boundary <= 96 * MIB
+
+
+def test_the_gpu_digest_is_the_host_reference(tmp_path: Path) -> None:
+    """The committed PTX, loaded by the driver, digests 1 GiB of pseudo-random words (and
+    a short last segment) as digest.h's host reference does, lane for lane."""
+    cc = swap.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    prog = tmp_path / "gpu_digest"
+    source = Path(__file__).parent / "gpu_digest.c"
+    subprocess.run([cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-I",
+                    str(SWAP_SOURCES), "-o", str(prog), str(source), "-ldl"],
+                   check=True, timeout=120)  # fmt: skip
+    done = subprocess.run([str(prog), "1024"], capture_output=True, text=True, timeout=120)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0, done
+    word, segments, rate = done.stdout.split()
+    assert (word, int(segments)) == ("ok", (1024 * MIB + 48) // SEGMENT + 1)
+    print(f"digest: {float(rate):.0f} GB/s")

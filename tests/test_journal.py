@@ -71,6 +71,18 @@ def test_a_handoff_is_journalled_in_order(arena: Path, spawn: Spawn) -> None:
     assert {"time", "mono", "pid", "uid", "name", "event", "strategy"} <= set(raw[0])
 
 
+def test_vramlock_journal_off_journals_nothing_of_that_member(arena: Path) -> None:
+    quiet = {**os.environ, "VRAMLOCK_JOURNAL": "off"}
+    done = subprocess.run([sys.executable, "-c", VISITOR, str(arena)], env=quiet,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _read(arena) == []
+    done = subprocess.run([sys.executable, "-c", VISITOR, str(arena)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [e.event for e in _read(arena)] == ["want", "acquire", "exit"]  # on by default
+
+
 def test_a_scheduler_release_journals_the_bytes_moved(arena: Path) -> None:
     opened = Arena.open(str(arena))
     member = Member(opened, name="mover", strategy="swap")

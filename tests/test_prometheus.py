@@ -17,7 +17,7 @@ from helpers.processes import Spawn, wait_until
 
 from vramlock.arena.budget import Budget
 from vramlock.arena.roster import BudgetView, Row
-from vramlock.observe.prometheus import BUCKETS, render
+from vramlock.observe.prometheus import BUCKETS, families, render, text
 from vramlock.observe.stats import compute
 
 parser = pytest.importorskip(
@@ -73,6 +73,22 @@ def test_every_metric_parses_with_its_type_and_value() -> None:
     assert _value(fams["vramlock_budget_units_held"]) == 6
     assert _value(fams["vramlock_budget_unit_bytes"]) == 1 << 30
     assert all(name.startswith("vramlock_") for name in fams)
+
+
+def test_several_arenas_are_one_exposition_each_family_once() -> None:
+    """serve's /metrics: two arenas' families under one HELP and TYPE each, every sample
+    labelled with its arena (the text format wants each family once)."""
+    report = compute([ev(0, 1, "acquire"), *handoff(10, 1, 2, 0.5, 1.0)], now=T0 + 30)
+    one = families("/a", [_row(1, "x", "resident")], report, None)
+    two = families("/b", [_row(2, "y", "waiting")], report, None)
+    exposition = text([*one, *two])
+    assert exposition.count("# TYPE vramlock_member_state ") == 1
+    fams = _families(exposition)
+    state = fams["vramlock_member_state"]
+    assert _value(state, arena="/a", member="x", vramlock_member_state="resident") == 1
+    assert _value(state, arena="/b", member="y", vramlock_member_state="waiting") == 1
+    assert _value(fams["vramlock_handoffs"], arena="/a") == 1
+    assert _value(fams["vramlock_handoffs"], arena="/b") == 1
 
 
 HOLDER = textwrap.dedent(

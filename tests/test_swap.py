@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -422,6 +423,58 @@ def test_a_release_that_keeps_failing_is_given_up_and_the_program_keeps_the_gpu(
     held = read_line(holder)
     assert held[0] == "held"
     assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+
+
+def _meminfo(path: Path, available_kib: int) -> None:
+    """A /proc/meminfo for the swap library (VRAMLOCK_SWAP_MEMINFO): a 16 GiB host."""
+    path.write_text(f"MemTotal: 16777216 kB\nMemFree: 10240 kB\n"
+                    f"MemAvailable: {available_kib} kB\nBuffers: 0 kB\n")  # fmt: skip
+
+
+def test_a_release_is_refused_the_host_memory_it_would_pin_short_of(rig: Rig, spawn: Spawn) -> None:
+    # 512 MiB available on a 16 GiB host, under the 1 GiB kept free: pinning the copy
+    # could wake the OOM killer, so the release fails with the reason and the program
+    # keeps its GPU memory; three in a row, and swap is given up (the waiter waits).
+    meminfo = rig.tmp / "meminfo"
+    _meminfo(meminfo, 512 << 10)
+    job = rig.run(spawn, "12", env=dict(rig.env, VRAMLOCK_SWAP_MEMINFO=str(meminfo)))
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # it ran on, contents intact
+    lines = [line for line in err.splitlines() if line.startswith("vramlock: ")]
+    assert len(lines) == 2, err
+    why = (
+        r"release failed.*host memory: the release needs \d+ MiB pinned, "
+        r"MemAvailable is 512 MiB \(1\.0 GiB is kept free\)"
+    )
+    assert re.search(why, lines[0]), lines
+    assert "could not be swapped out 3 times in a row" in lines[1]
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+
+    # Once pinned, a copy is kept for the next release: that one pins nothing new, and
+    # goes ahead however short the host is.
+    stop = rig.tmp / "stop"
+    _meminfo(meminfo, 8 << 20)  # 8 GiB available: the first release pins its copies
+    env = dict(rig.env, VRAMLOCK_SWAP_MEMINFO=str(meminfo), SWAP_PROG_STOP=str(stop))
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    first = take_turn(rig, spawn)
+    wait_until(resumed(rig, len(rig.launches())))
+    _meminfo(meminfo, 512 << 10)  # now short: but the copies are kept, nothing new is pinned
+    second = take_turn(rig, spawn)
+    assert first.phys == second.phys == (0, 0)  # released both times
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "release failed" not in err, err
+    assert not during(rig.launches(), [first, second])
 
 
 def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn) -> None:

@@ -3,9 +3,7 @@ the DevTools protocol; skipped where there is no browser."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,15 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.browser import Browser, needs_browser
 from helpers.commands import vramlock
 from helpers.net import accepts, free_port
 from helpers.processes import Spawn, wait_until
 
 aiohttp = pytest.importorskip("aiohttp", reason="the serve extra")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_browser = pytest.mark.skipif(
-    CHROMIUM is None, reason="no chromium (apt-get install chromium)"
-)
 
 FIRST = textwrap.dedent(
     """
@@ -48,58 +43,6 @@ SECOND = textwrap.dedent(
         sys.stdin.readline()
     """
 )
-
-
-class Browser:
-    """A headless chromium showing ``url``, asked through its DevTools websocket."""
-
-    def __init__(self, spawn: Spawn, url: str, scratch: Path) -> None:
-        assert CHROMIUM is not None
-        # Its sockets go in its profile, TMPDIR and XDG_RUNTIME_DIR: a test's own
-        # directories are too long a path for a socket's name.
-        profile = scratch / "profile"
-        env = {**os.environ, "TMPDIR": str(scratch), "XDG_RUNTIME_DIR": str(scratch)}
-        self.proc = spawn([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-                           "--no-first-run", "--remote-debugging-port=0",
-                           f"--user-data-dir={profile}", "--window-size=420,900", url],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          env=env)  # fmt: skip
-        active = profile / "DevToolsActivePort"
-        wait_until(lambda: active.exists() and active.read_text().count("\n") >= 1, 60)
-        port = active.read_text().split("\n")[0]
-        pages: list[dict[str, Any]] = []
-
-        def listed() -> bool:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
-                pages[:] = [t for t in json.load(r) if t["type"] == "page"]
-            return bool(pages)
-
-        wait_until(listed, 60)
-        self.ws = pages[0]["webSocketDebuggerUrl"]
-
-    def call(self, method: str, **params: Any) -> Any:
-        async def once() -> Any:
-            async with aiohttp.ClientSession() as s, s.ws_connect(self.ws, max_msg_size=0) as ws:
-                await ws.send_json({"id": 1, "method": method, "params": params})
-                async for msg in ws:
-                    answer = json.loads(msg.data)
-                    if answer.get("id") == 1:
-                        return answer["result"]
-            raise AssertionError(f"no answer to {method}")
-
-        return asyncio.run(once())
-
-    def evaluate(self, expression: str) -> Any:
-        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)[
-            "result"
-        ].get("value")
-
-    def members(self) -> list[list[str]]:
-        found = self.evaluate(
-            "JSON.stringify([...document.querySelectorAll('.member')]"
-            ".map(e => [e.dataset.name, e.dataset.state]))"
-        )
-        return json.loads(found) if found else []
 
 
 @pytest.fixture
@@ -180,3 +123,27 @@ def test_several_gpus_are_a_usage_error() -> None:
                           timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert done.stderr == "vramlock: --gpu: ui shows one arena; name one GPU\n"
+
+
+def test_several_arenas_are_one_page_s_data() -> None:
+    from vramlock.ui import merge
+
+    def state(arena: str, now: float, member: str) -> dict[str, Any]:
+        seg = {"member": 0, "kind": "resident", "start": now - 5, "end": now}
+        return {"arena": arena, "now": now, "gpu": None, "budget": None, "waiters": 1,
+                "members": [{"name": member}], "handoffs": 2,
+                "timeline": {"start": now - 5, "end": now, "members": [member], "segments": [seg]},
+                "switches": [{"time": now, "name": member}],
+                "journal": [{"time": now, "name": member}]}  # fmt: skip
+
+    one = state("/a", 100.0, "x")
+    assert merge([one]) is one
+    both = merge([one, state("/b", 101.0, "y")])
+    assert both["arena"] == "/a, /b" and both["now"] == 101.0
+    assert [m["name"] for m in both["members"]] == ["x", "y"]
+    assert (both["waiters"], both["handoffs"]) == (2, 4)
+    assert both["timeline"]["members"] == ["x", "y"]
+    assert [s["member"] for s in both["timeline"]["segments"]] == [0, 1]
+    assert (both["timeline"]["start"], both["timeline"]["end"]) == (95.0, 101.0)
+    assert [s["name"] for s in both["switches"]] == ["y", "x"]  # newest first
+    assert [e["name"] for e in both["journal"]] == ["y", "x"]

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
@@ -542,10 +543,49 @@ def test_who_plain_text_and_json(arena: Path, spawn: Spawn) -> None:
     assert states == [("sleeper", "resident"), ("second", "waiting")]
     plain = who_plain(arena).splitlines()
     assert plain[0] == f"arena {arena}"
-    assert plain[1].split() == ["STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "VRAM",
-                                "NOTE", "COMMAND"]  # fmt: skip
+    assert plain[1].split() == ["STATE", "PID", "NAME", "STRATEGY", "FOR", "SWITCH", "CHILD",
+                                "VRAM", "NOTE", "COMMAND"]  # fmt: skip
     assert plain[2].split()[0] == "resident" and "sleeper" in plain[2]
     assert plain[3].split()[0] == "waiting" and "second" in plain[3]
+
+
+# Releases in 0.3 s and restores in 0.2 s, once the other member waits.
+SLOW_SWITCH = """
+import sys, time
+import vramlock
+with vramlock.resident(sys.argv[1], name="slow", min_hold=0) as me:
+    print("resident", flush=True)
+    sys.stdin.readline()
+    # The other's record may show it waiting an instant before it asks for the GPU.
+    while not me.yield_if_wanted(release=lambda: time.sleep(0.3),
+                                 restore=lambda: time.sleep(0.2)):
+        time.sleep(0.01)
+    print("back", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_who_shows_how_long_the_last_switch_took(arena: Path, spawn: Spawn) -> None:
+    slow = spawn([sys.executable, "-c", SLOW_SWITCH, str(arena)], stdin=subprocess.PIPE)
+    assert slow.stdout is not None and slow.stdout.readline() == "resident\n"
+    assert [r["last_release"] for r in who_json(arena)] == [None]
+    other = spawn(vramlock("run", "--arena", str(arena), "--name", "other", "--", "true"))
+    wait_until(lambda: len(who_json(arena)) == 2)
+    assert slow.stdin is not None
+    slow.stdin.write("\n")
+    slow.stdin.flush()
+    assert slow.stdout.readline() == "back\n"  # released, the other ran, restored
+    assert other.wait(30) == 0
+    wait_until(lambda: who_json(arena)[0]["last_restore"] is not None)
+    (row,) = who_json(arena)
+    assert 0.3 <= row["last_release"] < 5 and 0.2 <= row["last_restore"] < 5, row
+    plain = who_plain(arena).splitlines()
+    at = plain[1].index("SWITCH")
+    assert re.fullmatch(r"\d+ms/\d+ms|\d+ms/\d\.\ds|\d\.\ds/\d+ms|\d\.\ds/\d\.\ds",
+                        plain[2][at:].split()[0]), plain  # fmt: skip
+    slow.stdin.write("\n")
+    slow.stdin.flush()
+    assert slow.wait(30) == 0
 
 
 def test_who_empty_arena(arena: Path) -> None:

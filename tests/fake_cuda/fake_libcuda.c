@@ -14,6 +14,12 @@
  * FAKE_CUDA_FULL exists, cuMemCreate finds no memory, and while the file named by
  * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none.
  *
+ * The swap library's digest kernel is emulated: cuModuleLoadData takes a PTX image that
+ * has its entry (unless FAKE_CUDA_NO_MODULE is set: then no image loads, as on a driver
+ * too old for the PTX), cuModuleGetFunction gives a host function computing the digest
+ * with digest.h's reference, and its launches are logged as "digest <start> <end>", not
+ * as the program's "launch" lines. Compile with -I vramlock/gpu/swap.
+ *
  * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
  * library's table of entry points must hold its own functions, not those.
  */
@@ -27,6 +33,8 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "digest.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -455,14 +463,33 @@ CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { memset(PTR(d)
 
 typedef void (*kernel)(void **);
 
-static CUresult launch(void *f, void **params)
+/* The swap library's kernel (digest.cu), on the host: `blocks` segments of the memory
+ * at params[0], params[1] bytes long, their digests to params[2]. */
+static void digest_kernel(unsigned blocks, void **params)
+{
+	const uint32_t *data = PTR(*(CUdeviceptr *)params[0]);
+	size_t words = *(unsigned long long *)params[1] / 4, per = DIGEST_SEGMENT / 4;
+	uint64_t *out = PTR(*(CUdeviceptr *)params[2]), key[DIGEST_LANES];
+	for (int l = 0; l < DIGEST_LANES; l++)
+		key[l] = *(unsigned long long *)params[3 + l];
+	for (size_t b = 0; b < blocks && b * per < words; b++) {
+		size_t n = words - b * per < per ? words - b * per : per;
+		digest_words(data + b * per, n, key, out + b * DIGEST_LANES);
+	}
+}
+
+static CUresult launch(void *f, unsigned blocks, void **params)
 {
 	long long t0 = now_ns();
-	((kernel)f)(params);
+	if (f == (void *)digest_kernel)
+		digest_kernel(blocks, params);
+	else
+		((kernel)f)(params);
 	long long t1 = now_ns();
 	if (log_fd >= 0) {
 		char line[64];
-		int n = snprintf(line, sizeof line, "launch %lld %lld\n", t0, t1);
+		const char *what = f == (void *)digest_kernel ? "digest" : "launch";
+		int n = snprintf(line, sizeof line, "%s %lld %lld\n", what, t0, t1);
 		if (write(log_fd, line, (size_t)n) != n)
 			abort();
 	}
@@ -472,14 +499,44 @@ static CUresult launch(void *f, void **params)
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
 			unsigned bz, unsigned sm, void *s, void **kp, void **ex)
 {
-	(void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)sm, (void)s, (void)ex;
-	return launch(f, kp);
+	(void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)sm, (void)s, (void)ex;
+	return launch(f, gx, kp);
 }
 
 CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
 			     unsigned by, unsigned bz, unsigned sm, void *s, void **kp, void **ex)
 {
 	return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sm, s, kp, ex);
+}
+
+static char the_module;
+
+CUresult cuModuleLoadData(void **m, const void *image)
+{
+	if (getenv("FAKE_CUDA_NO_MODULE"))
+		return 222; /* CUDA_ERROR_UNSUPPORTED_PTX_VERSION */
+	if (!current)
+		return NO_CONTEXT;
+	if (!strstr(image, ".entry " DIGEST_NAME "("))
+		return 218; /* CUDA_ERROR_INVALID_PTX */
+	*m = &the_module;
+	return OK;
+}
+
+CUresult cuModuleGetFunction(void **f, void *m, const char *name)
+{
+	if (m != &the_module || strcmp(name, DIGEST_NAME))
+		return NOT_FOUND;
+	*f = (void *)digest_kernel;
+	return OK;
+}
+
+/* Pinned memory is the device's too, at the same address (unified addressing). */
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned fl)
+{
+	(void)fl;
+	*d = (CUdeviceptr)(uintptr_t)p;
+	return current ? OK : NO_CONTEXT;
 }
 
 /* ---- context, streams, init ---------------------------------------------------- */
@@ -535,7 +592,8 @@ static const struct {
 	E(cuMemcpyHtoD_v2_ptds), E(cuMemcpyDtoH_v2), E(cuMemcpyDtoH_v2_ptds),
 	E(cuMemcpyHtoDAsync_v2), E(cuMemcpyHtoDAsync_v2_ptsz), E(cuMemcpyDtoHAsync_v2),
 	E(cuMemcpyDtoHAsync_v2_ptsz), E(cuMemcpyDtoD_v2), E(cuMemcpyAsync), E(cuMemsetD32_v2),
-	E(cuMemsetD8_v2), E(cuLaunchKernel), E(cuLaunchKernel_ptsz), E(cuInit),
+	E(cuMemsetD8_v2), E(cuLaunchKernel), E(cuLaunchKernel_ptsz), E(cuModuleLoadData),
+	E(cuModuleGetFunction), E(cuMemHostGetDevicePointer_v2), E(cuInit),
 	E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
 	E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxGetDevice), E(cuCtxSynchronize),
 	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing), E(cuStreamBeginCapture_v2), E(cuStreamEndCapture),

@@ -4,6 +4,7 @@ test's rig, and the turns of a member the test owns."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,8 @@ from helpers.processes import Spawn, wait_until
 from vramlock.gpu import swap
 
 FAKES = ROOT / "tests" / "fake_cuda"
+# The fake driver computes the swap library's digests with the library's own arithmetic.
+SWAP_SOURCES = ROOT / "vramlock" / "gpu" / "swap"
 
 
 STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
@@ -72,11 +75,13 @@ USER_PRELOAD = textwrap.dedent(
 
 @dataclass
 class Fakes:
-    """The compiled fakes: the driver's directory, the program and a user's preload library."""
+    """The compiled fakes: the driver's directory, the programs and a user's preload
+    library."""
 
     directory: Path  # holds libcuda.so.1
     program: Path
     user_preload: Path
+    delta_program: Path  # tests/fake_cuda/delta_prog.c
 
 
 def _cc(*args: str) -> None:
@@ -89,13 +94,14 @@ def build_fakes(out: Path) -> Fakes:
     """Compile the fake driver, the program and a user's preload library into ``out``."""
     # -Bsymbolic: the fake's table of entry points must hold its own functions, not
     # the swap library's of the same names.
-    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-o", str(out / "libcuda.so.1"),
-        str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
+    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-I", str(SWAP_SOURCES),
+        "-o", str(out / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
+    _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl")
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
         str(out / "user_preload.c"), "-ldl")  # fmt: skip
-    return Fakes(out, out / "swap_prog", out / "user_preload.so")
+    return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog")
 
 
 @dataclass
@@ -109,8 +115,9 @@ class Rig:
     launch_log: Path
     tmp: Path
 
-    def launches(self) -> list[tuple[int, int]]:
-        """The fake driver's launches so far: (start, end) in monotonic ns."""
+    def launches(self, what: str = "launch") -> list[tuple[int, int]]:
+        """The fake driver's launches so far: (start, end) in monotonic ns; the program's
+        (``launch``), or the swap library's digest kernel's (``digest``)."""
         if not self.launch_log.exists():
             return []
         text = self.launch_log.read_text()
@@ -118,8 +125,9 @@ class Rig:
         # Complete lines only: a read can see the first part of a line that a launch is
         # appending (one write, but not atomic against a read where it crosses a page).
         for line in text[: text.rfind("\n") + 1].splitlines():
-            _, start, end = line.split()
-            out.append((int(start), int(end)))
+            kind, start, end = line.split()
+            if kind == what:
+                out.append((int(start), int(end)))
         return out
 
     def run(
@@ -154,6 +162,13 @@ def make_rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
     )
     env.pop("LD_PRELOAD", None)
     return Rig(fakes, arena, env, phys, log, tmp_path)
+
+
+def swap_copies(err: str) -> list[tuple[int, int]]:
+    """What each release held and copied, as the swap library traced it
+    (VRAMLOCK_SWAP_DEBUG=1 on its stderr ``err``): (bytes, bytes copied)."""
+    found = re.findall(r"released (\d+) bytes, copied (\d+):", err)
+    return [(int(held), int(copied)) for held, copied in found]
 
 
 def read_line(proc: subprocess.Popen[str]) -> list[str]:

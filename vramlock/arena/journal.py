@@ -42,6 +42,9 @@ MAX_BYTES = 8 << 20
 # Whole lines are appended at most this many bytes at a time: POSIX makes O_APPEND
 # writes up to PIPE_BUF (4096 on Linux) atomic with respect to other writers.
 MAX_LINE = 4000
+# ``VRAMLOCK_JOURNAL=off`` in a member's environment: it journals nothing (for measuring
+# what the journal costs; ``vramlock stats`` then has nothing of that member's).
+ENABLED = os.environ.get("VRAMLOCK_JOURNAL", "on") != "off"
 # The writer waits this long after an event before writing, so that it never competes
 # with a handoff for the CPU, and writes everything queued by then.
 SETTLE = 0.05
@@ -113,16 +116,18 @@ class _Sink:
         return None if self.fd is None else (self.jdir, self.fd)
 
     def write(self, lines: list[bytes]) -> None:
-        for chunk in _chunks(lines):
-            now = self._current()
-            if now is None:
-                return
-            try:
+        # The file looked up once a batch, its size checked once a batch: a batch is
+        # small (tens of KiB) beside the cap.
+        now = self._current()
+        if now is None:
+            return
+        try:
+            for chunk in _chunks(lines):
                 os.write(now[1], chunk)
-                if os.fstat(now[1]).st_size >= MAX_BYTES:
-                    self._rotate(*now)
-            except (OSError, LockError):
-                return  # full or gone: the journal is for display
+            if os.fstat(now[1]).st_size >= MAX_BYTES:
+                self._rotate(*now)
+        except (OSError, LockError):
+            return  # full or gone: the journal is for display
 
     def _rotate(self, jdir: int, fd: int) -> None:
         # Under the file's own flock, and only if the path still names it: two writers
@@ -144,14 +149,27 @@ class _Sink:
 # A queued event: monotonic time, the member's record, its strategy then, the event,
 # the new state, the bytes moved.
 _Queued = tuple[float, Record, str, str, "str | None", "int | None"]
-# The writer lets the member's thread run after this many lines.
-_SLICE = 32
+# The writer lets the member's thread run after this many lines, sleeping ``_NAP``: a
+# sleep(0) gives the GIL up for an instant the member's thread rarely catches, a nap
+# long enough for it to wake and take it. A batch of a few hundred lines is some
+# milliseconds later for it; a handoff waits for the GIL for a few lines at most.
+_SLICE = 8
+_NAP = 50e-6
 
 # Names and strategies as JSON strings: the same few, again and again.
 _quoted = functools.lru_cache(maxsize=256)(json.dumps)
 # Free text is cut to these lengths: a line then stays under ``MAX_LINE`` even with
 # every character escaped (six bytes each).
 _CLIP_NAME, _CLIP_STRATEGY = 256, 64
+
+
+@functools.lru_cache(maxsize=256)
+def _who(pid: int, start: int, uid: int, name: str, strategy: str) -> str:
+    """The part of a line that names the member: the same for all of its events."""
+    return (
+        f'"pid":{pid},"start":{start},"uid":{uid},"name":{_quoted(name[:_CLIP_NAME])},'
+        f'"strategy":{_quoted(strategy[:_CLIP_STRATEGY])}'
+    )
 
 
 def _line(
@@ -166,12 +184,8 @@ def _line(
     """The JSON line of a queued event, formatted by hand: json.dumps of the whole took
     five times as long, on a thread that shares the GIL with the member. The event and
     state are vramlock's own words, the numbers finite."""
-    text = (
-        f'{{"time":{mono + offset!r},"mono":{mono!r},"pid":{record.pid},'
-        f'"start":{record.starttime},"uid":{record.uid},'
-        f'"name":{_quoted(record.name[:_CLIP_NAME])},"event":"{event}",'
-        f'"strategy":{_quoted(strategy[:_CLIP_STRATEGY])}'
-    )
+    who = _who(record.pid, record.starttime, record.uid, record.name, strategy)
+    text = f'{{"time":{mono + offset!r},"mono":{mono!r},{who},"event":"{event}"'
     if new is not None:
         text += f',"state":"{new}"'
     if size is not None:
@@ -241,7 +255,7 @@ class _Writer:
                     if sink is not None:
                         lines.setdefault(sink, []).append(_line(offset, *queued))
                     if n % _SLICE == 0:
-                        time.sleep(0)  # let the member's own thread have the GIL
+                        time.sleep(_NAP)  # let the member's own thread have the GIL
             for sink, some in lines.items():
                 sink.write(some)
 
@@ -273,7 +287,8 @@ def note(
 ) -> None:
     """Queue ``event`` of the member ``record`` describes (its new state, the bytes moved)
     for ``arena``'s journal."""
-    _writer.put(arena, (time.monotonic(), record, record.strategy, event, new, size))
+    if ENABLED:
+        _writer.put(arena, (time.monotonic(), record, record.strategy, event, new, size))
 
 
 def state(arena: Arena, record: Record, new: str) -> None:

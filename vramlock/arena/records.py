@@ -127,10 +127,20 @@ class Record:
     every one (``dump``), and ``parse`` needs only the first six.
     """
 
+    # units, vram, vram_from, busy, used, hold_until, yield_within: a budget arena's. The
+    # capacity units it holds while resident, its footprint in bytes and where that comes
+    # from, whether it is working now (a request in flight, a job running), when it last
+    # worked (Unix time), until when its minimum hold keeps it resident (Unix time), and
+    # how long it may put a release off while busy (seconds; None: until its work is
+    # done). Budget waiters choose whom to ask to step aside from these; a false value can
+    # only make that choice worse, never put two members on one unit.
+    # released_in, restored_in: how long its last release took (releasing to released)
+    # and its last restore (restoring to resident), in seconds: ``who``'s SWITCH.
     FIELDS = (
         "pid", "name", "command", "strategy", "state", "since", "starttime", "child_pid",
         "uid", "version", "leftovers", "listen", "connections", "gpus", "units", "vram",
         "vram_from", "busy", "used", "hold_until", "yield_within", "token_ino", "note",
+        "released_in", "restored_in",
     )  # fmt: skip
     __slots__ = FIELDS
 
@@ -160,6 +170,8 @@ class Record:
         yield_within: float | None = None,
         token_ino: int | None = None,
         note: str | None = None,
+        released_in: float | None = None,
+        restored_in: float | None = None,
     ) -> None:
         self.pid = pid
         self.name = name
@@ -178,13 +190,6 @@ class Record:
         self.connections = connections
         # --gpu with several GPUs: all of them, in the order given (the member is in each arena).
         self.gpus = [] if gpus is None else gpus
-        # A budget arena: the capacity units it holds while resident, its footprint in
-        # bytes and where that comes from, whether it is working now (a request in flight,
-        # a job running), when it last worked (Unix time), until when its minimum hold keeps
-        # it resident (Unix time), and how long it may put a release off while busy
-        # (seconds; None: until its work is done). Budget waiters choose whom to ask to
-        # step aside from these; a false value can only make that choice worse, never put
-        # two members on one unit.
         self.units = [] if units is None else units
         self.vram = vram
         self.vram_from = vram_from  # "declared", "measured", or "whole budget" (not yet measured)
@@ -197,6 +202,8 @@ class Record:
         # What ``who`` should add about the member (the swap library writes one for a
         # released process whose ``vramlock run`` is gone).
         self.note = note
+        self.released_in = released_in
+        self.restored_in = restored_in
 
     @classmethod
     def parse(cls, raw: bytes) -> Record | None:
@@ -243,6 +250,8 @@ class Record:
                 yield_within=yield_within,
                 token_ino=None if token_ino is None else _bounded(token_ino, 0, 1 << 64),
                 note=None if note is None else _typed(note, str),
+                released_in=_time(data.get("released_in")),
+                restored_in=_time(data.get("restored_in")),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -378,14 +387,23 @@ class RecordWriter:
     def change(self, changes: dict[str, Any], at_once: bool) -> None:
         """``update`` or ``update_at_once`` with the changes as a dict."""
         with self._changed:
+            if "state" in changes:
+                self._timed(changes["state"])
             for key, value in changes.items():
                 setattr(self.record, key, value)
-            if "state" in changes and "since" not in changes:
-                self.record.since = time.time()
             self._version += 1
             if at_once:
                 self._hurry.set()
             self._changed.notify()
+
+    def _timed(self, new: str) -> None:
+        """The new state's ``since``, and how long a release or restore that ends took."""
+        now, old = time.time(), self.record.state
+        if old == State.RELEASING.value and new == State.RELEASED.value:
+            self.record.released_in = max(0.0, now - self.record.since)
+        elif old == State.RESTORING.value and new == State.RESIDENT.value:
+            self.record.restored_in = max(0.0, now - self.record.since)
+        self.record.since = now
 
     def flush(self) -> None:
         """Write the latest version now (if it is not on disk yet)."""

@@ -51,6 +51,7 @@ class Row:
     FIELDS = (
         "pid", "state", "name", "command", "strategy", "since", "child_pid", "member", "note",
         "vram", "listen", "connections", "gpus", "footprint", "footprint_from", "units",
+        "last_release", "last_restore",
     )  # fmt: skip
     __slots__ = FIELDS
 
@@ -73,6 +74,8 @@ class Row:
         footprint: int | None = None,  # a budget member: its footprint in bytes
         footprint_from: str | None = None,  # "declared", "measured" or "whole budget"
         units: list[int] | None = None,  # a budget member: the budget units it holds
+        last_release: float | None = None,  # seconds its last release took
+        last_restore: float | None = None,  # seconds its last restore took
     ) -> None:
         self.pid = pid
         self.state = state
@@ -90,6 +93,8 @@ class Row:
         self.footprint = footprint
         self.footprint_from = footprint_from
         self.units = units
+        self.last_release = last_release
+        self.last_restore = last_restore
 
     def as_json(self, now: float) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in self.FIELDS}
@@ -164,6 +169,7 @@ def _member_row(
         notes.append(f"command exited; ending {', '.join(map(str, left))}")
     row = _shown(pid, state, rec.name, " ".join(rec.command), rec.strategy, member=True,
                  since=rec.since, child_pid=rec.child_pid)  # fmt: skip
+    row.last_release, row.last_restore = rec.released_in, rec.restored_in
     if rec.listen is not None:
         row.listen, row.connections = printable(rec.listen, NAME_MAX), rec.connections
         notes.append(f"listen {row.listen}, {row.connections or 0} connection(s)")

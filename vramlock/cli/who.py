@@ -32,7 +32,8 @@ def ago(since: float | None, now: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "CHILD", "VRAM", "NOTE", "COMMAND")
+COLUMNS = ("STATE", "PID", "NAME", "STRATEGY", "FOR", "SWITCH", "CHILD", "VRAM", "NOTE",
+           "COMMAND")  # fmt: skip
 
 STYLE = {
     "resident": "bold green",
@@ -41,6 +42,24 @@ STYLE = {
     "waiting": "cyan",
     "released": "dim",
 }
+
+
+def took(seconds: float | None) -> str:
+    """A release's or a restore's duration: ``850us``, ``42ms``, ``3.1s``; ``-`` unknown."""
+    if seconds is None:
+        return "-"
+    if seconds < 0.001:
+        return f"{seconds * 1e6:.0f}us"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.1f}s"
+
+
+def switch(row: Row) -> str:
+    """The member's last switch: its last release's duration, then its last restore's."""
+    if row.last_release is None and row.last_restore is None:
+        return "-"
+    return f"{took(row.last_release)}/{took(row.last_restore)}"
 
 
 def _bytes(n: int | None) -> str:
@@ -60,6 +79,7 @@ def cells(row: Row, now: float) -> list[str]:
         row.name,
         row.strategy,
         ago(row.since, now),
+        switch(row),
         "-" if row.child_pid is None else str(row.child_pid),
         _bytes(row.vram),
         row.note or "-",
@@ -100,11 +120,11 @@ def _plain(
 
 
 # On a terminal, columns are two cells apart, as in the plain text. On one too narrow for
-# every column, CHILD and VRAM go where no row has one, paths in commands show as their
-# base names, notes go under the table (wrapped at their spaces, never cut inside an
+# every column, SWITCH, CHILD and VRAM go where no row has one, paths in commands show as
+# their base names, notes go under the table (wrapped at their spaces, never cut inside an
 # address), and the command keeps to one line, cut.
 _GAP = 2
-_OPTIONAL = ("CHILD", "VRAM")
+_OPTIONAL = ("SWITCH", "CHILD", "VRAM")
 _NOTE = COLUMNS.index("NOTE")
 _COMMAND_MIN = 12
 

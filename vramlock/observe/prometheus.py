@@ -38,7 +38,9 @@ def _number(value: float) -> str:
 
 
 @dataclass
-class _Family:
+class Family:
+    """One metric: its name, type, help line and samples (name, labels, value)."""
+
     name: str
     kind: str
     help: str
@@ -52,7 +54,7 @@ class _Family:
 
 def _histogram(
     name: str, help_text: str, by: dict[str, list[float]], base: list[tuple[str, str]]
-) -> _Family:
+) -> Family:
     samples: list[tuple[str, list[tuple[str, str]], float]] = []
     for strategy, values in sorted(by.items()):
         labels = [*base, ("strategy", strategy)]
@@ -62,7 +64,7 @@ def _histogram(
         samples.append((f"{name}_bucket", [*labels, ("le", "+Inf")], len(values)))
         samples.append((f"{name}_sum", labels, float(sum(values))))
         samples.append((f"{name}_count", labels, len(values)))
-    return _Family(name, "histogram", help_text, samples)
+    return Family(name, "histogram", help_text, samples)
 
 
 def waiters(rows: Sequence[Row]) -> int:
@@ -74,7 +76,7 @@ def _member(row: Row) -> list[tuple[str, str]]:
     return [("member", row.name), ("pid", str(row.pid))]
 
 
-def _present(rows: Sequence[Row], base: list[tuple[str, str]]) -> list[_Family]:
+def _present(rows: Sequence[Row], base: list[tuple[str, str]]) -> list[Family]:
     members = [r for r in rows if r.state != "foreign"]
     states = [
         (
@@ -89,16 +91,16 @@ def _present(rows: Sequence[Row], base: list[tuple[str, str]]) -> list[_Family]:
             for r in members if r.vram is not None]  # fmt: skip
     waiting = waiters(members)
     return [
-        _Family("vramlock_member_state", "gauge",
+        Family("vramlock_member_state", "gauge",
                 "The member's state now (an OpenMetrics stateset: 1 for its state).", states),
-        _Family("vramlock_waiters", "gauge", "Members waiting for the GPU now.",
+        Family("vramlock_waiters", "gauge", "Members waiting for the GPU now.",
                 [("vramlock_waiters", base, waiting)]),
-        _Family("vramlock_member_vram_bytes", "gauge",
+        Family("vramlock_member_vram_bytes", "gauge",
                 "GPU memory held by the member and its processes (NVML).", vram),
     ]  # fmt: skip
 
 
-def _past(report: Report, base: list[tuple[str, str]]) -> list[_Family]:
+def _past(report: Report, base: list[tuple[str, str]]) -> list[Family]:
     moved = []
     for m in report.members:
         who = [("member", m.name), ("pid", str(m.pid))]
@@ -113,26 +115,57 @@ def _past(report: Report, base: list[tuple[str, str]]) -> list[_Family]:
         _histogram("vramlock_handoff_seconds",
                    "How long releases took, by strategy (from the journal).",
                    report.release_by_strategy, base),
-        _Family("vramlock_handoffs_total", "counter", "Releases journalled.",
+        Family("vramlock_handoffs_total", "counter", "Releases journalled.",
                 [("vramlock_handoffs_total", base, report.handoffs)]),
-        _Family("vramlock_swapped_bytes_total", "counter",
+        Family("vramlock_swapped_bytes_total", "counter",
                 "Bytes releases moved off the GPU (out) and restores back (in).", moved),
-        _Family("vramlock_member_resident_seconds_total", "counter",
+        Family("vramlock_member_resident_seconds_total", "counter",
                 "Seconds the member held the GPU (from the journal).", resident),
     ]  # fmt: skip
 
 
-def _budget(view: BudgetView | None, base: list[tuple[str, str]]) -> list[_Family]:
+def _budget(view: BudgetView | None, base: list[tuple[str, str]]) -> list[Family]:
     if view is None:
         return []
     return [
-        _Family("vramlock_budget_units", "gauge", "Units of the arena's VRAM budget.",
+        Family("vramlock_budget_units", "gauge", "Units of the arena's VRAM budget.",
                 [("vramlock_budget_units", base, view.budget.units)]),
-        _Family("vramlock_budget_units_held", "gauge", "Units of the budget held now.",
+        Family("vramlock_budget_units_held", "gauge", "Units of the budget held now.",
                 [("vramlock_budget_units_held", base, view.held)]),
-        _Family("vramlock_budget_unit_bytes", "gauge", "Bytes one unit of the budget stands for.",
+        Family("vramlock_budget_unit_bytes", "gauge", "Bytes one unit of the budget stands for.",
                 [("vramlock_budget_unit_bytes", base, view.budget.unit)]),
     ]  # fmt: skip
+
+
+def families(
+    path: str,
+    rows: Sequence[Row],
+    report: Report,
+    budget: BudgetView | None,
+    gpus: GpuView | None = None,
+) -> list[Family]:
+    """The metric families of one arena (``path``, a label of every sample)."""
+    base = [("arena", path)]
+    found = [*_present(rows, base), *_past(report, base), *_budget(budget, base)]
+    if gpus is not None:
+        total = [("vramlock_gpu_memory_bytes", [*base, ("gpu", str(g.index))], g.total)
+                 for g in gpus.gpus]  # fmt: skip
+        found.append(Family("vramlock_gpu_memory_bytes", "gauge",
+                            "The GPU's memory (NVML).", total))  # fmt: skip
+    return found
+
+
+def text(found: Iterable[Family]) -> str:
+    """``found`` in the text format: the samples of families of one name (several
+    arenas') under one HELP and TYPE, as the format wants each family once."""
+    merged: dict[str, Family] = {}
+    for f in found:
+        if f.name in merged:
+            was = merged[f.name]
+            merged[f.name] = Family(f.name, f.kind, f.help, [*was.samples, *f.samples])
+        else:
+            merged[f.name] = f
+    return "\n".join(f.text() for f in merged.values() if f.samples) + "\n"
 
 
 def render(
@@ -143,25 +176,23 @@ def render(
     gpus: GpuView | None = None,
 ) -> str:
     """The metrics of one arena (``path``, a label of every sample) in the text format."""
-    base = [("arena", path)]
-    families = [*_present(rows, base), *_past(report, base), *_budget(budget, base)]
-    if gpus is not None:
-        total = [("vramlock_gpu_memory_bytes", [*base, ("gpu", str(g.index))], g.total)
-                 for g in gpus.gpus]  # fmt: skip
-        families.append(_Family("vramlock_gpu_memory_bytes", "gauge",
-                                "The GPU's memory (NVML).", total))  # fmt: skip
-    return "\n".join(f.text() for f in families if f.samples) + "\n"
+    return text(families(path, rows, report, budget, gpus))
 
 
-def metrics(arena: Arena, gpu: int | None) -> str:
-    """The arena's metrics now: its members (with VRAM where NVML works, for GPU ``gpu``,
-    None: every GPU), its journal and its budget."""
+def arena_families(arena: Arena, gpu: int | None) -> list[Family]:
+    """The arena's metric families now: its members (with VRAM where NVML works, for GPU
+    ``gpu``, None: every GPU), its journal and its budget."""
     rows = snapshot(arena)
     view = gpu_view(gpu)
     if view is not None:
         rows = with_vram(rows, view)
     report = compute(journal.read(arena))
-    return render(arena.path, rows, report, budget_view(arena), view)
+    return families(arena.path, rows, report, budget_view(arena), view)
+
+
+def metrics(arena: Arena, gpu: int | None) -> str:
+    """The arena's metrics now, in the text format (``arena_families``)."""
+    return text(arena_families(arena, gpu))
 
 
 def write_textfile(path: str, text: str) -> None:

@@ -30,6 +30,7 @@ from . import body as bodies
 from .config import Config
 from .front import Front, Head
 from .members import Wrapper
+from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
 from .upstream import Body, Pool, Stream
 
 T = TypeVar("T")
@@ -283,10 +284,17 @@ class Router:
         self.pools: dict[str, Pool] = {}
         self.fronts: set[Front] = set()  # connections whose requests front.py takes
         self._not_fast: tuple[str, ...] | None = None
+        self.requests = Requests()
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
+        self._counting = counting(self.requests)  # front.py counts its own the same way
+        middlewares.append(self._counting)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
         r.add_get("/health", self.health)
+        # Watching (the exposition, the page) is never activity: see .metrics.
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/ui", self.to_ui)
+        self.app.add_subapp("/ui/", ui_app(wrappers, self.requests))
         r.add_get("/v1/models", self.list_models)
         r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
@@ -308,7 +316,8 @@ class Router:
     # -- the common request, taken by front.py ---------------------------------------
 
     def fast_path(self, path: str) -> bool:
-        """Would a POST to ``path`` reach ``by_model``, through no middleware?"""
+        """Would a POST to ``path`` reach ``by_model``, through no middleware but the
+        count of requests (which ``fast`` keeps the same way)?"""
         if self._not_fast is None:
             prefixes = []
             for resource in self.app.router.resources():
@@ -317,7 +326,8 @@ class Router:
                 if any(route.method in ("POST", "*") for route in resource):
                     prefixes.append(resource.canonical.split("{")[0])
             self._not_fast = tuple(prefixes)
-        return not self.app.middlewares and not path.startswith(self._not_fast)
+        others = any(m is not self._counting for m in self.app.middlewares)
+        return not others and not path.startswith(self._not_fast)
 
     async def fast(self, front: Front, head: Head, body: bytes) -> None:
         """``by_model`` for the request that ``front`` parsed."""
@@ -344,7 +354,12 @@ class Router:
                 await up.body.aclose()
 
         shown = f"POST {head.target.partition('?')[0]}"
-        await self.in_turn(w, shown, send, int, lambda status, why: front.refuse(status, why))
+        began, status = time.monotonic(), GONE
+        try:
+            answered = await self.in_turn(w, shown, send, int, front.refuse)
+            status = str(answered)
+        finally:
+            self.requests.add(w.model.name, status, time.monotonic() - began)
 
     async def close_fronts(self, grace: float) -> None:
         """Let the requests in progress on front.py's connections end, for ``grace`` at
@@ -482,6 +497,8 @@ class Router:
     async def _forward(
         self, request: web.Request, w: Wrapper, path: str, body: Body | None
     ) -> web.StreamResponse:
+        request[MODEL] = w.model.name  # counted (.metrics)
+
         async def send() -> web.StreamResponse:
             return await self._pass(request, w, path, body)
 
@@ -655,6 +672,12 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return await metrics(self.wrappers, self.requests)
+
+    async def to_ui(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound("/ui/")
 
     def _entry(self, w: Wrapper, alias: str | None = None) -> dict[str, Any]:
         """A model's /v1/models entry (or its alias's, for includeAliasesInList), with

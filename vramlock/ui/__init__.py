@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -97,8 +97,40 @@ def page() -> str:
     return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
 
 
-def app(watch: Watch) -> web.Application:
-    """The page at ``/`` and its data at ``/api/state``."""
+def merge(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several arenas' ``Watch.state`` as one page's: their members, switches and journal
+    together (the latter two by time), the timeline's rows one after another."""
+    if len(states) == 1:
+        return states[0]
+    rows: list[str] = []
+    segments: list[dict[str, Any]] = []
+    for s in states:
+        t = s["timeline"]
+        segments += [{**seg, "member": seg["member"] + len(rows)} for seg in t["segments"]]
+        rows += t["members"]
+    newest = max(states, key=lambda s: s["now"])
+    return {
+        **newest,
+        "arena": ", ".join(s["arena"] for s in states),
+        "members": [m for s in states for m in s["members"]],
+        "waiters": sum(s["waiters"] for s in states),
+        "handoffs": sum(s["handoffs"] for s in states),
+        "timeline": {
+            "start": min(s["timeline"]["start"] for s in states),
+            "end": max(s["timeline"]["end"] for s in states),
+            "members": rows,
+            "segments": segments,
+        },
+        "switches": sorted((w for s in states for w in s["switches"]),
+                           key=lambda w: -w["time"])[:RECENT],
+        "journal": sorted((e for s in states for e in s["journal"]),
+                          key=lambda e: -e["time"])[:RECENT],
+    }  # fmt: skip
+
+
+def app(state: Callable[[], Awaitable[dict[str, Any]]]) -> web.Application:
+    """The page at ``/`` and its data, what ``state`` gives, at ``/api/state`` (an
+    application that ``vramlock serve`` mounts too, at ``/ui/``)."""
     from aiohttp import web
 
     html = page()
@@ -106,13 +138,12 @@ def app(watch: Watch) -> web.Application:
     async def index(request: web.Request) -> web.Response:
         return web.Response(text=html, content_type="text/html")
 
-    async def state(request: web.Request) -> web.Response:
-        data = await asyncio.to_thread(watch.state)
-        return web.json_response(data, headers={"Cache-Control": "no-store"})
+    async def data(request: web.Request) -> web.Response:
+        return web.json_response(await state(), headers={"Cache-Control": "no-store"})
 
     application = web.Application()
     application.router.add_get("/", index)
-    application.router.add_get("/api/state", state)
+    application.router.add_get("/api/state", data)
     return application
 
 
@@ -137,7 +168,7 @@ async def _main(
 
     from ..net.address import show
 
-    runner = web.AppRunner(app(watch), access_log=None)
+    runner = web.AppRunner(app(lambda: asyncio.to_thread(watch.state)), access_log=None)
     await runner.setup()
     stop = await bind_until_signalled(runner, host, port, listen)
     warn(f"showing {watch.arena.path} at http://{show((host, port))}/")

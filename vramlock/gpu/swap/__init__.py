@@ -3,7 +3,7 @@
 A wheel built where a C compiler exists carries the library, compiled at install
 (``libvramlock-swap.so`` beside this file). Anywhere else (a source checkout, a
 wheel built without a compiler) it is compiled once from its sources (``*.c``,
-``swap.h``) into the user's cache directory, under a name that changes with any of them.
+``*.h``) into the user's cache directory, under a name that changes with any of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ...errors import StrategyError
-from .build import CFLAGS, HEADER, HERE, LIBRARY, LIBS, SOURCES, BuildError, compiler
+from .build import CFLAGS, HEADERS, HERE, LIBRARY, LIBS, SOURCES, BuildError, compiler
 
 __all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]
 
@@ -48,7 +48,7 @@ def library_path() -> Path:
         return packaged
     digest = hashlib.sha256(" ".join(CFLAGS + LIBS).encode())
     try:
-        for source in (*SOURCES, HEADER):
+        for source in (*SOURCES, *HEADERS):
             digest.update(source.name.encode() + b"\0" + source.read_bytes())
     except OSError as err:
         raise SwapUnavailable(f"the swap library's source is missing ({err.strerror})") from None

@@ -10,9 +10,11 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # The library's parts, and the one header they share (swap.h says what each holds).
-PARTS = ("entry", "hooks", "gate", "table", "engine", "control", "record")
+PARTS = ("entry", "hooks", "gate", "table", "engine", "delta", "hostmem", "control", "record")
 SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
-HEADER = HERE / "swap.h"
+# swap.h, and the digest's arithmetic and kernel (digest.h; digest_ptx.h, made by
+# gen_digest.py from digest.cu).
+HEADERS = (HERE / "swap.h", HERE / "digest.h", HERE / "digest_ptx.h")
 LIBRARY = "libvramlock-swap.so"
 # No CUDA headers or libraries: the library declares the driver types it uses and
 # finds the driver at run time.

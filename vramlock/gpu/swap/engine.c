@@ -11,7 +11,6 @@ atomic_int captures;
 
 #define COPY_CHUNK (64ULL << 20)
 #define COPY_STREAMS 2
-#define MAX_CONTEXTS 16
 
 /* Streams of our own in each context the copies go through, made once. */
 static struct {
@@ -25,9 +24,10 @@ void engine_forget(void)
 {
 	ncopy_ctx = 0;
 	atomic_store(&captures, 0);
+	delta_forget();
 }
 
-static CUresult streams_of(CUcontext ctx, CUstream **out)
+CUresult streams_of(CUcontext ctx, CUstream **out)
 {
 	for (size_t i = 0; i < ncopy_ctx; i++)
 		if (copy_ctx[i].ctx == ctx) {
@@ -47,7 +47,7 @@ static CUresult streams_of(CUcontext ctx, CUstream **out)
 }
 
 /* Syncs every context that owns tracked memory, and every stream of ours. */
-static CUresult sync_all(int ours_only)
+CUresult sync_all(int ours_only)
 {
 	CUresult r = CUDA_SUCCESS;
 	if (!ours_only) {
@@ -74,25 +74,31 @@ static CUresult sync_all(int ours_only)
 	return r;
 }
 
-/* Big allocations in chunks on two streams: one stream alone leaves the link idle
- * between copies. `out`: device to host, else back. */
-static CUresult copy_all(int out)
+/* Queues the copy of bytes [off, off + len) of `p` (at its copy place), in chunks on
+ * two streams taken in turns (`turn`): one stream alone leaves the link idle between
+ * copies. `out`: device to host, else back. */
+CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn)
+{
+	CUstream *streams;
+	CUresult r = streams_of(p->ctx, &streams);
+	if (!r)
+		r = real_cuCtxSetCurrent(p->ctx);
+	for (size_t end = off + len; !r && off < end; off += COPY_CHUNK) {
+		size_t n = end - off < COPY_CHUNK ? end - off : COPY_CHUNK;
+		CUstream s = streams[(*turn)++ % COPY_STREAMS];
+		char *host = (char *)p->host + off;
+		r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, n, s)
+			: real_cuMemcpyHtoDAsync_v2(p->copy_va + off, host, n, s);
+	}
+	return r;
+}
+
+/* Every allocation, whole, back from host memory. */
+static CUresult copy_all_back(void)
 {
 	size_t turn = 0;
 	for (struct phys *p = physes; p; p = p->next) {
-		if (!p->copy_len)
-			continue;
-		CUstream *streams;
-		CUresult r = streams_of(p->ctx, &streams);
-		if (!r)
-			r = real_cuCtxSetCurrent(p->ctx);
-		for (size_t off = 0; !r && off < p->copy_len; off += COPY_CHUNK) {
-			size_t len = p->copy_len - off < COPY_CHUNK ? p->copy_len - off : COPY_CHUNK;
-			CUstream s = streams[turn++ % COPY_STREAMS];
-			char *host = (char *)p->host + off;
-			r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, len, s)
-				: real_cuMemcpyHtoDAsync_v2(p->copy_va + off, host, len, s);
-		}
+		CUresult r = p->copy_len ? copy_span(p, 0, p->copy_len, 0, &turn) : CUDA_SUCCESS;
 		if (r)
 			return r;
 	}
@@ -222,24 +228,27 @@ static CUresult undo_release(void)
 	if (!r)
 		r = map_temps();
 	if (!r)
-		r = copy_all(0);
+		r = copy_all_back();
 	drop_temps();
 	return r;
 }
 
-static double now_ms(void)
+double now_ms(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+/* The bytes the last release copied (of `bytes`: what changed, delta.c). */
+static size_t copied_out;
+
 /* Copies every allocation to pinned host memory (pinned once, kept): the step it
  * failed at in `step`, the bytes there are in `bytes`. With `mu` and the gate closed. */
 static CUresult copy_out(const char **step, size_t *bytes)
 {
-	CUresult r = CUDA_SUCCESS;
 	*step = "cuMemHostAlloc";
+	CUresult r = hostmem_check(step); /* before pinning: never past what the host has */
 	for (struct phys *p = physes; p && !r; p = p->next) {
 		/* Pinning needs a context, even for memory every context may use. */
 		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
@@ -262,7 +271,7 @@ static CUresult copy_out(const char **step, size_t *bytes)
 	}
 	if (!r) {
 		*step = "copying out";
-		r = copy_all(1);
+		r = copy_changed(&copied_out);
 	}
 	return r;
 }
@@ -291,6 +300,7 @@ void do_release(char *answer, size_t len, int stay_closed)
 	}
 	size_t bytes = 0;
 	const char *step;
+	copied_out = 0;
 	CUresult r = copy_out(&step, &bytes);
 	double t1 = now_ms();
 	drop_temps();
@@ -312,7 +322,8 @@ void do_release(char *answer, size_t len, int stay_closed)
 	}
 	released = 1;
 	real_cuCtxSetCurrent(NULL);
-	TRACE("released %zu bytes: copy %.1f ms, release %.1f ms", bytes, t1 - t0, now_ms() - t1);
+	TRACE("released %zu bytes, copied %zu: copy %.1f ms, release %.1f ms", bytes, copied_out,
+	      t1 - t0, now_ms() - t1);
 	snprintf(answer, len, "released");
 }
 
@@ -336,7 +347,7 @@ void do_restore(char *answer, size_t len)
 	}
 	if (!r) {
 		step = "copying back";
-		r = copy_all(0);
+		r = copy_all_back();
 	}
 	drop_temps();
 	if (r) {

@@ -13,6 +13,8 @@
  *  gate.c    the in-flight counter that blocks GPU work while released
  *  table.c   allocations (virtual memory management, slabs) and their tables
  *  engine.c  swapping out to pinned host memory and back in
+ *  delta.c   what a release copies: only the segments that changed (digest.h)
+ *  hostmem.c whether the host has the memory a release would pin
  *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
  *  record.c  the member record a process writes when its wrapper is gone
  *
@@ -96,6 +98,7 @@ enum {
 	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
 	CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
 	CU_MEMHOSTALLOC_PORTABLE = 1,
+	CU_MEMHOSTALLOC_DEVICEMAP = 2,
 	CU_STREAM_NON_BLOCKING = 1,
 	CU_STREAM_CAPTURE_STATUS_NONE = 0,
 	CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2,
@@ -171,10 +174,17 @@ static inline __attribute__((always_inline)) int ready(void)
 	X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t), 0)                \
 	X(cuMemcpyDtoHAsync_v2, (void *, CUdeviceptr, size_t, CUstream), 0)                         \
 	X(cuMemcpyHtoDAsync_v2, (CUdeviceptr, const void *, size_t, CUstream), 0)                   \
-	X(cuGetErrorString, (CUresult, const char **), 0)
+	X(cuGetErrorString, (CUresult, const char **), 0)                                          \
+	X(cuModuleGetFunction, (CUfunction *, void *, const char *), 1)                             \
+	X(cuMemHostGetDevicePointer_v2, (CUdeviceptr *, void *, unsigned), 1)
 
 #define DECLARE_DRIVER(name, params, optional) extern CUresult(*real_##name) params;
 DRIVER(DECLARE_DRIVER)
+
+/* Hooked (hooks.c's GATED): the library's own calls of these go to the driver direct. */
+extern CUresult (*real_cuModuleLoadData)(void **, const void *);
+extern CUresult (*real_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+				       unsigned, unsigned, unsigned, CUstream, void **, void **);
 
 /* ---- gate.c ------------------------------------------------------------------
  * Open: a call increments `inflight`, sees the gate open and goes on, no lock.
@@ -233,6 +243,11 @@ struct phys {
 	size_t copy_len;
 	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
 	int lost;                           /* released by a swap that then failed */
+	uint64_t *digest;                   /* what `host` holds: one per segment (delta.c) */
+	size_t digest_len;                  /* the bytes `digest` describes, from offset 0 */
+	void *digest_host;                  /* the `host` it describes */
+	size_t fresh;                       /* during a release: its new digests in delta.c's
+					       scratch, at fresh - 1; 0: none */
 };
 
 /* A mapping of (part of) a physical allocation at a virtual address. */
@@ -245,6 +260,7 @@ struct mapping {
 };
 
 #define MAX_DEVICES 64
+#define MAX_CONTEXTS 16
 
 extern struct phys *physes;
 extern struct mapping *maps;
@@ -278,6 +294,21 @@ extern atomic_int captures;
 void do_release(char *answer, size_t len, int stay_closed);
 void engine_forget(void);
 void do_restore(char *answer, size_t len);
+CUresult streams_of(CUcontext ctx, CUstream **out);
+CUresult sync_all(int ours_only);
+CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn);
+double now_ms(void);
+
+/* delta.c: copies out what changed since the host copy was made (all of it the first
+ * time, or when the digest kernel cannot run); the bytes copied in `copied`. */
+CUresult copy_changed(size_t *copied);
+void delta_forget(void);
+
+/* ---- hostmem.c: host memory before pinning ------------------------------------- */
+
+/* CUDA_SUCCESS when the release may pin the host memory it needs (allocations without
+ * a pinned copy yet), else CUDA_ERROR_OUT_OF_MEMORY with *step saying why. */
+CUresult hostmem_check(const char **step);
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 

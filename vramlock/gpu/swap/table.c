@@ -192,6 +192,7 @@ void phys_destroy(struct phys *p)
 	}
 	if (p->host)
 		real_cuMemFreeHost(p->host);
+	free(p->digest);
 	if (p->prev)
 		p->prev->next = p->next;
 	else

@@ -1,0 +1,76 @@
+/*
+ * Host memory before a release pins more of it: pinned pages cannot be swapped or
+ * reclaimed, so pinning more than the host has free would wake the kernel's OOM
+ * killer, which may take this program (a model) or any other. A release that needs
+ * new pinned memory goes ahead only while MemAvailable (/proc/meminfo) stays above a
+ * margin afterwards: max(1 GiB, 5 % of MemTotal). Otherwise that release fails, with
+ * the reason; the program keeps its GPU memory and runs on, as after any failed
+ * release, and the wrapper tries again later.
+ *
+ * Each allocation's pinned copy is kept from one release to the next, so only the
+ * first release of an allocation pins anything: a member released again costs no new
+ * host memory, and is never refused here.
+ *
+ * VRAMLOCK_SWAP_MEMINFO names another file to read instead of /proc/meminfo: a hook
+ * for the tests, which cannot make the host short of memory.
+ */
+#include "swap.h"
+
+#define GIB (1024.0 * 1024 * 1024)
+#define MARGIN_MIN (1ULL << 30)
+#define MARGIN_PERCENT 5
+
+/* The value of `key` (in kB) in meminfo's text, in bytes; 0 when it is not there. */
+static unsigned long long field(const char *text, const char *key)
+{
+	size_t n = strlen(key);
+	for (const char *line = text; line && *line; line = strchr(line, '\n')) {
+		if (*line == '\n')
+			line++;
+		if (!strncmp(line, key, n) && line[n] == ':')
+			return strtoull(line + n + 1, NULL, 10) * 1024;
+	}
+	return 0;
+}
+
+static void show(char *out, size_t len, double bytes)
+{
+	if (bytes >= GIB)
+		snprintf(out, len, "%.1f GiB", bytes / GIB);
+	else
+		snprintf(out, len, "%.0f MiB", bytes / (1024 * 1024));
+}
+
+/* Whether the release may pin what it needs: CUDA_SUCCESS, or CUDA_ERROR_OUT_OF_MEMORY
+ * with *step saying why. With `mu` held. */
+CUresult hostmem_check(const char **step)
+{
+	static char why[200];
+	unsigned long long need = 0;
+	for (struct phys *p = physes; p; p = p->next)
+		if (!p->host)
+			need += p->size;
+	if (!need)
+		return CUDA_SUCCESS;
+	const char *path = getenv("VRAMLOCK_SWAP_MEMINFO");
+	char text[8192];
+	if (read_proc(path && *path ? path : "/proc/meminfo", text, sizeof text) <= 0)
+		return CUDA_SUCCESS; /* nothing to judge by: as before this check */
+	unsigned long long total = field(text, "MemTotal"), avail = field(text, "MemAvailable");
+	if (!total || !strstr(text, "MemAvailable:"))
+		return CUDA_SUCCESS; /* a kernel before 3.14 (no MemAvailable) */
+	unsigned long long margin = total / 100 * MARGIN_PERCENT;
+	if (margin < MARGIN_MIN)
+		margin = MARGIN_MIN;
+	if (avail >= margin && avail - margin >= need)
+		return CUDA_SUCCESS;
+	char needs[32], has[32], kept[32];
+	show(needs, sizeof needs, (double)need);
+	show(has, sizeof has, (double)avail);
+	show(kept, sizeof kept, (double)margin);
+	snprintf(why, sizeof why,
+		 "host memory: the release needs %s pinned, MemAvailable is %s (%s is kept free)",
+		 needs, has, kept);
+	*step = why;
+	return CUDA_ERROR_OUT_OF_MEMORY;
+}
