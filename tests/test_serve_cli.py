@@ -135,6 +135,29 @@ def test_the_port_accepts_before_the_configuration_is_read(
     assert proc.wait(30) == 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "bound"),
+    [
+        (["c.yaml"], "127.0.0.1:8080"),
+        (["c.yaml", "--listen", "9001"], "9001"),
+        (["--listen=:9002", "--config", "c.yaml"], ":9002"),
+        (["c.yaml", "--listen", "[::1]:9003"], "[::1]:9003"),
+        (["c.yaml", "--listen", "localhost:9004"], None),  # a name: resolved later, by serve
+        (["c.yaml", "--listen"], None),
+        (["--help"], None),
+        (["c.yaml", "--listenx", "1"], None),
+    ],
+)
+def test_which_addresses_are_listened_on_before_the_command_line(
+    argv: list[str], bound: str | None
+) -> None:
+    from vramlock.net import prebind
+
+    listen = prebind._listen_option(argv)
+    where = None if listen is None else prebind._literal(listen)
+    assert (listen if where is not None else None) == bound
+
+
 @pytest.mark.parametrize("twice", [False, True])
 def test_the_configuration_once(errcli: ErrCli, tmp_path: Path, twice: bool) -> None:
     path = str(config(tmp_path, GOOD))
