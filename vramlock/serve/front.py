@@ -122,6 +122,8 @@ class Front(asyncio.Protocol):
         self.buffer += data
         if self.task is None:
             self._next()
+        elif len(self.buffer) > HEAD_MAX + BODY_MAX and self.transport is not None:
+            self.transport.pause_reading()  # a client that sends on without reading
 
     def _next(self) -> None:
         end = self.buffer.find(b"\r\n\r\n")
@@ -154,13 +156,18 @@ class Front(asyncio.Protocol):
     async def _serve(self, head: Head, body: bytes) -> None:
         try:
             await self.router.fast(self, head, body)
-        except (OSError, asyncio.CancelledError):
+        except BaseException as err:
             if self.transport is not None:
-                self.transport.abort()
-            return
+                self.transport.abort()  # the answer cannot be finished
+            if isinstance(err, (OSError, asyncio.CancelledError)):
+                return
+            raise
         finally:
             self.task = None
-        if self.buffer and self.transport is not None and not self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.resume_reading()
+        if self.buffer:
             self._next()  # a request sent before this one's answer
 
     def write(self, data: bytes) -> None:
