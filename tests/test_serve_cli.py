@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.errors import ErrCli, expect_error
-from helpers.net import free_port
+from helpers.net import free_port, start_port
 from helpers.processes import Spawn, wait_until
 
 from vramlock import procfs
@@ -198,7 +198,7 @@ def test_a_stream_is_passed_on_as_it_comes(spawn: Spawn, tmp_path: Path, arena: 
     script = tmp_path / "slow.py"
     script.write_text(SLOW_STREAM)
     path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
-                            f"    checkEndpoint: none\nstartPort: {free_port()}\n")  # fmt: skip
+                            f"    checkEndpoint: none\nstartPort: {start_port()}\n")  # fmt: skip
     port = free_port()
     proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
                  env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
@@ -235,7 +235,7 @@ def test_a_model_that_never_gets_healthy_fails_without_its_503(
 ) -> None:
     script = tmp_path / "loading.py"
     script.write_text(LOADING)
-    path = config(tmp_path, f"healthCheckTimeout: 1\nstartPort: {free_port()}\nmodels:\n"
+    path = config(tmp_path, f"healthCheckTimeout: 1\nstartPort: {start_port()}\nmodels:\n"
                             f"  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n")  # fmt: skip
     port = free_port()
     proc = spawn(vramlock("serve", str(path), "--listen", str(port)),
@@ -307,7 +307,7 @@ def test_a_model_auto_cannot_release_is_restarted_for_another(
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     model = f"    cmd: {sys.executable} {script} ${{PORT}}\n    checkEndpoint: none\n"
-    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  a:\n{model}  b:\n{model}")
+    path = config(tmp_path, f"startPort: {start_port()}\nmodels:\n  a:\n{model}  b:\n{model}")
     port = serve_on(spawn, path, arena)
 
     def pid(name: str) -> int:
@@ -315,8 +315,9 @@ def test_a_model_auto_cannot_release_is_restarted_for_another(
         try:
             conn.request("POST", "/v1/completions", body=json.dumps({"model": name}))
             reply = conn.getresponse()
-            assert reply.status == 200
-            return int(reply.read())
+            body = reply.read()
+            assert reply.status == 200, body
+            return int(body)
         finally:
             conn.close()
 
@@ -364,7 +365,7 @@ def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, a
     script.write_text(SLOW_STREAM)
     path = config(tmp_path, f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
                             f"    checkEndpoint: none\n    concurrencyLimit: 1\n"
-                            f"startPort: {free_port()}\n")  # fmt: skip
+                            f"startPort: {start_port()}\n")  # fmt: skip
     port = serve_on(spawn, path, arena)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         body = b'{"model": "m", "stream": true}'
@@ -427,7 +428,7 @@ def test_no_other_program_takes_a_model_s_port_between_its_runs(
 ) -> None:
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
-    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+    path = config(tmp_path, f"startPort: {start_port()}\nmodels:\n  m:\n"
                             f"    cmd: {sys.executable} {script} ${{PORT}}\n"
                             "    checkEndpoint: none\n    release: restart\n")  # fmt: skip
     port = serve_on(spawn, path, arena)
@@ -455,7 +456,7 @@ def test_each_start_and_request_is_said_at_log_level_info(
 ) -> None:
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
-    path = config(tmp_path, f"logLevel: {level}\nstartPort: {free_port()}\nmodels:\n  m:\n"
+    path = config(tmp_path, f"logLevel: {level}\nstartPort: {start_port()}\nmodels:\n  m:\n"
                             f"    cmd: {sys.executable} {script} ${{PORT}}\n"
                             "    checkEndpoint: none\n")  # fmt: skip
     port = free_port()
@@ -496,7 +497,7 @@ def test_a_websocket_passes_through_upstream(spawn: Spawn, tmp_path: Path, arena
 
     script = tmp_path / "ws.py"
     script.write_text(WS_ECHO)
-    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+    path = config(tmp_path, f"startPort: {start_port()}\nmodels:\n  m:\n"
                             f"    cmd: {sys.executable} {script} ${{PORT}}\n"
                             "    checkEndpoint: none\n")  # fmt: skip
     port = serve_on(spawn, path, arena)
@@ -547,7 +548,7 @@ def test_use_model_name_and_filters_reach_the_server(
 ) -> None:
     script = tmp_path / "echo.py"
     script.write_text(ECHO)
-    path = config(tmp_path, f"startPort: {free_port()}\nmodels:\n  m:\n"
+    path = config(tmp_path, f"startPort: {start_port()}\nmodels:\n  m:\n"
                             f"    cmd: {sys.executable} {script} ${{PORT}}\n"
                             "    checkEndpoint: none\n    useModelName: served-name\n"
                             "    filters:\n      stripParams: temperature\n"

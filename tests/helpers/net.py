@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -20,6 +21,30 @@ def free_ports(n: int = 2) -> list[int]:
 def free_port() -> int:
     """One loopback port that was free an instant ago."""
     return free_ports(1)[0]
+
+
+def start_port(n: int = 4) -> int:
+    """The first of ``n`` consecutive loopback ports that were free an instant ago, below
+    the kernel's ephemeral range, as a config's ``startPort`` wants them: a port from that
+    range's next ones may be taken by any connection made meanwhile (serve's own)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    if low < 10000 + 2 * n:  # no room below the range: take it as bind(0) finds it
+        return free_port()
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10000, low - n)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for k, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports in a row below {low}")
 
 
 def accepts(port: int) -> bool:
