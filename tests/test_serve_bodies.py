@@ -237,3 +237,20 @@ def test_what_is_no_json_object_is_malformed(body: bytes) -> None:
 
     with pytest.raises(Malformed):
         json_model(body)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["X-A: 1\nX-Injected: yes", "X-A: 1\rX-Injected: yes", "X-A: 1\0", "X-A\n: 1"],
+    ids=["bare-LF", "bare-CR", "NUL", "LF-in-name"],
+)
+def test_a_head_with_a_bare_cr_or_lf_is_left_to_aiohttp(field: str) -> None:
+    """serve's own parser takes no head that aiohttp would refuse: a bare CR or LF inside
+    a field would otherwise reach the model's server as a header of its own."""
+    from vramlock.serve.front import parse_head
+
+    def head(extra: str) -> bytes:
+        return f"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n{extra}".encode("latin-1")
+
+    assert parse_head(head("X-A: 1"), lambda path: True) is not None
+    assert parse_head(head(field), lambda path: True) is None

@@ -50,10 +50,13 @@ def parse_head(head: bytes, taken: Callable[[str], bool]) -> Head | None:
     """The head (without its blank line) of a request this module takes; None for any
     other, which aiohttp answers. ``taken(path)``: is the path the router's by-model
     route for a POST?"""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:
-        return None
+    text = head.decode("latin-1")
+    if (
+        "\0" in text
+        or text.count("\n") != text.count("\r\n")
+        or text.count("\r") != text.count("\n")
+    ):
+        return None  # a bare CR or LF, or a NUL: aiohttp refuses it, nothing is passed on
     line, *lines = text.split("\r\n")
     method, _, rest = line.partition(" ")
     target, _, version = rest.partition(" ")
