@@ -9,6 +9,7 @@ journal     what happened: one line per member event, per user
 roster      who is in an arena: kernel lock state merged with the records
 budget      an arena's VRAM budget file and its sizes
 units       budget residency: units of capacity.lock
+asking      asking one budget resident to step aside, and nobody else
 footprint   what a budget member asks for: declared or measured
 member      one participant's state machine, and ``vramlock.resident``
 hint        wake-up hints (inotify) on the arena directory

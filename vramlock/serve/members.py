@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from ..arena.asking import asking
 from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
 from ..arena.member import TRANSITIONS
@@ -36,6 +37,8 @@ _PR_SET_PDEATHSIG = 1
 # and how long its server's checkEndpoint is given to say what it answers.
 EXIT_WITHIN = 0.5
 HEALTH_ASK_WITHIN = 2.0
+# How often an unload looks whether the model it asked to step aside has.
+ASK_POLL = 0.01
 # A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
 _CANNOT_RELEASE = "auto:none"
 # What vramlock run's own exit statuses mean.
@@ -247,11 +250,20 @@ class Wrapper:
         return seen
 
     async def unload(self, timeout: float) -> bool:
-        """Release the model now, if it is resident: take the token once as a waiter
-        (``vramlock wait``) and drop it; the model releases at its next safe point and
-        stays released until a request comes. True if it held the token."""
-        if not self.alive() or self.member_state() not in HOLDING:
+        """Release the model now, if it is resident; it stays released until a request
+        comes. True if it held the token and gave it up within ``timeout``. In a budget
+        arena the model alone is asked to step aside (the others stay resident); in
+        any other, serve takes the token once as a waiter (``vramlock wait``)."""
+        if not self.alive():
             return False
+        row = self._row()
+        if row is None or row.state not in HOLDING:
+            return False
+        if row.units:
+            with contextlib.closing(self.arena()) as opened:
+                budget = read_budget(opened) is not None
+            if budget:
+                return await self._ask_aside(row.units, timeout)
         waiter = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -260,6 +272,19 @@ class Wrapper:
         if code != 0:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
+
+    async def _ask_aside(self, units: list[int], timeout: float) -> bool:
+        """Ask for the model's budget units until it has given them up (its minimum
+        hold and yield_within honoured, as for any budget waiter)."""
+        end = time.monotonic() + timeout
+        with contextlib.closing(self.arena()) as opened, asking(opened, units):
+            while self.alive() and self.member_state() in HOLDING:
+                if time.monotonic() >= end:
+                    self.warn(f"model {self.model.name}: unload: still resident after"
+                              f" {timeout:g} s")  # fmt: skip
+                    return False
+                await asyncio.sleep(ASK_POLL)
+        return True
 
     def close(self) -> None:
         """Close serve's listening socket for the model (its wrapper ended first)."""
