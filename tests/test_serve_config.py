@@ -149,11 +149,8 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert "10002:8080" in docker.command
     assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
     # one warning per key that means nothing here, each with its line and why
+    assert config.routing.groups[0].members == ("llama", "qwen-unlisted")
     assert config.warnings == [
-        f"{path}:43: groups ignored: models of one arena take turns by its token, one resident"
-        " at a time, unless the arena has a budget (vramlock arena --budget), when they stay"
-        " resident together while they fit (vram: declared, or measured with NVML); models on"
-        " different GPUs (gpu:) run together",
         f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
         " release strategy, not by being stopped",
     ]
@@ -309,7 +306,6 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
 
 def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
     config = read(tmp_path, """\
-        routing: {router: {use: group}}
         selectors: {}
         upstream: {ignorePaths: []}
         models:
@@ -319,7 +315,7 @@ def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
         """)  # fmt: skip
     said = [w.split(": ", 1)[1] for w in config.warnings]
     assert [w.split(" ignored: ")[0] for w in said] == [
-        "routing", "selectors", "upstream", "model 'a': compat"]  # fmt: skip
+        "selectors", "upstream", "model 'a': compat"]  # fmt: skip
     assert "unknown" not in " ".join(said)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
-from helpers.serving import ask, complete, fake_models, start_serve, up
+from helpers.serving import ask, complete, fake_models, serve_log, server_events, start_serve, up
 
 pytest.importorskip("aiohttp")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture
 def budget_arena(arena: Path) -> Path:
-    subprocess.run(vramlock("arena", "--arena", str(arena), "--budget", "4G"),
+    subprocess.run(vramlock("arena", "--arena", str(arena), "--budget", "8G"),
                    check=True, capture_output=True, timeout=30)  # fmt: skip
     return arena
 
@@ -42,3 +42,87 @@ def test_unloading_one_model_of_a_budget_arena_leaves_the_others(
     assert ask(port, "POST", "/api/models/unload/a") == (200, "OK")
     assert up(tmp_path) == {"c"}
     assert complete(port, "c")["pid"] == pids["c"]
+
+
+GROUPS = """\
+groups:
+  pair:
+    swap: false
+    members: [a, b]
+  solo:
+    members: [c, d]
+  forever:
+    persistent: true
+    swap: false
+    exclusive: false
+    members: [e]
+"""
+
+
+def downs_before_up(tmp_path: Path, downs: set[str], model: str) -> bool:
+    """Did the servers of ``downs`` end before ``model``'s last start?"""
+    events = server_events(tmp_path)
+    started = max(at for at, name, what in events if name == model and what == "up")
+    ended = {name for at, name, what in events if what == "down" and at < started}
+    return downs <= ended
+
+
+def test_groups_decide_who_stays_resident_in_a_budget_arena(
+    spawn: Spawn, tmp_path: Path, budget_arena: Path
+) -> None:
+    models = fake_models(tmp_path, ["a", "b", "c", "d", "e"])
+    port = start_serve(spawn, tmp_path, GROUPS + models, budget_arena)
+    for name in "eab":
+        complete(port, name)
+    # a and b together (swap: false), e beside them (persistent, not exclusive)
+    assert up(tmp_path) == {"a", "b", "e"}
+    assert resident(budget_arena) == ["a", "b", "e"]
+    complete(port, "c")  # exclusive: the pair is released first; e persists
+    assert up(tmp_path) == {"c", "e"}
+    assert downs_before_up(tmp_path, {"a", "b"}, "c")
+    complete(port, "d")  # swap: c goes
+    assert up(tmp_path) == {"d", "e"}
+    assert downs_before_up(tmp_path, {"c"}, "d")
+    assert resident(budget_arena) == ["d", "e"]
+    assert "model c: releasing it for model d (routing)" in serve_log(tmp_path)
+
+
+MATRIX = """\
+routing:
+  router:
+    use: matrix
+    settings:
+      matrix:
+        evict_costs: {c: 10}
+        sets:
+          pairs: "(a | b) & c"
+"""
+
+
+def test_the_matrix_decides_who_stays_resident_in_a_budget_arena(
+    spawn: Spawn, tmp_path: Path, budget_arena: Path
+) -> None:
+    port = start_serve(spawn, tmp_path, MATRIX + fake_models(tmp_path, ["a", "b", "c", "d"]),
+                       budget_arena)  # fmt: skip
+    for name in "ac":
+        complete(port, name)
+    assert up(tmp_path) == {"a", "c"}
+    complete(port, "b")  # [b, c]: a goes, c stays
+    assert up(tmp_path) == {"b", "c"}
+    assert downs_before_up(tmp_path, {"a"}, "b")
+    complete(port, "d")  # in no set: alone
+    assert up(tmp_path) == {"d"}
+    assert resident(budget_arena) == ["d"]
+
+
+def test_rules_an_arena_without_a_budget_cannot_honour_are_said_once(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    port = start_serve(spawn, tmp_path, GROUPS + fake_models(tmp_path, list("abcde")), arena)
+    complete(port, "a")
+    complete(port, "c")
+    assert up(tmp_path) == {"c"}
+    said = [line for line in serve_log(tmp_path).splitlines() if "routing lets" in line]
+    assert said == [f"vramlock: {tmp_path / 'serve.yaml'}:2: routing lets a and b be resident"
+                    " together, but their arena has no budget (vramlock arena --budget): one"
+                    " model is resident there at a time"]  # fmt: skip

@@ -73,6 +73,9 @@ def _serve(
     wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
+    unhonoured = _together_without_budget(config, list(wrappers.values()))
+    if unhonoured is not None:
+        warn(unhonoured)
     return asyncio.run(_main(config, wrappers, socks, host, port, warn))
 
 
@@ -101,6 +104,36 @@ def _check(config: Config, w: Wrapper) -> None:
         w.arena().close()
     except VramlockError as err:
         raise ConfigError(config.path, m.line, f"model {m.name!r}: {err}") from None
+
+
+def _together_without_budget(config: Config, wrappers: list[Wrapper]) -> str | None:
+    """What to say when the routing rules let two models of an arena without a budget
+    be resident together: its token lets one at a time (the rules' evictions are
+    applied all the same)."""
+    from contextlib import closing
+
+    from ..arena.budget import read_budget
+
+    rules = config.routing
+    if rules.engine is None:
+        return None
+    arenas: dict[tuple[str | None, str | None], list[Wrapper]] = {}
+    for w in wrappers:
+        arenas.setdefault((w.model.arena, w.model.gpu), []).append(w)
+    for members in arenas.values():
+        names = [w.model.name for w in members]
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]
+                 if rules.together(a, b)]  # fmt: skip
+        if not pairs:
+            continue
+        with closing(members[0].arena()) as opened:
+            if read_budget(opened) is not None:
+                continue
+        a, b = pairs[0]
+        return (f"{config.path}:{rules.line}: routing lets {a} and {b} be resident together,"
+                " but their arena has no budget (vramlock arena --budget): one model is"
+                " resident there at a time")  # fmt: skip
+    return None
 
 
 class _OneLine(logging.Handler):

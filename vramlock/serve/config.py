@@ -38,6 +38,7 @@ import yaml
 
 from ..arena.directory import parse_gpus
 from ..errors import UsageError
+from . import routing
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
@@ -53,11 +54,6 @@ MAX_EXPANDED = 1 << 20
 
 # llama-swap's keys that have no meaning here, and why.
 _NO_UI = "vramlock serve has no web UI, metrics or request log"
-_ONE_AT_A_TIME = (
-    "models of one arena take turns by its token, one resident at a time, unless the arena"
-    " has a budget (vramlock arena --budget), when they stay resident together while they fit"
-    " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
-)
 _NO_LOADING = "a request waits while its model loads: no loading messages are streamed"
 _BY_NAME = "a request names its model or one of its aliases"
 IGNORED_TOP = {
@@ -68,9 +64,6 @@ IGNORED_TOP = {
     "ui": _NO_UI,
     "store": _NO_UI,
     "performance": _NO_UI,
-    "groups": _ONE_AT_A_TIME,
-    "matrix": _ONE_AT_A_TIME,
-    "routing": _ONE_AT_A_TIME,
     "peers": "only the models listed here are served",
     "profiles": _BY_NAME,
     "selectors": _BY_NAME,
@@ -87,7 +80,7 @@ IGNORED_MODEL = {
 }
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
-     "includeAliasesInList", "logLevel"}
+     "includeAliasesInList", "logLevel", "routing", "groups", "matrix"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
@@ -164,6 +157,7 @@ class Config:
     api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
     aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
     log_level: str = "info"  # logLevel: info and debug say each request and start
+    routing: routing.Routing = field(default_factory=routing.Routing)  # who is resident together
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -422,6 +416,7 @@ def load(path: str, duration: Duration) -> Config:
     global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
 
     models = _models(reader, macros, top["models"][1], start_port, global_ttl)
+    rules = routing.read(reader, top, set(models))
     preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
     keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
     listed = "includeAliasesInList" in top and reader.flag(
@@ -436,7 +431,7 @@ def load(path: str, duration: Duration) -> Config:
             )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
                   preload=preload, api_keys=keys, aliases_listed=listed,
-                  log_level=level)  # fmt: skip
+                  log_level=level, routing=rules)  # fmt: skip
 
 
 def _models(

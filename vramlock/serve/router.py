@@ -534,6 +534,7 @@ class Router:
             w.ttl_timer = None
         began = time.monotonic()
         try:
+            await self._evict_for(w)
             await self._make_room(w)
             w.ensure_running()
             out = await send()
@@ -544,6 +545,20 @@ class Router:
             w.admitted -= 1
             turns.leave()
             self._arm_ttl(w)
+
+    async def _evict_for(self, w: Wrapper) -> None:
+        """Release, through their release strategies, the models that the routing rules
+        (groups, matrix) evict for ``w``'s, before it is let in; nothing when it is
+        resident already, or without rules."""
+        rules = self.config.routing
+        if rules.engine is None or (w.alive() and w.member_state() in HOLDING):
+            return
+        running = [n for n, o in self.wrappers.items()
+                   if o is not w and o.alive() and o.member_state() in HOLDING]  # fmt: skip
+        evicted = [self.wrappers[name] for name in rules.evict(w.model.name, running)]
+        for other in evicted:
+            other.info(f"releasing it for model {w.model.name} (routing)")
+        await asyncio.gather(*(self._unload(other) for other in evicted))
 
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
