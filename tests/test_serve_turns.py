@@ -104,3 +104,18 @@ def test_another_model_after_a_pause_goes_at_once(monkeypatch: pytest.MonkeyPatc
         return loop.time() - started
 
     assert 0.2 < asyncio.run(main()) < 0.8
+
+
+def test_queued_requests_of_higher_priority_go_first() -> None:
+    async def main() -> list[str]:
+        turns, order = Turns({"C": 10, "B": 5}), list[str]()
+        holder = asyncio.ensure_future(request(turns, "A", order, hold=0.1))
+        await asyncio.sleep(0.01)
+        queued = []
+        for model in "DBC":  # queued in this order while A is served
+            queued.append(asyncio.ensure_future(request(turns, model, order)))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(holder, *queued)
+        return order
+
+    assert asyncio.run(main()) == list("ACBD")

@@ -72,9 +72,14 @@ class Turns:
     request after a pause waits for nothing). A B A B arriving together are served A A B B;
     clients that never pause take turns of about ``GROUP_WAIT``, so a request waits at
     most that long for each other model's turn (and its swap).
+
+    ``priority`` (llama-swap's fifo priorities, model -> priority, 0 by default): of
+    the models waiting when a turn ends, one of the highest priority goes next, the
+    one waiting longest among them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, priority: dict[str, int] | None = None) -> None:
+        self.priority = priority or {}
         self.current: str | None = None
         self.active = 0
         self._queued: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
@@ -148,7 +153,7 @@ class Turns:
         if not waiting:
             self.current = None
             return
-        model = min(waiting, key=lambda m: waiting[m][0][0])
+        model = min(waiting, key=lambda m: (-self.priority.get(m, 0), waiting[m][0][0]))
         self._begin(model)
         for _, fut in self._queued.pop(model):
             self.active += 1
@@ -378,7 +383,10 @@ class Router:
         return self.wrappers[model.name]
 
     def _turns(self, w: Wrapper) -> Turns:
-        return self.turns.setdefault((w.model.arena, w.model.gpu), Turns())
+        where = (w.model.arena, w.model.gpu)
+        if where not in self.turns:
+            self.turns[where] = Turns(self.config.routing.priority)
+        return self.turns[where]
 
     # -- forwarding ----------------------------------------------------------------
 
