@@ -5,12 +5,15 @@ own log (each says when it starts and ends) and ``vramlock who``, not serve's vi
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.serving import ask, complete, fake_models, serve_log, server_events, start_serve, up
+
+from vramlock import procfs
 
 pytest.importorskip("aiohttp")
 
@@ -126,3 +129,37 @@ def test_rules_an_arena_without_a_budget_cannot_honour_are_said_once(
     assert said == [f"vramlock: {tmp_path / 'serve.yaml'}:2: routing lets a and b be resident"
                     " together, but their arena has no budget (vramlock arena --budget): one"
                     " model is resident there at a time"]  # fmt: skip
+
+
+def test_a_model_not_released_within_unload_timeout_is_stopped_hard(
+    spawn: Spawn, tmp_path: Path, budget_arena: Path
+) -> None:
+    # a refuses to step aside for a minute (min_hold); unloadTimeout 0 is the top level's
+    models = fake_models(tmp_path, ["a", "b"], a="min_hold: 60\nunloadTimeout: 0")
+    port = start_serve(spawn, tmp_path, "unloadTimeout: 1\n" + models, budget_arena)
+    pids = {name: complete(port, name)["pid"] for name in "ab"}
+    started = time.monotonic()
+    assert ask(port, "POST", "/models/unload/a") == (200, {"model": "a", "released": True})
+    assert time.monotonic() - started < 15
+    assert not procfs.living(pids["a"])
+    assert resident(budget_arena) == ["b"]
+    assert "model a: not released within unloadTimeout, 1 s; stopping it" in serve_log(tmp_path)
+    assert complete(port, "a")["pid"] != pids["a"]  # started again on its next request
+    assert complete(port, "b")["pid"] == pids["b"]
+
+
+def test_a_response_head_later_than_timeouts_response_header_is_a_504(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    slow = 'env: ["DELAY=5"]\ntimeouts:\n  responseHeader: 1\n  connect: 0\n  keepalive: 30'
+    port = start_serve(spawn, tmp_path, fake_models(tmp_path, ["a"], a=slow), arena)
+    started = time.monotonic()
+    status, reply = ask(port, "POST", "/v1/completions", {"model": "a"})
+    assert time.monotonic() - started < 4.5
+    assert status == 504
+    assert reply["error"]["message"] == (
+        "model a: no response head within timeouts.responseHeader, 1 s"
+    )
+    assert "timeouts: keepalive ignored: serve reaches each model on loopback" in serve_log(
+        tmp_path
+    )

@@ -152,12 +152,13 @@ def test_routing_matrix_and_the_scheduler_s_priorities(tmp_path: Path) -> None:
          6, "routing.scheduler.settings.fifo.priority: no model 'q'"),
         ("routing:\n  scheduler:\n    settings:\n      fifo:\n        priority:\n          a: hi\n",
          6, "priority: a's must be a whole number"),
+        ("unloadTimeout: -1\n", 1, "unloadTimeout must be a number of seconds, at least 0"),
     ],
     ids=["unknown-member", "two-groups", "no-members", "bad-flag", "paren", "operator",
          "character", "unknown-ref", "cycle", "unknown-name", "var-name", "var-model",
          "cost-zero", "cost-unknown", "no-sets", "too-many", "groups-and-matrix",
          "legacy-and-routing", "unknown-router", "matrix-missing", "unknown-scheduler",
-         "priority-model", "priority-number"],
+         "priority-model", "priority-number", "unload-timeout"],
 )  # fmt: skip
 def test_routing_errors_name_file_and_line(
     tmp_path: Path, text: str, line: int, message: str
@@ -167,3 +168,31 @@ def test_routing_errors_name_file_and_line(
     assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}:{line}: ")
     assert message in str(err.value)
     assert err.value.exit_status == 2
+
+
+def test_unload_timeout_and_timeouts(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        textwrap.dedent("""\
+        unloadTimeout: 5
+        models:
+          a:
+            cmd: srv ${PORT}
+            unloadTimeout: 0
+            timeouts: {connect: 0, responseHeader: 60, idleConn: 90, tlsHandshake: 10}
+          b:
+            cmd: srv ${PORT}
+            unloadTimeout: 2
+            timeouts: {connect: soon}
+        """)
+    )
+    with pytest.raises(ConfigError, match=r"config.yaml:10: model 'b': timeouts: connect must"):
+        load(str(path), parse_duration)
+    path.write_text(path.read_text().replace("connect: soon", "responseHeader: 0"))
+    config = load(str(path), parse_duration)
+    a, b = config.models["a"], config.models["b"]
+    assert (config.unload_timeout, a.unload_timeout, b.unload_timeout) == (5, None, 2)
+    assert (a.timeouts.connect, a.timeouts.header) == (None, 60)
+    assert (b.timeouts.connect, b.timeouts.header) == (30, None)  # llama-swap's defaults
+    assert [w.split(": ", 3)[3].split(" ignored")[0] for w in config.warnings] == [
+        "idleConn", "tlsHandshake"]  # fmt: skip

@@ -39,6 +39,7 @@ import yaml
 from ..arena.directory import parse_gpus
 from ..errors import UsageError
 from . import routing
+from .timeouts import Timeouts, read_timeouts, read_unload_timeout
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
@@ -69,23 +70,21 @@ IGNORED_TOP = {
     "selectors": _BY_NAME,
     "upstream": "/upstream passes every path through",
     "sendLoadingState": _NO_LOADING,
-    "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
-    "unloadTimeout": IGNORED_TOP["unloadTimeout"],
     "sendLoadingState": _NO_LOADING,
     "compat": "a websocket through /upstream is a connection like any other",
-    "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
-     "includeAliasesInList", "logLevel", "routing", "groups", "matrix"}
+     "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
-     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities"}
+     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities",
+     "unloadTimeout", "timeouts"}
 )  # fmt: skip
 
 
@@ -122,6 +121,8 @@ class Model:
     filters: Filters = field(default_factory=lambda: Filters())
     metadata: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
     capabilities: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
+    unload_timeout: float | None = None  # unloadTimeout (None: the top level's)
+    timeouts: Timeouts = field(default_factory=Timeouts)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class Config:
     aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
     log_level: str = "info"  # logLevel: info and debug say each request and start
     routing: routing.Routing = field(default_factory=routing.Routing)  # who is resident together
+    unload_timeout: float | None = None  # unloadTimeout (None: healthCheckTimeout, no hard stop)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -417,6 +419,9 @@ def load(path: str, duration: Duration) -> Config:
 
     models = _models(reader, macros, top["models"][1], start_port, global_ttl)
     rules = routing.read(reader, top, set(models))
+    unload = None
+    if "unloadTimeout" in top:
+        unload = read_unload_timeout(reader, top["unloadTimeout"][1], "unloadTimeout")
     preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
     keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
     listed = "includeAliasesInList" in top and reader.flag(
@@ -431,7 +436,7 @@ def load(path: str, duration: Duration) -> Config:
             )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
                   preload=preload, api_keys=keys, aliases_listed=listed,
-                  log_level=level, routing=rules)  # fmt: skip
+                  log_level=level, routing=rules, unload_timeout=unload)  # fmt: skip
 
 
 def _models(
@@ -685,6 +690,18 @@ class _Entry:
             raise self.reader.fail(node, f"{where}: parameters must be a mapping")
         return value
 
+    def timeouts(self) -> dict[str, Any]:
+        """unloadTimeout and timeouts, as Model's fields."""
+        out: dict[str, Any] = {}
+        if "unloadTimeout" in self.fields:
+            what = f"{self.where}: unloadTimeout"
+            out["unload_timeout"] = read_unload_timeout(
+                self.reader, self.node("unloadTimeout"), what
+            )
+        if "timeouts" in self.fields:
+            out["timeouts"] = read_timeouts(self.reader, self.node("timeouts"), self.where)
+        return out
+
     def flag(self, key: str) -> bool:
         return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
 
@@ -731,5 +748,6 @@ def _model(
         filters=filters,
         metadata=entry.shown("metadata"),
         capabilities=entry.shown("capabilities"),
+        **entry.timeouts(),
     )
     return model, uses_port

@@ -249,6 +249,39 @@ class Wrapper:
         self.shown = seen
         return seen
 
+    async def unload_bounded(self) -> bool:
+        """Release the model now, if it is resident, within its unloadTimeout, then stop
+        it hard (end its command and wrapper: it starts again on its next request);
+        without one, within healthCheckTimeout. True if it held the token and gave it
+        up, or was stopped."""
+        bound = self.model.unload_timeout or self.config.unload_timeout
+        if bound is None:
+            return await self.unload(self.config.health_timeout)
+        if not self.resident():
+            return False
+        if await self.unload(bound) or not self.resident():
+            return True
+        self.warn(f"model {self.model.name}: not released within unloadTimeout, {bound:g} s;"
+                  " stopping it")  # fmt: skip
+        await self.stop_hard()
+        return True
+
+    async def stop_hard(self) -> None:
+        """SIGKILL the model's command (its process group), then end its wrapper, which
+        ends whatever of the command is left before it exits."""
+        row = self._row()
+        child = None if row is None else row.child_pid
+        if child is not None:
+            with contextlib.suppress(OSError):
+                group = os.getpgid(child)
+                if group != os.getpgrp():
+                    os.killpg(group, signal.SIGKILL)
+        await self.restart()
+
+    def resident(self) -> bool:
+        """Does the wrapper hold the token (or its units)?"""
+        return self.alive() and self.member_state() in HOLDING
+
     async def unload(self, timeout: float) -> bool:
         """Release the model now, if it is resident; it stays released until a request
         comes. True if it held the token and gave it up within ``timeout``. In a budget

@@ -31,7 +31,7 @@ from .config import Config
 from .front import Front, Head
 from .members import Wrapper
 from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
-from .upstream import Body, Pool, Stream
+from .upstream import Body, Pool, Stream, UpstreamTimeout
 
 T = TypeVar("T")
 # Once a request for another model has waited this long, new requests for the model
@@ -600,9 +600,15 @@ class Router:
             chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
             length = None if chunked else request.content_length
             body = Stream(_counted(request), length) if chunked or length else b""
-        pool = self.pools.setdefault(w.model.name, Pool(w.port))
+        pool = self.pools.get(w.model.name)
+        if pool is None:
+            bounds = w.model.timeouts
+            pool = self.pools[w.model.name] = Pool(w.port, connect=bounds.connect,
+                                                   header=bounds.header)  # fmt: skip
         try:
             up = await pool.request(request.method, path, headers, body, w.exited)
+        except UpstreamTimeout as err:
+            return _error(504, f"model {w.model.name}: {err}")
         except _TooLarge:
             return _too_large()
         except OSError as err:
@@ -649,9 +655,7 @@ class Router:
 
     def _unload(self, w: Wrapper) -> asyncio.Task[bool]:
         if w.unloading is None or w.unloading.done():
-            w.unloading = asyncio.get_running_loop().create_task(
-                w.unload(self.config.health_timeout)
-            )
+            w.unloading = asyncio.get_running_loop().create_task(w.unload_bounded())
         return w.unloading
 
     async def unload_one(self, request: web.Request) -> web.Response:

@@ -24,6 +24,14 @@ class UpstreamError(Exception):
     """The wrapper closed or broke the connection before a whole response head."""
 
 
+class UpstreamTimeout(Exception):
+    """A bound of the model's ``timeouts`` passed: ``key`` (its name), ``seconds``."""
+
+    def __init__(self, what: str, key: str, seconds: float) -> None:
+        super().__init__(f"{what} within {key}, {seconds:g} s")
+        self.key, self.seconds = key, seconds
+
+
 @dataclass
 class Response:
     status: int
@@ -48,8 +56,12 @@ Body = bytes | bytearray | Stream
 class Pool:
     """Kept-alive connections to one loopback port."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(
+        self, port: int, *, connect: float | None = None, header: float | None = None
+    ) -> None:
         self.port = port
+        self.connect = connect  # timeouts.connect: seconds, None: no bound
+        self.header = header  # timeouts.responseHeader
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     def close(self) -> None:
@@ -91,7 +103,12 @@ class Pool:
             except UpstreamError:
                 continue
         _check(exited)
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            connecting = asyncio.open_connection("127.0.0.1", self.port)
+            reader, writer = await asyncio.wait_for(connecting, self.connect)
+        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+            assert self.connect is not None
+            raise UpstreamTimeout("no connection", "timeouts.connect", self.connect) from None
         exchange = self._exchange(reader, writer, method, data, fresh=True)
         return await _unless(exited, writer, exchange)
 
@@ -109,7 +126,7 @@ class Pool:
             else:
                 writer.write(data[0])
                 await _send(writer, data[1])
-            head = await reader.readuntil(b"\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.header)
         except asyncio.IncompleteReadError as err:
             writer.close()
             if err.partial or fresh:
@@ -120,6 +137,12 @@ class Pool:
             if fresh:
                 raise
             raise UpstreamError from None
+        except asyncio.TimeoutError:
+            writer.close()
+            assert self.header is not None
+            raise UpstreamTimeout(
+                "no response head", "timeouts.responseHeader", self.header
+            ) from None
         except BaseException:
             writer.close()  # cancelled (the client went away): the answer is nobody's
             raise
