@@ -68,6 +68,11 @@ def err_held_token(err_arena: Path) -> Iterator[int]:
             USAGE,
             ["--on-release/--on-restore need --release exec"],
         ),
+        (
+            ["--on-restore", "true", "--on-release", "true", "--release", "restart"],
+            USAGE,
+            ["--on-release/--on-restore need --release exec (--on-release alone: or restart)"],
+        ),
         (["--release", "exec"], USAGE, ["--release exec needs --on-release"]),
         (
             ["--release", "exec", "--on-restore", "true"],
@@ -82,6 +87,7 @@ def err_held_token(err_arena: Path) -> Iterator[int]:
         "unknown-demand-release-none",
         "on-release-with-signal",
         "on-restore-with-none",
+        "on-restore-with-restart",
         "exec-without-on-release",
         "exec-with-only-on-restore",
     ],

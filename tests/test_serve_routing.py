@@ -4,6 +4,7 @@ own log (each says when it starts and ends) and ``vramlock who``, not serve's vi
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from pathlib import Path
@@ -11,7 +12,16 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
-from helpers.serving import ask, complete, fake_models, serve_log, server_events, start_serve, up
+from helpers.serving import (
+    Containers,
+    ask,
+    complete,
+    fake_models,
+    serve_log,
+    server_events,
+    start_serve,
+    up,
+)
 
 from vramlock import procfs
 
@@ -163,3 +173,36 @@ def test_a_response_head_later_than_timeouts_response_header_is_a_504(
     assert "timeouts: keepalive ignored: serve reaches each model on loopback" in serve_log(
         tmp_path
     )
+
+
+def test_cmd_stop_is_a_container_s_release_and_the_token_waits_for_it(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    boxes = Containers(spawn, tmp_path / "containers")
+    port = start_serve(spawn, tmp_path, boxes.models(["a", "b"]), arena)
+    first = complete(port, "a")
+    cmd_pid = int(boxes.read("a.cmd"))
+    complete(port, "b")  # a's turn ends: cmdStop stops its container first
+    assert boxes.read("a.stopped-for") == str(cmd_pid)  # ${PID}: a's cmd
+    assert complete(port, "a")["pid"] != first["pid"]  # a new container on its turn
+    spans = boxes.on_gpu()
+    assert [s[0] for s in spans] == ["a", "b", "a"]
+    for before, after in itertools.pairwise(spans):  # each stopped before the next began
+        assert before[3] < after[2], spans
+
+
+def test_a_failing_cmd_stop_keeps_the_model_resident_and_says_why(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    boxes = Containers(spawn, tmp_path / "containers")
+    config = "unloadTimeout: 2\n" + boxes.models(["a"], stop="3")
+    port = start_serve(spawn, tmp_path, config, arena)
+    pid = complete(port, "a")["pid"]
+    assert ask(port, "POST", "/models/unload/a") == (200, {"model": "a", "released": False})
+    log = serve_log(tmp_path)
+    assert "release failed: --on-release command exited with status 3; staying resident" in log
+    assert "model a: cmdStop did not stop it within unloadTimeout, 2 s; it keeps the GPU" in log
+    assert resident(arena) == ["a"]
+    before = boxes.on_gpu()[-1][3]
+    wait_until(lambda: boxes.on_gpu()[-1][3] > before)  # still running
+    assert complete(port, "a")["pid"] == pid

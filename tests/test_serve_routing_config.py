@@ -196,3 +196,48 @@ def test_unload_timeout_and_timeouts(tmp_path: Path) -> None:
     assert (b.timeouts.connect, b.timeouts.header) == (30, None)  # llama-swap's defaults
     assert [w.split(": ", 3)[3].split(" ignored")[0] for w in config.warnings] == [
         "idleConn", "tlsHandshake"]  # fmt: skip
+
+
+def test_cmd_stop_is_a_shell_line_its_pid_the_command_s(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        textwrap.dedent("""\
+        macros: {stopper: "docker stop"}
+        models:
+          box:
+            cmd: docker run --name ${MODEL_ID} -p ${PORT}:8080 image
+            cmdStop: ${stopper} ${MODEL_ID} "a b" x${PID}y
+          plain:
+            cmd: srv ${PORT}
+        """)
+    )
+    config = load(str(path), parse_duration)
+    box = config.models["box"]
+    assert box.stop_command == "docker stop box 'a b' x\"$VRAMLOCK_CHILD_PID\"y"
+    assert box.release == "restart" and box.run_options[:2] == ("--release", "restart")
+    assert config.models["plain"].stop_command is None
+
+
+@pytest.mark.parametrize(
+    ("model", "line", "message"),
+    [
+        ("    cmdStop: stop\n    release: signal\n", 5,
+         "model 'a': cmdStop stops the model to release it: release must be restart"),
+        ("    cmdStop: kill \"${PID}\n", 4, "model 'a': cmdStop: No closing quotation"),
+        ("    cmdStop: \"\"\n", 4, "model 'a': cmdStop is empty"),
+    ],
+    ids=["release", "quote", "empty"],
+)  # fmt: skip
+def test_cmd_stop_errors(tmp_path: Path, model: str, line: int, message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"models:\n  a:\n    cmd: srv ${{PORT}}\n{model}")
+    with pytest.raises(ConfigError) as err:
+        load(str(path), parse_duration)
+    assert str(err.value) == f"{path}:{line}: {message}"
+
+
+def test_pid_is_for_cmd_stop_only(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("models:\n  a:\n    cmd: srv ${PID}\n")
+    with pytest.raises(ConfigError, match=r":3: model 'a': cmd: \$\{PID\} is for cmdStop"):
+        load(str(path), parse_duration)

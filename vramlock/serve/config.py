@@ -49,7 +49,7 @@ DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
-_RESERVED = frozenset({"PORT", "MODEL_ID"})
+_RESERVED = frozenset({"PID", "PORT", "MODEL_ID"})
 # What one value may expand to: macros that double each other must not exhaust memory.
 MAX_EXPANDED = 1 << 20
 
@@ -72,7 +72,6 @@ IGNORED_TOP = {
     "sendLoadingState": _NO_LOADING,
 }
 IGNORED_MODEL = {
-    "cmdStop": "a model releases through its release strategy, not by being stopped",
     "sendLoadingState": _NO_LOADING,
     "compat": "a websocket through /upstream is a connection like any other",
 }
@@ -84,7 +83,7 @@ MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
      "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities",
-     "unloadTimeout", "timeouts"}
+     "unloadTimeout", "timeouts", "cmdStop"}
 )  # fmt: skip
 
 
@@ -122,6 +121,7 @@ class Model:
     metadata: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
     capabilities: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
     unload_timeout: float | None = None  # unloadTimeout (None: the top level's)
+    stop_command: str | None = None  # cmdStop, for sh -c (${PID}: $VRAMLOCK_CHILD_PID)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -310,7 +310,8 @@ class _Macros:
         for name, key, value in self.reader.pairs(node, "macros"):
             if not _MACRO_NAME.fullmatch(name) or name in _RESERVED:
                 raise self.reader.fail(
-                    key, f"macros: bad name {name!r} (letters, digits, _, -; not PORT, MODEL_ID)"
+                    key,
+                    f"macros: bad name {name!r} (letters, digits, _, -; not PID, PORT, MODEL_ID)",
                 )
             raw = self.reader.value(value)
             if isinstance(raw, bool):
@@ -368,11 +369,16 @@ def fill(text: str, model: dict[str, str]) -> str:
     return text
 
 
-def _command(text: str) -> list[str]:
-    """llama-swap's ``cmd``: comment lines dropped, line continuations joined, split as
-    a shell would (quotes, no expansion)."""
+def _words(text: str) -> list[str]:
+    """Comment lines dropped, line continuations joined, split as a shell would (quotes,
+    no expansion). ValueError: an unclosed quote."""
     lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.strip().startswith("#")]
-    words = shlex.split(" ".join(lines))  # ValueError: an unclosed quote
+    return shlex.split(" ".join(lines))
+
+
+def _command(text: str) -> list[str]:
+    """llama-swap's ``cmd``: its words (``_words``), none with a NUL character."""
+    words = _words(text)
     if any("\0" in word for word in words):
         raise ValueError("a NUL character cannot be passed to a program")
     return words
@@ -547,6 +553,8 @@ class _Entry:
         else:
             proxy_text, proxy_node = self.marked("proxy", proxy), self.node("proxy")
         uses_port = _mark("PORT") in cmd_text + proxy_text
+        if _mark("PID") in cmd_text:
+            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd: ${{PID}} is for cmdStop")
         try:
             command = _command(fill(cmd_text, self.filled))
         except ValueError as err:
@@ -598,7 +606,7 @@ class _Entry:
 
     def run_options(self) -> tuple[list[str], str | None, str | None]:
         """vramlock run's options from the vramlock keys, and the gpu and arena."""
-        release, preset = self.text("release") or "auto", self.text("preset")
+        release, preset = self.release(), self.text("preset")
         run = ["--release", release] + (["--preset", preset] if preset is not None else [])
         for k, option in (("min_hold", "--min-hold"), ("yield_within", "--yield-within")):
             if k in self.fields:
@@ -690,6 +698,32 @@ class _Entry:
             raise self.reader.fail(node, f"{where}: parameters must be a mapping")
         return value
 
+    def release(self) -> str:
+        """The release strategy: a model with cmdStop is released by being stopped."""
+        release = self.text("release")
+        if "cmdStop" in self.fields and release not in (None, "restart"):
+            raise self.reader.fail(self.node("release"), f"{self.where}: cmdStop stops the"
+                                   " model to release it: release must be restart")  # fmt: skip
+        return release or ("restart" if "cmdStop" in self.fields else "auto")
+
+    def stop_command(self) -> str | None:
+        """cmdStop as a line for ``sh -c``: its words as cmd's are split, macros filled
+        in, each ${PID} the model's command's pid (``$VRAMLOCK_CHILD_PID``)."""
+        text = self.text("cmdStop")
+        if text is None:
+            return None
+        node, pid = self.node("cmdStop"), '"$VRAMLOCK_CHILD_PID"'
+        try:
+            words = [w.split(_mark("PID")) for w in _words(self.expanded("cmdStop", text))]
+        except ValueError as err:
+            raise self.reader.fail(node, f"{self.where}: cmdStop: {err}") from None
+        if any("\0" in part for parts in words for part in parts):
+            raise self.reader.fail(node, f"{self.where}: cmdStop: a NUL character cannot be"
+                                         " passed to a program")  # fmt: skip
+        if not words:
+            raise self.reader.fail(node, f"{self.where}: cmdStop is empty")
+        return " ".join(pid.join(shlex.quote(part) for part in parts) for parts in words)
+
     def timeouts(self) -> dict[str, Any]:
         """unloadTimeout and timeouts, as Model's fields."""
         out: dict[str, Any] = {}
@@ -739,7 +773,8 @@ def _model(
         unlisted=entry.flag("unlisted"),
         title=entry.text("name"),
         description=entry.text("description"),
-        release=entry.text("release") or "auto",
+        release=entry.release(),
+        stop_command=entry.stop_command(),
         preset=entry.text("preset"),
         run_options=tuple(run),
         arena=arena,

@@ -37,6 +37,9 @@ _PR_SET_PDEATHSIG = 1
 # and how long its server's checkEndpoint is given to say what it answers.
 EXIT_WITHIN = 0.5
 HEALTH_ASK_WITHIN = 2.0
+# How much longer than unloadTimeout serve waits for a cmdStop's outcome (the wrapper
+# runs it under unloadTimeout).
+STOP_MARGIN = 2.0
 # How often an unload looks whether the model it asked to step aside has.
 ASK_POLL = 0.01
 # A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
@@ -126,7 +129,18 @@ class Wrapper:
                 "--ready-within", f"{self.config.health_timeout:.3f}"]  # fmt: skip
         if self.ready_url is not None:
             args += ["--ready-url", self.ready_url]
+        if m.stop_command is not None:
+            # Stopping it is its release, within unloadTimeout (else run's 10 s).
+            args += ["--on-release", m.stop_command]
+            bound = self.unload_within
+            if bound is not None and "--yield-within" not in m.run_options:
+                args += ["--yield-within", f"{bound:.3f}"]
         return [*args, *m.run_options, *self.where, "--", *m.command]
+
+    @property
+    def unload_within(self) -> float | None:
+        """unloadTimeout: the model's, else the top level's; None: none given."""
+        return self.model.unload_timeout or self.config.unload_timeout
 
     def info(self, message: str) -> None:
         """Say ``message`` about the model, at logLevel info (or debug)."""
@@ -254,13 +268,21 @@ class Wrapper:
         it hard (end its command and wrapper: it starts again on its next request);
         without one, within healthCheckTimeout. True if it held the token and gave it
         up, or was stopped."""
-        bound = self.model.unload_timeout or self.config.unload_timeout
+        bound = self.unload_within
         if bound is None:
             return await self.unload(self.config.health_timeout)
         if not self.resident():
             return False
-        if await self.unload(bound) or not self.resident():
+        # cmdStop runs in the wrapper under the same bound: its outcome is waited for.
+        margin = STOP_MARGIN if self.model.stop_command is not None else 0.0
+        if await self.unload(bound + margin) or not self.resident():
             return True
+        if self.model.stop_command is not None:
+            # Its GPU process is no child of ours: killing the wrapper and cmd would give
+            # the token up while it may still run. It keeps the token; run says why.
+            self.warn(f"model {self.model.name}: cmdStop did not stop it within unloadTimeout,"
+                      f" {bound:g} s; it keeps the GPU")  # fmt: skip
+            return False
         self.warn(f"model {self.model.name}: not released within unloadTimeout, {bound:g} s;"
                   " stopping it")  # fmt: skip
         await self.stop_hard()

@@ -70,8 +70,9 @@ def check(
         name = "http"
     if name not in NAMES:
         raise UsageError(f"unknown release strategy {name!r} (choose from {', '.join(NAMES)})")
-    if hooks and name != "exec":
-        raise UsageError("--on-release/--on-restore need --release exec")
+    if hooks and name != "exec" and (name != "restart" or settings.on_restore is not None):
+        raise UsageError("--on-release/--on-restore need --release exec (--on-release alone:"
+                         " or restart)")  # fmt: skip
     if web and name != "http":
         raise UsageError("--preset, --on-release-url and --on-restore-url need --release http")
     if name == "exec" and settings.on_release is None:

@@ -7,7 +7,38 @@ import signal
 import time
 
 from ..errors import StrategyError
-from .base import Interrupted, ReleaseTimeout, Strategy
+from .base import Context, Interrupted, ReleaseTimeout, Strategy
+
+
+def run_hook(ctx: Context, command: str, what: str, deadline: float | None) -> None:
+    """Run ``command`` through ``sh -c`` (VRAMLOCK_CHILD_PID and _PGID set) until it
+    exits: StrategyError unless it exits 0, ReleaseTimeout at ``deadline`` and
+    Interrupted when vramlock is told to end (then it is killed)."""
+    import subprocess  # only the strategies with hooks run programs of their own
+
+    env = dict(os.environ)
+    env["VRAMLOCK_CHILD_PID"] = str(ctx.child.pid)
+    env["VRAMLOCK_CHILD_PGID"] = str(ctx.child.pid)
+    hook = subprocess.Popen(["/bin/sh", "-c", command], env=env, start_new_session=True)
+    ctx.child.ignored.add(hook.pid)
+    endings = ctx.endings
+    try:
+        while True:
+            step = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            try:
+                code = hook.wait(max(step, 0.0))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            interrupted = ctx.endings != endings
+            if interrupted or (deadline is not None and time.monotonic() >= deadline):
+                os.killpg(hook.pid, signal.SIGKILL)
+                hook.wait()
+                raise Interrupted if interrupted else ReleaseTimeout
+    finally:
+        ctx.child.ignored.discard(hook.pid)
+    if code != 0:
+        raise StrategyError(f"--{what} command exited with status {code}")
 
 
 class ExecStrategy(Strategy):
@@ -15,37 +46,10 @@ class ExecStrategy(Strategy):
 
     name = "exec"
 
-    def _hook(self, command: str | None, what: str, deadline: float | None) -> None:
-        if not command:
-            return
-        import subprocess  # only this strategy runs programs of its own
-
-        env = dict(os.environ)
-        env["VRAMLOCK_CHILD_PID"] = str(self.ctx.child.pid)
-        env["VRAMLOCK_CHILD_PGID"] = str(self.ctx.child.pid)
-        hook = subprocess.Popen(["/bin/sh", "-c", command], env=env, start_new_session=True)
-        self.ctx.child.ignored.add(hook.pid)
-        endings = self.ctx.endings
-        try:
-            while True:
-                step = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-                try:
-                    code = hook.wait(max(step, 0.0))
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                interrupted = self.ctx.endings != endings
-                if interrupted or (deadline is not None and time.monotonic() >= deadline):
-                    os.killpg(hook.pid, signal.SIGKILL)
-                    hook.wait()
-                    raise Interrupted if interrupted else ReleaseTimeout
-        finally:
-            self.ctx.child.ignored.discard(hook.pid)
-        if code != 0:
-            raise StrategyError(f"--{what} command exited with status {code}")
-
     def release(self, deadline: float | None) -> None:
-        self._hook(self.settings.on_release, "on-release", deadline)
+        if self.settings.on_release:
+            run_hook(self.ctx, self.settings.on_release, "on-release", deadline)
 
     def _restore(self) -> None:
-        self._hook(self.settings.on_restore, "on-restore", None)
+        if self.settings.on_restore:
+            run_hook(self.ctx, self.settings.on_restore, "on-restore", None)
