@@ -132,7 +132,6 @@ def test_readme_short_example(tmp_path: Path) -> None:
 
 def test_readme_full_example(tmp_path: Path) -> None:
     config = read(tmp_path, README_FULL)
-    path = str(tmp_path / "config.yaml")
     llama, unlisted, docker = config.models.values()
     assert config.health_timeout == 500
     assert llama.aliases == ("gpt-4o-mini", "gpt-3.5-turbo")
@@ -150,10 +149,9 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
     # one warning per key that means nothing here, each with its line and why
     assert config.routing.groups[0].members == ("llama", "qwen-unlisted")
-    assert config.warnings == [
-        f"{path}:41: model 'docker-llama': cmdStop ignored: a model releases through its"
-        " release strategy, not by being stopped",
-    ]
+    # cmdStop: docker-llama is released by being stopped
+    assert (docker.stop_command, docker.release) == ("docker stop dockertest", "restart")
+    assert config.warnings == []
 
 
 def test_macros_env_model_macros_and_model_id(

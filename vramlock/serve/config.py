@@ -8,17 +8,20 @@ What llama-swap's keys mean here:
   (default ``/health``; ``none``; no spaces or control characters),
   ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
   ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``,
-  ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``;
+  ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``,
+  ``unloadTimeout`` and ``timeouts`` (``timeouts.py``), ``cmdStop`` (its release:
+  ``vramlock run --release restart --on-release``; ``${PID}`` the cmd's pid);
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
   ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
-  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``.
+  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``,
+  ``unloadTimeout``, ``routing`` and the older ``groups`` and ``matrix`` (``routing.py``).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
 ``run`` picks).
 
-Keys that mean nothing under vramlock (``groups``, ``cmdStop``, ...) are ignored with a
+Keys that mean nothing under vramlock (``peers``, ``sendLoadingState``, ...) are ignored with a
 warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
 ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
 """
