@@ -30,6 +30,7 @@ def ended(signum, frame):
 signal.signal(signal.SIGTERM, ended)
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # no 40 ms wait for a delayed ACK between head and body
     def log_message(self, *args):
         pass
     def do_GET(self):
