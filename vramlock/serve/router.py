@@ -290,6 +290,7 @@ class Router:
         self.fronts: set[Front] = set()  # connections whose requests front.py takes
         self._not_fast: tuple[str, ...] | None = None
         self.requests = Requests()
+        self._seen_resident: str | None = None  # the routing rules' last model found resident
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self._counting = counting(self.requests)  # front.py counts its own the same way
         middlewares.append(self._counting)
@@ -559,8 +560,14 @@ class Router:
         (groups, matrix) evict for ``w``'s, before it is let in; nothing when it is
         resident already, or without rules."""
         rules = self.config.routing
-        if rules.engine is None or (w.alive() and w.member_state() in HOLDING):
+        if rules.engine is None or self._seen_resident == w.model.name:
             return
+        if w.alive() and w.member_state() in HOLDING:
+            # Until a request for another model comes, none can have become resident
+            # beside it (models start on their requests): it need not be looked at again.
+            self._seen_resident = w.model.name
+            return
+        self._seen_resident = None
         running = [n for n, o in self.wrappers.items()
                    if o is not w and o.alive() and o.member_state() in HOLDING]  # fmt: skip
         evicted = [self.wrappers[name] for name in rules.evict(w.model.name, running)]
