@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,22 @@ def test_a_failing_cmd_stop_keeps_the_model_resident_and_says_why(
     before = boxes.on_gpu()[-1][3]
     wait_until(lambda: boxes.on_gpu()[-1][3] > before)  # still running
     assert complete(port, "a")["pid"] == pid
+
+
+def test_queued_requests_of_a_higher_priority_model_go_first(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    scheduler = "routing:\n  scheduler:\n    settings:\n      fifo:\n        priority: {c: 10}\n"
+    models = fake_models(tmp_path, ["a", "b", "c"], a='env: ["DELAY=1.5"]')
+    port = start_serve(spawn, tmp_path, scheduler + models, arena)
+    complete(port, "a")
+    with ThreadPoolExecutor(3) as pool:
+        held = pool.submit(complete, port, "a")  # a's turn, for 1.5 s
+        time.sleep(0.4)
+        low = pool.submit(complete, port, "b")  # queued first
+        time.sleep(0.4)
+        high = pool.submit(complete, port, "c")  # queued later, higher priority
+        for done in (held, low, high):
+            done.result()
+    ups = [name for _, name, what in server_events(tmp_path) if what == "up"]
+    assert ups == ["a", "c", "b"]
