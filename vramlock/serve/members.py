@@ -314,11 +314,11 @@ class Wrapper:
         row = self._row()
         if row is None or row.state not in HOLDING:
             return False
-        if row.units:
+        if row.footprint is not None:  # a budget member: resident beside others
             with contextlib.closing(self.arena()) as opened:
                 budget = read_budget(opened) is not None
             if budget:
-                return await self._ask_aside(row.units, timeout)
+                return await self._ask_aside(timeout)
         waiter = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -328,12 +328,19 @@ class Wrapper:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
 
-    async def _ask_aside(self, units: list[int], timeout: float) -> bool:
+    async def _ask_aside(self, timeout: float) -> bool:
         """Ask for the model's budget units until it has given them up (its minimum
-        hold and yield_within honoured, as for any budget waiter)."""
+        hold and yield_within honoured, as for any budget waiter); the units asked for
+        follow its record (none while it gathers them, more once it grows)."""
         end = time.monotonic() + timeout
-        with contextlib.closing(self.arena()) as opened, asking(opened, units):
-            while self.alive() and self.member_state() in HOLDING:
+        asked: list[int] = []
+        with contextlib.closing(self.arena()) as opened, contextlib.ExitStack() as asks:
+            while (row := self._row() if self.alive() else None) and row.state in HOLDING:
+                units = sorted(row.units or [])
+                if units != asked:
+                    asks.close()
+                    asks.enter_context(asking(opened, units))
+                    asked = units
                 if time.monotonic() >= end:
                     self.warn(f"model {self.model.name}: unload: still resident after"
                               f" {timeout:g} s")  # fmt: skip
