@@ -59,7 +59,10 @@ def test_old_top_level_groups_mean_the_same(tmp_path: Path) -> None:
     text = "groups:\n  g:\n    members: [a, b]\n"
     rules = read(tmp_path, text).routing
     assert rules.evict("b", ["a", "c"]) == ["a", "c"]
+    # no groups: every model in llama-swap's default group, one at a time
     assert read(tmp_path, "groups: {}\n").routing.evict("b", ["a"]) == ["a"]
+    router = "routing:\n  router:\n    use: group\n"
+    assert read(tmp_path, router).routing.evict("b", ["a", "c"]) == ["a", "c"]
 
 
 MATRIX = """\

@@ -136,14 +136,14 @@ def read(reader: _Reader, top: dict[str, tuple[yaml.Node, yaml.Node]], models: s
         rules = _engine(reader, name if name == "matrix" else "group", top[name][1], models)
         line = top[name][0].start_mark.line + 1
     elif router:
-        rules, line = _router(reader, router, models), router_line(router)
+        rules, line = _router(reader, router, models), _line(router)
     else:
         return Routing(priority=priority)
     return Routing(engine=rules.engine, groups=rules.groups, sets=rules.sets,
                    costs=rules.costs, priority=priority, line=line)  # fmt: skip
 
 
-def router_line(router: dict[str, tuple[yaml.Node, yaml.Node]]) -> int:
+def _line(router: dict[str, tuple[yaml.Node, yaml.Node]]) -> int:
     key = next(iter(router.values()))[0]
     return key.start_mark.line + 1
 
@@ -172,7 +172,7 @@ def _router(
                                  " routing.router.settings has no matrix")  # fmt: skip
     key = "matrix" if use == "matrix" else "groups"
     if key not in settings:
-        return Routing()
+        return Routing(engine="group")  # no groups: every model in the default one
     return _engine(reader, use, settings[key][1], models, f"routing.router.settings.{key}")
 
 
