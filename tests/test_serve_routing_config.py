@@ -239,8 +239,23 @@ def test_cmd_stop_errors(tmp_path: Path, model: str, line: int, message: str) ->
     assert str(err.value) == f"{path}:{line}: {message}"
 
 
-def test_pid_is_for_cmd_stop_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("model", "line", "where"),
+    [("    cmd: srv ${PID}\n", 3, "cmd"),
+     ("    cmd: srv\n    env: ['A=${kill}']\n", 4, "env")],
+    ids=["cmd", "env-by-macro"],
+)  # fmt: skip
+def test_pid_is_for_cmd_stop_only(tmp_path: Path, model: str, line: int, where: str) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("models:\n  a:\n    cmd: srv ${PID}\n")
-    with pytest.raises(ConfigError, match=r":3: model 'a': cmd: \$\{PID\} is for cmdStop"):
+    path.write_text(f"macros: {{kill: 'kill ${{PID}}'}}\nmodels:\n  a:\n{model}")
+    with pytest.raises(ConfigError) as err:
         load(str(path), parse_duration)
+    assert str(err.value) == f"{path}:{line + 1}: model 'a': {where}: ${{PID}} is for cmdStop"
+
+
+def test_a_macro_may_hold_pid_for_cmd_stop(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("macros: {kill: 'kill ${PID}'}\nmodels:\n  a:\n    cmd: srv\n"
+                    "    cmdStop: ${kill}\n")  # fmt: skip
+    model = load(str(path), parse_duration).models["a"]
+    assert model.stop_command == 'kill "$VRAMLOCK_CHILD_PID"'

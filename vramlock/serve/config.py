@@ -321,12 +321,13 @@ class _Macros:
                 raw = "true" if raw else "false"
             if not isinstance(raw, str | int | float):
                 raise self.reader.fail(value, f"macros: {name} must be a string or a number")
-            self.values[name] = self.expand(str(raw).strip(), value, f"macro {name}")
+            self.values[name] = self.expand(str(raw).strip(), value, f"macro {name}", pid=True)
 
-    def expand(self, text: str, node: yaml.Node, where: str) -> str:
+    def expand(self, text: str, node: yaml.Node, where: str, *, pid: bool = False) -> str:
         """``text`` with its macros expanded, in one pass: what a macro or variable brings
         in is not expanded again. ``${PORT}`` and ``${MODEL_ID}`` are left as marks for
-        ``fill``. The result is at most ``MAX_EXPANDED`` characters."""
+        ``fill``, and ``${PID}`` where ``pid`` allows it (cmdStop, and macros, checked
+        where they are used). The result is at most ``MAX_EXPANDED`` characters."""
         if "\0" in text:
             raise self.reader.fail(node, f"{where}: a NUL character cannot be passed to a program")
         size = len(text)
@@ -340,7 +341,10 @@ class _Macros:
                 raise self.reader.fail(node, f"{where}: its macros expand to more than {limit}")
             return value
 
-        return _MACRO.sub(one, text)
+        out = _MACRO.sub(one, text)
+        if not pid and _mark("PID") in out:
+            raise self.reader.fail(node, f"{where}: ${{PID}} is for cmdStop")
+        return out
 
     def _value(self, name: str, node: yaml.Node, where: str) -> str:
         if name.startswith("env."):
@@ -354,9 +358,11 @@ class _Macros:
             return self.values[name]
         raise self.reader.fail(node, f"{where}: ${{{name}}} is not a defined macro")
 
-    def fill_in(self, text: str, node: yaml.Node, where: str, model: dict[str, str]) -> str:
+    def fill_in(
+        self, text: str, node: yaml.Node, where: str, model: dict[str, str], *, pid: bool = False
+    ) -> str:
         """``text`` expanded, the model's ``${PORT}`` and ``${MODEL_ID}`` filled in."""
-        return fill(self.expand(text, node, where), model)
+        return fill(self.expand(text, node, where, pid=pid), model)
 
 
 def _mark(name: str) -> str:
@@ -556,8 +562,6 @@ class _Entry:
         else:
             proxy_text, proxy_node = self.marked("proxy", proxy), self.node("proxy")
         uses_port = _mark("PORT") in cmd_text + proxy_text
-        if _mark("PID") in cmd_text:
-            raise self.reader.fail(self.node("cmd"), f"{self.where}: cmd: ${{PID}} is for cmdStop")
         try:
             command = _command(fill(cmd_text, self.filled))
         except ValueError as err:
@@ -717,7 +721,9 @@ class _Entry:
             return None
         node, pid = self.node("cmdStop"), '"$VRAMLOCK_CHILD_PID"'
         try:
-            words = [w.split(_mark("PID")) for w in _words(self.expanded("cmdStop", text))]
+            where = f"{self.where}: cmdStop"
+            line = self.macros.fill_in(text, node, where, self.filled, pid=True)
+            words = [w.split(_mark("PID")) for w in _words(line)]
         except ValueError as err:
             raise self.reader.fail(node, f"{self.where}: cmdStop: {err}") from None
         if any("\0" in part for parts in words for part in parts):
@@ -725,7 +731,10 @@ class _Entry:
                                          " passed to a program")  # fmt: skip
         if not words:
             raise self.reader.fail(node, f"{self.where}: cmdStop is empty")
-        return " ".join(pid.join(shlex.quote(part) for part in parts) for parts in words)
+        return " ".join(
+            pid.join(shlex.quote(p) if p or len(parts) == 1 else "" for p in parts)
+            for parts in words
+        )
 
     def timeouts(self) -> dict[str, Any]:
         """unloadTimeout and timeouts, as Model's fields."""
