@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock, who_json
+from helpers.containers import Containers
 from helpers.processes import Spawn, wait_until
 from helpers.serving import (
-    Containers,
     ask,
     complete,
     fake_models,

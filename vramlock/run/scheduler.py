@@ -119,13 +119,13 @@ class Scheduler:
             self.member.state is State.RESIDENT
             and self.strategy.releases
             and time.monotonic() >= self._retry_at
-            and (self._outgrown or self.member.should_release())
+            and (self._outgrown or self.member.should_release() or self._told_to_end())
         ):
             self._wanted_since = None
             return False
         busy = self.demand.busy_for()
         ending_since = self.sup.ending_since
-        if ending_since is not None and self.child.status is None:
+        if ending_since is not None and self.child.status is None and not self._told_to_end():
             busy = max(busy, ending_since + ENDING_GRACE - time.monotonic())
         if busy > 0:
             now = time.monotonic()
@@ -138,6 +138,10 @@ class Scheduler:
             self.sup.warn(f"still busy {y:g} s after somebody began to wait; releasing anyway")
         self._wanted_since = None
         return True
+
+    def _told_to_end(self) -> bool:
+        """Told to end, where that is done by releasing (``restart --on-release``)."""
+        return self.sup.pending_signal is not None and self.sup.ended_by_releasing
 
     def loop(self, hint: Hint) -> int:
         """Handle events until the command is done; its exit status."""

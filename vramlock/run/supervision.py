@@ -110,7 +110,7 @@ class Supervision:
             held = self.strategy is not None and self.strategy.defers_signals
             if held and self.member.state is not State.RESIDENT:
                 self._deferred.append(signum)  # passed on once it is restored
-            else:
+            elif not (signum in ENDING and self.ended_by_releasing):
                 self.pass_on(signum)
         if signum in ENDING:
             self.pending_signal = signum
@@ -133,8 +133,16 @@ class Supervision:
         signals held back, an order to end that came while it was being started again)."""
         while self._deferred:
             self.pass_on(self._deferred.pop(0))
-        if self.pending_signal is not None and self._told_pid != self.child.pid:
+        told = self.pending_signal is not None and self._told_pid != self.child.pid
+        if told and not self.ended_by_releasing:
+            assert self.pending_signal is not None
             self.pass_on(self.pending_signal)
+
+    @property
+    def ended_by_releasing(self) -> bool:
+        """An order to end is carried out by a release (``restart --on-release``), which
+        the token loop makes, not passed on to the command."""
+        return self.strategy is not None and self.strategy.ended_by_command
 
     def gone(self) -> int | None:
         """The command's wait status once it has exited by itself (not ended by a release)."""

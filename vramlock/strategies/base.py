@@ -87,6 +87,13 @@ class Strategy:
         return False
 
     @property
+    def ended_by_command(self) -> bool:
+        """Its release ends the command by a command of the user's (``restart``'s
+        ``--on-release``): an order to end is carried out by releasing, not passed on
+        (a signal would not reach a container's process)."""
+        return False
+
+    @property
     def defers_signals(self) -> bool:
         return False
 

@@ -23,6 +23,10 @@ class RestartStrategy(Strategy):
     name = "restart"
     keeps_state = False
 
+    @property
+    def ended_by_command(self) -> bool:
+        return self.settings.on_release is not None
+
     def release(self, deadline: float | None) -> None:
         if self.settings.on_release is not None:
             self._stop_with(self.settings.on_release, deadline)
