@@ -4,6 +4,7 @@ own log (each says when it starts and ends) and ``vramlock who``, not serve's vi
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import subprocess
 import time
@@ -226,3 +227,19 @@ def test_queued_requests_of_a_higher_priority_model_go_first(
             done.result()
     ups = [name for _, name, what in server_events(tmp_path) if what == "up"]
     assert ups == ["a", "c", "b"]
+
+
+def test_a_websocket_through_upstream_evicts_as_a_request_does(
+    spawn: Spawn, tmp_path: Path, budget_arena: Path
+) -> None:
+    text = "groups:\n  g:\n    members: [a, b]\n" + fake_models(tmp_path, ["a", "b"])
+    port = start_serve(spawn, tmp_path, text, budget_arena)
+    complete(port, "a")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/upstream/b/ws", headers={
+        "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})  # fmt: skip
+    assert conn.getresponse().status == 502  # b's server speaks no websocket; it started
+    conn.close()
+    assert up(tmp_path) == {"b"}
+    assert downs_before_up(tmp_path, {"a"}, "b")

@@ -474,6 +474,7 @@ class Router:
         """A websocket through /upstream: taken here, and its messages relayed both ways
         over one opened to the model's server (through its wrapper, which holds it as
         it holds any connection while the model is released)."""
+        await self._evict_for(w)
         w.ensure_running()
         # The handshake's own headers are aiohttp's client's to make.
         headers = {
