@@ -346,9 +346,10 @@ class Router:
         path = w.model.prefix + head.target
 
         async def send() -> int:
-            pool = self.pools.setdefault(w.model.name, Pool(w.port))
             try:
-                up = await pool.request("POST", path, headers, sent, w.exited)
+                up = await self._pool(w).request("POST", path, headers, sent, w.exited)
+            except UpstreamTimeout as err:
+                return front.refuse(504, f"model {w.model.name}: {err}")
             except OSError as err:
                 cause = await w.cause(err)
                 return front.refuse(
@@ -366,6 +367,15 @@ class Router:
             status = str(answered)
         finally:
             self.requests.add(w.model.name, status, time.monotonic() - began)
+
+    def _pool(self, w: Wrapper) -> Pool:
+        """The connections to ``w``'s wrapper, bounded by the model's timeouts."""
+        pool = self.pools.get(w.model.name)
+        if pool is None:
+            bounds = w.model.timeouts
+            pool = self.pools[w.model.name] = Pool(w.port, connect=bounds.connect,
+                                                   header=bounds.header)  # fmt: skip
+        return pool
 
     async def close_fronts(self, grace: float) -> None:
         """Let the requests in progress on front.py's connections end, for ``grace`` at
@@ -608,13 +618,8 @@ class Router:
             chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
             length = None if chunked else request.content_length
             body = Stream(_counted(request), length) if chunked or length else b""
-        pool = self.pools.get(w.model.name)
-        if pool is None:
-            bounds = w.model.timeouts
-            pool = self.pools[w.model.name] = Pool(w.port, connect=bounds.connect,
-                                                   header=bounds.header)  # fmt: skip
         try:
-            up = await pool.request(request.method, path, headers, body, w.exited)
+            up = await self._pool(w).request(request.method, path, headers, body, w.exited)
         except UpstreamTimeout as err:
             return _error(504, f"model {w.model.name}: {err}")
         except _TooLarge:
