@@ -355,7 +355,9 @@ def test_a_dead_server_is_started_again_on_the_next_request(
     served.complete("b")
     (pid,) = servers_alive([served.upstreams[1]])
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: served.states()["b"] == "released")  # its wrapper ended
+    # Its wrapper ended: not only said so (its record says released a moment before it
+    # exits, and a request in that moment would reach the ending wrapper), but gone.
+    wait_until(lambda: served.states()["b"] == "released" and who_json(served.arena) == [])
     assert served.complete("b")["model"].endswith("tiny-1.gguf")
     assert served.complete("a")["model"].endswith("tiny-0.gguf")
 
