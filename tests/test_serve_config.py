@@ -311,7 +311,6 @@ def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         routing: {router: {use: group}}
         selectors: {}
-        upstream: {ignorePaths: []}
         models:
           a:
             cmd: srv --port ${PORT}
@@ -319,7 +318,7 @@ def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
         """)  # fmt: skip
     said = [w.split(": ", 1)[1] for w in config.warnings]
     assert [w.split(" ignored: ")[0] for w in said] == [
-        "routing", "selectors", "upstream", "model 'a': compat"]  # fmt: skip
+        "routing", "selectors", "model 'a': compat"]  # fmt: skip
     assert "unknown" not in " ".join(said)
 
 

@@ -19,6 +19,7 @@ from ..net.web import bind_until_signalled
 
 if TYPE_CHECKING:
     from .config import Config, Duration
+    from .logs import Logs
     from .members import Wrapper
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -36,20 +37,32 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
         raise VramlockError(
             f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
         ) from None
-    from ..net.address import parse
     from .config import load
-    from .members import Wrapper
+    from .logs import Logs, Out
 
     config = load(path, duration)
+    logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2))
+    try:
+        return _serve(config, listen, logs)
+    finally:
+        logs.close()
+
+
+def _serve(config: Config, listen: str, logs: Logs) -> int:
+    from ..net.address import parse
+    from .members import Wrapper
+
+    warn = logs.say
     for message in config.warnings:
         warn(message)
     # llama-swap's :PORT: every interface (the port checked as any address's).
     every = listen.startswith(":")
     host, port = parse(f"0.0.0.0{listen}" if every else listen, "--listen")
-    wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
+    wrappers = {name: Wrapper(model, config, warn, logs) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
-    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, warn))
+        logs.model(w.model.name)
+    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, logs))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -107,7 +120,7 @@ async def _main(
     listen: str,
     host: str | None,
     port: int,
-    warn: Callable[[str], None],
+    logs: Logs,
 ) -> int:
     """Serve until told to end; ``host`` None: every interface."""
     from aiohttp import web
@@ -116,7 +129,8 @@ async def _main(
     from .members import stop_all
     from .router import Router
 
-    router = Router(config, wrappers)
+    warn = logs.say
+    router = Router(config, wrappers, logs)
     runner = web.AppRunner(
         router.app,
         access_log=None,
@@ -134,8 +148,10 @@ async def _main(
         warn(f"serving {', '.join(wrappers)} {where}")
         await stop.wait()
     finally:
+        logs.end_streams()
         await runner.cleanup()
         stop_all(list(wrappers.values()))
         for w in wrappers.values():
+            w.drain_output()
             w.close()
     return 0

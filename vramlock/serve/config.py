@@ -30,7 +30,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,11 +38,15 @@ import yaml
 
 from ..arena.directory import parse_gpus
 from ..errors import UsageError
+from .logs import TIME_FORMATS, TO_STDOUT
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
 LOG_LEVELS = ("debug", "info", "warn", "error")
+# logToStdout absent: serve's lines and its models' output, as before the key was read
+# (llama-swap's default is proxy: its servers' output only in /logs).
+DEFAULT_TO_STDOUT = "both"
 DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
@@ -58,11 +62,8 @@ _ONE_AT_A_TIME = (
     " has a budget (vramlock arena --budget), when they stay resident together while they fit"
     " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
 )
-_NO_LOADING = "a request waits while its model loads: no loading messages are streamed"
 _BY_NAME = "a request names its model or one of its aliases"
 IGNORED_TOP = {
-    "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
-    "logToStdout": "the wrappers and servers write to serve's standard output and error",
     "metricsMaxInMemory": _NO_UI,
     "captureBuffer": _NO_UI,
     "ui": _NO_UI,
@@ -71,28 +72,26 @@ IGNORED_TOP = {
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
     "routing": _ONE_AT_A_TIME,
-    "peers": "only the models listed here are served",
     "profiles": _BY_NAME,
     "selectors": _BY_NAME,
-    "upstream": "/upstream passes every path through",
-    "sendLoadingState": _NO_LOADING,
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
     "cmdStop": "a model releases through its release strategy, not by being stopped",
     "unloadTimeout": IGNORED_TOP["unloadTimeout"],
-    "sendLoadingState": _NO_LOADING,
     "compat": "a websocket through /upstream is a connection like any other",
     "timeouts": "a request waits as long as its model takes; healthCheckTimeout bounds a start",
 }
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
-     "includeAliasesInList", "logLevel"}
+     "includeAliasesInList", "logLevel", "logToStdout", "logTimeFormat", "sendLoadingState",
+     "upstream", "peers"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
-     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities"}
+     "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities",
+     "sendLoadingState"}
 )  # fmt: skip
 
 
@@ -129,6 +128,9 @@ class Model:
     filters: Filters = field(default_factory=lambda: Filters())
     metadata: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
     capabilities: dict[str, Any] = field(default_factory=dict)  # shown by /v1/models
+    loading_state: bool | None = (
+        False  # sendLoadingState (None while being read): loading progress in a chat stream
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,18 @@ class Filters:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """llama-swap's ``peers.ID``: a remote OpenAI-compatible server, no process here."""
+
+    name: str
+    line: int
+    base: str  # ``proxy``: the request's path is appended to it
+    models: tuple[str, ...]
+    api_key: str = ""  # sent as Authorization: Bearer and x-api-key ("": nothing)
+    filters: Filters = field(default_factory=lambda: Filters())
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     models: dict[str, Model]
@@ -164,6 +178,10 @@ class Config:
     api_keys: tuple[str, ...] = ()  # a request must carry one of them (none: no check)
     aliases_listed: bool = False  # includeAliasesInList: /v1/models has an entry per alias
     log_level: str = "info"  # logLevel: info and debug say each request and start
+    log_to_stdout: str = "both"  # logToStdout: which logs reach serve's output
+    log_time_format: str | None = None  # logTimeFormat, as a strftime format
+    ignore_paths: tuple[re.Pattern[str], ...] = ()  # upstream.ignorePaths
+    peers: dict[str, Peer] = field(default_factory=dict)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -421,7 +439,10 @@ def load(path: str, duration: Duration) -> Config:
         health = reader.number(top["healthCheckTimeout"][1], "healthCheckTimeout", 1)
     global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
 
-    models = _models(reader, macros, top["models"][1], start_port, global_ttl)
+    loading = "sendLoadingState" in top and reader.flag(
+        top["sendLoadingState"][1], "sendLoadingState"
+    )
+    models = _models(reader, macros, top["models"][1], start_port, global_ttl, loading)
     preload = _preload(reader, top["hooks"][1], models) if "hooks" in top else ()
     keys = _api_keys(reader, macros, top["apiKeys"][1]) if "apiKeys" in top else ()
     listed = "includeAliasesInList" in top and reader.flag(
@@ -436,11 +457,16 @@ def load(path: str, duration: Duration) -> Config:
             )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
                   preload=preload, api_keys=keys, aliases_listed=listed,
-                  log_level=level)  # fmt: skip
+                  log_level=level, **_newer(reader, macros, top, models))  # fmt: skip
 
 
 def _models(
-    reader: _Reader, macros: _Macros, models_node: yaml.Node, start_port: int, global_ttl: float
+    reader: _Reader,
+    macros: _Macros,
+    models_node: yaml.Node,
+    start_port: int,
+    global_ttl: float,
+    loading: bool,
 ) -> dict[str, Model]:
     """The ``models:`` entries, each taking the next automatic port it uses."""
     models: dict[str, Model] = {}
@@ -455,6 +481,8 @@ def _models(
             raise reader.fail(key, f"model {name!r} is already an alias (line {names[name]})")
         names[name] = line
         model, uses_port = _model(reader, macros, name, key, node, next_port, global_ttl)
+        if model.loading_state is None:  # absent: the top level's
+            model = replace(model, loading_state=loading)
         next_port += uses_port
         for alias in model.aliases:
             if alias in names:
@@ -638,22 +666,11 @@ class _Entry:
         if "filters" not in self.fields:
             return Filters(model=model)
         where = f"{self.where}: filters"
-        entries = {n: (k, v) for n, k, v in self.reader.pairs(self.node("filters"), where)}
-        known = frozenset({"stripParams", "setParams", "setParamsByID"})
-        self.reader.check_keys(entries, known, {}, f"{where}: ")
-        strip: tuple[str, ...] = ()
-        if "stripParams" in entries:
-            text = self.reader.text(entries["stripParams"][1], f"{where}: stripParams")
-            strip = tuple(p.strip() for p in text.split(",") if p.strip())
-        params = self._params(entries["setParams"][1], where) if "setParams" in entries else {}
-        by_name = {}
-        if "setParamsByID" in entries:
-            node = entries["setParamsByID"][1]
-            for name, key, value in self.reader.pairs(node, f"{where}: setParamsByID"):
-                by_name[self.macros.fill_in(name, key, where, self.filled)] = self._params(
-                    value, where
-                )
-        return Filters(model=model, strip=strip, set=params, by_name=by_name)
+        node = self.node("filters")
+        return read_filters(self.reader, node, where, model, self._fill)
+
+    def _fill(self, text: str, node: yaml.Node, where: str) -> str:
+        return self.macros.fill_in(text, node, where, self.filled)
 
     def shown(self, key: str) -> dict[str, Any]:
         """metadata or capabilities: a mapping for /v1/models, macros expanded in its
@@ -685,10 +702,7 @@ class _Entry:
         return result
 
     def _params(self, node: yaml.Node, where: str) -> dict[str, Any]:
-        value = self.reader.value(node)
-        if not isinstance(value, dict):
-            raise self.reader.fail(node, f"{where}: parameters must be a mapping")
-        return value
+        return _params(self.reader, node, where)
 
     def flag(self, key: str) -> bool:
         return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
@@ -736,5 +750,121 @@ def _model(
         filters=filters,
         metadata=entry.shown("metadata"),
         capabilities=entry.shown("capabilities"),
+        loading_state=entry.flag("sendLoadingState")
+        if "sendLoadingState" in entry.fields
+        else None,
     )
     return model, uses_port
+
+
+def _params(reader: _Reader, node: yaml.Node, where: str) -> dict[str, Any]:
+    value = reader.value(node)
+    if not isinstance(value, dict):
+        raise reader.fail(node, f"{where}: parameters must be a mapping")
+    return value
+
+
+def read_filters(
+    reader: _Reader,
+    node: yaml.Node,
+    where: str,
+    model: str | None,
+    fill: Callable[[str, yaml.Node, str], str],
+) -> Filters:
+    """``filters``: stripParams, setParams, setParamsByID (its names through ``fill``)."""
+    entries = {n: (k, v) for n, k, v in reader.pairs(node, where)}
+    known = frozenset({"stripParams", "setParams", "setParamsByID"})
+    reader.check_keys(entries, known, {}, f"{where}: ")
+    strip: tuple[str, ...] = ()
+    if "stripParams" in entries:
+        text = reader.text(entries["stripParams"][1], f"{where}: stripParams")
+        strip = tuple(p.strip() for p in text.split(",") if p.strip())
+    params = _params(reader, entries["setParams"][1], where) if "setParams" in entries else {}
+    by_name = {}
+    if "setParamsByID" in entries:
+        by_id = entries["setParamsByID"][1]
+        for name, key, value in reader.pairs(by_id, f"{where}: setParamsByID"):
+            by_name[fill(name, key, where)] = _params(reader, value, where)
+    return Filters(model=model, strip=strip, set=params, by_name=by_name)
+
+
+# upstream.ignorePaths when it is absent or empty (llama-swap's): static files.
+DEFAULT_IGNORE_PATHS = (r".*\.(js|json|css|png|gif|jpg|jpeg|ico|txt)$",)
+
+
+def _newer(
+    reader: _Reader, macros: _Macros, top: dict[str, tuple[yaml.Node, yaml.Node]],
+    models: dict[str, Model],
+) -> dict[str, Any]:  # fmt: skip
+    """The Config fields of logToStdout, logTimeFormat, upstream and peers."""
+    out: dict[str, Any] = {"log_to_stdout": DEFAULT_TO_STDOUT}
+    if "logToStdout" in top:
+        node = top["logToStdout"][1]
+        out["log_to_stdout"] = reader.text(node, "logToStdout")
+        if out["log_to_stdout"] not in TO_STDOUT:
+            raise reader.fail(node, f"logToStdout must be one of {', '.join(TO_STDOUT)}")
+    if "logTimeFormat" in top:
+        node = top["logTimeFormat"][1]
+        name = reader.text(node, "logTimeFormat").strip().lower()
+        if name and name not in TIME_FORMATS:
+            raise reader.fail(node, f"logTimeFormat must be one of {', '.join(TIME_FORMATS)}")
+        out["log_time_format"] = TIME_FORMATS.get(name)
+    patterns: list[str] = []
+    if "upstream" in top:
+        ups = {n: (k, v) for n, k, v in reader.pairs(top["upstream"][1], "upstream")}
+        reader.check_keys(ups, frozenset({"ignorePaths"}), {}, "upstream: ")
+        if "ignorePaths" in ups:
+            patterns = reader.strings(ups["ignorePaths"][1], "upstream.ignorePaths")
+            node = ups["ignorePaths"][1]
+    compiled = []
+    for pattern in patterns or DEFAULT_IGNORE_PATHS:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            what = f"upstream.ignorePaths: invalid regular expression {pattern!r}: {err}"
+            raise reader.fail(node, what) from None
+    out["ignore_paths"] = tuple(compiled)
+    if "peers" in top:
+        out["peers"] = _peers(reader, macros, top["peers"][1], models)
+    return out
+
+
+def _peers(
+    reader: _Reader, macros: _Macros, node: yaml.Node, models: dict[str, Model]
+) -> dict[str, Peer]:
+    """``peers``: each with proxy (an http(s) URL) and models (not empty), apiKey and
+    filters; a PEER/MODEL name that a local model or alias has is refused."""
+    peers: dict[str, Peer] = {}
+    for name, key, value in reader.pairs(node, "peers"):
+        where = f"peer {name!r}"
+        fields = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        known = frozenset({"proxy", "models", "apiKey", "filters"})
+        reader.check_keys(fields, known, {"timeouts": "a peer's request waits as it takes"},
+                          f"{where}: ")  # fmt: skip
+        if "proxy" not in fields:
+            raise reader.fail(key, f"{where}: proxy is required")
+        pnode = fields["proxy"][1]
+        base = macros.expand(reader.text(pnode, f"{where}: proxy"), pnode, f"{where}: proxy")
+        parts = urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise reader.fail(pnode, f"{where}: proxy must be an http(s)://HOST[:PORT] URL")
+        listed = (
+            reader.strings(fields["models"][1], f"{where}: models") if "models" in fields else []
+        )
+        if not listed:
+            raise reader.fail(key, f"{where}: models must not be empty")
+        for model in listed:
+            if _find(models, f"{name}/{model}") is not None:
+                what = f"{where}: {name}/{model} is already a local model's name or alias"
+                raise reader.fail(fields["models"][1], what)
+        api_key = ""
+        if "apiKey" in fields:
+            knode = fields["apiKey"][1]
+            api_key = macros.expand(reader.text(knode, f"{where}: apiKey"), knode, where)
+        filters = Filters()
+        if "filters" in fields:
+            fnode = fields["filters"][1]
+            filters = read_filters(reader, fnode, f"{where}: filters", None, macros.expand)
+        peers[name] = Peer(name, key.start_mark.line + 1, base.rstrip("/"),
+                           tuple(dict.fromkeys(listed)), api_key, filters)  # fmt: skip
+    return peers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from ..arena.roster import Row, snapshot
 from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
+from .logs import Logs, drain, read_pipe
 
 T = TypeVar("T")
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
@@ -89,10 +91,18 @@ def _listener() -> socket.socket:
 class Wrapper:
     """One model's ``vramlock run``: its listen port, its process, its requests."""
 
-    def __init__(self, model: Model, config: Config, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        model: Model,
+        config: Config,
+        warn: Callable[[str], None],
+        logs: Logs | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.warn = warn
+        self.logs = logs  # None: the wrapper's output is serve's own (inherited)
+        self.pipes: dict[int, bool] = {}  # its output's open read ends: on stderr?
         self.listener = _listener()
         self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -137,17 +147,50 @@ class Wrapper:
         self.info("starting its wrapper")
         env = dict(os.environ)
         env.update(self.model.env)
+        pipe = subprocess.PIPE if self.logs is not None else None
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
         # wrappers in order, not every wrapper at once.
         self.proc = subprocess.Popen(
             self.argv(),
             env=env,
             stdin=subprocess.DEVNULL,
+            stdout=pipe,
+            stderr=pipe,
             start_new_session=True,
             pass_fds=(self.listener.fileno(),),
             preexec_fn=_die_with_parent(os.getpid()),
         )
+        self._read_output()
         self.exited = _exit_of(self.proc)
+
+    def _read_output(self) -> None:
+        """The wrapper's output into serve's logs, read by the event loop as it comes."""
+        assert self.proc is not None
+        logs = self.logs
+        if logs is None or self.proc.stdout is None or self.proc.stderr is None:
+            return
+        for stream, is_err in ((self.proc.stdout, False), (self.proc.stderr, True)):
+            fd = os.dup(stream.fileno())
+            stream.close()  # the dup is read, unbuffered, and closed at its end
+            self.pipes[fd] = is_err
+
+            def got(data: bytes, is_err: bool = is_err) -> None:
+                logs.output(self.model.name, data, is_err)
+
+            def ended(fd: int = fd) -> None:
+                self.pipes.pop(fd, None)
+
+            read_pipe(fd, got, ended)
+
+    def drain_output(self) -> None:
+        """Serve is ending: what the wrapper's pipes still hold, into the logs."""
+        loop = asyncio.get_running_loop()
+        for fd, is_err in list(self.pipes.items()):
+            loop.remove_reader(fd)
+            if self.logs is not None:
+                drain(fd, functools.partial(self.logs.output, self.model.name, stderr=is_err))
+            os.close(fd)
+        self.pipes.clear()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

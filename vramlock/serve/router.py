@@ -25,6 +25,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.records import HOLDING
 from .config import Config
+from .logs import Logs, add_routes
 from .members import Wrapper
 from .upstream import Pool
 
@@ -210,7 +211,9 @@ async def _relay(src: Any, dst: Any) -> None:
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
-    def __init__(self, config: Config, wrappers: dict[str, Wrapper]) -> None:
+    def __init__(
+        self, config: Config, wrappers: dict[str, Wrapper], logs: Logs | None = None
+    ) -> None:
         self.config = config
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
@@ -230,6 +233,8 @@ class Router:
         r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
         r.add_get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
+        if logs is not None:
+            add_routes(r, logs, self._name)
         r.add_post("/{path:.*}", self.by_model)
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
@@ -237,6 +242,11 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         for pool in self.pools.values():
             pool.close()
+
+    def _name(self, name: str) -> str | None:
+        """The model ``name`` names (directly or as an alias); None if none."""
+        model = self.config.find(name)
+        return None if model is None else model.name
 
     def _wrapper(self, name: str) -> Wrapper | web.Response:
         model = self.config.find(name)
