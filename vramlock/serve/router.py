@@ -18,15 +18,18 @@ import hmac
 import json
 import time
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from ..arena.records import HOLDING
+from ..arena.records import HOLDING, State
 from .config import Config
+from .loading import Loading, wanted
 from .logs import Logs, add_routes
 from .members import Wrapper
+from .peers import Peers, entries, resolve
 from .upstream import Pool
 
 # Once a request for another model has waited this long, new requests for the model
@@ -219,6 +222,7 @@ class Router:
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
         self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
+        self.peers = Peers()
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
@@ -242,6 +246,7 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         for pool in self.pools.values():
             pool.close()
+        await self.peers.close()
 
     def _name(self, name: str) -> str | None:
         """The model ``name`` names (directly or as an alias); None if none."""
@@ -270,12 +275,17 @@ class Router:
             name = None
         if not isinstance(name, str):
             return _error(400, 'the request body must be JSON with a "model" field')
+        remote = resolve(self.config, name) if self.config.peers else None
+        if remote is not None:
+            return await self.peers.forward(request, *remote, name, doc)
         found = self._wrapper(name)
         if isinstance(found, web.Response):
             return found
         if found.model.filters:
             body = json.dumps(found.model.filters.apply(doc, name)).encode()
-        return await self._forward(request, found, found.model.prefix + request.path_qs, body)
+        show = bool(found.model.loading_state) and wanted(request.path, doc)
+        path = found.model.prefix + request.path_qs
+        return await self._forward(request, found, path, body, show_loading=show)
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
         # The longest name that the path starts with: a model's name may hold "/".
@@ -286,9 +296,20 @@ class Router:
         if isinstance(found, web.Response):
             return found
         path = rest[len(name) + 1 :] if name is not None else ""
+        if self._ignored(found, path):
+            return _error(409, f"model {found.model.name} is not loaded;"
+                               " path matches upstream.ignorePaths")  # fmt: skip
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await self._websocket(request, found, f"{found.model.prefix}/{path}")
         return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
+
+    def _ignored(self, w: Wrapper, path: str) -> bool:
+        """Is ``path`` (after /upstream/MODEL/) one of upstream.ignorePaths, for a model
+        that is not resident? Such a request does not bring its model in."""
+        bare = "/" + unquote(path.partition("?")[0])
+        if not any(p.search(bare) for p in self.config.ignore_paths):
+            return False
+        return not (w.alive() and w.member_state() == State.RESIDENT.value)
 
     async def _websocket(self, request: web.Request, w: Wrapper, path: str) -> web.StreamResponse:
         """A websocket through /upstream: taken here, and its messages relayed both ways
@@ -324,12 +345,21 @@ class Router:
         return out
 
     async def _forward(
-        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+        self,
+        request: web.Request,
+        w: Wrapper,
+        path: str,
+        body: bytes | None,
+        show_loading: bool = False,
     ) -> web.StreamResponse:
         limit = w.model.concurrency
         if w.admitted >= limit:
             return _error(429, f"model {w.model.name}: {limit} requests at once already"
                                " (concurrencyLimit)")  # fmt: skip
+        loading = None
+        if show_loading and not (w.alive() and w.member_state() == State.RESIDENT.value):
+            loading = Loading(w.model.name, lambda: w.member_state() if w.alive() else None)
+            await loading.start(request)
         w.admitted += 1
         try:
             turns = self._turns(w)
@@ -345,7 +375,7 @@ class Router:
         try:
             await self._make_room(w)
             w.ensure_running()
-            out = await self._pass(request, w, path, body)
+            out = await self._pass(request, w, path, body, loading)
             w.info(
                 f"{request.method} {request.path} {out.status} in {time.monotonic() - began:.3f} s"
             )
@@ -355,6 +385,8 @@ class Router:
             w.admitted -= 1
             turns.leave()
             self._arm_ttl(w)
+            if loading is not None:
+                await loading.cancel()
 
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
@@ -373,7 +405,12 @@ class Router:
                 await other.restart()
 
     async def _pass(
-        self, request: web.Request, w: Wrapper, path: str, body: bytes | None
+        self,
+        request: web.Request,
+        w: Wrapper,
+        path: str,
+        body: bytes | None,
+        loading: Loading | None = None,
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         if body is None:
@@ -386,7 +423,13 @@ class Router:
             up = await w.unless_exited(pool.request(request.method, path, headers, body))
         except OSError as err:
             cause = await w.cause(err)
-            return _error(502, f"model {w.model.name}: its server did not answer: {cause}")
+            message = f"model {w.model.name}: its server did not answer: {cause}"
+            return _error(502, message) if loading is None else await loading.fail(message)
+        if loading is not None:
+            try:
+                return await loading.relay(request, up)
+            finally:
+                await up.body.aclose()
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         try:
             if up.length is not None and up.length <= WHOLE:
@@ -501,6 +544,7 @@ class Router:
                 data.append(self._entry(w))
                 if self.config.aliases_listed:
                     data += [self._entry(w, alias) for alias in w.model.aliases]
+        data += entries(self.config)
         return web.json_response({"object": "list", "data": data})
 
     async def one_model(self, request: web.Request) -> web.Response:
