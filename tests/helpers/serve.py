@@ -19,9 +19,12 @@ ECHO = ROOT / "tests" / "echo_server.py"
 
 
 def echo_model(name: str, *extra: str, delay: float = 0) -> str:
-    """A ``models:`` entry (its lines under ``models:``) of tests/echo_server.py."""
-    cmd = f"{sys.executable} {ECHO} ${{PORT}} {name}" + (f" {delay}" if delay else "")
-    return "\n".join([f"  {name}:", f"    cmd: {cmd}", *(f"    {e}" for e in extra)]) + "\n"
+    """A ``models:`` entry (its lines under ``models:``) of tests/echo_server.py, on a
+    port of its own that was free an instant ago (startPort's next ones may not be)."""
+    port = free_port()
+    cmd = f"{sys.executable} {ECHO} {port} {name}" + (f" {delay}" if delay else "")
+    lines = [f"  {name}:", f"    cmd: {cmd}", f"    proxy: http://127.0.0.1:{port}"]
+    return "\n".join([*lines, *(f"    {e}" for e in extra)]) + "\n"
 
 
 def start(spawn: Spawn, path: Path, arena: Path, *args: str) -> tuple[subprocess.Popen[str], int]:

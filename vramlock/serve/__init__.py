@@ -27,9 +27,17 @@ DEFAULT_LISTEN = "127.0.0.1:8080"
 SHUTDOWN_GRACE = 2.0
 
 
-def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], None]) -> int:
+def serve(
+    path: str,
+    listen: str,
+    *,
+    duration: Duration,
+    warn: Callable[[str], None],
+    watch: bool = False,
+) -> int:
     """Run until SIGTERM, SIGINT or SIGHUP; 0 then. ConfigError (exit 2) for a bad file,
-    UsageError for a bad ``listen``, AddressError when it cannot be listened on."""
+    UsageError for a bad ``listen``, AddressError when it cannot be listened on.
+    ``watch``: the file is read again whenever it changes (``watch``)."""
     try:
         import aiohttp  # noqa: F401
         import yaml  # noqa: F401
@@ -42,13 +50,14 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
 
     config = load(path, duration)
     logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2))
+    reload = (lambda again: load(again, duration)) if watch else None
     try:
-        return _serve(config, listen, logs)
+        return _serve(config, listen, logs, reload)
     finally:
         logs.close()
 
 
-def _serve(config: Config, listen: str, logs: Logs) -> int:
+def _serve(config: Config, listen: str, logs: Logs, reload: Callable[[str], Config] | None) -> int:
     from ..net.address import parse
     from .members import Wrapper
 
@@ -62,7 +71,8 @@ def _serve(config: Config, listen: str, logs: Logs) -> int:
     for w in wrappers.values():
         _check(config, w)
         logs.model(w.model.name)
-    return asyncio.run(_main(config, wrappers, listen, None if every else host, port, logs))
+    where = (listen, None if every else host, port)
+    return asyncio.run(_main(config, wrappers, where, logs, reload))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -117,18 +127,20 @@ def _one_line_logger(warn: Callable[[str], None]) -> logging.Logger:
 async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
-    listen: str,
-    host: str | None,
-    port: int,
+    where: tuple[str, str | None, int],
     logs: Logs,
+    reload: Callable[[str], Config] | None,
 ) -> int:
-    """Serve until told to end; ``host`` None: every interface."""
+    """Serve until told to end at ``where`` (--listen's text, the host, None: every
+    interface, and the port); ``reload``: --watch-config's loader of the file."""
     from aiohttp import web
 
     from ..net.address import show
     from .members import stop_all
     from .router import Router
+    from .watch import Watcher, watching
 
+    listen, host, port = where
     warn = logs.say
     router = Router(config, wrappers, logs)
     runner = web.AppRunner(
@@ -144,9 +156,11 @@ async def _main(
     try:
         for name in config.preload:  # the others start on their first request
             wrappers[name].start()
-        where = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
-        warn(f"serving {', '.join(wrappers)} {where}")
-        await stop.wait()
+        at = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
+        warn(f"serving {', '.join(wrappers)} {at}")
+        watcher = None if reload is None else Watcher(router, logs, reload, _check)
+        async with watching(watcher):
+            await stop.wait()
     finally:
         logs.end_streams()
         await runner.cleanup()
