@@ -4,7 +4,8 @@
 listens on 127.0.0.1:PORT and says ``NAME listening`` on stdout; each request is said
 on stderr (``NAME got METHOD PATH``) and answered with JSON of its method, path,
 headers and body, as {"id": NAME, ...}; a POST whose JSON body has ``"stream": true``
-is answered as OpenAI streams: two SSE chunks of content, then ``data: [DONE]``.
+is answered as OpenAI streams: two SSE chunks of content, then ``data: [DONE]``; one
+with ``"sleep": SECONDS`` is answered that much later.
 GET /health answers 200.
 """
 
@@ -32,6 +33,8 @@ class Echo(BaseHTTPRequestHandler):
             doc = json.loads(body) if body else None
         except ValueError:
             doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("sleep"), int | float):
+            time.sleep(doc["sleep"])  # a slow answer: a request long in progress
         if isinstance(doc, dict) and doc.get("stream") is True:
             self.stream()
             return

@@ -12,13 +12,16 @@ What llama-swap's keys mean here:
 - top level: ``models``, ``macros`` (``${NAME}``, ``${env.VAR}``, ``${PORT}``,
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
   ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
-  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``.
+  starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``,
+  ``logToStdout``, ``logTimeFormat`` (``logs``), ``sendLoadingState`` (also per model:
+  ``loading``), ``upstream.ignorePaths``, ``peers`` (``peers``), ``selectors`` and
+  ``profiles`` (``selectors``).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
 ``run`` picks).
 
-Keys that mean nothing under vramlock (``groups``, ``cmdStop``, ...) are ignored with a
+Keys that mean nothing under vramlock (``routing``, ``cmdStop``, ...) are ignored with a
 warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
 ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
 """
@@ -62,7 +65,6 @@ _ONE_AT_A_TIME = (
     " has a budget (vramlock arena --budget), when they stay resident together while they fit"
     " (vram: declared, or measured with NVML); models on different GPUs (gpu:) run together"
 )
-_BY_NAME = "a request names its model or one of its aliases"
 IGNORED_TOP = {
     "metricsMaxInMemory": _NO_UI,
     "captureBuffer": _NO_UI,
@@ -72,8 +74,6 @@ IGNORED_TOP = {
     "groups": _ONE_AT_A_TIME,
     "matrix": _ONE_AT_A_TIME,
     "routing": _ONE_AT_A_TIME,
-    "profiles": _BY_NAME,
-    "selectors": _BY_NAME,
     "unloadTimeout": "a model releases through its release strategy; yield_within bounds it",
 }
 IGNORED_MODEL = {
@@ -85,7 +85,7 @@ IGNORED_MODEL = {
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
      "includeAliasesInList", "logLevel", "logToStdout", "logTimeFormat", "sendLoadingState",
-     "upstream", "peers"}
+     "upstream", "peers", "profiles", "selectors"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
@@ -169,6 +169,30 @@ class Peer:
 
 
 @dataclass(frozen=True)
+class Selector:
+    """llama-swap's ``selectors.ID``: a name that picks one of its targets per request."""
+
+    name: str
+    line: int
+    strategy: str  # warm, pin or spillover
+    targets: tuple[str, ...]
+    spillover: int = 1  # settings.spillover: requests per active target before the next
+    title: str | None = None
+    description: str | None = None
+    unlisted: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """llama-swap's ``profiles.ID``: names replaced while it is the active profile."""
+
+    name: str
+    description: str
+    pins: dict[str, str | None]  # None (or ""): the name answers 404 meanwhile
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     models: dict[str, Model]
@@ -182,6 +206,8 @@ class Config:
     log_time_format: str | None = None  # logTimeFormat, as a strftime format
     ignore_paths: tuple[re.Pattern[str], ...] = ()  # upstream.ignorePaths
     peers: dict[str, Peer] = field(default_factory=dict)
+    selectors: dict[str, Selector] = field(default_factory=dict)
+    profiles: dict[str, Profile] = field(default_factory=dict)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -826,6 +852,83 @@ def _newer(
     out["ignore_paths"] = tuple(compiled)
     if "peers" in top:
         out["peers"] = _peers(reader, macros, top["peers"][1], models)
+    known = set(models) | {a for m in models.values() for a in m.aliases}
+    known |= {f"{p.name}/{m}" for p in out.get("peers", {}).values() for m in p.models}
+    bare = [m for p in out.get("peers", {}).values() for m in p.models]
+    known |= {m for m in bare if bare.count(m) == 1}
+    if "selectors" in top:
+        out["selectors"] = _selectors(reader, top["selectors"][1], models, known)
+    if "profiles" in top:
+        targets = known | set(out.get("selectors", {}))
+        out["profiles"] = _profiles(reader, top["profiles"][1], targets)
+    return out
+
+
+STRATEGIES = ("warm", "pin", "spillover")
+
+
+def _selectors(
+    reader: _Reader, node: yaml.Node, models: dict[str, Model], known: set[str]
+) -> dict[str, Selector]:
+    """``selectors``: each a new name (no model, alias or peer model has it), its
+    strategy, its targets (known names; local models for warm; no selectors)."""
+    names = {n for n, _, _ in reader.pairs(node, "selectors")}
+    out: dict[str, Selector] = {}
+    for name, key, value in reader.pairs(node, "selectors"):
+        where = f"selectors.{name}"
+        if name in known:
+            raise reader.fail(key, f"{where}: a model, alias or peer model is named so")
+        f = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        reader.check_keys(f, frozenset({"strategy", "targets", "settings", "name",
+                          "description", "unlisted", "metadata"}), {}, f"{where}: ")  # fmt: skip
+        strategy = reader.text(f["strategy"][1], f"{where}.strategy") if "strategy" in f else ""
+        if strategy not in STRATEGIES:
+            what = "is required" if not strategy else f"{strategy!r} is not warm, pin or spillover"
+            raise reader.fail(f.get("strategy", (key, key))[1], f"{where}.strategy {what}")
+        tnode = f["targets"][1] if "targets" in f else key
+        targets = reader.strings(tnode, f"{where}.targets") if "targets" in f else []
+        if not targets:
+            raise reader.fail(tnode, f"{where}.targets must have at least one entry")
+        for i, target in enumerate(targets):
+            if target in names:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: {target!r} is a selector")
+            if target not in known:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: no model {target!r}")
+            if strategy == "warm" and _find(models, target) is None:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: warm picks local models only")
+        spill = 1
+        if "settings" in f:
+            settings = {n: (k, v) for n, k, v in reader.pairs(f["settings"][1], where)}
+            if "spillover" in settings:
+                spill = int(reader.number(settings["spillover"][1], f"{where}.spillover", 1))
+        out[name] = Selector(name, key.start_mark.line + 1, strategy, tuple(targets), spill,
+            reader.text(f["name"][1], where) if "name" in f else None,
+            reader.text(f["description"][1], where) if "description" in f else None,
+            "unlisted" in f and reader.flag(f["unlisted"][1], f"{where}.unlisted"),
+            _params(reader, f["metadata"][1], where) if "metadata" in f else {})  # fmt: skip
+    return out
+
+
+def _profiles(reader: _Reader, node: yaml.Node, known: set[str]) -> dict[str, Profile]:
+    """``profiles``: each a mapping of description and pins (name: target, or null)."""
+    out: dict[str, Profile] = {}
+    for name, key, value in reader.pairs(node, "profiles"):
+        where = f"profiles.{name}"
+        if not isinstance(value, yaml.MappingNode):
+            raise reader.fail(value, f"{where}: a profile is a mapping of description and pins")
+        f = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        reader.check_keys(f, frozenset({"description", "pins"}), {}, f"{where}: ")
+        pins: dict[str, str | None] = {}
+        pnode = f["pins"][1] if "pins" in f else key
+        for pin, _, target in reader.pairs(pnode, f"{where}.pins") if "pins" in f else []:
+            text = None if reader.value(target) is None else reader.text(target, where)
+            if text and text not in known:
+                raise reader.fail(target, f"{where}.pins.{pin}: no model {text!r}")
+            pins[pin] = text or None
+        if not pins:
+            raise reader.fail(pnode, f"{where}.pins must have at least one entry")
+        text = reader.text(f["description"][1], where) if "description" in f else ""
+        out[name] = Profile(name, text, pins)
     return out
 
 

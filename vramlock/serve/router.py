@@ -30,6 +30,7 @@ from .loading import Loading, wanted
 from .logs import Logs, add_routes
 from .members import Wrapper
 from .peers import Peers, entries, resolve
+from .selectors import Refused, Resolver
 from .upstream import Pool
 
 # Once a request for another model has waited this long, new requests for the model
@@ -223,6 +224,7 @@ class Router:
         self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
         self.pools: dict[str, Pool] = {}
         self.peers = Peers()
+        self.resolver = Resolver(config, self._state_of)
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
@@ -239,6 +241,8 @@ class Router:
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         if logs is not None:
             add_routes(r, logs, self._name)
+        r.add_get("/api/profiles", self.api_profiles)
+        r.add_put("/api/profiles/active", self.api_active_profile)
         r.add_post("/{path:.*}", self.by_model)
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
@@ -247,6 +251,11 @@ class Router:
         for pool in self.pools.values():
             pool.close()
         await self.peers.close()
+
+    def _state_of(self, name: str) -> str | None:
+        """Model ``name``'s member state; None when its wrapper is not running."""
+        w = self.wrappers.get(name)
+        return w.member_state() if w is not None and w.alive() else None
 
     def _name(self, name: str) -> str | None:
         """The model ``name`` names (directly or as an alias); None if none."""
@@ -275,6 +284,22 @@ class Router:
             name = None
         if not isinstance(name, str):
             return _error(400, 'the request body must be JSON with a "model" field')
+        try:
+            target, done = self.resolver.resolve(name)
+        except Refused as err:
+            return _error(err.status, err.message)
+        try:
+            if target != name:
+                doc["model"] = target
+                body = json.dumps(doc).encode()
+            return await self._by_name(request, target, doc, body)
+        finally:
+            done()
+
+    async def _by_name(
+        self, request: web.Request, name: str, doc: Any, body: bytes
+    ) -> web.StreamResponse:
+        """A request for ``name`` (profiles and selectors applied): to a peer or a model."""
         remote = resolve(self.config, name) if self.config.peers else None
         if remote is not None:
             return await self.peers.forward(request, *remote, name, doc)
@@ -286,6 +311,29 @@ class Router:
         show = bool(found.model.loading_state) and wanted(request.path, doc)
         path = found.model.prefix + request.path_qs
         return await self._forward(request, found, path, body, show_loading=show)
+
+    async def api_profiles(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/profiles: the active profile (or null) and every one."""
+        return web.json_response(self.resolver.profiles())
+
+    async def api_active_profile(self, request: web.Request) -> web.Response:
+        """llama-swap's PUT /api/profiles/active, {"name": NAME or null}."""
+        try:
+            doc = json.loads(await request.read())
+        except (ValueError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
+            return _error(400, "invalid profile request")
+        if "name" not in doc:
+            return _error(400, "profile name is required")
+        name = doc["name"]
+        if name is not None and not isinstance(name, str):
+            return _error(400, "profile name must be a string or null")
+        try:
+            self.resolver.set_active(name or None)
+        except KeyError:
+            return _error(404, f"profile {name!r} not found")
+        return web.json_response({"active": self.resolver.active})
 
     async def upstream(self, request: web.Request) -> web.StreamResponse:
         # The longest name that the path starts with: a model's name may hold "/".
@@ -545,6 +593,7 @@ class Router:
                 if self.config.aliases_listed:
                     data += [self._entry(w, alias) for alias in w.model.aliases]
         data += entries(self.config)
+        data += self.resolver.entries({*self.config.known(), *(d["id"] for d in data)})
         return web.json_response({"object": "list", "data": data})
 
     async def one_model(self, request: web.Request) -> web.Response:

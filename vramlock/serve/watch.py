@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from ..errors import VramlockError
+from .selectors import Resolver
 
 if TYPE_CHECKING:
     from .config import Config, Model
@@ -108,6 +109,7 @@ class Watcher:
         wrappers.clear()
         wrappers.update({name: kept.get(name) or fresh[name] for name in new.models})
         self.router.config = new
+        self.router.resolver = Resolver(new, self.router.resolver.state)  # no profile active
         self.logs.configure(new.log_to_stdout, new.log_time_format)
         for name in fresh:
             self.logs.model(name)
