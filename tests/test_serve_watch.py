@@ -22,11 +22,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def models(tmp_path: Path) -> str:
-    """a and b (which asks its server for ``b-old``), each in an arena of its own."""
+    """a and b (whose server has ``B=old`` in its environment), each in an arena of its
+    own; a asks its server for ``a``."""
     for name in ("a", "b", "c"):
         (tmp_path / f"arena-{name}").mkdir(mode=0o700, exist_ok=True)
-    text = "models:\n" + echo_model("a", "release: restart", "arena: arena-a")
-    return text + echo_model("b", "release: restart", "arena: arena-b", "useModelName: b-old")
+    text = "models:\n" + echo_model("a", "release: restart", "arena: arena-a", "useModelName: a")
+    return text + echo_model("b", "release: restart", "arena: arena-b", "env: [B=old]")
 
 
 def history(port: int) -> str:
@@ -60,22 +61,25 @@ def test_a_changed_file_restarts_only_what_changed(
     first = head + models(tmp_path)
     path.write_text(first)
     _, port = start(spawn, path, arena, "--watch-config")
-    assert model_of(port, "a") == "a:a" and model_of(port, "b") == "b:b-old"
+    assert model_of(port, "a") == "a:a" and model_of(port, "b") == "b:b"
     wait_until(lambda: resident(port) == ["a", "b"], 30)
 
     c = echo_model("c", "release: restart", "arena: arena-c")
-    rewrite(path, first.replace("b-old", "b-new") + c)
+    # b's environment changes: its server restarts; a's useModelName and aliases are
+    # serve's own: they change at once, a keeps running
+    second = first.replace("B=old", "B=new").replace("useModelName: a", "useModelName: a2")
+    rewrite(path, second.replace("arena: arena-a", "arena: arena-a\n    aliases: [aa]") + c)
     wait_until(lambda: "reloaded; models started afresh: b, c" in history(port), 30)
     assert resident(port) == ["a"]  # a kept running, resident all along; b ended
-    assert model_of(port, "b") == "b:b-new" and model_of(port, "c") == "c:c"
-    assert model_of(port, "a") == "a:a"
+    assert model_of(port, "b") == "b:b" and model_of(port, "c") == "c:c"
+    assert model_of(port, "a") == "a:a2" and model_of(port, "aa") == "a:a2"
     assert history(port).count("a listening") == 1
     assert history(port).count("b listening") == 2
 
     rewrite(path, head + "models: [not, a, mapping\n")
     wait_until(lambda: "the configuration in use is kept" in history(port), 30)
     assert f"{path}:3: not valid YAML" in history(port)
-    assert model_of(port, "c") == "c:c" and model_of(port, "b") == "b:b-new"
+    assert model_of(port, "c") == "c:c" and model_of(port, "b") == "b:b"
     assert history(port).count("a listening") == 1
 
 
@@ -87,6 +91,6 @@ def test_without_the_option_the_file_is_read_once(
     first = head + models(tmp_path)
     path.write_text(first)
     _, port = start(spawn, path, arena)
-    rewrite(path, first.replace("b-old", "b-new"))
+    rewrite(path, first.replace("useModelName: a", "useModelName: a2"))
     time.sleep(1.5)  # three polls' time
-    assert model_of(port, "b") == "b:b-old"
+    assert model_of(port, "a") == "a:a"

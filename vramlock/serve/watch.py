@@ -1,18 +1,19 @@
 """``vramlock serve --watch-config``: the configuration read again when its file changes.
 
 The file is looked at every ``POLL`` seconds (its modification time, size and inode:
-the standard library has no inotify). A model whose entry reads the same as before
-keeps its wrapper, still running, still resident; a model whose entry changed is ended
-and comes back under its new entry (on its next request, or at once if preloaded); a
-removed one is ended, a new one added. A file that no longer loads changes nothing:
-the error is logged and the configuration in use stays.
+the standard library has no inotify). A model whose command, proxy, checkEndpoint, env
+and vramlock keys read the same as before keeps its wrapper, still running, still
+resident (its other keys, aliases, ttl, filters and the like, take effect at once); a
+model whose command or wrapper changed is ended and comes back under its new entry (on
+its next request, or at once if preloaded); a removed one is ended, a new one added.
+A file that no longer loads changes nothing: the error is logged and the configuration
+in use stays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -37,9 +38,15 @@ def _seen(path: str) -> tuple[int, int, int] | None:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
+# What a model's wrapper is started with: a change to any of them restarts the model;
+# the others (aliases, ttl, filters, ...) are the router's, taken at once.
+_PROCESS = ("command", "upstream", "prefix", "check_endpoint", "env", "release", "preset",
+            "run_options", "arena", "gpu")  # fmt: skip
+
+
 def _same(a: Model, b: Model) -> bool:
-    """Do two entries run the same (where in the file they are does not matter)?"""
-    return dataclasses.replace(a, line=0) == dataclasses.replace(b, line=0)
+    """Do two entries run the same wrapper and command?"""
+    return all(getattr(a, f) == getattr(b, f) for f in _PROCESS)
 
 
 class Watcher:
@@ -104,8 +111,8 @@ class Watcher:
             pool = self.router.pools.pop(w.model.name, None)
             if pool is not None:
                 pool.close()
-        for w in kept.values():
-            w.config = new
+        for name, w in kept.items():
+            w.config, w.model = new, new.models[name]
         wrappers.clear()
         wrappers.update({name: kept.get(name) or fresh[name] for name in new.models})
         self.router.config = new
