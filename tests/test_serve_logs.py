@@ -176,3 +176,47 @@ def test_a_chatty_server_whose_output_nobody_reads_blocks_nobody(
         time.sleep(1)
     assert seen[-1] > seen[0] > 1000  # far more than a pipe's 64 KiB
     assert len(logs(port)) <= 100 * 1024
+
+
+# A C server's way: SIGPIPE's default action (death) on a write to a pipe nobody holds.
+ENDS_BY_SIGTERM = """
+import signal, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+def ended(*_):
+    open(sys.argv[2], "w").write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, ended)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+import threading
+threading.Thread(target=HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever,
+                 daemon=True).start()
+while True:
+    sys.stdout.buffer.write(b"x" * 1023 + b"\\n")
+    sys.stdout.flush()
+    time.sleep(0.001)
+"""
+
+
+def test_a_server_outlives_a_sigkilled_serve_until_its_wrapper_ends_it(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """serve's pipes are held and drained after it dies: its models' servers are ended by
+    their wrappers (SIGTERM, a release), not by SIGPIPE on their next line of output."""
+    from vramlock import procfs
+
+    script, said = tmp_path / "server.py", tmp_path / "ended"
+    script.write_text(ENDS_BY_SIGTERM)
+    text = (f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}} {said}\n"
+            "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    call(port, "POST", "/v1/completions", {"model": "m"})
+    everyone = procfs.descendants(proc.pid)
+    proc.kill()
+    proc.wait(10)
+    wait_until(lambda: not any(procfs.living(p) for p in everyone), 30)
+    assert said.read_text() == "SIGTERM"

@@ -46,15 +46,18 @@ def serve(
             f"vramlock serve needs {err.name}: pip install 'vramlock[serve]'"
         ) from None
     from .config import load
+    from .drain import Drain
     from .logs import Logs, Out
 
     config = load(path, duration)
-    logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2))
+    drain = Drain()
+    logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2), drain.hold)
     reload = (lambda again: load(again, duration)) if watch else None
     try:
         return _serve(config, listen, logs, reload)
     finally:
         logs.close()
+        drain.close()
 
 
 def _serve(config: Config, listen: str, logs: Logs, reload: Callable[[str], Config] | None) -> int:

@@ -173,6 +173,7 @@ class Logs:
         say: Callable[[str], None],
         out: Out | None = None,
         err: Out | None = None,
+        hold: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.to_stdout = to_stdout
         self.time_format = time_format
@@ -180,6 +181,12 @@ class Logs:
         self.proxy, self.upstream, self.mux = Ring(), Ring(), Ring()
         self.models: dict[str, Ring] = {}
         self._out, self._err = out, err
+        self._hold = hold
+
+    def hold(self, fds: list[int]) -> None:
+        """Read ends of a wrapper's output pipes, for the drainer to hold (``drain``)."""
+        if self._hold is not None:
+            self._hold(fds)
 
     def configure(self, to_stdout: str, time_format: str | None) -> None:
         self.to_stdout, self.time_format = to_stdout, time_format

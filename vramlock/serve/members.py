@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import functools
 import os
 import signal
@@ -36,6 +37,8 @@ T = TypeVar("T")
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
+_F_SETPIPE_SZ = 1031
+_PIPE_SIZE = 1 << 20  # /proc/sys/fs/pipe-max-size's default
 # When a wrapper cut a request, how long it may take to exit (then its status says why),
 # and how long its server's checkEndpoint is given to say what it answers.
 EXIT_WITHIN = 0.5
@@ -76,6 +79,15 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+def _output_pipe() -> tuple[int, int]:
+    """A pipe for a wrapper's output, (read end, write end), as large as the kernel lets
+    anyone make one: a burst waits there, not in its writer, while serve is busy."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_SIZE)
+    return r, w
 
 
 def _listener() -> socket.socket:
@@ -147,40 +159,49 @@ class Wrapper:
         self.info("starting its wrapper")
         env = dict(os.environ)
         env.update(self.model.env)
-        pipe = subprocess.PIPE if self.logs is not None else None
+        # Output pipes (stdout's, stderr's), read by serve; their read ends are held by
+        # the drainer too (``drain``), which reads them once serve is gone.
+        pipes = [_output_pipe(), _output_pipe()] if self.logs is not None else []
+        out, err = (pipes[0][1], pipes[1][1]) if pipes else (None, None)
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
         # wrappers in order, not every wrapper at once.
-        self.proc = subprocess.Popen(
-            self.argv(),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=pipe,
-            stderr=pipe,
-            start_new_session=True,
-            pass_fds=(self.listener.fileno(),),
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
-        self._read_output()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=(self.listener.fileno(),),
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        except BaseException:
+            for r, _ in pipes:
+                os.close(r)
+            raise
+        finally:
+            for _, w in pipes:
+                os.close(w)
+        if self.logs is not None:
+            self.logs.hold([r for r, _ in pipes])
+        for (r, _), is_err in zip(pipes, (False, True), strict=False):
+            self._read_output(r, is_err)
         self.exited = _exit_of(self.proc)
 
-    def _read_output(self) -> None:
+    def _read_output(self, fd: int, is_err: bool) -> None:
         """The wrapper's output into serve's logs, read by the event loop as it comes."""
-        assert self.proc is not None
         logs = self.logs
-        if logs is None or self.proc.stdout is None or self.proc.stderr is None:
-            return
-        for stream, is_err in ((self.proc.stdout, False), (self.proc.stderr, True)):
-            fd = os.dup(stream.fileno())
-            stream.close()  # the dup is read, unbuffered, and closed at its end
-            self.pipes[fd] = is_err
+        assert logs is not None
+        self.pipes[fd] = is_err
 
-            def got(data: bytes, is_err: bool = is_err) -> None:
-                logs.output(self.model.name, data, is_err)
+        def got(data: bytes) -> None:
+            logs.output(self.model.name, data, is_err)
 
-            def ended(fd: int = fd) -> None:
-                self.pipes.pop(fd, None)
+        def ended() -> None:
+            self.pipes.pop(fd, None)
 
-            read_pipe(fd, got, ended)
+        read_pipe(fd, got, ended)
 
     def drain_output(self) -> None:
         """Serve is ending: what the wrapper's pipes still hold, into the logs."""

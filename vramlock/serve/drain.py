@@ -1,0 +1,98 @@
+"""Holds the read ends of the wrappers' output pipes, and drains them once serve is gone.
+
+serve reads its wrappers' output; if serve dies (even SIGKILLed), the wrappers get
+SIGTERM and release their commands, writing as they go. With no reader left, each
+write would be EPIPE (or SIGPIPE, which ends a server in the middle of its release);
+with a reader that does not read, a full pipe would block them. So this process, one per
+serve, started with it in a session of its own, gets each pipe's read end from serve
+(``SCM_RIGHTS`` on a socket) and holds it; once serve's end of the socket closes, it
+reads and drops what every pipe carries until its writers have all exited, then exits.
+A pipe whose writers all exited while serve runs is let go at once (POLLHUP).
+
+``python -m vramlock.serve.drain FD``: FD is its end of the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import subprocess
+import sys
+
+_MAX_FDS = 16
+
+
+class Drain:
+    """serve's side: a drainer process and the socket to it."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vramlock.serve.drain", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True,
+            )  # fmt: skip
+        self.sock = mine
+
+    def hold(self, fds: list[int]) -> None:
+        """Give the drainer copies of ``fds`` (read ends of output pipes)."""
+        with contextlib.suppress(OSError):  # the drainer gone: serve goes on without it
+            socket.send_fds(self.sock, [b"f"], fds)
+
+    def close(self) -> None:
+        """serve is ending: the drainer drains what is left and exits by itself."""
+        self.sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(0)
+
+
+def main(control: int) -> None:
+    sock = socket.socket(fileno=control)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    held: set[int] = set()
+    while True:
+        for fd, events in poller.poll():
+            if fd != sock.fileno():
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    poller.unregister(fd)
+                    os.close(fd)
+                    held.discard(fd)
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 1, _MAX_FDS)
+            except OSError:
+                data, fds = b"", []
+            for fd in fds:
+                held.add(fd)
+                poller.register(fd, 0)  # hang-ups only, while serve reads them
+            if not data:
+                _drain(held)
+                return
+
+
+def _drain(held: set[int]) -> None:
+    """serve is gone: read and drop until every pipe's writers have exited."""
+    poller = select.poll()
+    for fd in held:
+        os.set_blocking(fd, True)  # serve read it non-blocking: the same open file
+        poller.register(fd, select.POLLIN)
+    while held:
+        for fd, _ in poller.poll():
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(fd)
+                os.close(fd)
+                held.discard(fd)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
