@@ -110,6 +110,11 @@ def test_peers_get_their_requests_with_their_key(spawn: Spawn, tmp_path: Path, a
     assert status == 404  # two peers have it: it must be qualified
     assert ask("local")["id"] == "local"  # locals first
     assert ask("p/local")["id"] == "peer-p"
+    # /upstream/PEER/MODEL/PATH: passed through to the peer, with its key
+    got = call_json(port, "GET", "/upstream/p/remote-a/v1/props?x=1")
+    assert got["id"] == "peer-p" and got["path"] == "/api/v1/props?x=1"
+    assert got["headers"]["x-api-key"] == "sk-peer"
+    assert call_json(port, "GET", "/upstream/only-q/health")["path"] == "/health"
     listed = {m["id"]: m for m in call_json(port, "GET", "/v1/models")["data"]}
     assert list(listed) == ["local", "p/remote-a", "p/shared", "p/local", "q/shared", "q/only-q"]
     assert listed["p/remote-a"]["name"] == "p: remote-a"

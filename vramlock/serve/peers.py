@@ -39,6 +39,18 @@ def resolve(config: Config, name: str) -> tuple[Peer, str] | None:
     return bare[0] if len(bare) == 1 else None
 
 
+def upstream_peer(config: Config, rest: str) -> tuple[Peer, str, str] | None:
+    """For /upstream/REST: the peer, its model and the path (from "/") that REST starts
+    with a peer model's name (the longest that ``resolve`` takes), or None."""
+    names = [f"{p.name}/{m}" for p in config.peers.values() for m in p.models]
+    names += [m for p in config.peers.values() for m in p.models]
+    name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+    found = None if name is None else resolve(config, name)
+    if name is None or found is None:
+        return None
+    return found[0], found[1], rest[len(name) :]
+
+
 def entries(config: Config) -> list[dict[str, Any]]:
     """Each peer model's /v1/models entry, as llama-swap lists them."""
     return [
@@ -60,9 +72,16 @@ class Peers:
             await self._client.close()
 
     async def forward(
-        self, request: web.Request, peer: Peer, model: str, asked: str, doc: Any
+        self,
+        request: web.Request,
+        peer: Peer,
+        model: str,
+        asked: str,
+        doc: Any,
+        path: str | None = None,
     ) -> web.StreamResponse:
-        """``request`` (its JSON body already read: ``doc``) to ``peer`` as ``model``."""
+        """``request`` to ``peer`` as ``model``: its JSON body already read (``doc``), or
+        (None) passed through unread to ``path`` (/upstream's)."""
         if self._client is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
             self._client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
@@ -70,10 +89,11 @@ class Peers:
         if peer.api_key:
             headers["Authorization"] = f"Bearer {peer.api_key}"
             headers["x-api-key"] = peer.api_key
-        body = None
         if isinstance(doc, dict):
             body = json.dumps({**peer.filters.apply(doc, asked), "model": model}).encode()
-        url = peer.base + request.path_qs
+        else:
+            body = await request.read()
+        url = peer.base + (request.path_qs if path is None else path)
         try:
             up = await self._client.request(request.method, url, headers=headers, data=body)
         except (aiohttp.ClientError, OSError) as err:

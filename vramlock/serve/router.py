@@ -29,7 +29,7 @@ from .config import Config
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
 from .members import Wrapper
-from .peers import Peers, entries, resolve
+from .peers import Peers, entries, resolve, upstream_peer
 from .selectors import Refused, Resolver
 from .upstream import Pool
 
@@ -340,6 +340,11 @@ class Router:
         rest = request.raw_path[len("/upstream/") :]
         names = [*self.config.models, *(a for m in self.config.models.values() for a in m.aliases)]
         name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+        if name is None and self.config.peers:
+            remote = upstream_peer(self.config, rest)
+            if remote is not None:
+                peer, model, path = remote
+                return await self.peers.forward(request, peer, model, model, None, path)
         found = self._wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found
