@@ -401,6 +401,8 @@ ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
         ("peers:\n  p: {proxy: 'http://h', models: [x]}\nselectors:\n"
          "  s: {strategy: warm, targets: [x]}\n" + ONE_MODEL, 4,
          "selectors.s.targets[0]: warm picks local models only"),
+        ("selectors:\n  s: {strategy: spillover, targets: [a, al]}\n" + ONE_MODEL, 2,
+         "selectors.s.targets: 'a' is there twice"),
         ("profiles:\n  p: {pins: {x: zz}}\n" + ONE_MODEL, 2, "profiles.p.pins.x: no model 'zz'"),
         ("profiles:\n  p: {pins: {}}\n" + ONE_MODEL, 2, "profiles.p.pins must have at least one"),
         ("profiles:\n  p: [a]\n" + ONE_MODEL, 2,
@@ -412,8 +414,8 @@ ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
          "concurrency", "log-level", "log-to-stdout", "log-time-format", "peer-proxy",
          "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
          "selector-no-strategy", "selector-no-targets", "selector-unknown", "selector-chain",
-         "selector-clash", "selector-warm-peer", "profile-unknown", "profile-empty",
-         "profile-list"],
+         "selector-clash", "selector-warm-peer", "selector-twice", "profile-unknown",
+         "profile-empty", "profile-list"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -220,3 +220,31 @@ def test_a_server_outlives_a_sigkilled_serve_until_its_wrapper_ends_it(
     proc.wait(10)
     wait_until(lambda: not any(procfs.living(p) for p in everyone), 30)
     assert said.read_text() == "SIGTERM"
+
+
+def test_a_history_keeps_its_last_bytes_and_a_slow_follower_is_told_what_it_lost() -> None:
+    import asyncio
+
+    from vramlock.serve.logs import BEHIND, HISTORY, Ring
+
+    async def scenario() -> list[bytes | None]:
+        ring = Ring()
+        queue = ring.follow()
+        for i in range(BEHIND + 5):  # 5 more than a follower may be behind
+            ring.write(b"%05d\n" % i)
+        got = [queue.get_nowait() for _ in range(queue.qsize())]
+        ring.write(b"next\n")
+        got += [queue.get_nowait() for _ in range(queue.qsize())]
+        ring.close()
+        assert await queue.get() is None
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[:BEHIND] == [b"%05d\n" % i for i in range(BEHIND)]
+    assert got[BEHIND:] == ["\n— 30 bytes dropped —\n".encode(), b"next\n"]
+    ring = Ring()
+    for i in range(3 * HISTORY // 1000):
+        ring.write(b"%999d\n" % i)
+    history = ring.history()
+    assert HISTORY - 1000 < len(history) <= HISTORY
+    assert history.endswith(b"%999d\n" % (3 * HISTORY // 1000 - 1))

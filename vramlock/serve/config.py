@@ -896,6 +896,10 @@ def _selectors(
                 raise reader.fail(tnode, f"{where}.targets[{i}]: no model {target!r}")
             if strategy == "warm" and _find(models, target) is None:
                 raise reader.fail(tnode, f"{where}.targets[{i}]: warm picks local models only")
+        resolved = [(m.name if (m := _find(models, t)) else t) for t in targets]
+        twice = next((t for i, t in enumerate(resolved) if t in resolved[:i]), None)
+        if strategy == "spillover" and twice is not None:
+            raise reader.fail(tnode, f"{where}.targets: {twice!r} is there twice")
         spill = 1
         if "settings" in f:
             settings = {n: (k, v) for n, k, v in reader.pairs(f["settings"][1], where)}
