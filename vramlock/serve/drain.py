@@ -6,7 +6,8 @@ write would be EPIPE (or SIGPIPE, which ends a server in the middle of its relea
 with a reader that does not read, a full pipe would block them. So this process, one per
 serve, started with it in a session of its own, gets each pipe's read end from serve
 (``SCM_RIGHTS`` on a socket) and holds it; once serve's end of the socket closes, it
-reads and drops what every pipe carries until its writers have all exited, then exits.
+copies what every pipe carries to serve's own standard output or error (which it
+shares), dropping it where they are gone, until its writers have all exited; then exits.
 A pipe whose writers all exited while serve runs is let go at once (POLLHUP).
 
 ``python -m vramlock.serve.drain FD``: FD is its end of the socket.
@@ -32,13 +33,14 @@ class Drain:
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vramlock.serve.drain", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True,
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                start_new_session=True,
             )  # fmt: skip
         self.sock = mine
 
     def hold(self, fds: list[int]) -> None:
-        """Give the drainer copies of ``fds`` (read ends of output pipes)."""
+        """Give the drainer copies of ``fds``: the read ends of a wrapper's standard
+        output's pipe and its standard error's."""
         with contextlib.suppress(OSError):  # the drainer gone: serve goes on without it
             socket.send_fds(self.sock, [b"f"], fds)
 
@@ -53,29 +55,29 @@ def main(control: int) -> None:
     sock = socket.socket(fileno=control)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    held: set[int] = set()
+    held: dict[int, int] = {}  # a pipe's read end -> where its output goes (1 or 2)
     while True:
         for fd, events in poller.poll():
             if fd != sock.fileno():
                 if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     poller.unregister(fd)
                     os.close(fd)
-                    held.discard(fd)
+                    held.pop(fd, None)
                 continue
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1, _MAX_FDS)
             except OSError:
                 data, fds = b"", []
-            for fd in fds:
-                held.add(fd)
+            for fd, out in zip(fds, (1, 2), strict=False):
+                held[fd] = out
                 poller.register(fd, 0)  # hang-ups only, while serve reads them
             if not data:
                 _drain(held)
                 return
 
 
-def _drain(held: set[int]) -> None:
-    """serve is gone: read and drop until every pipe's writers have exited."""
+def _drain(held: dict[int, int]) -> None:
+    """serve is gone: copy each pipe to its stream until its writers have exited."""
     poller = select.poll()
     for fd in held:
         os.set_blocking(fd, True)  # serve read it non-blocking: the same open file
@@ -91,7 +93,10 @@ def _drain(held: set[int]) -> None:
             if not data:
                 poller.unregister(fd)
                 os.close(fd)
-                held.discard(fd)
+                held.pop(fd)
+                continue
+            with contextlib.suppress(OSError):  # that stream gone: what it was to get too
+                os.write(held[fd], data)
 
 
 if __name__ == "__main__":
