@@ -64,8 +64,8 @@ class Loading:
         said = None
         while True:
             await asyncio.sleep(TICK)
-            try:
-                now = await asyncio.to_thread(self.state)
+            try:  # in the loop, not a thread: a few small reads of the arena
+                now = self.state()
             except (AssertionError, OSError):  # the wrapper ended in between
                 now = None
             if now != said and now in _SAYS:

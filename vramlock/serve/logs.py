@@ -7,8 +7,9 @@ lets through to serve's output), each a bounded history of its last ``HISTORY`` 
 cannot keep up loses lines, told as ``— N bytes dropped —``; nobody waits for it.
 
 The wrappers' output comes through pipes read by serve's event loop; what goes on to
-serve's own standard output and error is written by a thread of each, through a bounded
-buffer: a terminal or pipe that does not read cannot block serve or a model's server.
+serve's own standard output and error is written from the loop as far as they take it,
+the rest kept in a bounded buffer (``Out``): a terminal or pipe that does not read
+cannot block serve or a model's server.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
+import select
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,7 @@ BEHIND = 1024
 # What serve's own output may have waiting to be written, then the oldest is dropped.
 OUT_PENDING = 1 << 20
 _READ = 64 * 1024
+_PIPE_BUF = 4096
 
 TO_STDOUT = ("proxy", "upstream", "both", "none")
 
@@ -119,47 +121,62 @@ class Ring:
 
 
 class Out:
-    """Serve's standard output or error, written by a thread of its own from a bounded
-    buffer (the oldest dropped past ``OUT_PENDING``): writing never blocks the caller."""
+    """Serve's standard output or error, written from the event loop, never blocking it:
+    only while the file takes more (``poll``), ``PIPE_BUF`` bytes at a time (a pipe that
+    polls writable takes that much whole), the rest kept in a bounded buffer (the oldest
+    dropped past ``OUT_PENDING``) and tried again every ``RETRY`` seconds. No thread: a
+    thread of serve's would make the kernel send the wrappers their parent-death
+    signal once more as it ends (PR_SET_PDEATHSIG follows threads), in the middle of
+    their cleanup."""
+
+    RETRY = 0.01
 
     def __init__(self, fd: int, limit: int = OUT_PENDING) -> None:
         self.fd, self.limit = fd, limit
         self._pending: deque[bytes] = deque()
         self._size = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"serve-out-{fd}", daemon=True)
-        self._thread.start()
+        self._later: asyncio.TimerHandle | None = None
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLOUT)
 
     def write(self, data: bytes) -> None:
-        with self._cond:
-            self._pending.append(data)
-            self._size += len(data)
-            while self._size > self.limit and len(self._pending) > 1:
-                self._size -= len(self._pending.popleft())
-            self._cond.notify()
+        self._pending.append(data)
+        self._size += len(data)
+        while self._size > self.limit and len(self._pending) > 1:
+            self._size -= len(self._pending.popleft())
+        if self._later is None:
+            self.flush()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending:
-                    return
-                data = self._pending.popleft()
-                self._size -= len(data)
+    def flush(self, wait_ms: int = 0) -> bool:
+        """Write what the file takes now (waiting up to ``wait_ms`` for it each time);
+        True once nothing is left."""
+        self._later = None
+        while self._pending:
+            if not any(ev & select.POLLOUT for _, ev in self._poll.poll(wait_ms)):
+                break
+            data = self._pending.popleft()
+            self._size -= len(data)
             try:
-                while data:
-                    data = data[os.write(self.fd, data) :]
+                done = os.write(self.fd, data[:_PIPE_BUF])
             except OSError:
-                pass  # closed or broken: what was to go there is lost, serve goes on
+                self._pending.clear()  # closed or broken: what was to go there is lost
+                self._size = 0
+                break
+            if done < len(data):
+                self._pending.appendleft(data[done:])
+                self._size += len(data) - done
+        if self._pending:
+            with contextlib.suppress(RuntimeError):  # no loop (serve is ending)
+                self._later = asyncio.get_running_loop().call_later(self.RETRY, self.flush)
+        return not self._pending
 
     def close(self, within: float = 2.0) -> None:
-        """Write what is pending (for up to ``within`` seconds), then stop."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(within)
+        """Write what is pending, for up to ``within`` seconds."""
+        if self._later is not None:
+            self._later.cancel()
+        end = time.monotonic() + within
+        while not self.flush(50) and time.monotonic() < end:
+            pass
 
 
 class Logs:

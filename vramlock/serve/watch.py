@@ -72,7 +72,7 @@ class Watcher:
                 continue
             self._last = now
             try:
-                new = await asyncio.to_thread(self.load, self.path)
+                new = self.load(self.path)  # a small file: read in the loop
                 await self.apply(new)
             except VramlockError as err:
                 self.logs.say(f"{err}; the configuration in use is kept")
