@@ -7,7 +7,8 @@ with a reader that does not read, a full pipe would block them. So this process,
 serve, started with it in a session of its own, gets each pipe's read end from serve
 (``SCM_RIGHTS`` on a socket) and holds it; once serve's end of the socket closes, it
 copies what every pipe carries to serve's own standard output or error (which it
-shares), dropping it where they are gone, until its writers have all exited; then exits.
+shares) as far as they take it, dropping the rest, until its writers have all exited;
+then exits.
 A pipe whose writers all exited while serve runs is let go at once (POLLHUP).
 
 ``python -m vramlock.serve.drain FD``: FD is its end of the socket.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 
 _MAX_FDS = 16
+_PIPE_BUF = 4096
 
 
 class Drain:
@@ -95,8 +97,20 @@ def _drain(held: dict[int, int]) -> None:
                 os.close(fd)
                 held.pop(fd)
                 continue
-            with contextlib.suppress(OSError):  # that stream gone: what it was to get too
-                os.write(held[fd], data)
+            _offer(held[fd], data)
+
+
+def _offer(out: int, data: bytes) -> None:
+    """``data`` to ``out`` as far as it takes it now, PIPE_BUF bytes at a time (a pipe
+    that polls writable takes that much whole); the rest is dropped: whoever reads serve's
+    output may be gone or stopped, and nothing may wait for them."""
+    poller = select.poll()
+    poller.register(out, select.POLLOUT)
+    while data and any(ev & select.POLLOUT for _, ev in poller.poll(0)):
+        try:
+            data = data[os.write(out, data[:_PIPE_BUF]) :]
+        except OSError:
+            return  # that stream is gone: what it was to get too
 
 
 if __name__ == "__main__":
