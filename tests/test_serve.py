@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.llama import BothAlive, llama_binary, needs_llama
-from helpers.net import free_port, free_ports
+from helpers.net import answers_health, free_port, free_ports
 from helpers.processes import Spawn, wait_until, waiting_holder
 
 from vramlock import procfs
@@ -130,25 +130,12 @@ def start(spawn: Spawn, arena: Path, tmp_path: Path) -> Iterator[Any]:
                      graceful=True, stdout=log, stderr=log,
                      env={**os.environ, "VRAMLOCK_ARENA": str(arena)})  # fmt: skip
         served = Served(proc, port, upstream_ports(config)[:3], arena)
-        wait_until(lambda: accepts_http(port), timeout=20)
+        wait_until(lambda: answers_health(port), timeout=20)
         return served
 
     yield go
     for log in logs:
         log.close()
-
-
-def accepts_http(port: int) -> bool:
-    """serve's /health answers (llama-swap's plain "OK")."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", "/health")
-        reply = conn.getresponse()
-        return reply.status == 200 and reply.read() == b"OK"
-    except OSError:
-        return False
-    finally:
-        conn.close()
 
 
 def test_three_models_many_clients_one_resident_at_a_time(

@@ -304,8 +304,7 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
 
 def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
     config = read(tmp_path, """\
-        selectors: {}
-        upstream: {ignorePaths: []}
+        metricsMaxInMemory: 1000
         models:
           a:
             cmd: srv --port ${PORT}
@@ -313,7 +312,7 @@ def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
         """)  # fmt: skip
     said = [w.split(": ", 1)[1] for w in config.warnings]
     assert [w.split(" ignored: ")[0] for w in said] == [
-        "selectors", "upstream", "model 'a': compat"]  # fmt: skip
+        "metricsMaxInMemory", "model 'a': compat"]  # fmt: skip
     assert "unknown" not in " ".join(said)
 
 
@@ -328,6 +327,9 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     assert config.warnings == [f"{path}:1: unknown key colour ignored",
                                f"{path}:5: model 'a': unknown key flavour ignored"]  # fmt: skip
+
+
+ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
 
 
 @pytest.mark.parametrize(
@@ -366,11 +368,49 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
          "model 'a': concurrencyLimit must be 0 or more"),
         ("logLevel: chatty\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 1,
          "logLevel must be one of debug, info, warn, error"),
+        ("logToStdout: all\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 1,
+         "logToStdout must be one of proxy, upstream, both, none"),
+        ("logTimeFormat: iso\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 1,
+         "logTimeFormat must be one of ansic, unixdate,"),
+        ("peers:\n  p:\n    models: [x]\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 2,
+         "peer 'p': proxy is required"),
+        ("peers:\n  p:\n    proxy: ftp://h\n    models: [x]\nmodels:\n  a:\n    cmd: srv\n", 3,
+         "peer 'p': proxy must be an http(s)://HOST[:PORT] URL"),
+        ("peers:\n  p:\n    proxy: http://h\n    models: []\nmodels:\n  a:\n    cmd: srv\n", 2,
+         "peer 'p': models must not be empty"),
+        ("peers:\n  p:\n    proxy: http://h\n    models: [x]\nmodels:\n  p/x:\n    cmd: srv\n",
+         4, "peer 'p': p/x is already a local model's name or alias"),
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    sendLoadingState: yes please\n", 4,
+         "model 'a': sendLoadingState must be true or false"),
+        ("selectors:\n  s: {strategy: best, targets: [a]}\n" + ONE_MODEL, 2,
+         "selectors.s.strategy 'best' is not warm, pin or spillover"),
+        ("selectors:\n  s: {targets: [a]}\n" + ONE_MODEL, 2, "selectors.s.strategy is required"),
+        ("selectors:\n  s: {strategy: pin, targets: []}\n" + ONE_MODEL, 2,
+         "selectors.s.targets must have at least one entry"),
+        ("selectors:\n  s: {strategy: pin, targets: [al, zz]}\n" + ONE_MODEL, 2,
+         "selectors.s.targets[1]: no model 'zz'"),
+        ("selectors:\n  s: {strategy: pin, targets: [t]}\n  t: {strategy: pin, targets: [a]}\n"
+         + ONE_MODEL, 2, "selectors.s.targets[0]: 't' is a selector"),
+        ("selectors:\n  al: {strategy: pin, targets: [a]}\n" + ONE_MODEL, 2,
+         "selectors.al: a model, alias or peer model is named so"),
+        ("peers:\n  p: {proxy: 'http://h', models: [x]}\nselectors:\n"
+         "  s: {strategy: warm, targets: [x]}\n" + ONE_MODEL, 4,
+         "selectors.s.targets[0]: warm picks local models only"),
+        ("selectors:\n  s: {strategy: spillover, targets: [a, al]}\n" + ONE_MODEL, 2,
+         "selectors.s.targets: 'a' is there twice"),
+        ("profiles:\n  p: {pins: {x: zz}}\n" + ONE_MODEL, 2, "profiles.p.pins.x: no model 'zz'"),
+        ("profiles:\n  p: {pins: {}}\n" + ONE_MODEL, 2, "profiles.p.pins must have at least one"),
+        ("profiles:\n  p: [a]\n" + ONE_MODEL, 2,
+         "profiles.p: a profile is a mapping of description and pins"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
          "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key",
-         "concurrency", "log-level"],
+         "concurrency", "log-level", "log-to-stdout", "log-time-format", "peer-proxy",
+         "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
+         "selector-no-strategy", "selector-no-targets", "selector-unknown", "selector-chain",
+         "selector-clash", "selector-warm-peer", "selector-twice", "profile-unknown",
+         "profile-empty", "profile-list"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -54,3 +54,19 @@ def accepts(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def answers_health(port: int) -> bool:
+    """Does serve's /health on the loopback port answer (llama-swap's plain "OK")? Its port
+    accepts before its configuration is read; this is once it has been."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        reply = conn.getresponse()
+        return reply.status == 200 and reply.read() == b"OK"
+    except OSError:
+        return False
+    finally:
+        conn.close()

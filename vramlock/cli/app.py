@@ -57,6 +57,7 @@ from .params import (
     UiListenOpt,
     UpstreamOpt,
     VramOpt,
+    WatchConfigOpt,
     WatchOpt,
     YieldWithinOpt,
 )
@@ -170,9 +171,10 @@ def serve(
     config: ConfigArg = None,
     config_option: ConfigOpt = None,
     listen: ServeListenOpt = "127.0.0.1:8080",
+    watch_config: WatchConfigOpt = False,
 ) -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
-    raise typer.Exit(serve_command.serve(config, config_option, listen))
+    raise typer.Exit(serve_command.serve(config, config_option, listen, watch_config))
 
 
 @app.command()

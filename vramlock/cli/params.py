@@ -252,6 +252,15 @@ ServeListenOpt = Annotated[
     ),
 ]
 
+WatchConfigOpt = Annotated[
+    bool,
+    typer.Option(
+        "--watch-config",
+        help="Read CONFIG again when it changes: models whose entry is unchanged keep"
+        " running; a file that does not load is logged and the one in use kept.",
+    ),
+]
+
 # -- stats, ui ---------------------------------------------------------------------------------
 
 OneGpuOpt = Annotated[

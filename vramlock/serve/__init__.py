@@ -13,13 +13,14 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import AddressError, VramlockError
 from ..net.web import until_signalled
 
 if TYPE_CHECKING:
     from .config import Config, Duration
+    from .logs import Logs
     from .members import Wrapper
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -27,9 +28,17 @@ DEFAULT_LISTEN = "127.0.0.1:8080"
 SHUTDOWN_GRACE = 2.0
 
 
-def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], None]) -> int:
+def serve(
+    path: str,
+    listen: str,
+    *,
+    duration: Duration,
+    warn: Callable[[str], None],
+    watch: bool = False,
+) -> int:
     """Run until SIGTERM, SIGINT or SIGHUP; 0 then. ConfigError (exit 2) for a bad file,
-    UsageError for a bad ``listen``, AddressError when it cannot be listened on."""
+    UsageError for a bad ``listen``, AddressError when it cannot be listened on.
+    ``watch``: the file is read again whenever it changes (``watch``)."""
     from importlib.util import find_spec
 
     for module in ("aiohttp", "yaml"):
@@ -50,33 +59,53 @@ def serve(path: str, listen: str, *, duration: Duration, warn: Callable[[str], N
         except OSError as err:
             raise AddressError("--listen", listen, err.strerror or str(err)) from None
     try:
-        return _serve(path, socks, None if every else host, port, duration, warn)
+        where = Where(socks, None if every else host, port)
+        return _logged(path, where, duration, warn, watch)
     finally:
         for sock in socks:
             sock.close()
 
 
-def _serve(
-    path: str,
-    socks: list[socket.socket],
-    host: str | None,
-    port: int,
-    duration: Duration,
-    warn: Callable[[str], None],
+class Where(NamedTuple):
+    """Where serve listens: its sockets, its host (None: every interface), its port."""
+
+    socks: list[socket.socket]
+    host: str | None
+    port: int
+
+
+def _logged(
+    path: str, where: Where, duration: Duration, warn: Callable[[str], None], watch: bool
 ) -> int:
     from .config import load
-    from .members import Wrapper
+    from .drain import Drain
+    from .logs import Logs, Out
 
     config = load(path, duration)
+    drain = Drain()
+    logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2), drain.hold)
+    reload = (lambda again: load(again, duration)) if watch else None
+    try:
+        return _serve(config, where, logs, reload)
+    finally:
+        logs.close()
+        drain.close()
+
+
+def _serve(config: Config, where: Where, logs: Logs, reload: Callable[[str], Config] | None) -> int:
+    from .members import Wrapper
+
+    warn = logs.say
     for message in config.warnings:
         warn(message)
-    wrappers = {name: Wrapper(model, config, warn) for name, model in config.models.items()}
+    wrappers = {name: Wrapper(model, config, warn, logs) for name, model in config.models.items()}
     for w in wrappers.values():
         _check(config, w)
+        logs.model(w.model.name)
     unhonoured = _together_without_budget(config, list(wrappers.values()))
     if unhonoured is not None:
         warn(unhonoured)
-    return asyncio.run(_main(config, wrappers, socks, host, port, warn))
+    return asyncio.run(_main(config, wrappers, where, logs, reload))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -161,20 +190,20 @@ def _one_line_logger(warn: Callable[[str], None]) -> logging.Logger:
 async def _main(
     config: Config,
     wrappers: dict[str, Wrapper],
-    socks: list[socket.socket],
-    host: str | None,
-    port: int,
-    warn: Callable[[str], None],
+    where: Where,
+    logs: Logs,
+    reload: Callable[[str], Config] | None,
 ) -> int:
-    """Serve until told to end; ``host`` None: every interface."""
+    """Serve until told to end; ``reload``: --watch-config's loader of the file."""
     from aiohttp import web
 
-    from ..net.address import show
     from .front import Front
     from .members import stop_all
     from .router import Router
+    from .watch import Watcher, watching
 
-    router = Router(config, wrappers)
+    warn = logs.say
+    router = Router(config, wrappers, logs)
     runner = web.AppRunner(
         router.app,
         access_log=None,
@@ -186,22 +215,32 @@ async def _main(
     handoff = runner.server
     assert handoff is not None
     loop = asyncio.get_running_loop()
-    servers = [
-        await loop.create_server(lambda: Front(router, handoff), sock=sock) for sock in socks
-    ]
+    servers = [await loop.create_server(lambda: Front(router, handoff), sock=sock)
+               for sock in where.socks]  # fmt: skip
     stop = until_signalled()
     try:
         for name in config.preload:  # the others start on their first request
             wrappers[name].start()
-        where = f"at http://{show((host, port))}" if host else f"on port {port} of every interface"
-        warn(f"serving {', '.join(wrappers)} {where}")
-        await stop.wait()
+        warn(f"serving {', '.join(wrappers)} {_at(where)}")
+        watcher = None if reload is None else Watcher(router, logs, reload, _check)
+        async with watching(watcher):
+            await stop.wait()
     finally:
+        logs.end_streams()
         for server in servers:
             server.close()
         await router.close_fronts(SHUTDOWN_GRACE)
         await runner.cleanup()
         stop_all(list(wrappers.values()))
         for w in wrappers.values():
+            w.drain_output()
             w.close()
     return 0
+
+
+def _at(where: Where) -> str:
+    from ..net.address import show
+
+    if where.host is None:
+        return f"on port {where.port} of every interface"
+    return f"at http://{show((where.host, where.port))}"

@@ -15,13 +15,16 @@ What llama-swap's keys mean here:
   ``${MODEL_ID}``), ``startPort`` (default 5800), ``healthCheckTimeout`` (default 120 s),
   ``globalTTL``, ``hooks.on_startup.preload`` (the models started with serve; any other
   starts on its first request), ``apiKeys``, ``includeAliasesInList``, ``logLevel``,
-  ``unloadTimeout``, ``routing`` and the older ``groups`` and ``matrix`` (``routing.py``).
+  ``unloadTimeout``, ``routing`` and the older ``groups`` and ``matrix`` (``routing.py``),
+  ``logToStdout``, ``logTimeFormat`` (``logs``), ``sendLoadingState`` (also per model:
+  ``loading``), ``upstream.ignorePaths``, ``peers`` (``peers``), ``selectors`` and
+  ``profiles`` (``selectors``).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
 ``run`` picks).
 
-Keys that mean nothing under vramlock (``peers``, ``sendLoadingState``, ...) are ignored with a
+Keys that mean nothing under vramlock (``ui``, ``compat``, ...) are ignored with a
 warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
 ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
 """
@@ -33,7 +36,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,12 +45,16 @@ import yaml
 from ..arena.directory import parse_gpus
 from ..errors import UsageError
 from . import routing
+from .logs import TIME_FORMATS, TO_STDOUT
 from .timeouts import Timeouts, read_timeouts, read_unload_timeout
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
 LOG_LEVELS = ("debug", "info", "warn", "error")
+# logToStdout absent: serve's lines and its models' output, as before the key was read
+# (llama-swap's default is proxy: its servers' output only in /logs).
+DEFAULT_TO_STDOUT = "both"
 DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
@@ -57,36 +64,29 @@ _RESERVED = frozenset({"PID", "PORT", "MODEL_ID"})
 MAX_EXPANDED = 1 << 20
 
 # llama-swap's keys that have no meaning here, and why.
-_NO_UI = "vramlock serve has no web UI, metrics or request log"
-_NO_LOADING = "a request waits while its model loads: no loading messages are streamed"
-_BY_NAME = "a request names its model or one of its aliases"
+_NO_UI = "serve's /ui, /metrics and /logs have no settings of their own"
+
 IGNORED_TOP = {
-    "logTimeFormat": "the wrappers and servers write to serve's standard output and error",
-    "logToStdout": "the wrappers and servers write to serve's standard output and error",
     "metricsMaxInMemory": _NO_UI,
     "captureBuffer": _NO_UI,
     "ui": _NO_UI,
     "store": _NO_UI,
     "performance": _NO_UI,
-    "peers": "only the models listed here are served",
-    "profiles": _BY_NAME,
-    "selectors": _BY_NAME,
-    "upstream": "/upstream passes every path through",
-    "sendLoadingState": _NO_LOADING,
 }
 IGNORED_MODEL = {
-    "sendLoadingState": _NO_LOADING,
     "compat": "a websocket through /upstream is a connection like any other",
 }
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
-     "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout"}
+     "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout",
+     "logToStdout", "logTimeFormat", "sendLoadingState", "upstream", "peers", "profiles",
+     "selectors"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
      "description", "macros", "concurrencyLimit", "useModelName", "filters", "release",
      "preset", "min_hold", "yield_within", "vram", "gpu", "arena", "metadata", "capabilities",
-     "unloadTimeout", "timeouts", "cmdStop"}
+     "unloadTimeout", "timeouts", "cmdStop", "sendLoadingState"}
 )  # fmt: skip
 
 
@@ -126,6 +126,9 @@ class Model:
     unload_timeout: float | None = None  # unloadTimeout (None: the top level's)
     stop_command: str | None = None  # cmdStop, for sh -c (${PID}: $VRAMLOCK_CHILD_PID)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    loading_state: bool | None = (
+        False  # sendLoadingState (None while being read): loading progress in a chat stream
+    )
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,42 @@ class Filters:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """llama-swap's ``peers.ID``: a remote OpenAI-compatible server, no process here."""
+
+    name: str
+    line: int
+    base: str  # ``proxy``: the request's path is appended to it
+    models: tuple[str, ...]
+    api_key: str = ""  # sent as Authorization: Bearer and x-api-key ("": nothing)
+    filters: Filters = field(default_factory=lambda: Filters())
+
+
+@dataclass(frozen=True)
+class Selector:
+    """llama-swap's ``selectors.ID``: a name that picks one of its targets per request."""
+
+    name: str
+    line: int
+    strategy: str  # warm, pin or spillover
+    targets: tuple[str, ...]
+    spillover: int = 1  # settings.spillover: requests per active target before the next
+    title: str | None = None
+    description: str | None = None
+    unlisted: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """llama-swap's ``profiles.ID``: names replaced while it is the active profile."""
+
+    name: str
+    description: str
+    pins: dict[str, str | None]  # None (or ""): the name answers 404 meanwhile
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     models: dict[str, Model]
@@ -163,6 +202,12 @@ class Config:
     log_level: str = "info"  # logLevel: info and debug say each request and start
     routing: routing.Routing = field(default_factory=routing.Routing)  # who is resident together
     unload_timeout: float | None = None  # unloadTimeout (None: healthCheckTimeout, no hard stop)
+    log_to_stdout: str = "both"  # logToStdout: which logs reach serve's output
+    log_time_format: str | None = None  # logTimeFormat, as a strftime format
+    ignore_paths: tuple[re.Pattern[str], ...] = ()  # upstream.ignorePaths
+    peers: dict[str, Peer] = field(default_factory=dict)
+    selectors: dict[str, Selector] = field(default_factory=dict)
+    profiles: dict[str, Profile] = field(default_factory=dict)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -432,7 +477,10 @@ def load(path: str, duration: Duration) -> Config:
         health = reader.number(top["healthCheckTimeout"][1], "healthCheckTimeout", 1)
     global_ttl = reader.number(top["globalTTL"][1], "globalTTL", 0) if "globalTTL" in top else 0.0
 
-    models = _models(reader, macros, top["models"][1], start_port, global_ttl)
+    loading = "sendLoadingState" in top and reader.flag(
+        top["sendLoadingState"][1], "sendLoadingState"
+    )
+    models = _models(reader, macros, top["models"][1], start_port, global_ttl, loading)
     rules = routing.read(reader, top, set(models))
     unload = None
     if "unloadTimeout" in top:
@@ -451,11 +499,17 @@ def load(path: str, duration: Duration) -> Config:
             )
     return Config(path=path, models=models, health_timeout=health, warnings=reader.warnings,
                   preload=preload, api_keys=keys, aliases_listed=listed,
-                  log_level=level, routing=rules, unload_timeout=unload)  # fmt: skip
+                  log_level=level, routing=rules, unload_timeout=unload,
+                  **_newer(reader, macros, top, models))  # fmt: skip
 
 
 def _models(
-    reader: _Reader, macros: _Macros, models_node: yaml.Node, start_port: int, global_ttl: float
+    reader: _Reader,
+    macros: _Macros,
+    models_node: yaml.Node,
+    start_port: int,
+    global_ttl: float,
+    loading: bool,
 ) -> dict[str, Model]:
     """The ``models:`` entries, each taking the next automatic port it uses."""
     models: dict[str, Model] = {}
@@ -470,6 +524,8 @@ def _models(
             raise reader.fail(key, f"model {name!r} is already an alias (line {names[name]})")
         names[name] = line
         model, uses_port = _model(reader, macros, name, key, node, next_port, global_ttl)
+        if model.loading_state is None:  # absent: the top level's
+            model = replace(model, loading_state=loading)
         next_port += uses_port
         for alias in model.aliases:
             if alias in names:
@@ -653,22 +709,11 @@ class _Entry:
         if "filters" not in self.fields:
             return Filters(model=model)
         where = f"{self.where}: filters"
-        entries = {n: (k, v) for n, k, v in self.reader.pairs(self.node("filters"), where)}
-        known = frozenset({"stripParams", "setParams", "setParamsByID"})
-        self.reader.check_keys(entries, known, {}, f"{where}: ")
-        strip: tuple[str, ...] = ()
-        if "stripParams" in entries:
-            text = self.reader.text(entries["stripParams"][1], f"{where}: stripParams")
-            strip = tuple(p.strip() for p in text.split(",") if p.strip())
-        params = self._params(entries["setParams"][1], where) if "setParams" in entries else {}
-        by_name = {}
-        if "setParamsByID" in entries:
-            node = entries["setParamsByID"][1]
-            for name, key, value in self.reader.pairs(node, f"{where}: setParamsByID"):
-                by_name[self.macros.fill_in(name, key, where, self.filled)] = self._params(
-                    value, where
-                )
-        return Filters(model=model, strip=strip, set=params, by_name=by_name)
+        node = self.node("filters")
+        return read_filters(self.reader, node, where, model, self._fill)
+
+    def _fill(self, text: str, node: yaml.Node, where: str) -> str:
+        return self.macros.fill_in(text, node, where, self.filled)
 
     def shown(self, key: str) -> dict[str, Any]:
         """metadata or capabilities: a mapping for /v1/models, macros expanded in its
@@ -700,10 +745,7 @@ class _Entry:
         return result
 
     def _params(self, node: yaml.Node, where: str) -> dict[str, Any]:
-        value = self.reader.value(node)
-        if not isinstance(value, dict):
-            raise self.reader.fail(node, f"{where}: parameters must be a mapping")
-        return value
+        return _params(self.reader, node, where)
 
     def release(self) -> str:
         """The release strategy: a model with cmdStop is released by being stopped."""
@@ -796,5 +838,202 @@ def _model(
         metadata=entry.shown("metadata"),
         capabilities=entry.shown("capabilities"),
         **entry.timeouts(),
+        loading_state=entry.flag("sendLoadingState")
+        if "sendLoadingState" in entry.fields
+        else None,
     )
     return model, uses_port
+
+
+def _params(reader: _Reader, node: yaml.Node, where: str) -> dict[str, Any]:
+    value = reader.value(node)
+    if not isinstance(value, dict):
+        raise reader.fail(node, f"{where}: parameters must be a mapping")
+    return value
+
+
+def read_filters(
+    reader: _Reader,
+    node: yaml.Node,
+    where: str,
+    model: str | None,
+    fill: Callable[[str, yaml.Node, str], str],
+) -> Filters:
+    """``filters``: stripParams, setParams, setParamsByID (its names through ``fill``)."""
+    entries = {n: (k, v) for n, k, v in reader.pairs(node, where)}
+    known = frozenset({"stripParams", "setParams", "setParamsByID"})
+    reader.check_keys(entries, known, {}, f"{where}: ")
+    strip: tuple[str, ...] = ()
+    if "stripParams" in entries:
+        text = reader.text(entries["stripParams"][1], f"{where}: stripParams")
+        strip = tuple(p.strip() for p in text.split(",") if p.strip())
+    params = _params(reader, entries["setParams"][1], where) if "setParams" in entries else {}
+    by_name = {}
+    if "setParamsByID" in entries:
+        by_id = entries["setParamsByID"][1]
+        for name, key, value in reader.pairs(by_id, f"{where}: setParamsByID"):
+            by_name[fill(name, key, where)] = _params(reader, value, where)
+    return Filters(model=model, strip=strip, set=params, by_name=by_name)
+
+
+# upstream.ignorePaths when it is absent or empty (llama-swap's): static files.
+DEFAULT_IGNORE_PATHS = (r".*\.(js|json|css|png|gif|jpg|jpeg|ico|txt)$",)
+
+
+def _newer(
+    reader: _Reader, macros: _Macros, top: dict[str, tuple[yaml.Node, yaml.Node]],
+    models: dict[str, Model],
+) -> dict[str, Any]:  # fmt: skip
+    """The Config fields of logToStdout, logTimeFormat, upstream and peers."""
+    out: dict[str, Any] = {"log_to_stdout": DEFAULT_TO_STDOUT}
+    if "logToStdout" in top:
+        node = top["logToStdout"][1]
+        out["log_to_stdout"] = reader.text(node, "logToStdout")
+        if out["log_to_stdout"] not in TO_STDOUT:
+            raise reader.fail(node, f"logToStdout must be one of {', '.join(TO_STDOUT)}")
+    if "logTimeFormat" in top:
+        node = top["logTimeFormat"][1]
+        name = reader.text(node, "logTimeFormat").strip().lower()
+        if name and name not in TIME_FORMATS:
+            raise reader.fail(node, f"logTimeFormat must be one of {', '.join(TIME_FORMATS)}")
+        out["log_time_format"] = TIME_FORMATS.get(name)
+    patterns: list[str] = []
+    if "upstream" in top:
+        ups = {n: (k, v) for n, k, v in reader.pairs(top["upstream"][1], "upstream")}
+        reader.check_keys(ups, frozenset({"ignorePaths"}), {}, "upstream: ")
+        if "ignorePaths" in ups:
+            patterns = reader.strings(ups["ignorePaths"][1], "upstream.ignorePaths")
+            node = ups["ignorePaths"][1]
+    compiled = []
+    for pattern in patterns or DEFAULT_IGNORE_PATHS:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            what = f"upstream.ignorePaths: invalid regular expression {pattern!r}: {err}"
+            raise reader.fail(node, what) from None
+    out["ignore_paths"] = tuple(compiled)
+    if "peers" in top:
+        out["peers"] = _peers(reader, macros, top["peers"][1], models)
+    known = set(models) | {a for m in models.values() for a in m.aliases}
+    known |= {f"{p.name}/{m}" for p in out.get("peers", {}).values() for m in p.models}
+    bare = [m for p in out.get("peers", {}).values() for m in p.models]
+    known |= {m for m in bare if bare.count(m) == 1}
+    if "selectors" in top:
+        out["selectors"] = _selectors(reader, top["selectors"][1], models, known)
+    if "profiles" in top:
+        targets = known | set(out.get("selectors", {}))
+        out["profiles"] = _profiles(reader, top["profiles"][1], targets)
+    return out
+
+
+STRATEGIES = ("warm", "pin", "spillover")
+
+
+def _selectors(
+    reader: _Reader, node: yaml.Node, models: dict[str, Model], known: set[str]
+) -> dict[str, Selector]:
+    """``selectors``: each a new name (no model, alias or peer model has it), its
+    strategy, its targets (known names; local models for warm; no selectors)."""
+    names = {n for n, _, _ in reader.pairs(node, "selectors")}
+    out: dict[str, Selector] = {}
+    for name, key, value in reader.pairs(node, "selectors"):
+        where = f"selectors.{name}"
+        if name in known:
+            raise reader.fail(key, f"{where}: a model, alias or peer model is named so")
+        f = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        reader.check_keys(f, frozenset({"strategy", "targets", "settings", "name",
+                          "description", "unlisted", "metadata"}), {}, f"{where}: ")  # fmt: skip
+        strategy = reader.text(f["strategy"][1], f"{where}.strategy") if "strategy" in f else ""
+        if strategy not in STRATEGIES:
+            what = "is required" if not strategy else f"{strategy!r} is not warm, pin or spillover"
+            raise reader.fail(f.get("strategy", (key, key))[1], f"{where}.strategy {what}")
+        tnode = f["targets"][1] if "targets" in f else key
+        targets = reader.strings(tnode, f"{where}.targets") if "targets" in f else []
+        if not targets:
+            raise reader.fail(tnode, f"{where}.targets must have at least one entry")
+        for i, target in enumerate(targets):
+            if target in names:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: {target!r} is a selector")
+            if target not in known:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: no model {target!r}")
+            if strategy == "warm" and _find(models, target) is None:
+                raise reader.fail(tnode, f"{where}.targets[{i}]: warm picks local models only")
+        resolved = [(m.name if (m := _find(models, t)) else t) for t in targets]
+        twice = next((t for i, t in enumerate(resolved) if t in resolved[:i]), None)
+        if strategy == "spillover" and twice is not None:
+            raise reader.fail(tnode, f"{where}.targets: {twice!r} is there twice")
+        spill = 1
+        if "settings" in f:
+            settings = {n: (k, v) for n, k, v in reader.pairs(f["settings"][1], where)}
+            if "spillover" in settings:
+                spill = int(reader.number(settings["spillover"][1], f"{where}.spillover", 1))
+        out[name] = Selector(name, key.start_mark.line + 1, strategy, tuple(targets), spill,
+            reader.text(f["name"][1], where) if "name" in f else None,
+            reader.text(f["description"][1], where) if "description" in f else None,
+            "unlisted" in f and reader.flag(f["unlisted"][1], f"{where}.unlisted"),
+            _params(reader, f["metadata"][1], where) if "metadata" in f else {})  # fmt: skip
+    return out
+
+
+def _profiles(reader: _Reader, node: yaml.Node, known: set[str]) -> dict[str, Profile]:
+    """``profiles``: each a mapping of description and pins (name: target, or null)."""
+    out: dict[str, Profile] = {}
+    for name, key, value in reader.pairs(node, "profiles"):
+        where = f"profiles.{name}"
+        if not isinstance(value, yaml.MappingNode):
+            raise reader.fail(value, f"{where}: a profile is a mapping of description and pins")
+        f = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        reader.check_keys(f, frozenset({"description", "pins"}), {}, f"{where}: ")
+        pins: dict[str, str | None] = {}
+        pnode = f["pins"][1] if "pins" in f else key
+        for pin, _, target in reader.pairs(pnode, f"{where}.pins") if "pins" in f else []:
+            text = None if reader.value(target) is None else reader.text(target, where)
+            if text and text not in known:
+                raise reader.fail(target, f"{where}.pins.{pin}: no model {text!r}")
+            pins[pin] = text or None
+        if not pins:
+            raise reader.fail(pnode, f"{where}.pins must have at least one entry")
+        text = reader.text(f["description"][1], where) if "description" in f else ""
+        out[name] = Profile(name, text, pins)
+    return out
+
+
+def _peers(
+    reader: _Reader, macros: _Macros, node: yaml.Node, models: dict[str, Model]
+) -> dict[str, Peer]:
+    """``peers``: each with proxy (an http(s) URL) and models (not empty), apiKey and
+    filters; a PEER/MODEL name that a local model or alias has is refused."""
+    peers: dict[str, Peer] = {}
+    for name, key, value in reader.pairs(node, "peers"):
+        where = f"peer {name!r}"
+        fields = {n: (k, v) for n, k, v in reader.pairs(value, where)}
+        known = frozenset({"proxy", "models", "apiKey", "filters"})
+        reader.check_keys(fields, known, {"timeouts": "a peer's request waits as it takes"},
+                          f"{where}: ")  # fmt: skip
+        if "proxy" not in fields:
+            raise reader.fail(key, f"{where}: proxy is required")
+        pnode = fields["proxy"][1]
+        base = macros.expand(reader.text(pnode, f"{where}: proxy"), pnode, f"{where}: proxy")
+        parts = urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise reader.fail(pnode, f"{where}: proxy must be an http(s)://HOST[:PORT] URL")
+        listed = (
+            reader.strings(fields["models"][1], f"{where}: models") if "models" in fields else []
+        )
+        if not listed:
+            raise reader.fail(key, f"{where}: models must not be empty")
+        for model in listed:
+            if _find(models, f"{name}/{model}") is not None:
+                what = f"{where}: {name}/{model} is already a local model's name or alias"
+                raise reader.fail(fields["models"][1], what)
+        api_key = ""
+        if "apiKey" in fields:
+            knode = fields["apiKey"][1]
+            api_key = macros.expand(reader.text(knode, f"{where}: apiKey"), knode, where)
+        filters = Filters()
+        if "filters" in fields:
+            fnode = fields["filters"][1]
+            filters = read_filters(reader, fnode, f"{where}: filters", None, macros.expand)
+        peers[name] = Peer(name, key.start_mark.line + 1, base.rstrip("/"),
+                           tuple(dict.fromkeys(listed)), api_key, filters)  # fmt: skip
+    return peers

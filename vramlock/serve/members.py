@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
+import functools
 import os
 import signal
 import socket
@@ -28,11 +30,14 @@ from ..arena.roster import Row, snapshot
 from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
+from .logs import Logs, drain, read_pipe
 
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
 STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
+_F_SETPIPE_SZ = 1031
+_PIPE_SIZE = 1 << 20  # /proc/sys/fs/pipe-max-size's default
 # When a wrapper cut a request, how long it may take to exit (then its status says why),
 # and how long its server's checkEndpoint is given to say what it answers.
 EXIT_WITHIN = 0.5
@@ -80,6 +85,15 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
+def _output_pipe() -> tuple[int, int]:
+    """A pipe for a wrapper's output, (read end, write end), as large as the kernel lets
+    anyone make one: a burst waits there, not in its writer, while serve is busy."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_SIZE)
+    return r, w
+
+
 def _listener() -> socket.socket:
     """A loopback socket listening on a port of its own, for a wrapper's clients: serve
     keeps it for as long as it runs, so that no other program can take the port while
@@ -93,10 +107,18 @@ def _listener() -> socket.socket:
 class Wrapper:
     """One model's ``vramlock run``: its listen port, its process, its requests."""
 
-    def __init__(self, model: Model, config: Config, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        model: Model,
+        config: Config,
+        warn: Callable[[str], None],
+        logs: Logs | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.warn = warn
+        self.logs = logs  # None: the wrapper's output is serve's own (inherited)
+        self.pipes: dict[int, bool] = {}  # its output's open read ends: on stderr?
         self.listener = _listener()
         self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -152,17 +174,59 @@ class Wrapper:
         self.info("starting its wrapper")
         env = dict(os.environ)
         env.update(self.model.env)
+        # Output pipes (stdout's, stderr's), read by serve; their read ends are held by
+        # the drainer too (``drain``), which reads them once serve is gone.
+        pipes = [_output_pipe(), _output_pipe()] if self.logs is not None else []
+        out, err = (pipes[0][1], pipes[1][1]) if pipes else (None, None)
         # Its own session: Ctrl-C in serve's terminal reaches serve, which ends the
         # wrappers in order, not every wrapper at once.
-        self.proc = subprocess.Popen(
-            self.argv(),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            pass_fds=(self.listener.fileno(),),
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=(self.listener.fileno(),),
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        except BaseException:
+            for r, _ in pipes:
+                os.close(r)
+            raise
+        finally:
+            for _, w in pipes:
+                os.close(w)
+        if self.logs is not None:
+            self.logs.hold([r for r, _ in pipes])
+        for (r, _), is_err in zip(pipes, (False, True), strict=False):
+            self._read_output(r, is_err)
         self.exited = _exit_of(self.proc)
+
+    def _read_output(self, fd: int, is_err: bool) -> None:
+        """The wrapper's output into serve's logs, read by the event loop as it comes."""
+        logs = self.logs
+        assert logs is not None
+        self.pipes[fd] = is_err
+
+        def got(data: bytes) -> None:
+            logs.output(self.model.name, data, is_err)
+
+        def ended() -> None:
+            self.pipes.pop(fd, None)
+
+        read_pipe(fd, got, ended)
+
+    def drain_output(self) -> None:
+        """Serve is ending: what the wrapper's pipes still hold, into the logs."""
+        loop = asyncio.get_running_loop()
+        for fd, is_err in list(self.pipes.items()):
+            loop.remove_reader(fd)
+            if self.logs is not None:
+                drain(fd, functools.partial(self.logs.output, self.model.name, stderr=is_err))
+            os.close(fd)
+        self.pipes.clear()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

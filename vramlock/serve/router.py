@@ -20,17 +20,22 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from ..arena.records import HOLDING
+from ..arena.records import HOLDING, State
 from . import body as bodies
 from .config import Config
 from .front import Front, Head
+from .loading import Loading, wanted
+from .logs import Logs, add_routes
 from .members import Wrapper
 from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
+from .peers import Peers, entries, resolve, upstream_peer
+from .selectors import Refused, Resolver
 from .upstream import Body, Pool, Stream, UpstreamTimeout
 
 T = TypeVar("T")
@@ -179,6 +184,22 @@ class Refusal:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+NO_MODEL = Refusal(400, 'the request body must be JSON with a "model" field')
+
+
+def _named(body: bytes | bytearray) -> str | None:
+    """The model a JSON body names; None when it names none."""
+    try:
+        if len(body) <= _PARSED:
+            doc = json.loads(body)
+            name = doc.get("model") if isinstance(doc, dict) else None
+        else:
+            name = bodies.json_model(body)
+    except (ValueError, RecursionError):  # RecursionError: nested deep
+        name = None
+    return name if isinstance(name, str) else None
+
+
 def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response(error_doc(status, message, **extra), status=status)
 
@@ -281,7 +302,9 @@ async def _relay(src: Any, dst: Any) -> None:
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
-    def __init__(self, config: Config, wrappers: dict[str, Wrapper]) -> None:
+    def __init__(
+        self, config: Config, wrappers: dict[str, Wrapper], logs: Logs | None = None
+    ) -> None:
         self.config = config
         self.wrappers = wrappers
         self.turns: dict[tuple[str | None, str | None], Turns] = {}
@@ -291,6 +314,10 @@ class Router:
         self._not_fast: tuple[str, ...] | None = None
         self.requests = Requests()
         self._seen_resident: str | None = None  # the routing rules' last model found resident
+        self.peers = Peers()
+        self.resolver = Resolver(config, self._state_of)
+        self._plain_for: Config | None = None  # the config _plain was found for
+        self._plain_value = True
         middlewares = [_auth(config.api_keys)] if config.api_keys else []
         self._counting = counting(self.requests)  # front.py counts its own the same way
         middlewares.append(self._counting)
@@ -311,6 +338,10 @@ class Router:
         r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
         r.add_get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
+        if logs is not None:
+            add_routes(r, logs, self._name)
+        r.add_get("/api/profiles", self.api_profiles)
+        r.add_put("/api/profiles/active", self.api_active_profile)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
@@ -318,6 +349,29 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         for pool in self.pools.values():
             pool.close()
+        await self.peers.close()
+
+    @property
+    def _plain(self) -> bool:
+        """Names that may mean another model (profiles, selectors, peers) and loading
+        state are the aiohttp path's alone: without them, front.py may take requests.
+        Found again when --watch-config gives the router another config."""
+        c = self.config
+        if self._plain_for is not c:
+            loading = any(m.loading_state for m in c.models.values())
+            self._plain_value = not (c.peers or c.selectors or c.profiles or loading)
+            self._plain_for = c
+        return self._plain_value
+
+    def _state_of(self, name: str) -> str | None:
+        """Model ``name``'s member state; None when its wrapper is not running."""
+        w = self.wrappers.get(name)
+        return w.member_state() if w is not None and w.alive() else None
+
+    def _name(self, name: str) -> str | None:
+        """The model ``name`` names (directly or as an alias); None if none."""
+        model = self.config.find(name)
+        return None if model is None else model.name
 
     # -- the common request, taken by front.py ---------------------------------------
 
@@ -333,7 +387,7 @@ class Router:
                     prefixes.append(resource.canonical.split("{")[0])
             self._not_fast = tuple(prefixes)
         others = any(m is not self._counting for m in self.app.middlewares)
-        return not others and not path.startswith(self._not_fast)
+        return self._plain and not others and not path.startswith(self._not_fast)
 
     async def fast(self, front: Front, head: Head, body: bytes) -> None:
         """``by_model`` for the request that ``front`` parsed."""
@@ -408,25 +462,76 @@ class Router:
         body = await _body(request)
         if isinstance(body, web.Response):
             return body
-        chosen = self.choose(body)
+        name = _named(body)
+        if name is None:
+            return _error(NO_MODEL.status, NO_MODEL.message)
+        try:
+            target, done = self.resolver.resolve(name)
+        except Refused as err:
+            return _error(err.status, err.message)
+        try:
+            return await self._by_name(request, name, target, body)
+        finally:
+            done()
+
+    async def _by_name(
+        self, request: web.Request, name: str, target: str, body: bytes | bytearray
+    ) -> web.StreamResponse:
+        """A request for ``name``, which profiles and selectors made ``target``: to a
+        peer or a model."""
+        doc: Any = None
+        if target != name:
+            try:
+                doc = json.loads(body)
+            except (ValueError, RecursionError):
+                return _error(NO_MODEL.status, NO_MODEL.message)
+            doc["model"] = target
+            body = json.dumps(doc).encode()
+        remote = resolve(self.config, target) if self.config.peers else None
+        if remote is not None:
+            return await self.peers.forward(request, *remote, target, doc or json.loads(body))
+        chosen = self.choose(body, target)
         if isinstance(chosen, Refusal):
             return _error(chosen.status, chosen.message, **chosen.extra)
         found, sent = chosen
-        return await self._forward(request, found, found.model.prefix + request.path_qs, sent)
+        show = False
+        if found.model.loading_state:
+            show = wanted(request.path, doc or json.loads(body))
+        path = found.model.prefix + request.path_qs
+        return await self._forward(request, found, path, sent, show_loading=show)
 
-    def choose(self, body: bytes | bytearray) -> tuple[Wrapper, Body] | Refusal:
-        """The model a JSON body names, and the body to send it (its filters applied)."""
+    async def api_profiles(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/profiles: the active profile (or null) and every one."""
+        return web.json_response(self.resolver.profiles())
+
+    async def api_active_profile(self, request: web.Request) -> web.Response:
+        """llama-swap's PUT /api/profiles/active, {"name": NAME or null}."""
         try:
-            if len(body) <= _PARSED:
-                doc = json.loads(body)
-                name = doc.get("model") if isinstance(doc, dict) else None
-            else:
-                name = bodies.json_model(body)
-        except (ValueError, RecursionError):  # RecursionError: nested deep
-            name = None
-        no_model = Refusal(400, 'the request body must be JSON with a "model" field')
-        if not isinstance(name, str):
-            return no_model
+            doc = json.loads(await request.read())
+        except (ValueError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
+            return _error(400, "invalid profile request")
+        if "name" not in doc:
+            return _error(400, "profile name is required")
+        name = doc["name"]
+        if name is not None and not isinstance(name, str):
+            return _error(400, "profile name must be a string or null")
+        try:
+            self.resolver.set_active(name or None)
+        except KeyError:
+            return _error(404, f"profile {name!r} not found")
+        return web.json_response({"active": self.resolver.active})
+
+    def choose(
+        self, body: bytes | bytearray, name: str | None = None
+    ) -> tuple[Wrapper, Body] | Refusal:
+        """The model a JSON body names (or ``name``), and the body to send it (its
+        filters applied)."""
+        if name is None:
+            name = _named(body)
+        if name is None:
+            return NO_MODEL
         model = self.config.find(name)
         if model is None:
             return Refusal(404, f"model {name!r} not found", {"models": self.config.known()})
@@ -436,7 +541,7 @@ class Router:
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError):
-            return no_model
+            return NO_MODEL
         return found, json.dumps(model.filters.apply(doc, name)).encode()
 
     async def _by_form(self, request: web.Request, mark: bytes) -> web.StreamResponse:
@@ -472,13 +577,29 @@ class Router:
         rest = request.raw_path[len("/upstream/") :]
         names = [*self.config.models, *(a for m in self.config.models.values() for a in m.aliases)]
         name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+        if name is None and self.config.peers:
+            remote = upstream_peer(self.config, rest)
+            if remote is not None:
+                peer, model, path = remote
+                return await self.peers.forward(request, peer, model, model, None, path)
         found = self._wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found
         path = rest[len(name) + 1 :] if name is not None else ""
+        if self._ignored(found, path):
+            return _error(409, f"model {found.model.name} is not loaded;"
+                               " path matches upstream.ignorePaths")  # fmt: skip
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await self._websocket(request, found, f"{found.model.prefix}/{path}")
         return await self._forward(request, found, f"{found.model.prefix}/{path}", None)
+
+    def _ignored(self, w: Wrapper, path: str) -> bool:
+        """Is ``path`` (after /upstream/MODEL/) one of upstream.ignorePaths, for a model
+        that is not resident? Such a request does not bring its model in."""
+        bare = "/" + unquote(path.partition("?")[0])
+        if not any(p.search(bare) for p in self.config.ignore_paths):
+            return False
+        return not (w.alive() and w.member_state() == State.RESIDENT.value)
 
     async def _websocket(self, request: web.Request, w: Wrapper, path: str) -> web.StreamResponse:
         """A websocket through /upstream: taken here, and its messages relayed both ways
@@ -515,17 +636,36 @@ class Router:
         return out
 
     async def _forward(
-        self, request: web.Request, w: Wrapper, path: str, body: Body | None
+        self,
+        request: web.Request,
+        w: Wrapper,
+        path: str,
+        body: Body | None,
+        show_loading: bool = False,
     ) -> web.StreamResponse:
+        """``request`` passed to ``w`` in its turn; with ``show_loading``, a streaming
+        chat for a model that is not resident is answered at once with its progress."""
         request[MODEL] = w.model.name  # counted (.metrics)
+        loading = None
+        if (
+            show_loading
+            and w.admitted < w.model.concurrency
+            and not (w.alive() and w.member_state() == State.RESIDENT.value)
+        ):
+            loading = Loading(w.model.name, lambda: w.member_state() if w.alive() else None)
+            await loading.start(request)
 
         async def send() -> web.StreamResponse:
-            return await self._pass(request, w, path, body)
+            return await self._pass(request, w, path, body, loading)
 
         def status(out: web.StreamResponse) -> int:
             return out.status
 
-        return await self.in_turn(w, f"{request.method} {request.path}", send, status, _error)
+        try:
+            return await self.in_turn(w, f"{request.method} {request.path}", send, status, _error)
+        finally:
+            if loading is not None:
+                await loading.cancel()
 
     async def in_turn(
         self,
@@ -609,7 +749,12 @@ class Router:
                 await other.restart()
 
     async def _pass(
-        self, request: web.Request, w: Wrapper, path: str, body: Body | None
+        self,
+        request: web.Request,
+        w: Wrapper,
+        path: str,
+        body: Body | None,
+        loading: Loading | None = None,
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         if body is None:  # /upstream: passed on as it comes
@@ -621,12 +766,19 @@ class Router:
         try:
             up = await self._pool(w).request(request.method, path, headers, body, w.exited)
         except UpstreamTimeout as err:
-            return _error(504, f"model {w.model.name}: {err}")
+            message = f"model {w.model.name}: {err}"
+            return _error(504, message) if loading is None else await loading.fail(message)
         except _TooLarge:
             return _too_large()
         except OSError as err:
             cause = await w.cause(err)
-            return _error(502, f"model {w.model.name}: its server did not answer: {cause}")
+            message = f"model {w.model.name}: its server did not answer: {cause}"
+            return _error(502, message) if loading is None else await loading.fail(message)
+        if loading is not None:
+            try:
+                return await loading.relay(request, up)
+            finally:
+                await up.body.aclose()
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         try:
             if up.length is not None and up.length <= WHOLE:
@@ -745,6 +897,8 @@ class Router:
                 data.append(self._entry(w))
                 if self.config.aliases_listed:
                     data += [self._entry(w, alias) for alias in w.model.aliases]
+        data += entries(self.config)
+        data += self.resolver.entries({*self.config.known(), *(d["id"] for d in data)})
         return web.json_response({"object": "list", "data": data})
 
     async def one_model(self, request: web.Request) -> web.Response:

@@ -1,0 +1,67 @@
+"""``vramlock serve`` for the tests: started on a configuration, asked over HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import ROOT
+from .commands import vramlock
+from .net import answers_health, free_port
+from .processes import Spawn, wait_until
+
+ECHO = ROOT / "tests" / "echo_server.py"
+
+
+def echo_model(name: str, *extra: str, delay: float = 0) -> str:
+    """A ``models:`` entry (its lines under ``models:``) of tests/echo_server.py, on a
+    port of its own that was free an instant ago (startPort's next ones may not be)."""
+    port = free_port()
+    cmd = f"{sys.executable} {ECHO} {port} {name}" + (f" {delay}" if delay else "")
+    lines = [f"  {name}:", f"    cmd: {cmd}", f"    proxy: http://127.0.0.1:{port}"]
+    return "\n".join([*lines, *(f"    {e}" for e in extra)]) + "\n"
+
+
+def start(spawn: Spawn, path: Path, arena: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """serve on ``path`` (the arena ``arena``), once it answers /health: (process, port)."""
+    port = free_port()
+    proc = spawn(vramlock("serve", str(path), "--listen", str(port), *args),
+                 env={**os.environ, "VRAMLOCK_ARENA": str(arena)}, graceful=True)  # fmt: skip
+    wait_until(lambda: proc.poll() is not None or answers_health(port), 30)
+    assert proc.poll() is None, proc.communicate()
+    return proc, port
+
+
+def call(
+    port: int, method: str, path: str, body: object = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh connection: (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        data = None if body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=headers or {})
+        reply = conn.getresponse()
+        return reply.status, dict(reply.getheaders()), reply.read()
+    finally:
+        conn.close()
+
+
+def call_json(port: int, method: str, path: str, body: object = None, **kw: Any) -> Any:
+    status, _, data = call(port, method, path, body, **kw)
+    assert status == 200, (status, data)
+    return json.loads(data)
+
+
+def sse(body: bytes) -> list[Any]:
+    """An OpenAI-style event stream's JSON chunks, as a client parses them."""
+    out = []
+    for event in body.decode().split("\n\n"):
+        for line in event.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[len("data: ") :]))
+    return out

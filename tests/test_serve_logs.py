@@ -1,0 +1,250 @@
+"""``vramlock serve``'s logs as llama-swap keeps them: /logs, /logs/stream[/ID], logToStdout.
+
+The models are tests/echo_server.py: it says ``NAME listening`` on stdout and each
+request it gets on stderr, which the wrappers pass to serve through pipes.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.net import free_port
+from helpers.processes import Spawn, wait_until
+from helpers.serve import call, call_json, echo_model, start
+
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"startPort: {free_port()}\n{text}")
+    return path
+
+
+def logs(port: int) -> str:
+    status, headers, body = call(port, "GET", "/logs")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    return body.decode()
+
+
+class Follow:
+    """A client of /logs/stream...: what it has read so far."""
+
+    def __init__(self, port: int, path: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        self.got = b""
+
+    def until(self, text: str, within: float = 30) -> str:
+        end = time.monotonic() + within
+        while text.encode() not in self.got:
+            assert time.monotonic() < end, self.got
+            data = self.sock.recv(65536)
+            assert data, self.got
+            self.got += data
+        return self.got.decode()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_logs_hold_serve_s_lines_and_the_model_s_output(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    proc, port = start(spawn, path, arena)
+    call_json(port, "POST", "/v1/completions", {"model": "m"})
+    wait_until(lambda: "m got POST /v1/completions" in logs(port))
+    text = logs(port)
+    assert "[INFO] serving m at http://127.0.0.1:" in text
+    assert "m listening" in text
+    # and still on serve's own output (logToStdout's default here: both)
+    proc.terminate()
+    out, err = proc.communicate(timeout=30)
+    assert "m listening" in out
+    assert "m got POST /v1/completions" in err and "vramlock: serving m" in err
+
+
+def test_a_stream_sends_the_history_then_each_line_as_it_comes(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart", "aliases: [mm]")
+                 + echo_model("other", "release: restart"))  # fmt: skip
+    _, port = start(spawn, path, arena)
+    call_json(port, "POST", "/v1/completions", {"model": "m"})
+    by_alias = Follow(port, "/logs/stream/mm")
+    upstream = Follow(port, "/logs/stream/upstream")
+    fresh = Follow(port, "/logs/stream/m?no-history")
+    try:
+        head = by_alias.until("m got POST /v1/completions")
+        assert "Transfer-Encoding: chunked" in head and "text/plain" in head
+        assert "m listening" in head
+        upstream.until("m got POST /v1/completions")
+        fresh.until("\r\n\r\n")
+        call_json(port, "POST", "/v1/embeddings", {"model": "m"})
+        call_json(port, "POST", "/v1/embeddings", {"model": "other"})
+        by_alias.until("m got POST /v1/embeddings")
+        upstream.until("other got POST /v1/embeddings")
+        assert "m got POST /v1/embeddings" in fresh.until("m got POST /v1/embeddings")
+        assert "m listening" not in fresh.got.decode()
+        assert "other" not in by_alias.got.decode()
+    finally:
+        for f in (by_alias, upstream, fresh):
+            f.close()
+
+
+def test_an_unknown_log_is_refused(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    _, port = start(spawn, path, arena)
+    status, _, body = call(port, "GET", "/logs/stream/nope")
+    assert status == 400
+    assert body == b"invalid logger. Use 'proxy', 'upstream' or a model's ID"
+
+
+@pytest.mark.parametrize("to_stdout", ["proxy", "upstream", "none"])
+def test_log_to_stdout_picks_what_reaches_serve_s_output(
+    spawn: Spawn, tmp_path: Path, arena: Path, to_stdout: str
+) -> None:
+    text = f"logToStdout: {to_stdout}\nmodels:\n" + echo_model("m", "release: restart")
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    call_json(port, "POST", "/v1/completions", {"model": "m"})
+    follow = Follow(port, "/logs/stream/m")
+    follow.until("m got POST")  # serve has it
+    follow.close()
+    mux = logs(port)  # what went to serve's output
+    proc.terminate()
+    out, err = proc.communicate(timeout=30)
+    upstream, proxy = to_stdout == "upstream", to_stdout == "proxy"
+    assert ("m listening" in out) == upstream == ("m listening" in mux)
+    assert ("m got POST" in err) == upstream
+    assert ("serving m" in err) == proxy == ("serving m" in mux)
+
+
+def test_log_time_format_stamps_serve_s_lines(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    text = "logTimeFormat: rfc3339\nmodels:\n" + echo_model("m", "release: restart")
+    _, port = start(spawn, write(tmp_path, text), arena)
+    line = next(ln for ln in logs(port).splitlines() if "serving m" in ln)
+    stamp, rest = line.split(" ", 1)
+    assert rest.startswith("[INFO] serving m")
+    assert time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")
+
+
+CHATTY = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+import threading
+threading.Thread(target=HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever).start()
+line = b"x" * 1023 + b"\\n"
+n = 0
+while True:
+    sys.stdout.buffer.write(b"%08d " % n + line)
+    n += 1
+"""
+
+
+def test_a_chatty_server_whose_output_nobody_reads_blocks_nobody(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """serve's stdout is a pipe the test never reads: the server's output still flows
+    (into the bounded history, the oldest dropped) and serve still answers."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    text = f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n    release: restart\n"
+    _, port = start(spawn, write(tmp_path, text), arena)
+    call(port, "POST", "/v1/completions", {"model": "m"})  # starts it; what it answers: none
+
+    def counter() -> int:
+        last = logs(port).rstrip("\n").rsplit("\n", 1)[-1]
+        return int(last[:8]) if last[:8].isdigit() else -1
+
+    seen = []
+    for _ in range(3):
+        status, _, body = call(port, "GET", "/health")
+        assert status == 200 and body == b"OK"
+        seen.append(counter())
+        time.sleep(1)
+    assert seen[-1] > seen[0] > 1000  # far more than a pipe's 64 KiB
+    assert len(logs(port)) <= 100 * 1024
+
+
+# A C server's way: SIGPIPE's default action (death) on a write to a pipe nobody holds.
+ENDS_BY_SIGTERM = """
+import signal, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+def ended(*_):
+    open(sys.argv[2], "w").write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, ended)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+import threading
+threading.Thread(target=HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever,
+                 daemon=True).start()
+while True:
+    sys.stdout.buffer.write(b"x" * 1023 + b"\\n")
+    sys.stdout.flush()
+    time.sleep(0.001)
+"""
+
+
+def test_a_server_outlives_a_sigkilled_serve_until_its_wrapper_ends_it(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """serve's pipes are held and drained after it dies: its models' servers are ended by
+    their wrappers (SIGTERM, a release), not by SIGPIPE on their next line of output."""
+    from vramlock import procfs
+
+    script, said = tmp_path / "server.py", tmp_path / "ended"
+    script.write_text(ENDS_BY_SIGTERM)
+    text = (f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}} {said}\n"
+            "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    call(port, "POST", "/v1/completions", {"model": "m"})
+    everyone = procfs.descendants(proc.pid)
+    proc.kill()
+    proc.wait(10)
+    wait_until(lambda: not any(procfs.living(p) for p in everyone), 30)
+    assert said.read_text() == "SIGTERM"
+
+
+def test_a_history_keeps_its_last_bytes_and_a_slow_follower_is_told_what_it_lost() -> None:
+    import asyncio
+
+    from vramlock.serve.logs import BEHIND, HISTORY, Ring
+
+    async def scenario() -> list[bytes | None]:
+        ring = Ring()
+        queue = ring.follow()
+        for i in range(BEHIND + 5):  # 5 more than a follower may be behind
+            ring.write(b"%05d\n" % i)
+        got = [queue.get_nowait() for _ in range(queue.qsize())]
+        ring.write(b"next\n")
+        got += [queue.get_nowait() for _ in range(queue.qsize())]
+        ring.close()
+        assert await queue.get() is None
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[:BEHIND] == [b"%05d\n" % i for i in range(BEHIND)]
+    assert got[BEHIND:] == ["\n— 30 bytes dropped —\n".encode(), b"next\n"]
+    ring = Ring()
+    for i in range(3 * HISTORY // 1000):
+        ring.write(b"%999d\n" % i)
+    history = ring.history()
+    assert HISTORY - 1000 < len(history) <= HISTORY
+    assert history.endswith(b"%999d\n" % (3 * HISTORY // 1000 - 1))

@@ -1,0 +1,121 @@
+"""llama-swap's ``peers``: remote OpenAI-compatible servers behind serve's address.
+
+A peer has no process and no arena: its requests are passed on at once, to its
+``proxy`` URL with the request's path appended, the body's ``model`` replaced by the
+peer's own name for it and its filters applied, with ``apiKey`` (when given) as
+``Authorization: Bearer`` and ``x-api-key``. A peer model is named ``PEER/MODEL``, or
+``MODEL`` alone when exactly one peer has it and no local model or alias is named so.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .config import Config, Peer
+
+# Hop-by-hop headers (RFC 9110 7.6.1), and those the client library sets itself.
+_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "host", "content-length"}
+)  # fmt: skip
+
+
+def resolve(config: Config, name: str) -> tuple[Peer, str] | None:
+    """The peer and its model that ``name`` names, as llama-swap resolves it: a
+    ``PEER/MODEL`` first, then a ``MODEL`` that exactly one peer has; None if neither
+    (or if a local model or alias is ``name``: locals come first)."""
+    if config.find(name) is not None:
+        return None
+    full = [(p, m) for p in config.peers.values() for m in p.models if f"{p.name}/{m}" == name]
+    if len(full) == 1:
+        return full[0]
+    if full:
+        return None
+    bare = [(p, m) for p in config.peers.values() for m in p.models if m == name]
+    return bare[0] if len(bare) == 1 else None
+
+
+def upstream_peer(config: Config, rest: str) -> tuple[Peer, str, str] | None:
+    """For /upstream/REST: the peer, its model and the path (from "/") that REST starts
+    with a peer model's name (the longest that ``resolve`` takes), or None."""
+    names = [f"{p.name}/{m}" for p in config.peers.values() for m in p.models]
+    names += [m for p in config.peers.values() for m in p.models]
+    name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+    found = None if name is None else resolve(config, name)
+    if name is None or found is None:
+        return None
+    return found[0], found[1], rest[len(name) :]
+
+
+def entries(config: Config) -> list[dict[str, Any]]:
+    """Each peer model's /v1/models entry, as llama-swap lists them."""
+    return [
+        {"id": f"{p.name}/{m}", "object": "model", "owned_by": "vramlock",
+         "name": f"{p.name}: {m}", "meta": {"llamaswap": {"type": "peer", "peerID": p.name}}}
+        for p in config.peers.values()
+        for m in p.models
+    ]  # fmt: skip
+
+
+class Peers:
+    """One HTTP client for every peer, kept while serve runs."""
+
+    def __init__(self) -> None:
+        self._client: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        peer: Peer,
+        model: str,
+        asked: str,
+        doc: Any,
+        path: str | None = None,
+    ) -> web.StreamResponse:
+        """``request`` to ``peer`` as ``model``: its JSON body already read (``doc``), or
+        (None) passed through unread to ``path`` (/upstream's)."""
+        if self._client is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+            self._client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if peer.api_key:
+            headers["Authorization"] = f"Bearer {peer.api_key}"
+            headers["x-api-key"] = peer.api_key
+        if isinstance(doc, dict):
+            body = json.dumps({**peer.filters.apply(doc, asked), "model": model}).encode()
+        else:
+            body = await request.read()
+        url = peer.base + (request.path_qs if path is None else path)
+        try:
+            up = await self._client.request(request.method, url, headers=headers, data=body)
+        except (aiohttp.ClientError, OSError) as err:
+            return _bad_gateway(f"peer {peer.name}: proxy error: {err}")
+        async with up:
+            kept = [(k, v) for k, v in up.headers.items() if k.lower() not in _HOP]
+            out = web.StreamResponse(status=up.status, reason=up.reason, headers=kept)
+            if up.content_type == "text/event-stream":
+                out.headers["X-Accel-Buffering"] = "no"
+            if up.content_length is not None:
+                out.content_length = up.content_length
+            await out.prepare(request)
+            try:
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except (aiohttp.ClientError, OSError):
+                if request.transport is not None:
+                    request.transport.abort()  # cut: the client sees it end early
+        return out
+
+
+def _bad_gateway(message: str) -> web.Response:
+    body = {"error": {"code": 502, "message": message, "type": "server_error", "param": None}}
+    return web.json_response(body, status=502)
