@@ -185,3 +185,10 @@ def test_the_page_shows_every_model_and_a_swap(
     changes = json.loads(browser.evaluate("JSON.stringify(window.vramlockChanges)"))
     assert any(c["name"] == "a" and c["from"] == "resident" for c in changes)
     assert browser.evaluate("document.getElementById('arena').textContent") == str(arena)
+
+    # serve's own log lines, as /logs has them: the request that brought b in, among them.
+    def shown_lines() -> str:
+        return str(browser.evaluate("document.getElementById('lines').textContent") or "")
+
+    wait_until(lambda: "model b: POST /v1/completions 200" in shown_lines(), 30)
+    assert browser.evaluate("document.getElementById('lines-box').hidden") is False

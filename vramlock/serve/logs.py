@@ -100,6 +100,11 @@ class Ring:
     def history(self) -> bytes:
         return b"".join(self._chunks)
 
+    def lines(self, n: int) -> list[str]:
+        """The last ``n`` whole lines, as text."""
+        text = self.history().decode(errors="replace")
+        return text.splitlines()[-n:] if n > 0 else []
+
     def follow(self) -> asyncio.Queue[bytes | None]:
         """A queue of what is written from now on; None once the log is closed."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(BEHIND)

@@ -23,6 +23,7 @@ from ..arena.directory import parse_gpus
 from ..observe.prometheus import Family, arena_families, text
 
 if TYPE_CHECKING:
+    from .logs import Logs
     from .members import Wrapper
 
 # The request key that ``Router._forward`` sets to the model's name: only those
@@ -34,6 +35,8 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
            300.0)  # fmt: skip
 # The status of a request whose client went away before it was answered.
 GONE = "gone"
+# The page shows serve's last this many log lines.
+LINES = 30
 
 
 @dataclass
@@ -141,9 +144,12 @@ async def metrics(wrappers: dict[str, Wrapper], requests: Requests) -> web.Respo
                         headers={"Cache-Control": "no-store"})  # fmt: skip
 
 
-def ui_app(wrappers: dict[str, Wrapper], requests: Requests) -> web.Application:
-    """``vramlock ui``'s page, of serve's arenas, with each model's state and requests.
-    The models' states are read as /v1/models reads them (no wrapper is started)."""
+def ui_app(
+    wrappers: dict[str, Wrapper], requests: Requests, logs: Logs | None = None
+) -> web.Application:
+    """``vramlock ui``'s page, of serve's arenas, with each model's state and requests,
+    and serve's last ``LINES`` log lines. The models' states are read as /v1/models reads
+    them (no wrapper is started)."""
     from ..ui import Watch, app, merge
 
     watches = []
@@ -154,7 +160,8 @@ def ui_app(wrappers: dict[str, Wrapper], requests: Requests) -> web.Application:
         models = [{"name": name, "state": w.state().value, **requests.of(name)}
                   for name, w in wrappers.items()]  # fmt: skip
         shown = await asyncio.to_thread(lambda: merge([watch.state() for watch in watches]))
-        return {**shown, "models": models}
+        recent = {} if logs is None else {"lines": logs.proxy.lines(LINES)}
+        return {**shown, "models": models, **recent}
 
     async def close(application: web.Application) -> None:
         for watch in watches:

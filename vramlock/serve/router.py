@@ -327,7 +327,7 @@ class Router:
         # Watching (the exposition, the page) is never activity: see .metrics.
         r.add_get("/metrics", self.metrics)
         r.add_get("/ui", self.to_ui)
-        self.app.add_subapp("/ui/", ui_app(wrappers, self.requests))
+        self.app.add_subapp("/ui/", ui_app(wrappers, self.requests, logs))
         r.add_get("/v1/models", self.list_models)
         r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
