@@ -117,10 +117,18 @@ def test_routing_matrix_and_the_scheduler_s_priorities(tmp_path: Path) -> None:
     assert read(tmp_path, "routing: {scheduler: {use: fifo}}\n").routing.engine is None
 
 
+def test_a_group_member_that_is_no_model_is_left_out_saying_so(tmp_path: Path) -> None:
+    """As llama-swap does (its own example's groups name models it does not define)."""
+    config = read(tmp_path, "groups:\n  g:\n    members: [a, nope]\n")
+    assert config.routing.groups[0].members == ("a",)
+    assert config.warnings == [
+        f"{tmp_path / 'config.yaml'}:3: groups: group 'g': no model 'nope': left out of the group"
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "line", "message"),
     [
-        ("groups:\n  g:\n    members: [a, nope]\n", 3, "groups: group 'g': no model 'nope'"),
         ("groups:\n  g:\n    members: [a]\n  h:\n    members:\n      - b\n      - a\n", 7,
          "groups: group 'h': model 'a' is in group 'g' already"),
         ("groups:\n  g:\n    swap: no\n", 2, "groups: group 'g': no members"),
@@ -157,7 +165,7 @@ def test_routing_matrix_and_the_scheduler_s_priorities(tmp_path: Path) -> None:
          6, "priority: a's must be a whole number"),
         ("unloadTimeout: -1\n", 1, "unloadTimeout must be a number of seconds, at least 0"),
     ],
-    ids=["unknown-member", "two-groups", "no-members", "bad-flag", "paren", "operator",
+    ids=["two-groups", "no-members", "bad-flag", "paren", "operator",
          "character", "unknown-ref", "cycle", "unknown-name", "var-name", "var-model",
          "cost-zero", "cost-unknown", "no-sets", "too-many", "groups-and-matrix",
          "legacy-and-routing", "unknown-router", "matrix-missing", "unknown-scheduler",

@@ -281,6 +281,8 @@ class _Reader:
             raise self.fail(node, f"not valid YAML: {err}") from None
 
     def pairs(self, node: yaml.Node, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
+        if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+            return []  # a key left empty (its entries commented out): none, as llama-swap
         if not isinstance(node, yaml.MappingNode):
             raise self.fail(node, f"{what} must be a mapping")
         out, seen = [], set()

@@ -231,12 +231,14 @@ def _groups(reader: _Reader, node: yaml.Node, models: set[str], what: str) -> tu
         names: list[str] = []
         for item in members.value:
             model = reader.text(item, f"{where}: members")
-            if model not in models:
-                raise reader.fail(item, f"{where}: no model {model!r}")
             if model in taken:
                 raise reader.fail(item, f"{where}: model {model!r} is in group"
                                         f" {taken[model]!r} already")  # fmt: skip
             taken[model] = name
+            if model not in models:
+                # llama-swap takes such a member too (its own example has some).
+                reader.warn(item, f"{where}: no model {model!r}: left out of the group")
+                continue
             names.append(model)
         flags = {k: reader.flag(fields[k][1], f"{where}: {k}") for k in known - {"members"}
                  if k in fields}  # fmt: skip
