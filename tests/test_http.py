@@ -507,8 +507,11 @@ def test_a_llama_server_still_loading_is_released_by_ending_it(
     wait_until(lambda: started() and who_json(arena)[0]["state"] == "resident")
     waiter = subprocess.run(vramlock("wait", "--arena", str(arena), "-w", "10"), timeout=30)
     assert waiter.returncode == 0  # no cache to save yet: ended, not kept
-    assert eng.requests() == ["GET /props"] and eng.count("503 /props") == 1
-    assert eng.count("exit") == 1
+    # Once the waiter has dropped the token the wrapper may already be back: started again,
+    # asking /health until it loads. Nothing else, and one /props only: no slot was saved.
+    first, *after = eng.requests()
+    assert first == "GET /props" and set(after) <= {"GET /health"}
+    assert eng.count("503 /props") == 1 and eng.count("exit") == 1
     assert "release failed" not in end(job)
 
 
