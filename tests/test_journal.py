@@ -140,6 +140,35 @@ def test_concurrent_writers_rotate_once_and_lose_no_line(arena: Path) -> None:
     )
 
 
+def test_no_line_is_lost_while_the_writer_takes_the_queue(arena: Path) -> None:
+    """Events queued while another thread writes what is queued (as the writer thread
+    does): every one reaches the file, once, whole."""
+    import threading
+
+    opened = Arena.open(str(arena))
+    record = Record(pid=os.getpid(), name="racer", command=[], strategy="none",
+                    state="released", since=0.0, starttime=1)  # fmt: skip
+    done = threading.Event()
+
+    def flushing() -> None:
+        while not done.is_set():
+            journal.flush()
+
+    other = threading.Thread(target=flushing)
+    other.start()
+    try:
+        for n in range(1, 20001):
+            journal.note(opened, record, "moved", size=n)
+    finally:
+        done.set()
+        other.join()
+        journal.flush()
+        opened.close()
+    sizes = [d["bytes"] for d in _mine(arena) if d.get("name") == "racer"]
+    assert sorted(n for n in sizes if isinstance(n, int)) == list(range(1, 20001))
+    assert len(sizes) == 20000
+
+
 def _write_file(arena: Path, name: str, uid: int, mode: int = 0o644) -> None:
     jdir = arena / journal.JOURNAL
     jdir.mkdir(exist_ok=True)

@@ -18,14 +18,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import itertools
 import json
 import operator
 import os
 import stat
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -146,16 +144,6 @@ class _Sink:
                     os.close(fd)
 
 
-# A queued event: monotonic time, the member's record, its strategy then, the event,
-# the new state, the bytes moved.
-_Queued = tuple[float, Record, str, str, "str | None", "int | None"]
-# The writer lets the member's thread run after this many lines, sleeping ``_NAP``: a
-# sleep(0) gives the GIL up for an instant the member's thread rarely catches, a nap
-# long enough for it to wake and take it. A batch of a few hundred lines is some
-# milliseconds later for it; a handoff waits for the GIL for a few lines at most.
-_SLICE = 8
-_NAP = 50e-6
-
 # Names and strategies as JSON strings: the same few, again and again.
 _quoted = functools.lru_cache(maxsize=256)(json.dumps)
 # Free text is cut to these lengths: a line then stays under ``MAX_LINE`` even with
@@ -181,9 +169,9 @@ def _line(
     new: str | None,
     size: int | None,
 ) -> bytes:
-    """The JSON line of a queued event, formatted by hand: json.dumps of the whole took
-    five times as long, on a thread that shares the GIL with the member. The event and
-    state are vramlock's own words, the numbers finite."""
+    """The JSON line of an event, formatted by hand: json.dumps of the whole took five
+    times as long, on the member's thread. The event and state are vramlock's own words,
+    the numbers finite."""
     who = _who(record.pid, record.starttime, record.uid, record.name, strategy)
     text = f'{{"time":{mono + offset!r},"mono":{mono!r},{who},"event":"{event}"'
     if new is not None:
@@ -194,26 +182,34 @@ def _line(
 
 
 def _chunks(lines: list[bytes]) -> Iterator[bytes]:
-    """Whole lines joined into writes of at most ``MAX_LINE`` bytes: each is atomic."""
-    chunk = b""
-    for line in lines:
-        if chunk and len(chunk) + len(line) > MAX_LINE:
-            yield chunk
-            chunk = b""
-        chunk += line
-    if chunk:
-        yield chunk
+    """Whole lines joined into writes of at most ``MAX_LINE`` bytes: each is atomic.
+    (A few operations a write, not a few a line: the writer's thread shares the GIL.)"""
+    data = b"".join(lines)
+    start = 0
+    while len(data) - start > MAX_LINE:
+        cut = data.rfind(b"\n", start, start + MAX_LINE) + 1
+        if cut <= start:  # one line longer than MAX_LINE (none is made so): alone
+            cut = data.find(b"\n", start) + 1 or len(data)
+        yield data[start:cut]
+        start = cut
+    if start < len(data):
+        yield data[start:]
 
 
 class _Writer:
     """The process's journal writer: events queued, and a daemon thread that writes them.
 
-    Queueing an event is an append (and, for the first of a batch, one wake-up), so a
-    state change costs a microsecond or two; the thread then lets the batch gather for
-    ``SETTLE`` and writes it in a few system calls."""
+    Queueing an event makes its line (a few microseconds: it is formatted by hand) and
+    appends it (and, for the first of a batch, wakes the thread); the thread then lets
+    the batch gather for ``SETTLE`` and writes it in a few system calls, which release
+    the GIL: it does almost nothing in Python that the member's thread would wait for."""
 
     def __init__(self) -> None:
-        self.pending: deque[tuple[_Sink | None, _Queued]] = deque()
+        # Lines already made, by sink: bytes in lists, so that queueing makes no object
+        # the garbage collector must follow (a tuple an event made it work on every
+        # handoff at thousands a second).
+        self.pending: dict[_Sink, list[bytes]] = {}
+        self.queue = threading.Lock()  # pending taken whole, never while a line goes in
         self.sinks: dict[int, tuple[Arena, _Sink]] = {}  # by id(arena); the arena kept alive
         self.wake = threading.Event()
         self.guard = threading.Lock()  # making sinks and the thread
@@ -237,27 +233,27 @@ class _Writer:
                 self.thread.start()
             return self.sinks[id(arena)][1]
 
-    def put(self, arena: Arena, queued: _Queued) -> None:
-        # The least work that keeps the event: its time now, its line later.
+    def put(self, arena: Arena, line: bytes) -> None:
         found = self.sinks.get(id(arena))
-        self.pending.append((self.sink(arena) if found is None else found[1], queued))
+        sink = self.sink(arena) if found is None else found[1]
+        if sink is None:
+            return
+        with self.queue:
+            lines = self.pending.get(sink)
+            if lines is None:
+                self.pending[sink] = [line]
+            else:
+                lines.append(line)
         if not self.wake.is_set():
             self.wake.set()
 
     def flush(self) -> None:
         """Write everything queued so far, in this thread."""
         with self.io:
-            offset = time.time() - time.monotonic()  # wall clock = monotonic + offset
-            lines: dict[_Sink, list[bytes]] = {}
-            with contextlib.suppress(IndexError):
-                for n in itertools.count(1):
-                    sink, queued = self.pending.popleft()
-                    if sink is not None:
-                        lines.setdefault(sink, []).append(_line(offset, *queued))
-                    if n % _SLICE == 0:
-                        time.sleep(_NAP)  # let the member's own thread have the GIL
-            for sink, some in lines.items():
-                sink.write(some)
+            with self.queue:
+                batch, self.pending = self.pending, {}
+            for sink, lines in batch.items():
+                sink.write(lines)
 
     def _run(self) -> None:
         while True:
@@ -282,13 +278,24 @@ os.register_at_fork(after_in_child=_forked)
 atexit.register(lambda: _writer.flush())
 
 
+_clock = [0.0, -1e9]  # wall clock minus monotonic, and when it was read
+
+
+def _offset(mono: float) -> float:
+    """The wall clock's offset from the monotonic one, read again once a second."""
+    if mono - _clock[1] > 1.0:
+        _clock[0], _clock[1] = time.time() - time.monotonic(), mono
+    return _clock[0]
+
+
 def note(
     arena: Arena, record: Record, event: str, new: str | None = None, size: int | None = None
 ) -> None:
     """Queue ``event`` of the member ``record`` describes (its new state, the bytes moved)
     for ``arena``'s journal."""
     if ENABLED:
-        _writer.put(arena, (time.monotonic(), record, record.strategy, event, new, size))
+        mono = time.monotonic()
+        _writer.put(arena, _line(_offset(mono), mono, record, record.strategy, event, new, size))
 
 
 def state(arena: Arena, record: Record, new: str) -> None:
