@@ -37,15 +37,23 @@ SUFFIX = ".jsonl"
 OLDER = SUFFIX + ".1"
 # One file's cap; with the older one, a user's journal takes at most twice this.
 MAX_BYTES = 8 << 20
-# Whole lines are appended at most this many bytes at a time: POSIX makes O_APPEND
-# writes up to PIPE_BUF (4096 on Linux) atomic with respect to other writers.
+# A line is at most this long. Lines are appended by ``writev``, up to ``_IOV_MAX`` at a
+# time: with O_APPEND, POSIX allows no other change to the file between a write's finding
+# the end and its writing there, so two writers' lines never interleave, and a batch costs
+# a system call or two, which the member's thread need not wait for.
 MAX_LINE = 4000
+_IOV_MAX = 1024
 # ``VRAMLOCK_JOURNAL=off`` in a member's environment: it journals nothing (for measuring
 # what the journal costs; ``vramlock stats`` then has nothing of that member's).
 ENABLED = os.environ.get("VRAMLOCK_JOURNAL", "on") != "off"
 # The writer waits this long after an event before writing, so that it never competes
-# with a handoff for the CPU, and writes everything queued by then.
+# with a handoff for the CPU, and writes everything queued by then. After a batch of more
+# than ``BUSY`` lines (thousands of events a second: handoffs back to back) it waits
+# ``BUSY_SETTLE``: each batch takes the GIL from the member's thread a few times, and a
+# few batches a second touch fewer handoffs. (A member killed by SIGKILL loses what was
+# queued: an event's line is written within ``SETTLE`` when events are a few a second.)
 SETTLE = 0.05
+BUSY, BUSY_SETTLE = 100, 0.5
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # As lock files are opened (lockfd): no symlink, no FIFO hang, not inherited.
@@ -120,8 +128,8 @@ class _Sink:
         if now is None:
             return
         try:
-            for chunk in _chunks(lines):
-                os.write(now[1], chunk)
+            for some in _writes(lines):
+                os.writev(now[1], some)
             if os.fstat(now[1]).st_size >= MAX_BYTES:
                 self._rotate(*now)
         except (OSError, LockError):
@@ -181,19 +189,10 @@ def _line(
     return (text + "}\n").encode()
 
 
-def _chunks(lines: list[bytes]) -> Iterator[bytes]:
-    """Whole lines joined into writes of at most ``MAX_LINE`` bytes: each is atomic.
-    (A few operations a write, not a few a line: the writer's thread shares the GIL.)"""
-    data = b"".join(lines)
-    start = 0
-    while len(data) - start > MAX_LINE:
-        cut = data.rfind(b"\n", start, start + MAX_LINE) + 1
-        if cut <= start:  # one line longer than MAX_LINE (none is made so): alone
-            cut = data.find(b"\n", start) + 1 or len(data)
-        yield data[start:cut]
-        start = cut
-    if start < len(data):
-        yield data[start:]
+def _writes(lines: list[bytes]) -> Iterator[list[bytes]]:
+    """Whole lines in groups of at most ``_IOV_MAX``: one ``writev`` each."""
+    for start in range(0, len(lines), _IOV_MAX):
+        yield lines[start : start + _IOV_MAX]
 
 
 class _Writer:
@@ -247,20 +246,22 @@ class _Writer:
         if not self.wake.is_set():
             self.wake.set()
 
-    def flush(self) -> None:
-        """Write everything queued so far, in this thread."""
+    def flush(self) -> int:
+        """Write everything queued so far, in this thread; how many lines."""
         with self.io:
             with self.queue:
                 batch, self.pending = self.pending, {}
             for sink, lines in batch.items():
                 sink.write(lines)
+            return sum(map(len, batch.values()))
 
     def _run(self) -> None:
+        settle = SETTLE
         while True:
             self.wake.wait()
-            time.sleep(SETTLE)  # let the batch gather, away from the handoff
+            time.sleep(settle)  # let the batch gather, away from the handoff
             self.wake.clear()  # before taking the batch: a later event wakes us again
-            self.flush()
+            settle = BUSY_SETTLE if self.flush() > BUSY else SETTLE
 
 
 _writer = _Writer()
