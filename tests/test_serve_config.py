@@ -332,6 +332,25 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
 ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
 
 
+def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: Path) -> None:
+    """llama-swap's own example names models it does not define, in a selector's
+    targets and a profile's pins: left out, each said once, as a group's members are."""
+    text = ("selectors:\n  s: {strategy: pin, targets: [al, zz]}\n"
+            "  t: {strategy: warm, targets: [yy]}\n"
+            "profiles:\n  p: {pins: {x: zz, y: a}}\n" + ONE_MODEL)  # fmt: skip
+    config = read(tmp_path, text)
+    assert config.selectors["s"].targets == ("al",)
+    assert "t" not in config.selectors
+    assert config.profiles["p"].pins == {"x": None, "y": "a"}
+    path = tmp_path / "config.yaml"
+    assert config.warnings == [
+        f"{path}:2: selectors.s.targets[1]: no model 'zz': left out",
+        f"{path}:3: selectors.t.targets[0]: no model 'yy': left out",
+        f"{path}:3: selectors.t: none of its targets is a model: left out",
+        f"{path}:5: profiles.p.pins.x: no model 'zz': it answers 404",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "line", "message"),
     [
@@ -387,8 +406,6 @@ ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
         ("selectors:\n  s: {targets: [a]}\n" + ONE_MODEL, 2, "selectors.s.strategy is required"),
         ("selectors:\n  s: {strategy: pin, targets: []}\n" + ONE_MODEL, 2,
          "selectors.s.targets must have at least one entry"),
-        ("selectors:\n  s: {strategy: pin, targets: [al, zz]}\n" + ONE_MODEL, 2,
-         "selectors.s.targets[1]: no model 'zz'"),
         ("selectors:\n  s: {strategy: pin, targets: [t]}\n  t: {strategy: pin, targets: [a]}\n"
          + ONE_MODEL, 2, "selectors.s.targets[0]: 't' is a selector"),
         ("selectors:\n  al: {strategy: pin, targets: [a]}\n" + ONE_MODEL, 2,
@@ -398,7 +415,6 @@ ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
          "selectors.s.targets[0]: warm picks local models only"),
         ("selectors:\n  s: {strategy: spillover, targets: [a, al]}\n" + ONE_MODEL, 2,
          "selectors.s.targets: 'a' is there twice"),
-        ("profiles:\n  p: {pins: {x: zz}}\n" + ONE_MODEL, 2, "profiles.p.pins.x: no model 'zz'"),
         ("profiles:\n  p: {pins: {}}\n" + ONE_MODEL, 2, "profiles.p.pins must have at least one"),
         ("profiles:\n  p: [a]\n" + ONE_MODEL, 2,
          "profiles.p: a profile is a mapping of description and pins"),
@@ -408,9 +424,9 @@ ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
          "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf", "api-key",
          "concurrency", "log-level", "log-to-stdout", "log-time-format", "peer-proxy",
          "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
-         "selector-no-strategy", "selector-no-targets", "selector-unknown", "selector-chain",
-         "selector-clash", "selector-warm-peer", "selector-twice", "profile-unknown",
-         "profile-empty", "profile-list"],
+         "selector-no-strategy", "selector-no-targets", "selector-chain",
+         "selector-clash", "selector-warm-peer", "selector-twice", "profile-empty",
+         "profile-list"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -950,16 +950,24 @@ def _selectors(
             what = "is required" if not strategy else f"{strategy!r} is not warm, pin or spillover"
             raise reader.fail(f.get("strategy", (key, key))[1], f"{where}.strategy {what}")
         tnode = f["targets"][1] if "targets" in f else key
-        targets = reader.strings(tnode, f"{where}.targets") if "targets" in f else []
-        if not targets:
+        listed = reader.strings(tnode, f"{where}.targets") if "targets" in f else []
+        if not listed:
             raise reader.fail(tnode, f"{where}.targets must have at least one entry")
-        for i, target in enumerate(targets):
+        targets = []
+        for i, target in enumerate(listed):
             if target in names:
                 raise reader.fail(tnode, f"{where}.targets[{i}]: {target!r} is a selector")
             if target not in known:
-                raise reader.fail(tnode, f"{where}.targets[{i}]: no model {target!r}")
+                # As a group's member that is no model (llama-swap's own example has
+                # such targets): left out, said once.
+                reader.warn(tnode, f"{where}.targets[{i}]: no model {target!r}: left out")
+                continue
             if strategy == "warm" and _find(models, target) is None:
                 raise reader.fail(tnode, f"{where}.targets[{i}]: warm picks local models only")
+            targets.append(target)
+        if not targets:
+            reader.warn(tnode, f"{where}: none of its targets is a model: left out")
+            continue
         resolved = [(m.name if (m := _find(models, t)) else t) for t in targets]
         twice = next((t for i, t in enumerate(resolved) if t in resolved[:i]), None)
         if strategy == "spillover" and twice is not None:
@@ -991,7 +999,10 @@ def _profiles(reader: _Reader, node: yaml.Node, known: set[str]) -> dict[str, Pr
         for pin, _, target in reader.pairs(pnode, f"{where}.pins") if "pins" in f else []:
             text = None if reader.value(target) is None else reader.text(target, where)
             if text and text not in known:
-                raise reader.fail(target, f"{where}.pins.{pin}: no model {text!r}")
+                # The pin stays, answering 404 as a null one does: what it would have
+                # named is not there (llama-swap's own example pins such names).
+                reader.warn(target, f"{where}.pins.{pin}: no model {text!r}: it answers 404")
+                text = None
             pins[pin] = text or None
         if not pins:
             raise reader.fail(pnode, f"{where}.pins must have at least one entry")

@@ -206,11 +206,14 @@ def _scheduler(
         return {}
     out = {}
     for name, key, value in reader.pairs(fifo["priority"][1], f"{where}.fifo.priority"):
-        if name not in models:
-            raise reader.fail(key, f"{where}.fifo.priority: no model {name!r}")
         number = reader.value(value)
         if not isinstance(number, int) or isinstance(number, bool):
             raise reader.fail(value, f"{where}.fifo.priority: {name}'s must be a whole number")
+        if name not in models:
+            # llama-swap's own example names models it does not define (A to D): a
+            # priority of no model can order nothing, so it is left out, said once.
+            reader.warn(key, f"{where}.fifo.priority: no model {name!r}: left out")
+            continue
         out[name] = number
     return out
 
