@@ -417,6 +417,9 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "selectors.s.targets: 'a' is there twice"),
         ("profiles:\n  p: {pins: {}}\n" + ONE_MODEL, 2, "profiles.p.pins must have at least one"),
         ("profiles:\n  p: [a]\n" + ONE_MODEL, 2,
+         "profiles.p: a list of models is llama-swap's old profile, which it no longer takes"
+         " either: for models resident together, use a group with swap: false"),
+        ("profiles:\n  p: a\n" + ONE_MODEL, 2,
          "profiles.p: a profile is a mapping of description and pins"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
@@ -426,7 +429,7 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
          "selector-no-strategy", "selector-no-targets", "selector-chain",
          "selector-clash", "selector-warm-peer", "selector-twice", "profile-empty",
-         "profile-list"],
+         "profile-list", "profile-text"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

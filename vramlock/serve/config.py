@@ -990,6 +990,11 @@ def _profiles(reader: _Reader, node: yaml.Node, known: set[str]) -> dict[str, Pr
     out: dict[str, Profile] = {}
     for name, key, value in reader.pairs(node, "profiles"):
         where = f"profiles.{name}"
+        if isinstance(value, yaml.SequenceNode):  # llama-swap refuses it too
+            raise reader.fail(value, f"{where}: a list of models is llama-swap's old profile,"
+                              " which it no longer takes either: for models resident"
+                              " together, use a group with swap: false; a profile is a"
+                              " mapping of description and pins")  # fmt: skip
         if not isinstance(value, yaml.MappingNode):
             raise reader.fail(value, f"{where}: a profile is a mapping of description and pins")
         f = {n: (k, v) for n, k, v in reader.pairs(value, where)}
