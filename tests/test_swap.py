@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock, who_json
+from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
 from helpers.swap_rig import (
     Fakes,
@@ -689,3 +691,42 @@ def test_many_small_allocations_stay_fast(rig: Rig, spawn: Spawn) -> None:
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert small_allocs(out) < 2 * small_allocs(bare.stdout) + 0.5, (out, bare.stdout)
+
+
+def _ask(port: int) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/work", b"{}", {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, reply.read().decode()
+    finally:
+        conn.close()
+
+
+def test_two_idle_servers_behind_their_proxies_take_turns(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Two servers idle between requests, as inference servers are (no CUDA call in
+    flight when a release comes), each under ``--demand listen`` and swap in one arena:
+    each request to the released one is answered once it is swapped back in, with its
+    memory's contents checked by the program, and the fake driver's accounting (a file
+    per program) shows the other one's memory gone meanwhile."""
+    ports, phys = [], []
+    for i in range(2):
+        listen, upstream = free_ports(2)
+        phys.append(tmp_path / f"phys{i}")
+        env = dict(rig.env, FAKE_CUDA_PHYS=str(phys[i]), SWAP_PROG_LISTEN=str(upstream))
+        spawn(vramlock("run", "--arena", str(rig.arena), "--demand", "listen",
+                       "--listen", str(listen), "--upstream", str(upstream),
+                       "--ready-url", "/health", "--min-hold", "0", "--idle", "50ms",
+                       "--release", "swap", "--", str(rig.fakes.program), "100"),
+              env=env)  # fmt: skip
+        ports.append(listen)
+    for port in ports:
+        wait_until(lambda: accepts(port))  # noqa: B023
+    for k in range(16):
+        i = k % 2
+        assert _ask(ports[i]) == (200, f"round {k // 2 + 1}\n")  # checked by the program
+        if k:  # the other one was released for it: nothing of it left on the "GPU"
+            assert int(phys[1 - i].read_text()) == 0
+        assert int(phys[i].read_text()) > 0

@@ -30,10 +30,19 @@
  * SWAP_PROG_CLEARENV=1 clears the environment before cuInit; SWAP_PROG_CLOSE_SOCKETS=1
  * closes every socket it has once it is ready. With SWAP_PROG_IDLE_CHILD=1 it forks a
  * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
+ *
+ * With SWAP_PROG_LISTEN=PORT it is a server, idle between requests as an inference
+ * server is: on 127.0.0.1:PORT, GET /health answers 200 without touching the GPU, and
+ * any other request runs one round (a launch on every buffer, one buffer checked) and
+ * answers "round N"; each connection is closed after its answer. It serves until
+ * SECONDS have passed or SWAP_PROG_STOP exists.
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -42,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -230,6 +240,49 @@ static void time_small_allocs(long n)
 	for (long i = 0; i < n; i++)
 		CHECK(cuMemFree(small[i]));
 	free(small);
+}
+
+static void answer(int conn, const char *body)
+{
+	char head[160];
+	size_t blen = strlen(body);
+	int hlen = snprintf(head, sizeof head,
+			    "HTTP/1.1 200 OK\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+			    blen);
+	if (write(conn, head, (size_t)hlen) < 0 || write(conn, body, blen) < 0)
+		return;
+}
+
+/* A connection's request head read (no body is expected): 1 when it asks for GPU
+ * work, 0 when it was /health (answered), -1 when the client went away. */
+static int take_request(int conn)
+{
+	char req[4096];
+	size_t got = 0;
+	while (!memmem(req, got, "\r\n\r\n", 4)) {
+		if (got == sizeof req)
+			return -1;
+		ssize_t n = read(conn, req + got, sizeof req - got);
+		if (n <= 0)
+			return -1;
+		got += (size_t)n;
+	}
+	if (got >= 12 && !memcmp(req, "GET /health ", 12)) {
+		answer(conn, "ok\n");
+		return 0;
+	}
+	return 1;
+}
+
+static int listen_on(int port)
+{
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+	struct sockaddr_in at = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+	at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
+	    bind(fd, (struct sockaddr *)&at, sizeof at) || listen(fd, 16))
+		exit(4);
+	return fd;
 }
 
 int main(int argc, char **argv)
@@ -425,7 +478,22 @@ int main(int argc, char **argv)
 	long rounds = 0;
 	double end = now() + seconds;
 	int capturing = 0;
+	const char *listen_port = getenv("SWAP_PROG_LISTEN");
+	int server = listen_port ? listen_on(atoi(listen_port)) : -1;
 	while (now() < end && !(stop && !access(stop, F_OK))) {
+		int conn = -1;
+		if (server >= 0) {
+			struct pollfd pfd = {server, POLLIN, 0};
+			if (poll(&pfd, 1, 50) <= 0)
+				continue;
+			conn = accept4(server, NULL, NULL, SOCK_CLOEXEC);
+			if (conn < 0)
+				continue;
+			if (take_request(conn) <= 0) {
+				close(conn);
+				continue;
+			}
+		}
 		if (capture && capturing != !access(capture, F_OK)) {
 			void *graph;
 			if (!capturing)
@@ -442,9 +510,18 @@ int main(int argc, char **argv)
 		}
 		rounds++;
 		check((size_t)rounds % nbufs, rounds, rounds % 2);
+		if (conn >= 0) {
+			char body[32];
+			snprintf(body, sizeof body, "round %ld\n", rounds);
+			answer(conn, body);
+			close(conn);
+			continue;
+		}
 		struct timespec pause = {0, 2000000};
 		nanosleep(&pause, NULL);
 	}
+	if (server >= 0)
+		close(server);
 	atomic_store(&stopping, 1);
 	for (size_t t = 0; t < nworkers && t < 16; t++)
 		pthread_join(workers[t], NULL);
