@@ -435,6 +435,9 @@ def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
     def exited() -> None:
         loop.remove_reader(pidfd)
         os.close(pidfd)
+        # Reaped at once (its pid then names nothing): a pidfd is readable once every
+        # thread of the process has ended, when waitpid takes it, not before.
+        proc.poll()
         if not done.done():
             done.set_result(None)
 
