@@ -7,9 +7,9 @@ write the file): anybody could otherwise speak for somebody else. A file over
 finds it over the cap, under an flock of that file so that two writers never rotate
 twice.
 
-Writing is off the handoff path: a member's state change only queues the event, and a
-daemon thread writes it a little later, in ``O_APPEND`` writes of whole lines, none
-longer than ``PIPE_BUF``, so that lines of concurrent writers never interleave. Like the
+Writing is off the handoff path: a member's state change makes its line and queues it,
+and a daemon thread writes the queue a little later, in ``O_APPEND`` writes of whole
+lines, so that lines of concurrent writers never interleave. Like the
 records, the journal is for display: nothing here raises into a member, nothing decides from it.
 """
 
