@@ -332,6 +332,22 @@ def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
 ONE_MODEL = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
 
 
+def test_a_peer_s_timeouts_have_llama_swap_s_defaults_for_peers(tmp_path: Path) -> None:
+    from vramlock.serve.timeouts import Timeouts
+
+    text = ("peers:\n  p: {proxy: 'http://h', models: [x]}\n"
+            "  q:\n    proxy: https://h\n    models: [y]\n    timeouts:\n"
+            "      connect: 5\n      responseHeader: 0\n      idleConn: 9\n"
+            + ONE_MODEL)  # fmt: skip
+    config = read(tmp_path, text)
+    assert config.peers["p"].timeouts == Timeouts(30.0, 60.0, 10.0)
+    assert config.peers["q"].timeouts == Timeouts(5.0, None, 10.0)  # 0: no bound
+    assert config.warnings == [
+        f"{tmp_path / 'config.yaml'}:9: peer 'q': timeouts: idleConn ignored: the HTTP client"
+        " closes idle connections after its own 15 s"
+    ]
+
+
 def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: Path) -> None:
     """llama-swap's own example names models it does not define, in a selector's
     targets and a profile's pins: left out, each said once, as a group's members are."""

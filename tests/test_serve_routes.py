@@ -6,7 +6,9 @@ The models and the peers are tests/echo_server.py, which answers what it receive
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +148,25 @@ def test_send_loading_state_streams_progress_while_the_model_loads(
     assert content == "m done"
     assert chat(port, "m") == ("", "m done")  # resident now: nothing to wait for
     assert chat(port, "quiet") == ("", "quiet done")
+
+
+def test_a_peer_s_response_header_bound_is_a_504_naming_it(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """A peer that takes the request and never answers: serve gives up after its
+    timeouts.responseHeader, as llama-swap does (whose default for peers is 60 s)."""
+    with socket.socket() as silent:  # connections wait in its backlog, never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        text = (f"peers:\n  far:\n    proxy: http://127.0.0.1:{silent.getsockname()[1]}\n"
+                "    models: [m]\n    timeouts:\n      responseHeader: 1\n"
+                "      keepalive: 5\nmodels:\n" + echo_model("local"))  # fmt: skip
+        _, port = start(spawn, write(tmp_path, text), arena)
+        began = time.monotonic()
+        status, _, body = call(port, "POST", "/v1/chat/completions", {"model": "far/m"})
+        took = time.monotonic() - began
+    assert status == 504, body
+    assert json.loads(body)["error"]["message"] == (
+        "peer far: no response head within timeouts.responseHeader, 1 s"
+    )
+    assert 1.0 <= took < 10

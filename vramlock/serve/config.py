@@ -46,7 +46,7 @@ from ..arena.directory import parse_gpus
 from ..errors import UsageError
 from . import routing
 from .logs import TIME_FORMATS, TO_STDOUT
-from .timeouts import Timeouts, read_timeouts, read_unload_timeout
+from .timeouts import PEER_DEFAULTS, Timeouts, read_timeouts, read_unload_timeout
 
 DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
@@ -164,6 +164,7 @@ class Peer:
     models: tuple[str, ...]
     api_key: str = ""  # sent as Authorization: Bearer and x-api-key ("": nothing)
     filters: Filters = field(default_factory=lambda: Filters())
+    timeouts: Timeouts = PEER_DEFAULTS  # connect, responseHeader, tlsHandshake
 
 
 @dataclass(frozen=True)
@@ -1025,9 +1026,8 @@ def _peers(
     for name, key, value in reader.pairs(node, "peers"):
         where = f"peer {name!r}"
         fields = {n: (k, v) for n, k, v in reader.pairs(value, where)}
-        known = frozenset({"proxy", "models", "apiKey", "filters"})
-        reader.check_keys(fields, known, {"timeouts": "a peer's request waits as it takes"},
-                          f"{where}: ")  # fmt: skip
+        known = frozenset({"proxy", "models", "apiKey", "filters", "timeouts"})
+        reader.check_keys(fields, known, {}, f"{where}: ")
         if "proxy" not in fields:
             raise reader.fail(key, f"{where}: proxy is required")
         pnode = fields["proxy"][1]
@@ -1052,6 +1052,9 @@ def _peers(
         if "filters" in fields:
             fnode = fields["filters"][1]
             filters = read_filters(reader, fnode, f"{where}: filters", None, macros.expand)
+        bounds = PEER_DEFAULTS
+        if "timeouts" in fields:
+            bounds = read_timeouts(reader, fields["timeouts"][1], where, peer=True)
         peers[name] = Peer(name, key.start_mark.line + 1, base.rstrip("/"),
-                           tuple(dict.fromkeys(listed)), api_key, filters)  # fmt: skip
+                           tuple(dict.fromkeys(listed)), api_key, filters, bounds)  # fmt: skip
     return peers

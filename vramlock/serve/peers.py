@@ -9,6 +9,7 @@ peer's own name for it and its filters applied, with ``apiKey`` (when given) as
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -83,8 +84,12 @@ class Peers:
         """``request`` to ``peer`` as ``model``: its JSON body already read (``doc``), or
         (None) passed through unread to ``path`` (/upstream's)."""
         if self._client is None:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-            self._client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+            self._client = aiohttp.ClientSession(auto_decompress=False)
+        bounds = peer.timeouts
+        # The connection and its TLS handshake are one step to the client: bounded by
+        # the sum of theirs (a plain TCP connection by its own alone, within that).
+        both = None if bounds.connect is None else bounds.connect + (bounds.tls or 0.0)
+        timeout = aiohttp.ClientTimeout(total=None, connect=both, sock_connect=bounds.connect)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         if peer.api_key:
             headers["Authorization"] = f"Bearer {peer.api_key}"
@@ -94,10 +99,21 @@ class Peers:
         else:
             body = await request.read()
         url = peer.base + (request.path_qs if path is None else path)
+        asking = self._client.request(
+            request.method, url, headers=headers, data=body, timeout=timeout
+        )
         try:
-            up = await self._client.request(request.method, url, headers=headers, data=body)
+            up = await asyncio.wait_for(asking, bounds.header)
+        except aiohttp.ServerTimeoutError as err:  # the connection (and its TLS handshake)
+            if both is None:
+                return _error(502, f"peer {peer.name}: proxy error: {err}")
+            key = "timeouts.connect" + ("+tlsHandshake" if bounds.tls else "")
+            return _error(504, f"peer {peer.name}: no connection within {key}, {both:g} s")
+        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+            return _error(504, f"peer {peer.name}: no response head within"
+                               f" timeouts.responseHeader, {bounds.header:g} s")  # fmt: skip
         except (aiohttp.ClientError, OSError) as err:
-            return _bad_gateway(f"peer {peer.name}: proxy error: {err}")
+            return _error(502, f"peer {peer.name}: proxy error: {err}")
         async with up:
             kept = [(k, v) for k, v in up.headers.items() if k.lower() not in _HOP]
             out = web.StreamResponse(status=up.status, reason=up.reason, headers=kept)
@@ -116,6 +132,6 @@ class Peers:
         return out
 
 
-def _bad_gateway(message: str) -> web.Response:
-    body = {"error": {"code": 502, "message": message, "type": "server_error", "param": None}}
-    return web.json_response(body, status=502)
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"code": status, "message": message, "type": "server_error", "param": None}}
+    return web.json_response(body, status=status)

@@ -10,6 +10,10 @@ running.
 serve's requests to the model (through its wrapper: the wait for the response's head
 includes the time the model takes to come back); each past its bound is a 504 that
 names it. 0 is no bound. The others mean nothing here, and say why.
+
+A peer's ``timeouts`` have llama-swap's defaults for peers: ``connect`` 30 s,
+``responseHeader`` 60 s and ``tlsHandshake`` 10 s (the TCP connection and its TLS
+handshake are bounded together by their sum: the HTTP client times them as one).
 """
 
 from __future__ import annotations
@@ -27,25 +31,41 @@ UNUSED = {
     "keepalive": "serve reaches each model on loopback, where TCP keepalives find nothing",
     "idleConn": "serve keeps idle connections to a model until its wrapper ends them",
     "tlsHandshake": "serve reaches each model over plain HTTP",
+    "expectContinue": "serve sends no Expect: 100-continue",
+}
+PEER_UNUSED = {
+    "keepalive": "the HTTP client keeps its own TCP settings",
+    "idleConn": "the HTTP client closes idle connections after its own 15 s",
+    "expectContinue": "serve sends no Expect: 100-continue",
 }
 
 
 @dataclass(frozen=True)
 class Timeouts:
-    """A model's bounds on serve's requests to it, in seconds (None: no bound)."""
+    """A model's (or a peer's) bounds on serve's requests to it, in seconds (None: no
+    bound)."""
 
     connect: float | None = DEFAULT_CONNECT
     header: float | None = None  # responseHeader
+    tls: float | None = None  # tlsHandshake (peers only)
 
 
-def read_timeouts(reader: _Reader, node: yaml.Node, where: str) -> Timeouts:
-    """A model's ``timeouts:`` mapping (``where``: the model, for messages)."""
+PEER_DEFAULTS = Timeouts(DEFAULT_CONNECT, 60.0, 10.0)
+
+
+def read_timeouts(reader: _Reader, node: yaml.Node, where: str, peer: bool = False) -> Timeouts:
+    """A model's (``peer``: a peer's) ``timeouts:`` mapping (``where``: whose, for
+    messages)."""
     what = f"{where}: timeouts"
     entries = {name: (key, value) for name, key, value in reader.pairs(node, what)}
-    known = frozenset({"connect", "responseHeader"})
-    reader.check_keys(entries, known, {k: f"{v}" for k, v in UNUSED.items()}, f"{what}: ")
-    bounds: dict[str, float | None] = {}
-    for name, field in (("connect", "connect"), ("responseHeader", "header")):
+    fields = [("connect", "connect"), ("responseHeader", "header")]
+    if peer:
+        fields.append(("tlsHandshake", "tls"))
+    unused = PEER_UNUSED if peer else UNUSED
+    reader.check_keys(entries, frozenset(n for n, _ in fields), dict(unused), f"{what}: ")
+    given = PEER_DEFAULTS if peer else Timeouts()
+    bounds: dict[str, float | None] = {f: getattr(given, f) for _, f in fields}
+    for name, field in fields:
         if name in entries:
             seconds = reader.number(entries[name][1], f"{what}: {name}", 0)
             bounds[field] = seconds or None
