@@ -7,6 +7,7 @@ one) and its configuration guide's macros; every error names its file and line.
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,23 @@ def test_a_peer_s_timeouts_have_llama_swap_s_defaults_for_peers(tmp_path: Path) 
         f"{tmp_path / 'config.yaml'}:9: peer 'q': timeouts: idleConn ignored: the HTTP client"
         " closes idle connections after its own 15 s"
     ]
+
+
+def test_a_value_that_aliases_make_huge_is_refused_at_once(tmp_path: Path) -> None:
+    """Nine lines of YAML aliases name 9**9 strings; serve walked them all (it hung)."""
+    lines = ["x-a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"x-a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    text = "\n".join(lines) + "\nmodels:\n  m:\n    cmd: srv ${PORT}\n    metadata:\n"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        read(tmp_path, text + "      bomb: *a8\n")
+    assert time.monotonic() - started < 5
+    assert str(err.value) == (
+        f"{tmp_path / 'config.yaml'}:14: a value of more than 100000 values (aliases of aliases?)"
+    )
+    assert err.value.exit_status == 2
+    small = read(tmp_path, text + "      fine: *a2\n")  # 81 values: aliases are fine
+    assert len(small.models["m"].metadata["fine"]) == 9
 
 
 def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: Path) -> None:

@@ -231,6 +231,11 @@ def _find(models: dict[str, Model], name: str) -> Model | None:
 Duration = Callable[[str, str], float]
 
 
+# The most values one value of the file may hold (metadata, setParams, a list...),
+# each use of an alias counting again.
+MAX_VALUES = 100_000
+
+
 class _Reader:
     """Walks the YAML node tree, so that every error can name its line."""
 
@@ -276,10 +281,28 @@ class _Reader:
         return node
 
     def value(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            self._bounded(node)
         try:
             return self._loader.construct_object(node, deep=True)
         except yaml.YAMLError as err:
             raise self.fail(node, f"not valid YAML: {err}") from None
+
+    def _bounded(self, node: yaml.Node) -> None:
+        """Refuse a value of more than ``MAX_VALUES`` values, counted as they are used:
+        YAML aliases make a few lines name billions (aliases of aliases), which would
+        be walked, copied and listed each time."""
+        left, stack = MAX_VALUES, [node]
+        while stack:
+            item = stack.pop()
+            left -= 1
+            if left < 0:
+                raise self.fail(node, f"a value of more than {MAX_VALUES} values"
+                                      " (aliases of aliases?)")  # fmt: skip
+            if isinstance(item, yaml.SequenceNode):
+                stack.extend(item.value)
+            elif isinstance(item, yaml.MappingNode):
+                stack.extend(v for pair in item.value for v in pair)
 
     def pairs(self, node: yaml.Node, what: str) -> list[tuple[str, yaml.Node, yaml.Node]]:
         if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
