@@ -1,7 +1,7 @@
 """Two real llama-servers taking turns behind ``--demand listen``: restart vs the preset,
 and on a GPU swap and checkpoint too.
 
-    python bench/servers.py [--alternations 50] [--ctx 4096] [--json PATH]
+    python bench/servers.py [--alternations 50] [--ctx 4096] [--json PATH] [--timeout S] [--trace]
     python bench/servers.py --binary CUDA_SERVER --model GGUF --ngl 99 --ctx 8192 \
         --prompt-tokens 3900 --alternations 20 --modes swap,checkpoint,preset,restart
 
@@ -57,10 +57,14 @@ MODES = {
 }
 
 
+# Seconds a request may take (--timeout).
+TIMEOUT = 120.0
+
+
 def request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
     """POST /completion of ``prompt`` (one token, from the prompt cache, unless ``fields``
     say otherwise): the server's ``timings``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
     try:
         body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True, **fields})
         conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
@@ -74,12 +78,16 @@ def request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
     return timings
 
 
-def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[str, Any]:
+def run_mode(
+    mode: str, server: list[str], prompt_tokens: int, n: int, trace: bool = False
+) -> dict[str, Any]:
     procs = []
     ports = []
     # The tree under test first, then whatever the caller put on the path (pinned wheels).
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
+    if trace:  # the swap library's trace of each release and restore, in the logs
+        env["VRAMLOCK_SWAP_DEBUG"] = "1"
     with tempfile.TemporaryDirectory() as top:
         # The logs beside the arena, not in it: an arena holds only its own files.
         arena = str(Path(top) / "arena")
@@ -118,14 +126,21 @@ def run_mode(mode: str, server: list[str], prompt_tokens: int, n: int) -> dict[s
             for k in range(n):
                 i = k % 2
                 t0 = time.perf_counter()
-                timings = request(ports[i], prompts[i])
+                try:
+                    timings = request(ports[i], prompts[i])
+                except Exception as err:
+                    raise RuntimeError(f"request {k + 1} of {n}, to server {i}: {err}") from err
                 latency.append(time.perf_counter() - t0)
                 prefill.append(float(timings["prompt_ms"]) / 1000)
                 cached.append(int(timings.get("cache_n", 0)))
             return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm}
         except Exception:
-            for log in logs:  # why, before the arena and the logs go
-                print(f"--- {mode}, {log.name}:", *log.read_text().splitlines()[-20:], sep="\n")
+            # Why, before the arena and the logs go: each member's state, each log's end.
+            who = [sys.executable, "-m", "vramlock", "who", "--arena", arena]
+            shown = subprocess.run(who, env=env, capture_output=True, text=True, timeout=30)
+            print(f"--- {mode}, vramlock who:", shown.stdout + shown.stderr, sep="\n")
+            for log in logs:
+                print(f"--- {mode}, {log.name}:", *log.read_text().splitlines()[-40:], sep="\n")
             raise
         finally:
             end_jobs(procs)
@@ -153,6 +168,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> int:
+    global TIMEOUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alternations", type=int, default=50)
     parser.add_argument("--ctx", type=int, default=4096)
@@ -162,7 +178,17 @@ def main() -> int:
     parser.add_argument("--ngl", type=int, help="layers on the GPU")
     parser.add_argument("--modes", default="restart,preset", help=f"of {', '.join(MODES)}")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=TIMEOUT,
+        help="seconds a request may take; past it, each member's state and each log's end",
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="VRAMLOCK_SWAP_DEBUG=1 for the servers"
+    )
     args = parser.parse_args()
+    TIMEOUT = args.timeout
     binary = args.binary or llama_server.cached_binary()
     if binary is None:
         print("no llama-server built: run python tools/llama_server.py", file=sys.stderr)
@@ -184,7 +210,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     results = {}
     for mode in args.modes.split(","):  # each row as soon as it is measured
-        r = results[mode] = run_mode(mode, server, tokens, args.alternations)
+        r = results[mode] = run_mode(mode, server, tokens, args.alternations, args.trace)
         print(
             f"| {mode} | {statistics.median(r['latency']):.3f} | {pct(r['latency'], 0.95):.3f}"
             f" | {statistics.median(r['prefill']):.3f} | {pct(r['prefill'], 0.95):.3f}"
