@@ -57,14 +57,10 @@ MODES = {
 }
 
 
-# Seconds a request may take (--timeout).
-TIMEOUT = 120.0
-
-
-def request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
+def request(port: int, prompt: str, timeout: float = 120.0, **fields: object) -> dict[str, Any]:
     """POST /completion of ``prompt`` (one token, from the prompt cache, unless ``fields``
-    say otherwise): the server's ``timings``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    say otherwise), waiting ``timeout`` seconds at most: the server's ``timings``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True, **fields})
         conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
@@ -79,7 +75,7 @@ def request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
 
 
 def run_mode(
-    mode: str, server: list[str], prompt_tokens: int, n: int, trace: bool = False
+    mode: str, server: list[str], prompt_tokens: int, n: int, timeout: float, trace: bool
 ) -> dict[str, Any]:
     procs = []
     ports = []
@@ -121,13 +117,13 @@ def run_mode(
             words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
             prompts = [f"Server {i}: {words}" for i in range(2)]
             # Warm: each has its prompt in its slot once.
-            warm = [int(request(ports[i], prompts[i])["prompt_n"]) for i in range(2)]
+            warm = [int(request(ports[i], prompts[i], timeout)["prompt_n"]) for i in range(2)]
             latency, prefill, cached = [], [], []
             for k in range(n):
                 i = k % 2
                 t0 = time.perf_counter()
                 try:
-                    timings = request(ports[i], prompts[i])
+                    timings = request(ports[i], prompts[i], timeout)
                 except Exception as err:
                     raise RuntimeError(f"request {k + 1} of {n}, to server {i}: {err}") from err
                 latency.append(time.perf_counter() - t0)
@@ -168,7 +164,6 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> int:
-    global TIMEOUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alternations", type=int, default=50)
     parser.add_argument("--ctx", type=int, default=4096)
@@ -181,14 +176,13 @@ def main() -> int:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=TIMEOUT,
+        default=120.0,
         help="seconds a request may take; past it, each member's state and each log's end",
     )
     parser.add_argument(
         "--trace", action="store_true", help="VRAMLOCK_SWAP_DEBUG=1 for the servers"
     )
     args = parser.parse_args()
-    TIMEOUT = args.timeout
     binary = args.binary or llama_server.cached_binary()
     if binary is None:
         print("no llama-server built: run python tools/llama_server.py", file=sys.stderr)
@@ -210,7 +204,9 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     results = {}
     for mode in args.modes.split(","):  # each row as soon as it is measured
-        r = results[mode] = run_mode(mode, server, tokens, args.alternations, args.trace)
+        r = results[mode] = run_mode(
+            mode, server, tokens, args.alternations, args.timeout, args.trace
+        )
         print(
             f"| {mode} | {statistics.median(r['latency']):.3f} | {pct(r['latency'], 0.95):.3f}"
             f" | {statistics.median(r['prefill']):.3f} | {pct(r['prefill'], 0.95):.3f}"

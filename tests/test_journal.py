@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -143,8 +144,6 @@ def test_concurrent_writers_rotate_once_and_lose_no_line(arena: Path) -> None:
 def test_no_line_is_lost_while_the_writer_takes_the_queue(arena: Path) -> None:
     """Events queued while another thread writes what is queued (as the writer thread
     does): every one reaches the file, once, whole."""
-    import threading
-
     opened = Arena.open(str(arena))
     record = Record(pid=os.getpid(), name="racer", command=[], strategy="none",
                     state="released", since=0.0, starttime=1)  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import http.client
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import pytest
 from helpers.commands import vramlock, who_json
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
+from helpers.serve import call
 from helpers.swap_rig import (
     Fakes,
     Rig,
@@ -693,16 +693,6 @@ def test_many_small_allocations_stay_fast(rig: Rig, spawn: Spawn) -> None:
     assert small_allocs(out) < 2 * small_allocs(bare.stdout) + 0.5, (out, bare.stdout)
 
 
-def _ask(port: int) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", "/work", b"{}", {"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        return reply.status, reply.read().decode()
-    finally:
-        conn.close()
-
-
 def test_two_idle_servers_behind_their_proxies_take_turns(
     rig: Rig, spawn: Spawn, tmp_path: Path
 ) -> None:
@@ -726,7 +716,8 @@ def test_two_idle_servers_behind_their_proxies_take_turns(
         wait_until(lambda: accepts(port))  # noqa: B023
     for k in range(16):
         i = k % 2
-        assert _ask(ports[i]) == (200, f"round {k // 2 + 1}\n")  # checked by the program
+        status, _, body = call(ports[i], "POST", "/work", {})
+        assert (status, body) == (200, f"round {k // 2 + 1}\n".encode())  # checked by the program
         if k:  # the other one was released for it: nothing of it left on the "GPU"
             assert int(phys[1 - i].read_text()) == 0
         assert int(phys[i].read_text()) > 0

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .body import boundary
+from .errors import error_doc
 from .upstream import Response
 
 if TYPE_CHECKING:
@@ -181,8 +182,6 @@ class Front(asyncio.Protocol):
 
     def refuse(self, status: int, message: str, extra: dict[str, Any] | None = None) -> int:
         """Answer an error as the router does; the status."""
-        from .router import error_doc
-
         body = json.dumps(error_doc(status, message, **(extra or {}))).encode()
         self.write(_head(status, _REASONS.get(status, "Error"),
                          [("Content-Type", "application/json; charset=utf-8")], len(body))

@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from .config import Config, Peer
+from .errors import error_response as _error
 
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the client library sets itself.
 _HOP = frozenset(
@@ -130,8 +131,3 @@ class Peers:
                 if request.transport is not None:
                     request.transport.abort()  # cut: the client sees it end early
         return out
-
-
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"code": status, "message": message, "type": "server_error", "param": None}}
-    return web.json_response(body, status=status)

@@ -29,6 +29,7 @@ from aiohttp.typedefs import Handler, Middleware
 from ..arena.records import HOLDING, State
 from . import body as bodies
 from .config import Config
+from .errors import error_response as _error
 from .front import Front, Head
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
@@ -165,16 +166,6 @@ class Turns:
             fut.set_result(None)
 
 
-# OpenAI's error.type for the statuses that have their own.
-_KINDS = {401: "authentication_error", 429: "rate_limit_error"}
-
-
-def error_doc(status: int, message: str, **extra: Any) -> dict[str, Any]:
-    """An error as the OpenAI API answers one (``error.message`` and ``error.type``)."""
-    kind = _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"code": status, "message": message, "type": kind, "param": None}, **extra}
-
-
 @dataclass
 class Refusal:
     """An error to answer instead of passing a request on."""
@@ -198,10 +189,6 @@ def _named(body: bytes | bytearray) -> str | None:
     except (ValueError, RecursionError):  # RecursionError: nested deep
         name = None
     return name if isinstance(name, str) else None
-
-
-def _error(status: int, message: str, **extra: Any) -> web.Response:
-    return web.json_response(error_doc(status, message, **extra), status=status)
 
 
 class _TooLarge(Exception):

@@ -18,6 +18,7 @@ handshake are bounded together by their sum: the HTTP client times them as one).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,13 +64,9 @@ def read_timeouts(reader: _Reader, node: yaml.Node, where: str, peer: bool = Fal
         fields.append(("tlsHandshake", "tls"))
     unused = PEER_UNUSED if peer else UNUSED
     reader.check_keys(entries, frozenset(n for n, _ in fields), dict(unused), f"{what}: ")
-    given = PEER_DEFAULTS if peer else Timeouts()
-    bounds: dict[str, float | None] = {f: getattr(given, f) for _, f in fields}
-    for name, field in fields:
-        if name in entries:
-            seconds = reader.number(entries[name][1], f"{what}: {name}", 0)
-            bounds[field] = seconds or None
-    return Timeouts(**bounds)
+    given = {field: reader.number(entries[name][1], f"{what}: {name}", 0) or None
+             for name, field in fields if name in entries}  # fmt: skip
+    return dataclasses.replace(PEER_DEFAULTS if peer else Timeouts(), **given)
 
 
 def read_unload_timeout(reader: _Reader, node: yaml.Node, what: str) -> float | None:
