@@ -3,9 +3,10 @@
 What llama-swap's keys mean here:
 
 - ``models.NAME``: ``cmd`` (required; lines starting with ``#`` dropped, then split as a
-  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``; default ``http://localhost:${PORT}``,
-  as in llama-swap, whether the command uses ``${PORT}`` or not), ``checkEndpoint``
-  (default ``/health``; ``none``; no spaces or control characters),
+  shell would), ``proxy`` (``http://HOST:PORT[/PATH]``, no spaces or control characters;
+  default ``http://localhost:${PORT}``, as in llama-swap, whether the command uses
+  ``${PORT}`` or not), ``checkEndpoint`` (default ``/health``; ``none``; no spaces or
+  control characters),
   ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
   ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``,
   ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``,
@@ -464,8 +465,17 @@ def _command(text: str) -> list[str]:
     return words
 
 
+def _plain_url(url: str) -> bool:
+    """No spaces or control characters: nothing that could end a request line."""
+    return url.isprintable() and not any(c.isspace() for c in url)
+
+
 def _upstream(reader: _Reader, node: yaml.Node, url: str, where: str) -> tuple[str, str]:
     """(HOST:PORT, path prefix) from ``proxy: http://HOST:PORT[/PATH]``."""
+    if not _plain_url(url):
+        # urlsplit drops CR, LF and tabs, and the prefix goes into each request line.
+        raise reader.fail(node, f"{where}: proxy must be an http://HOST:PORT URL, without"
+                                f" spaces or control characters, not {url!r}")  # fmt: skip
     try:
         parts = urlsplit(url)
         port = parts.port or 80
@@ -1056,8 +1066,9 @@ def _peers(
         pnode = fields["proxy"][1]
         base = macros.expand(reader.text(pnode, f"{where}: proxy"), pnode, f"{where}: proxy")
         parts = urlsplit(base)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise reader.fail(pnode, f"{where}: proxy must be an http(s)://HOST[:PORT] URL")
+        if parts.scheme not in ("http", "https") or not parts.netloc or not _plain_url(base):
+            raise reader.fail(pnode, f"{where}: proxy must be an http(s)://HOST[:PORT] URL,"
+                                     " without spaces or control characters")  # fmt: skip
         listed = (
             reader.strings(fields["models"][1], f"{where}: models") if "models" in fields else []
         )
