@@ -256,6 +256,21 @@ def test_a_model_that_never_gets_healthy_fails_without_its_503(
     assert time.monotonic() - started < 10
 
 
+def test_a_model_that_never_listens_fails_naming_the_timeout(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = config(tmp_path, f"healthCheckTimeout: 1\nstartPort: {start_port()}\nmodels:\n"
+                            "  m:\n    cmd: sleep 60 ${PORT}\n    release: restart\n")  # fmt: skip
+    status, body = ask(serve_on(spawn, path, arena), "POST", "/v1/completions", b'{"model": "m"}')
+    assert status == 502
+    # the health check's answer (none: nothing listens) and the bound it was waited for
+    assert re.fullmatch(
+        r"model m: its server did not answer: GET /health on 127\.0\.0\.1:\d+: connection"
+        r" refused \(no 2xx within healthCheckTimeout, 1 s\)",
+        body["error"]["message"],
+    ), body
+
+
 def serve_on(spawn: Spawn, path: Path, arena: Path) -> int:
     """serve started on ``path``; its port, once it serves."""
     port = free_port()

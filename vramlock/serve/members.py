@@ -259,18 +259,21 @@ class Wrapper:
     async def _health(self, path: str, err: OSError) -> str:
         """What ``GET path`` on the model's server answers now."""
         what = f"GET {path} on {self.model.upstream}"
+        # The wrapper is alive, so it cut the request: its check had no 2xx in time.
+        within = f"(no 2xx within healthCheckTimeout, {self.config.health_timeout:g} s)"
         try:
             line = await asyncio.wait_for(self._ask(path), HEALTH_ASK_WITHIN)
         except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
-            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s"
+            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s {within}"
         except OSError as failed:
-            return f"{what}: {(failed.strerror or str(failed)).lower()}"
+            # asyncio's "Connect call failed (...)" says less than the errno's words.
+            reason = os.strerror(failed.errno) if failed.errno else str(failed)
+            return f"{what}: {reason.lower()} {within}"
         parts = line.decode("latin-1").split()
         status = parts[1][:20] if len(parts) > 1 else "no status"
         if status.startswith("2"):
             return f"{what} answers {status} now; the request was cut: {err}"
-        within = f"healthCheckTimeout, {self.config.health_timeout:g} s"
-        return f"{what} answered {status} (no 2xx within {within})"
+        return f"{what} answered {status} {within}"
 
     async def _ask(self, path: str) -> bytes:
         host, port = parse(self.model.upstream, "proxy")
