@@ -410,7 +410,8 @@ def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, a
 def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     slashed = (
         "  org/big:\n    cmd: sleep 60 ${PORT}\n    release: restart\n"
-        "    aliases: [big]\n    metadata:\n      port: ${PORT}\n    capabilities: {context: 8}\n"
+        "    aliases: [big, {id: large, name: Large}, {id: hidden, unlisted: true}]\n"
+        "    metadata:\n      port: ${PORT}\n    capabilities: {context: 8}\n"
     )
     text = "healthCheckTimeout: 1\nincludeAliasesInList: true\n" + GOOD + slashed
     port = serve_on(spawn, config(tmp_path, text), arena)
@@ -419,8 +420,15 @@ def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) ->
     assert entry["meta"] == {"llamaswap": {"port": 5801, "type": "model"}, "n_ctx": 8}
     assert entry["capabilities"] == {"context": 8}
     listed = ask(port, "GET", "/v1/models")[1]["data"]
-    assert [(e["id"], e["meta"]["llamaswap"]["type"]) for e in listed] == [
-        ("m", "model"), ("org/big", "model"), ("big", "alias")]  # fmt: skip
+    assert [(e["id"], e["meta"]["llamaswap"]["type"], e.get("name")) for e in listed] == [
+        ("m", "model", None), ("org/big", "model", None), ("big", "alias", None),
+        ("large", "alias", "Large")]  # fmt: skip
+    assert listed[1]["aliases"] == ["big", "large"]  # an unlisted alias is not told
+    # an id is retrieved as it is listed: an alias as an alias
+    assert ask(port, "GET", "/v1/models/large") == (200, listed[3])
+    status, entry = ask(port, "GET", "/v1/models/hidden")
+    assert (status, entry["id"]) == (200, "hidden")
+    assert entry["meta"]["llamaswap"]["modelID"] == "org/big"
     assert ask(port, "GET", "/v1/models/nope")[0] == 404
     assert ask(port, "GET", "/upstream") == (200, {"object": "list", "data": [
         {"id": "m", "upstream": "/upstream/m/"},

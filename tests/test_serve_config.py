@@ -222,6 +222,29 @@ def test_preload_names_models_or_aliases(tmp_path: Path) -> None:
     assert read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT}\n").preload == ()
 
 
+def test_an_alias_may_be_an_object_with_a_name_or_unlisted(tmp_path: Path) -> None:
+    """The alias objects of llama-swap's proposed form (id, name, unlisted) beside plain
+    strings: each id is an alias; name and unlisted are for /v1/models."""
+    config = read(tmp_path, """\
+        models:
+          a:
+            cmd: srv --port ${PORT}
+            aliases:
+              - plain
+              - id: named
+                name: A, named
+              - {id: hidden, unlisted: true, colour: red}
+        """)  # fmt: skip
+    a = config.models["a"]
+    assert a.aliases == ("plain", "named", "hidden")
+    assert config.find("hidden") is a
+    assert (a.alias_names, a.unlisted_aliases) == ({"named": "A, named"}, ("hidden",))
+    assert config.known() == ["a", "plain", "named"]  # an unlisted alias is not told
+    assert config.warnings == [
+        f"{tmp_path / 'config.yaml'}:8: model 'a': aliases[2]: unknown key colour ignored"
+    ]
+
+
 def test_concurrency_limit_zero_or_absent_is_llama_swap_s_default(tmp_path: Path) -> None:
     config = read(tmp_path, """\
         models:
@@ -461,6 +484,10 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          " either: for models resident together, use a group with swap: false"),
         ("profiles:\n  p: a\n" + ONE_MODEL, 2,
          "profiles.p: a profile is a mapping of description and pins"),
+        ("models:\n  a:\n    cmd: srv\n    aliases:\n      - name: x\n", 5,
+         "model 'a': aliases[0]: an alias object needs an id"),
+        ("models:\n  a:\n    cmd: srv\n    aliases:\n      - [x]\n", 5,
+         "model 'a': aliases[0] must be a name or a mapping with an id"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
@@ -470,7 +497,7 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
          "selector-no-strategy", "selector-no-targets", "selector-chain",
          "selector-clash", "selector-warm-peer", "selector-twice", "profile-empty",
-         "profile-list", "profile-text"],
+         "profile-list", "profile-text", "alias-no-id", "alias-list"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

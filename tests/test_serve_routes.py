@@ -121,6 +121,8 @@ def test_peers_get_their_requests_with_their_key(spawn: Spawn, tmp_path: Path, a
     assert list(listed) == ["local", "p/remote-a", "p/shared", "p/local", "q/shared", "q/only-q"]
     assert listed["p/remote-a"]["name"] == "p: remote-a"
     assert listed["p/remote-a"]["meta"] == {"llamaswap": {"type": "peer", "peerID": "p"}}
+    # retrieved as it is listed (the openai client's models.retrieve)
+    assert call_json(port, "GET", "/v1/models/p/remote-a") == listed["p/remote-a"]
 
 
 def chat(port: int, model: str) -> tuple[str, str]:

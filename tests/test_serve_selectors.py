@@ -69,6 +69,7 @@ def test_pin_and_warm_pick_their_targets(spawn: Spawn, tmp_path: Path, arena: Pa
     assert listed["warm"]["meta"]["llamaswap"] == {
         "type": "selector", "strategy": "warm", "targets": ["a", "b"]}  # fmt: skip
     assert listed["spill"]["meta"]["llamaswap"]["spillover"] == 1
+    assert call_json(port, "GET", "/v1/models/warm") == listed["warm"]
 
 
 def test_spillover_starts_the_next_target_when_the_first_is_busy(

@@ -7,7 +7,8 @@ What llama-swap's keys mean here:
   default ``http://localhost:${PORT}``, as in llama-swap, whether the command uses
   ``${PORT}`` or not), ``checkEndpoint`` (default ``/health``; ``none``; no spaces or
   control characters),
-  ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases``, ``env`` (``NAME=value``),
+  ``ttl`` (seconds; 0 never, -1 ``globalTTL``), ``aliases`` (names, or objects of ``id``,
+  ``name`` and ``unlisted``), ``env`` (``NAME=value``),
   ``unlisted``, ``name`` and ``description`` (shown by ``/v1/models``), ``macros``,
   ``concurrencyLimit``, ``useModelName``, ``filters``, ``metadata``, ``capabilities``,
   ``unloadTimeout`` and ``timeouts`` (``timeouts.py``), ``cmdStop`` (its release:
@@ -111,6 +112,8 @@ class Model:
     check_endpoint: str | None  # None: "none", no check
     ttl: float  # 0: never released for being idle
     aliases: tuple[str, ...] = ()
+    alias_names: dict[str, str] = field(default_factory=dict)  # an alias object's name
+    unlisted_aliases: tuple[str, ...] = ()  # served, never told of (/v1/models, 404s)
     env: dict[str, str] = field(default_factory=dict)
     unlisted: bool = False
     title: str | None = None  # llama-swap's ``name``
@@ -130,6 +133,10 @@ class Model:
     loading_state: bool | None = (
         False  # sendLoadingState (None while being read): loading progress in a chat stream
     )
+
+    def listed_aliases(self) -> list[str]:
+        """The aliases /v1/models and a 404 may tell."""
+        return [a for a in self.aliases if a not in self.unlisted_aliases]
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class Config:
         """The names a 404 may tell: listed models, then their aliases (an unlisted
         model is served, not told of)."""
         listed = [m for m in self.models.values() if not m.unlisted]
-        return [*(m.name for m in listed), *(a for m in listed for a in m.aliases)]
+        return [*(m.name for m in listed), *(a for m in listed for a in m.listed_aliases())]
 
 
 def _find(models: dict[str, Model], name: str) -> Model | None:
@@ -829,10 +836,35 @@ class _Entry:
     def flag(self, key: str) -> bool:
         return key in self.fields and self.reader.flag(self.node(key), f"{self.where}: {key}")
 
-    def strings(self, key: str) -> tuple[str, ...]:
-        if key not in self.fields:
-            return ()
-        return tuple(self.reader.strings(self.node(key), f"{self.where}: {key}"))
+    def aliases(self) -> tuple[list[str], dict[str, str], tuple[str, ...]]:
+        """``aliases``: names, or objects of an ``id`` with a ``name`` and ``unlisted``
+        (the form llama-swap has been proposed); the ids, the names, the unlisted."""
+        ids: list[str] = []
+        names: dict[str, str] = {}
+        unlisted: list[str] = []
+        if "aliases" not in self.fields:
+            return ids, names, ()
+        node = self.node("aliases")
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.reader.fail(node, f"{self.where}: aliases must be a list")
+        for i, item in enumerate(node.value):
+            where = f"{self.where}: aliases[{i}]"
+            if isinstance(item, yaml.ScalarNode):
+                ids.append(self.reader.text(item, where))
+                continue
+            if not isinstance(item, yaml.MappingNode):
+                raise self.reader.fail(item, f"{where} must be a name or a mapping with an id")
+            f = {n: (k, v) for n, k, v in self.reader.pairs(item, where)}
+            self.reader.check_keys(f, frozenset({"id", "name", "unlisted"}), {}, f"{where}: ")
+            if "id" not in f:
+                raise self.reader.fail(item, f"{where}: an alias object needs an id")
+            alias = self.reader.text(f["id"][1], f"{where}: id")
+            ids.append(alias)
+            if "name" in f:
+                names[alias] = self.reader.text(f["name"][1], f"{where}: name")
+            if "unlisted" in f and self.reader.flag(f["unlisted"][1], f"{where}: unlisted"):
+                unlisted.append(alias)
+        return ids, names, tuple(unlisted)
 
 
 def _model(
@@ -850,6 +882,7 @@ def _model(
     check, ttl, env = entry.check_endpoint(), entry.ttl(global_ttl), entry.env()
     run, gpu, arena = entry.run_options()
     filters = entry.filters()
+    aliases, alias_names, unlisted = entry.aliases()
     model = Model(
         name=name,
         line=key.start_mark.line + 1,
@@ -858,7 +891,9 @@ def _model(
         prefix=prefix,
         check_endpoint=check,
         ttl=ttl,
-        aliases=(*entry.strings("aliases"), *(n for n in filters.by_name if n != name)),
+        aliases=(*aliases, *(n for n in filters.by_name if n != name)),
+        alias_names=alias_names,
+        unlisted_aliases=unlisted,
         env=env,
         unlisted=entry.flag("unlisted"),
         title=entry.text("name"),

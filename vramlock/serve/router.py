@@ -863,11 +863,12 @@ class Router:
         llama-swap's meta.llamaswap (metadata and type) and capabilities."""
         m = w.model
         entry: dict[str, Any] = {"id": alias or m.name, "object": "model", "owned_by": "vramlock"}
-        if m.title is not None:
-            entry["name"] = m.title
+        title = m.alias_names.get(alias, m.title) if alias else m.title
+        if title is not None:
+            entry["name"] = title
         if m.description is not None:
             entry["description"] = m.description
-        entry["aliases"] = list(m.aliases)
+        entry["aliases"] = m.listed_aliases()
         entry["state"] = w.state().value
         kind = {"type": "alias", "modelID": m.name} if alias else {"type": "model"}
         entry["meta"] = {"llamaswap": {**m.metadata, **kind}}
@@ -877,23 +878,32 @@ class Router:
                 entry["meta"]["n_ctx"] = m.capabilities["context"]
         return entry
 
-    async def list_models(self, request: web.Request) -> web.Response:
+    def _listed(self) -> list[dict[str, Any]]:
+        """/v1/models's entries: models (and aliases), peers' models, selectors."""
         data = []
         for w in self.wrappers.values():
             if not w.model.unlisted:
                 data.append(self._entry(w))
                 if self.config.aliases_listed:
-                    data += [self._entry(w, alias) for alias in w.model.aliases]
+                    data += [self._entry(w, alias) for alias in w.model.listed_aliases()]
         data += entries(self.config)
         data += self.resolver.entries({*self.config.known(), *(d["id"] for d in data)})
-        return web.json_response({"object": "list", "data": data})
+        return data
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._listed()})
 
     async def one_model(self, request: web.Request) -> web.Response:
-        """OpenAI's GET /v1/models/ID: one model's entry (by name or alias)."""
-        found = self._wrapper(request.match_info["model"])
+        """OpenAI's GET /v1/models/ID: the entry /v1/models lists as ID (a peer's model
+        and a selector too); else an unlisted model's or alias's."""
+        name = request.match_info["model"]
+        listed = next((e for e in self._listed() if e["id"] == name), None)
+        if listed is not None:
+            return web.json_response(listed)
+        found = self._wrapper(name)
         if isinstance(found, web.Response):
             return found
-        return web.json_response(self._entry(found))
+        return web.json_response(self._entry(found, None if name == found.model.name else name))
 
     async def upstream_list(self, request: web.Request) -> web.Response:
         """The models whose servers /upstream/MODEL/PATH reaches, with that path."""
