@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -163,6 +164,12 @@ def test_three_models_many_clients_one_resident_at_a_time(
     # (a restored member's record says resident a few ms after it serves)
     wait_until(lambda: set(served.states().values()) <= {"resident", "released"})
     assert sorted(r["name"] for r in who_json(arena)) == ["a", "b", "c"]
+    # starts and swaps of llama-servers warn of nothing: serve's lines are its own news
+    said = [ln for ln in (tmp_path / "serve.log").read_text().splitlines()
+            if ln.startswith("vramlock: ")]  # fmt: skip
+    news = re.compile(r"vramlock: (serving a, b, c at .*|model [abc]: (starting its wrapper"
+                      r"|POST /v1/(chat/)?completions 200 in [0-9.]+ s))")  # fmt: skip
+    assert [ln for ln in said if not news.fullmatch(ln)] == []
 
 
 def test_a_model_starts_on_its_first_request_or_preloaded(
