@@ -172,3 +172,27 @@ def test_a_peer_s_response_header_bound_is_a_504_naming_it(
         "peer far: no response head within timeouts.responseHeader, 1 s"
     )
     assert 1.0 <= took < 10
+
+
+def test_get_routes_that_name_their_model_in_the_query(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """llama-swap's /props, /v1/audio/voices and /sdapi/v1/loras take ?model=NAME; its
+    /models is /v1/models."""
+    text = "peers:\n  p:\n    proxy: http://127.0.0.1:{p}\n    models: [far]\nmodels:\n"
+    text = text.format(p=peer(spawn, "peer-p")) + echo_model("m", "release: restart",
+                                                               "aliases: [al]")  # fmt: skip
+    _, port = start(spawn, write(tmp_path, text), arena)
+    assert running(port) == []
+    for path in ("/props", "/v1/audio/voices", "/sdapi/v1/loras"):
+        got = call_json(port, "GET", f"{path}?model=al&x=1")
+        assert (got["id"], got["method"], got["path"]) == ("m", "GET", f"{path}?model=al&x=1")
+    assert running(port) == ["m"]  # brought in as a POST would
+    got = call_json(port, "GET", "/props?model=p/far")
+    assert (got["id"], got["path"]) == ("peer-p", "/props?model=far")
+    status, _, body = call(port, "GET", "/props")
+    assert (status, json.loads(body)["error"]["message"]) == (
+        400, "the request must name its model: ?model=NAME")  # fmt: skip
+    status, _, body = call(port, "GET", "/props?model=nope")
+    assert status == 404 and json.loads(body)["models"] == ["m", "al"]
+    assert call_json(port, "GET", "/models") == call_json(port, "GET", "/v1/models")

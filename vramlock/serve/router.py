@@ -59,6 +59,8 @@ _STREAM_CHUNK = 256 * 1024
 # A JSON body up to this size is parsed whole to find its model (faster than skipping
 # over its members, and a copy of it costs nothing); a larger one is scanned.
 _PARSED = 64 * 1024
+# llama-swap's GET routes whose request names its model as ?model=NAME.
+BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -286,6 +288,11 @@ async def _relay(src: Any, dst: Any) -> None:
     await dst.close()
 
 
+def _with_model(request: web.Request, model: str) -> str:
+    """The request's path and query, its ``model`` parameter ``model``."""
+    return str(request.rel_url.update_query(model=model))
+
+
 class Router:
     """The aiohttp application: routes, the per-arena turns, ttl timers."""
 
@@ -316,6 +323,7 @@ class Router:
         r.add_get("/ui", self.to_ui)
         self.app.add_subapp("/ui/", ui_app(wrappers, self.requests, logs))
         r.add_get("/v1/models", self.list_models)
+        r.add_get("/models", self.list_models)
         r.add_get("/v1/models/{model:.+}", self.one_model)
         r.add_get("/running", self.running)
         r.add_post("/models/unload", self.unload_all)
@@ -329,6 +337,8 @@ class Router:
             add_routes(r, logs, self._name)
         r.add_get("/api/profiles", self.api_profiles)
         r.add_put("/api/profiles/active", self.api_active_profile)
+        for path in BY_QUERY:
+            r.add_get(path, self.by_query)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
@@ -486,6 +496,30 @@ class Router:
             show = wanted(request.path, doc or json.loads(body))
         path = found.model.prefix + request.path_qs
         return await self._forward(request, found, path, sent, show_loading=show)
+
+    async def by_query(self, request: web.Request) -> web.StreamResponse:
+        """A GET of ``BY_QUERY`` (llama-server's /props...): routed by its ``?model=`` as a
+        POST is by its body, the query passed on (its model the target's, where profiles,
+        selectors or a peer's name made it another)."""
+        name = request.query.get("model")
+        if not name:
+            return _error(400, "the request must name its model: ?model=NAME")
+        try:
+            target, done = self.resolver.resolve(name)
+        except Refused as err:
+            return _error(err.status, err.message)
+        try:
+            remote = resolve(self.config, target) if self.config.peers else None
+            if remote is not None:
+                path = _with_model(request, remote[1])
+                return await self.peers.forward(request, *remote, target, None, path)
+            found = self._wrapper(target)
+            if isinstance(found, web.Response):
+                return found
+            path = request.path_qs if target == name else _with_model(request, target)
+            return await self._forward(request, found, found.model.prefix + path, b"")
+        finally:
+            done()
 
     async def api_profiles(self, request: web.Request) -> web.Response:
         """llama-swap's GET /api/profiles: the active profile (or null) and every one."""
