@@ -611,6 +611,11 @@ def test_unknown_routes_and_models_answer_openai_json(
                              "type": "invalid_request_error", "param": None}  # fmt: skip
     status, body = ask(port, "DELETE", "/models/unload")
     assert (status, body["error"]["message"]) == (404, "DELETE /models/unload: no such route")
+    # the page's routes too
+    status, body = ask(port, "GET", "/ui/no/such/page")
+    assert (status, body["error"]["message"]) == (404, "GET /ui/no/such/page: no such route")
+    status, body = ask(port, "PUT", "/ui/")
+    assert (status, body["error"]["message"]) == (405, "PUT /ui/: method not allowed")
     # an unlisted model is served, not told of
     status, body = ask(port, "POST", "/v1/completions", b'{"model": "nope"}')
     assert (status, body["models"]) == (404, ["m"])

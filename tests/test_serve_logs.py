@@ -6,6 +6,7 @@ request it gets on stderr, which the wrappers pass to serve through pipes.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -104,7 +105,18 @@ def test_an_unknown_log_is_refused(spawn: Spawn, tmp_path: Path, arena: Path) ->
     _, port = start(spawn, path, arena)
     status, _, body = call(port, "GET", "/logs/stream/nope")
     assert status == 400
-    assert body == b"invalid logger. Use 'proxy', 'upstream' or a model's ID"
+    assert json.loads(body)["error"] == {
+        "code": 400, "message": "invalid logger. Use 'proxy', 'upstream' or a model's ID",
+        "type": "invalid_request_error", "param": None}  # fmt: skip
+
+
+def test_logs_asked_for_by_a_browser_is_the_page(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
+    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    _, port = start(spawn, path, arena)
+    status, headers, _ = call(port, "GET", "/logs", headers={"Accept": "text/html,*/*"})
+    assert (status, headers["Location"]) == (302, "/ui/")
+    status, headers, _ = call(port, "GET", "/logs")
+    assert (status, headers["Content-Type"]) == (200, "text/plain")
 
 
 @pytest.mark.parametrize("to_stdout", ["proxy", "upstream", "none"])

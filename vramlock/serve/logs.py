@@ -285,7 +285,11 @@ def add_routes(router: UrlDispatcher, logs: Logs, find: Callable[[str], str | No
     ``find`` gives the model's name for a name or alias (None: no such model)."""
     from aiohttp import web
 
+    from .errors import error_response
+
     async def history(request: web.Request) -> web.Response:
+        if "text/html" in request.headers.get("Accept", ""):
+            raise web.HTTPFound("/ui/")  # a browser: the page, which shows the log too
         return web.Response(body=logs.mux.history(), content_type="text/plain")
 
     def ring(which: str) -> Ring | None:
@@ -298,8 +302,7 @@ def add_routes(router: UrlDispatcher, logs: Logs, find: Callable[[str], str | No
         which = request.match_info.get("which", "")
         found = ring(which)
         if found is None:
-            what = "invalid logger. Use 'proxy', 'upstream' or a model's ID"
-            return web.Response(status=400, text=what, content_type="text/plain")
+            return error_response(400, "invalid logger. Use 'proxy', 'upstream' or a model's ID")
         out = web.StreamResponse(headers={"X-Content-Type-Options": "nosniff",
                                           "X-Accel-Buffering": "no"})  # fmt: skip
         out.content_type = "text/plain"

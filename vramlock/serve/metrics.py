@@ -21,6 +21,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.directory import parse_gpus
 from ..observe.prometheus import Family, arena_families, text
+from .errors import error_response
 
 if TYPE_CHECKING:
     from .logs import Logs
@@ -169,4 +170,17 @@ def ui_app(
 
     application = app(state)
     application.on_cleanup.append(close)
+    application.middlewares.append(_json_errors)
     return application
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The page's errors (a path it has not, a method) as serve's others: JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        why = "no such route" if err.status == 404 else err.reason.lower()
+        return error_response(err.status, f"{request.method} {request.path}: {why}")
