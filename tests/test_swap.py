@@ -419,7 +419,7 @@ def test_a_release_that_keeps_failing_is_given_up_and_the_program_keeps_the_gpu(
     assert err.count("vramlock-swap: ") == 3, err  # the library's own word on each try
     lines = [line for line in err.splitlines() if line.startswith("vramlock: ")]
     assert len(lines) == 2, err  # the first failure, then giving up
-    assert "release failed" in lines[0] and "cuMemHostAlloc" in lines[0]
+    assert "release failed" in lines[0] and "pinning host memory" in lines[0]
     assert "could not be swapped out 3 times in a row" in lines[1]
     assert lines[1].endswith("holding the GPU until it exits")
     held = read_line(holder)

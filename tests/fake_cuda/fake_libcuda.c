@@ -440,6 +440,30 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 	return *p ? OK : OOM;
 }
 CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+/* Locking host memory the caller mapped: logged as "register <monotonic ns> <bytes>"
+ * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much. */
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl)
+{
+	(void)fl;
+	if (!current)
+		return NO_CONTEXT;
+	const char *full = getenv("FAKE_CUDA_HOST_FULL");
+	if (full && !access(full, F_OK))
+		return OOM;
+	if (!p || !n)
+		return INVALID;
+	if (log_fd >= 0) {
+		struct timespec ts;
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		char line[64];
+		int len = snprintf(line, sizeof line, "register %lld %zu\n",
+				   (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, n);
+		if (write(log_fd, line, (size_t)len) != len)
+			abort();
+	}
+	return OK;
+}
+CUresult cuMemHostUnregister(void *p) { return p ? OK : INVALID; }
 
 #define PTR(d) ((void *)(uintptr_t)(d))
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { memcpy(PTR(d), h, n); return OK; }
@@ -588,7 +612,7 @@ static const struct {
 	E(cuMemAddressFree), E(cuMemCreate), E(cuMemRelease), E(cuMemMap), E(cuMemUnmap),
 	E(cuMemSetAccess), E(cuMemRetainAllocationHandle), E(cuMemGetAllocationPropertiesFromHandle),
 	E(cuMemExportToShareableHandle), E(cuMemGetAddressRange_v2), E(cuMemGetInfo_v2),
-	E(cuIpcGetMemHandle), E(cuMemHostAlloc), E(cuMemFreeHost), E(cuMemcpyHtoD_v2),
+	E(cuIpcGetMemHandle), E(cuMemHostAlloc), E(cuMemFreeHost), E(cuMemHostRegister_v2), E(cuMemHostUnregister), E(cuMemcpyHtoD_v2),
 	E(cuMemcpyHtoD_v2_ptds), E(cuMemcpyDtoH_v2), E(cuMemcpyDtoH_v2_ptds),
 	E(cuMemcpyHtoDAsync_v2), E(cuMemcpyHtoDAsync_v2_ptsz), E(cuMemcpyDtoHAsync_v2),
 	E(cuMemcpyDtoHAsync_v2_ptsz), E(cuMemcpyDtoD_v2), E(cuMemcpyAsync), E(cuMemsetD32_v2),

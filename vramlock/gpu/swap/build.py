@@ -10,7 +10,10 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # The library's parts, and the one header they share (swap.h says what each holds).
-PARTS = ("entry", "hooks", "gate", "table", "engine", "delta", "hostmem", "control", "record")
+PARTS = (
+    *("entry", "hooks", "gate", "table", "engine", "delta", "hostmem", "prepare"),
+    *("control", "record"),
+)
 SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
 # swap.h, and the digest's arithmetic and kernel (digest.h; digest_ptx.h, made by
 # gen_digest.py from digest.cu).

@@ -134,6 +134,8 @@ static void handle(const char *word)
 	if (!greeted)
 		gate_joined_locked(!strcmp(word, "resident"));
 	greeted = 1;
+	if (!released && !refused[0])
+		prepare_start(); /* resident: the host copies can be made ready meanwhile */
 	pthread_cond_broadcast(&greet_cv);
 	pthread_mutex_unlock(&mu);
 	if (answer[0] && send_line(answer))
@@ -173,9 +175,11 @@ int control_setup(void)
 {
 	const char *path = getenv("VRAMLOCK_SWAP_SOCKET");
 	const char *fd = getenv("VRAMLOCK_TOKEN_FD");
+	const char *prepare = getenv("VRAMLOCK_SWAP_PREPARE");
 	struct stat st;
 	if (!path || !*path)
 		return 0;
+	prepare_wanted = !prepare || strcmp(prepare, "0");
 	/* Too long a path stays empty: connect_control then says so. */
 	if (strlen(path) < sizeof sock_path)
 		memcpy(sock_path, path, strlen(path) + 1);
@@ -267,6 +271,7 @@ void after_fork_child(void)
 	if (active) {
 		table_forget();
 		engine_forget();
+		prepare_forget();
 	}
 	gate_after_fork(active);
 	pthread_mutex_unlock(&mu);

@@ -9,7 +9,6 @@
 
 atomic_int captures;
 
-#define COPY_CHUNK (64ULL << 20)
 #define COPY_STREAMS 2
 
 /* Streams of our own in each context the copies go through, made once. */
@@ -83,8 +82,9 @@ CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn
 	CUresult r = streams_of(p->ctx, &streams);
 	if (!r)
 		r = real_cuCtxSetCurrent(p->ctx);
-	for (size_t end = off + len; !r && off < end; off += COPY_CHUNK) {
-		size_t n = end - off < COPY_CHUNK ? end - off : COPY_CHUNK;
+	for (size_t end = off + len, n; !r && off < end; off += n) {
+		n = COPY_CHUNK - off % COPY_CHUNK; /* up to the next multiple: one locked chunk */
+		n = end - off < n ? end - off : n;
 		CUstream s = streams[(*turn)++ % COPY_STREAMS];
 		char *host = (char *)p->host + off;
 		r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, n, s)
@@ -243,18 +243,30 @@ double now_ms(void)
 /* The bytes the last release copied (of `bytes`: what changed, delta.c). */
 static size_t copied_out;
 
+/* `p`'s pinned host copy, made now where prepare.c has not finished it. */
+static CUresult pin(struct phys *p)
+{
+	if (p->host)
+		return CUDA_SUCCESS;
+	if (real_cuMemHostRegister_v2 && real_cuMemHostUnregister)
+		return prepare_all(p);
+	/* Pinning needs a context, even for memory every context may use. */
+	CUresult r = real_cuCtxSetCurrent(p->ctx);
+	if (!r)
+		r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
+	if (r)
+		p->host = NULL;
+	return r;
+}
+
 /* Copies every allocation to pinned host memory (pinned once, kept): the step it
  * failed at in `step`, the bytes there are in `bytes`. With `mu` and the gate closed. */
 static CUresult copy_out(const char **step, size_t *bytes)
 {
-	*step = "cuMemHostAlloc";
+	*step = "pinning host memory";
 	CUresult r = hostmem_check(step); /* before pinning: never past what the host has */
 	for (struct phys *p = physes; p && !r; p = p->next) {
-		/* Pinning needs a context, even for memory every context may use. */
-		if (!p->host && !(r = real_cuCtxSetCurrent(p->ctx)))
-			r = real_cuMemHostAlloc(&p->host, p->size, CU_MEMHOSTALLOC_PORTABLE);
-		if (r)
-			p->host = NULL;
+		r = pin(p);
 		*bytes += p->size;
 	}
 	if (!r) {

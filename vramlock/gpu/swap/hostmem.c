@@ -41,29 +41,24 @@ static void show(char *out, size_t len, double bytes)
 		snprintf(out, len, "%.0f MiB", bytes / (1024 * 1024));
 }
 
-/* Whether the release may pin what it needs: CUDA_SUCCESS, or CUDA_ERROR_OUT_OF_MEMORY
- * with *step saying why. With `mu` held. */
-CUresult hostmem_check(const char **step)
+/* Whether `need` more bytes may be pinned; where not, *why (if asked) says so. */
+int hostmem_spare(unsigned long long need, const char **why_not)
 {
 	static char why[200];
-	unsigned long long need = 0;
-	for (struct phys *p = physes; p; p = p->next)
-		if (!p->host)
-			need += p->size;
 	if (!need)
-		return CUDA_SUCCESS;
+		return 1;
 	const char *path = getenv("VRAMLOCK_SWAP_MEMINFO");
 	char text[8192];
 	if (read_proc(path && *path ? path : "/proc/meminfo", text, sizeof text) <= 0)
-		return CUDA_SUCCESS; /* nothing to judge by: as before this check */
+		return 1; /* nothing to judge by: as before this check */
 	unsigned long long total = field(text, "MemTotal"), avail = field(text, "MemAvailable");
 	if (!total || !strstr(text, "MemAvailable:"))
-		return CUDA_SUCCESS; /* a kernel before 3.14 (no MemAvailable) */
+		return 1; /* a kernel before 3.14 (no MemAvailable) */
 	unsigned long long margin = total / 100 * MARGIN_PERCENT;
 	if (margin < MARGIN_MIN)
 		margin = MARGIN_MIN;
 	if (avail >= margin && avail - margin >= need)
-		return CUDA_SUCCESS;
+		return 1;
 	char needs[32], has[32], kept[32];
 	show(needs, sizeof needs, (double)need);
 	show(has, sizeof has, (double)avail);
@@ -71,6 +66,18 @@ CUresult hostmem_check(const char **step)
 	snprintf(why, sizeof why,
 		 "host memory: the release needs %s pinned, MemAvailable is %s (%s is kept free)",
 		 needs, has, kept);
-	*step = why;
-	return CUDA_ERROR_OUT_OF_MEMORY;
+	if (why_not)
+		*why_not = why;
+	return 0;
+}
+
+/* Whether the release may pin what it needs: CUDA_SUCCESS, or CUDA_ERROR_OUT_OF_MEMORY
+ * with *step saying why. With `mu` held. */
+CUresult hostmem_check(const char **step)
+{
+	unsigned long long need = 0;
+	for (struct phys *p = physes; p; p = p->next)
+		if (!p->host)
+			need += p->size - p->prep_done; /* prepare.c's chunks are pinned already */
+	return hostmem_spare(need, step) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }

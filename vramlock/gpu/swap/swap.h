@@ -15,6 +15,7 @@
  *  engine.c  swapping out to pinned host memory and back in
  *  delta.c   what a release copies: only the segments that changed (digest.h)
  *  hostmem.c whether the host has the memory a release would pin
+ *  prepare.c the host copies made ready ahead of the first release
  *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
  *  record.c  the member record a process writes when its wrapper is gone
  *
@@ -161,6 +162,8 @@ static inline __attribute__((always_inline)) int ready(void)
 	X(cuStreamIsCapturing, (CUstream, int *), 1)                                                \
 	X(cuMemHostAlloc, (void **, size_t, unsigned), 0)                                           \
 	X(cuMemFreeHost, (void *), 0)                                                               \
+	X(cuMemHostRegister_v2, (void *, size_t, unsigned), 1)                                      \
+	X(cuMemHostUnregister, (void *), 1)                                                         \
 	X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long), 0) \
 	X(cuMemAddressFree, (CUdeviceptr, size_t), 0)                                               \
 	X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, int), 0)           \
@@ -195,6 +198,8 @@ extern CUresult (*real_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned,
 extern pthread_mutex_t mu; /* the gate's waits and every table */
 extern atomic_int closed;
 extern atomic_long inflight;
+/* Calls that entered the gate, ever: prepare.c tells an idle program by it. */
+extern atomic_ulong gate_entries;
 
 /* The fast paths are inlined into every hook; what waits is not. */
 #define INLINE static inline __attribute__((always_inline))
@@ -218,6 +223,7 @@ INLINE void gate_leave(void)
 
 INLINE void gate_enter(void)
 {
+	atomic_fetch_add_explicit(&gate_entries, 1, memory_order_relaxed);
 	for (;;) {
 		atomic_fetch_add(&inflight, 1);
 		if (__builtin_expect(!atomic_load(&closed), 1))
@@ -239,6 +245,9 @@ struct phys {
 	int refs;                           /* the program's references to `handle` */
 	int maps;                           /* mappings of it */
 	void *host;                         /* pinned copy, kept from one release to the next */
+	void *prep_base;                    /* host memory of ours (prepare.c), else NULL */
+	size_t prep_len, prep_done;         /* its length, and the bytes locked so far */
+	int prep_failed;                    /* could not be made ready ahead: the release will */
 	CUdeviceptr copy_va;                /* during a swap: where it is (or was) mapped */
 	size_t copy_len;
 	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
@@ -263,6 +272,7 @@ struct mapping {
 #define MAX_CONTEXTS 16
 
 extern struct phys *physes;
+extern double table_changed_ms; /* when an allocation last came or went (prepare.c) */
 extern struct mapping *maps;
 extern size_t nmaps;
 extern int released;
@@ -288,6 +298,10 @@ void table_forget(void);
 
 /* ---- engine.c: swapping ------------------------------------------------------- */
 
+/* The most one copy moves: copies never cross a multiple of it in an allocation, so
+ * that each lies in one locked chunk of a host copy (prepare.c). */
+#define COPY_CHUNK (32ULL << 20)
+
 /* Streams capturing a CUDA graph now (a capture starts at the gate only). */
 extern atomic_int captures;
 
@@ -309,6 +323,17 @@ void delta_forget(void);
 /* CUDA_SUCCESS when the release may pin the host memory it needs (allocations without
  * a pinned copy yet), else CUDA_ERROR_OUT_OF_MEMORY with *step saying why. */
 CUresult hostmem_check(const char **step);
+/* Whether `need` more bytes may be pinned (else why, in *why when not NULL). */
+int hostmem_spare(unsigned long long need, const char **why);
+
+/* ---- prepare.c: host copies made ready ahead ----------------------------------- */
+
+extern int prepare_wanted; /* VRAMLOCK_SWAP_PREPARE is not 0 (read at start) */
+CUresult prepare_step(struct phys *p);
+CUresult prepare_all(struct phys *p);
+void host_free(struct phys *p);
+void prepare_start(void);
+void prepare_forget(void);
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 

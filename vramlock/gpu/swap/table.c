@@ -175,6 +175,7 @@ struct phys *phys_new(size_t size, const CUmemAllocationProp *prop, CUcontext ct
 	p->size = size;
 	p->prop = *prop;
 	p->ctx = ctx;
+	table_changed_ms = now_ms();
 	p->next = physes;
 	if (physes)
 		physes->prev = p;
@@ -190,8 +191,8 @@ void phys_destroy(struct phys *p)
 		if (r)
 			say("cuMemRelease: %s", errname(r));
 	}
-	if (p->host)
-		real_cuMemFreeHost(p->host);
+	host_free(p);
+	table_changed_ms = now_ms();
 	free(p->digest);
 	if (p->prev)
 		p->prev->next = p->next;

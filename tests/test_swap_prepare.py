@@ -1,0 +1,95 @@
+"""The swap library makes a program's host copies ready before its first release.
+
+A first release used to pin host memory as large as the program's GPU memory on the
+handoff path (0.6 s a GiB on a VM, ten times the copy). The library now does it ahead,
+while the program is idle, and the release finds it done. The fake driver is the
+witness: it logs each cuMemHostRegister (when, how many bytes) beside every launch,
+and keeps the program's physical memory in a file; the program checks its memory's
+contents on each request.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from helpers.net import accepts, free_ports
+from helpers.processes import Spawn, wait_until
+from helpers.serve import call
+from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
+    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture
+def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    return make_rig(fakes, arena, tmp_path)
+
+
+def registered(rig: Rig) -> int:
+    """The bytes the fake driver was asked to lock so far."""
+    return sum(n for _, n in rig.launches("register"))
+
+
+def server(rig: Rig, spawn: Spawn, **env: str) -> int:
+    """The program as a server idle between requests, under swap; its port."""
+    (port,) = free_ports(1)
+    rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_LISTEN=str(port), **env))
+    wait_until(lambda: accepts(port))
+    return port
+
+
+def swapped_once(rig: Rig, spawn: Spawn) -> list[str]:
+    """A member of the test's own takes the token: what it saw there (its line)."""
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert read_line(holder)[:1] == ["leaving"]
+    return held
+
+
+def test_an_idle_program_s_host_copies_are_ready_before_its_first_release(
+    rig: Rig, spawn: Spawn
+) -> None:
+    port = server(rig, spawn)
+    resident = int(rig.phys.read_text())
+    assert resident > 0
+    # Idle: every byte it holds gets its host copy, locked, without anybody waiting.
+    wait_until(lambda: registered(rig) == resident, timeout=30)
+    last = rig.launches("register")[-1][0]
+    assert all(end < last for _, end in rig.launches()), "prepared while the program ran"
+    before = len(rig.launches("register"))
+    held = swapped_once(rig, spawn)
+    assert held[:1] == ["held"] and int(held[2]) == 0  # its memory left the "GPU"
+    assert len(rig.launches("register")) == before  # the release locked nothing more
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")  # its contents, checked by the program
+
+
+def test_with_prepare_off_the_first_release_locks_the_copies_itself(rig: Rig, spawn: Spawn) -> None:
+    port = server(rig, spawn, VRAMLOCK_SWAP_PREPARE="0")
+    resident = int(rig.phys.read_text())
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")
+    time.sleep(2.5)  # idle for longer than the library waits before it prepares
+    assert registered(rig) == 0
+    held = swapped_once(rig, spawn)
+    assert int(held[2]) == 0
+    assert registered(rig) == resident  # the release locked them, on the handoff path
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 2\n")
+
+
+def test_a_busy_program_is_not_prepared_under(rig: Rig, spawn: Spawn) -> None:
+    # The plain program launches kernels without a pause for its whole run: the library
+    # must not lock host memory between its launches.
+    job = rig.run(spawn, "3")
+    assert read_line(job) == ["ready"]
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert registered(rig) == 0
