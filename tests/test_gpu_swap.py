@@ -217,3 +217,70 @@ def test_the_gpu_digest_is_the_host_reference(tmp_path: Path) -> None:
     word, segments, rate = done.stdout.split()
     assert (word, int(segments)) == ("ok", (1024 * MIB + 48) // SEGMENT + 1)
     print(f"digest: {float(rate):.0f} GB/s")
+
+
+def rss_anon(pid: int) -> int:
+    """The process's anonymous resident memory, in bytes, as the kernel counts it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon for {pid}")
+
+
+def test_host_copies_are_ready_before_the_first_release(arena: Path, spawn: Spawn) -> None:
+    """A 2 GiB PyTorch program left idle: the library makes its host copies ready ahead
+    (the kernel sees its resident host memory grow by them before anybody waits), and
+    its first release then finds them and keeps the data (the checksum after the
+    restore)."""
+    w = swap_worker(spawn, arena, "caching", "--gib", "2")
+    before = rss_anon(w.pid)
+    wait_until(lambda: rss_anon(w.pid) - before >= 2 * GIB, timeout=60)
+    print(f"host memory made ready: {(rss_anon(w.pid) - before) >> 20} MiB")
+    started = time.monotonic()
+    holder = waiting_holder(spawn, arena)
+    out_s = time.monotonic() - started
+    grown = rss_anon(w.pid) - before
+    assert nvml.processes().get(w.pid, 0) <= SWAP_KEEPS
+    w.send("check")
+    assert w.silent(1.0)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.wait(30)
+    word, value = w.read(120).split()
+    assert (word, int(value)) == ("sum", w.checksum)
+    print(f"first release {out_s:.3f} s; host memory {grown >> 20} MiB")
+    assert grown < 3 * GIB  # the release pinned no second copy
+    w.close()
+    assert w.proc.wait(30) == 0
+
+
+def test_a_parked_member_leaves_nothing_on_the_gpu(arena: Path, spawn: Spawn) -> None:
+    """Released a while (VRAMLOCK_PARK_AFTER=1), a swapped program's CUDA context leaves
+    the GPU too: NVML lists the process no more. Its GPU work still waits while the
+    other member holds the token, and it comes back whole, SWAPS times."""
+    worker = __import__("gpu_worker")
+    run = vramlock("run", "--arena", str(arena), "--release", "swap", "--min-hold", "0")
+    proc = spawn([*run, "--", sys.executable, worker.PATH, "--gib", "1"],
+                 stdin=subprocess.PIPE, env=env_with({"VRAMLOCK_PARK_AFTER": "1"}))  # fmt: skip
+    w = worker.Client(proc)
+    full = nvml.processes()[w.pid]
+    for n in range(SWAPS):
+        holder = waiting_holder(spawn, arena)
+        released = nvml.processes().get(w.pid, 0)
+        wait_until(lambda: w.pid not in nvml.processes(), timeout=30)
+        w.send("check")
+        assert w.silent(1.0)
+        assert w.pid not in nvml.processes()
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+        started = time.monotonic()
+        word, value = w.read(120).split()
+        back_s = time.monotonic() - started
+        assert (word, int(value)) == ("sum", w.checksum)
+        now = nvml.processes()[w.pid]
+        print(f"park {n}: GPU MiB {full >> 20} -> {released >> 20} -> parked 0 -> {now >> 20};"
+              f" back + check {back_s:.3f} s")  # fmt: skip
+        assert now >= full - (64 << 20)
+    w.close()
+    assert w.proc.wait(30) == 0

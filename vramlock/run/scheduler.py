@@ -53,6 +53,7 @@ class Event(enum.Enum):
     ENDED_AWAY = "told to end while a release had ended the command"
     RELABEL = "auto changed its mind about how to release"
     REQUEUE = "released, and the command wants the GPU back"
+    PARK = "released a while, or the GPU is short of room: free what the release left"
     WAIT = "nothing to do until a descriptor wakes us or a timeout runs out"
 
 
@@ -93,6 +94,7 @@ class Scheduler:
             Event.ENDED_AWAY: lambda hint: self._status,
             Event.RELABEL: lambda hint: self._describe(),
             Event.REQUEUE: lambda hint: self._restore() if self._acquire() else None,
+            Event.PARK: lambda hint: self._park(),
             Event.WAIT: self._wait,
         }
         self._describe()
@@ -178,6 +180,8 @@ class Scheduler:
             return Event.RELABEL
         if self.member.state is State.RELEASED and self._comes_back():
             return Event.REQUEUE
+        if self.member.state is State.RELEASED and self.strategy.park_in() == 0:
+            return Event.PARK
         return Event.WAIT
 
     def _settled(self) -> bool:
@@ -233,7 +237,9 @@ class Scheduler:
         now, interval = time.monotonic(), self._interval
         state = self.member.state
         if state is State.RELEASED:
-            return [self._requeue_at - now] if now < self._requeue_at else []
+            park = self.strategy.park_in()
+            due = [] if park is None else [park]
+            return [*due, self._requeue_at - now] if now < self._requeue_at else due
         if state is not State.RESIDENT:
             return []
         due = [self.meter.due()] if self.meter is not None else []
@@ -333,6 +339,13 @@ class Scheduler:
         journal.moved(member.arenas, member.records.record, self.meter.peak if self.meter else None)
         self._resize()
         return None
+
+    def _park(self) -> None:
+        """Released: what the release left on the GPU leaves it too, where it can."""
+        try:
+            self.strategy.park()
+        except StrategyError as err:
+            self.sup.warn(str(err), once=True)
 
     def _resident_again(self) -> None:
         self.member.resident()

@@ -174,6 +174,12 @@ class AutoStrategy(Strategy):
     def force(self) -> None:
         self.current.force()
 
+    def park_in(self) -> float | None:
+        return self.current.park_in()
+
+    def park(self) -> None:
+        self.current.park()
+
     def restore(self) -> None:
         if self.current.killed:
             self._started = time.monotonic()  # started again: a new grace for its hello

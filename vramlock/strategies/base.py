@@ -183,6 +183,14 @@ class Strategy:
             f" {self.settings.verify_timeout:g} s after its release"
         )
 
+    def park_in(self) -> float | None:
+        """Released: how soon what the release left on the GPU (``swap``: each process's
+        CUDA context) should leave it too, in seconds (0: now); None: never."""
+        return None
+
+    def park(self) -> None:
+        """Released: take what the release left on the GPU off it too (``park_in``)."""
+
     def end_command(self, grace: float) -> None:
         """End every process of the command (the leader, its group, adopted orphans);
         StrategyError, and the token kept, while any of them lives."""

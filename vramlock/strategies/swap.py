@@ -21,7 +21,11 @@ checkpoint that is not supported does; after a failure it stays resident and
 tries again. ``restore`` / ``restored`` bring it back; a process that finds no
 memory for its restore answers ``failed``, and the member releases them all
 again, gives the token back and queues again. The CUDA context itself (a few
-hundred MiB per process) stays on the GPU.
+hundred MiB per process) stays on the GPU, until the member is *parked*: released
+for ``PARK_AFTER`` seconds, or at once when its GPU has less than ``SHORT_OF_ROOM``
+free, the driver checkpoints what its processes still hold there (their contexts,
+their memory already in host memory), where the driver can; the next restore brings
+the contexts back first, then the memory.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ from dataclasses import dataclass
 from .. import procfs
 from ..command.control import LineChannel
 from ..errors import Immovable, StrategyError
-from ..gpu import cuda
+from ..gpu import cuda, nvml
 from ..gpu.swap import SwapUnavailable, library_path
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
-from .checkpoint import VramTaken
+from .checkpoint import RESTORE_MARGIN, VramTaken
+from .checkpoint import usable as checkpoint_usable
 
 ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
 # A process that connected says hello at once; one told to release as it joins has
@@ -63,6 +68,15 @@ GIVE_UP_AFTER = 3
 # Virtual memory management came with CUDA 10.2.
 VMM_VERSION = 10020
 SOCKET_NAME = "control"
+# Released this long, a member's processes' CUDA contexts leave the GPU too (parked);
+# at once when a GPU it uses has less than SHORT_OF_ROOM free, looked at every LOOK_EVERY.
+# VRAMLOCK_PARK_AFTER (seconds, or "off") in vramlock run's environment says otherwise.
+PARK_AFTER = 30.0
+ENV_PARK_AFTER = "VRAMLOCK_PARK_AFTER"
+SHORT_OF_ROOM = 1 << 30
+LOOK_EVERY = 1.0
+# A released command runs no GPU work: its lock is taken at once, or not at all.
+PARK_LOCK_TIMEOUT = 5.0
 MAX_SOCKET_PATH = 108  # a unix socket's address, its final NUL included
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
@@ -214,6 +228,19 @@ class Hub:
         self.reset()
 
 
+def park_after() -> float | None:
+    """How long a released member waits before it parks (VRAMLOCK_PARK_AFTER); None: never.
+    A value that is no number of seconds is taken as the default."""
+    given = os.environ.get(ENV_PARK_AFTER, "").strip().lower()
+    if given == "off":
+        return None
+    try:
+        seconds = float(given)
+    except ValueError:
+        return PARK_AFTER
+    return seconds if seconds >= 0 else PARK_AFTER
+
+
 def usable() -> str | None:
     """Why the swap strategy cannot be used here, or None when it can (the library is
     built first where it has to be)."""
@@ -277,6 +304,11 @@ class SwapStrategy(Strategy):
         assert hub is not None, "the command was started without the swap library"
         self.hub = hub
         self._failures = 0  # releases that failed in a row
+        self._released_at: float | None = None  # when the last release succeeded
+        self._parked: list[int] = []  # processes whose contexts the driver checkpointed
+        self._parked_used: dict[int, int] = {}  # what they held, per GPU, as NVML saw it
+        self._park_after = park_after()
+        self._park_refused = self._park_after is None  # never, when told so
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
@@ -314,6 +346,7 @@ class SwapStrategy(Strategy):
         bad = self._tell("release", "released", deadline)
         if not bad:
             self._failures = 0
+            self._released_at = time.monotonic()
             return
         # Whoever released comes back: one process cannot be swapped, so none is.
         if self._tell("restore", "restored", None):
@@ -333,7 +366,72 @@ class SwapStrategy(Strategy):
             )
         raise StrategyError(f"process {pid} of the command could not be swapped out: {why}")
 
+    @property
+    def defers_signals(self) -> bool:
+        # A parked process's exit path would block in the driver: restore it first.
+        return bool(self._parked)
+
+    def park_in(self) -> float | None:
+        if self._parked or self._released_at is None or self._park_refused:
+            return None
+        assert self._park_after is not None
+        left = self._released_at + self._park_after - time.monotonic()
+        if left > 0 and not self._short_of_room():
+            return min(left, LOOK_EVERY)
+        # Due: the driver is loaded here only now, off the handoff path.
+        self._park_refused = checkpoint_usable() is not None
+        return None if self._park_refused else 0.0
+
+    def _gpus(self) -> list[int]:
+        gpus = self.settings.gpus
+        return list(range(nvml.count())) if gpus is None else list(gpus)
+
+    def _short_of_room(self) -> bool:
+        """Does a GPU of ours have less than SHORT_OF_ROOM free? (NVML; no: cannot tell.)"""
+        try:
+            return nvml.available() and any(
+                nvml.free_bytes(g) < SHORT_OF_ROOM for g in self._gpus()
+            )
+        except (nvml.NvmlUnavailable, nvml.NvmlError):
+            return False
+
+    def park(self) -> None:
+        """Checkpoint what the released processes still hold on the GPU (their contexts:
+        their memory is in host memory already). Refused once, never tried again."""
+        try:
+            pids = cuda.cuda_pids(self.ctx.child.processes())
+            used: dict[int, int] = {}
+            if pids and nvml.available():
+                used = {g: nvml.used_by(pids, g) for g in self._gpus()}
+            if pids:
+                cuda.checkpoint_all(pids, PARK_LOCK_TIMEOUT)
+        except (cuda.CudaError, nvml.NvmlUnavailable, nvml.NvmlError) as err:
+            self._park_refused = True
+            raise StrategyError(
+                f"its CUDA contexts stay on the GPU while released: {err}"
+            ) from None
+        self._parked, self._parked_used = pids, {g: n for g, n in used.items() if n}
+
+    def _unpark(self) -> None:
+        """The contexts back first (the memory follows): where a GPU has no room for
+        them, VramTaken (queue again) rather than a restore that wedges the process."""
+        for gpu, used in self._parked_used.items():
+            try:
+                free = nvml.free_bytes(gpu)
+            except (nvml.NvmlUnavailable, nvml.NvmlError):
+                break
+            if free < used + RESTORE_MARGIN:
+                raise VramTaken(used + RESTORE_MARGIN, free, gpu)
+        try:
+            cuda.restore_all(self._parked)
+        except cuda.CudaError as err:
+            raise StrategyError(f"the CUDA contexts could not be restored: {err}") from None
+        self._parked, self._parked_used = [], {}
+
     def _restore(self) -> None:
+        if self._parked:
+            self._unpark()
+        self._released_at = None
         bad = self._tell("restore", "restored", None)
         if not bad:
             return
