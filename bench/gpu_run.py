@@ -76,10 +76,12 @@ def strategy(
     env: dict[str, str] | None = None,
     before: Callable[[Any], object] | None = None,
     stderr: IO[str] | None = None,
+    settle: float = 0.0,
 ) -> list[dict[str, float]]:
     """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
     member arrives and takes the token (*out*), then gives it back (*back*). ``before``
-    is called with the worker's Client before each release (while resident)."""
+    is called with the worker's Client before each release (while resident); the first
+    release comes ``settle`` seconds after the worker is ready (idle meanwhile)."""
     run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release]
     proc = subprocess.Popen(
         [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
@@ -95,6 +97,7 @@ def strategy(
         t = time.perf_counter()
         assert w.check() == w.checksum
         check_s = time.perf_counter() - t
+        time.sleep(settle)
         opened = Arena.open(arena)
         for _ in range(swaps):
             if before is not None:

@@ -22,6 +22,10 @@
    release copied (its VRAMLOCK_SWAP_DEBUG trace), *digest* how long its digest kernel
    took. At 100 % the worker's checksum after each restore still writes its temporaries
    (32 MiB, reused blocks of PyTorch's cache): those segments are copied too.
+4. **first**: the first release, ``--settle`` seconds after the worker is ready, with the
+   library's host copies made ready meanwhile (``--prepare on``), without (``off``, as
+   ``VRAMLOCK_SWAP_PREPARE=0``), or ``both``, one after the other in the same run: *first
+   out* against the later releases' *out*.
 
 What the library costs a resident program: bench/interpose.py. Two llama-servers under
 swap, checkpoint, the preset and restart: bench/servers.py. GB/s are 10^9 bytes a
@@ -56,15 +60,17 @@ def traced(err: str) -> tuple[list[int], list[float]]:
     return copied, digest
 
 
-def switch(gib: float, repeat: int, unchanged: float) -> dict[str, Any]:
+def switch(
+    gib: float, repeat: int, unchanged: float, settle: float = 0.0, prepare: bool = True
+) -> dict[str, Any]:
     def change(w: Any) -> None:
         if unchanged < 100:
             w.touch(100 - unchanged)
 
-    env = {**os.environ, "VRAMLOCK_SWAP_DEBUG": "1"}
+    env = {**os.environ, "VRAMLOCK_SWAP_DEBUG": "1", "VRAMLOCK_SWAP_PREPARE": str(int(prepare))}
     with tempfile.TemporaryDirectory() as arena, tempfile.TemporaryFile("w+") as err:
         runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat, env=env, before=change,
-                                stderr=err)  # fmt: skip
+                                stderr=err, settle=settle)  # fmt: skip
         err.seek(0)
         copied, digest = traced(err.read())
     for run, n, ms in zip(runs, copied, digest + [0.0] * len(runs), strict=False):
@@ -73,6 +79,8 @@ def switch(gib: float, repeat: int, unchanged: float) -> dict[str, Any]:
     return {
         "gib": gib,
         "unchanged": unchanged,
+        "prepare": prepare,
+        "settle": settle,
         "first": first,
         **{key: statistics.median(r.get(key, 0) for r in later)
            for key in ("out", "back", "moved", "copied", "digest_ms")},
@@ -85,28 +93,37 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,5,20,60")
     parser.add_argument("--unchanged", default="0,50,100", help="percent of memory kept")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.0, help="idle seconds before release 1")
+    parser.add_argument("--prepare", choices=("on", "off", "both"), default="on")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    prepares = {"on": [True], "off": [False], "both": [True, False]}[args.prepare]
     card = nvml.gpu(0)
     print(f"{card.name}, driver {nvml.driver_version()}, torch {gpu.torch.__version__}")
     pinned = gpu.bench_pinned()
     d2h, h2d = pinned["d2h_gbps"], pinned["h2d_gbps"]
     print(f"pinned copy: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s")
-    rows = [switch(float(s), args.repeat, float(u))
-            for s in args.sizes.split(",") for u in args.unchanged.split(",")]  # fmt: skip
-    print(f"\nswitch: medians of {args.repeat} swaps after the first")
-    print("| GiB asked | unchanged | GiB moved | GiB copied | digest ms | out: s (GB/s,"
-          " % pinned) | back: s (GB/s, % pinned) | first out / back: s |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---|---|---|")
+    rows = [switch(float(s), args.repeat, float(u), args.settle, p)
+            for s in args.sizes.split(",") for u in args.unchanged.split(",")
+            for p in prepares]  # fmt: skip
+    print(f"\nswitch: medians of {args.repeat} swaps after the first;"
+          f" the first {args.settle:g} s after the worker was ready")  # fmt: skip
+    print(
+        "| GiB asked | unchanged | prepare | GiB moved | GiB copied | digest ms | out: s (GB/s,"
+        " % pinned) | back: s (GB/s, % pinned) | first out / back: s | first / later out |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---|---|---|---:|")
     for r in rows:
         n = r["moved"]
         print(
-            f"| {r['gib']:g} | {r['unchanged']:g} % | {n / gpu.GIB:.2f}"
+            f"| {r['gib']:g} | {r['unchanged']:g} % | {'on' if r['prepare'] else 'off'}"
+            f" | {n / gpu.GIB:.2f}"
             f" | {r['copied'] / gpu.GIB:.2f} | {r['digest_ms']:.1f}"
             f" | {r['out']:.3f} ({gpu.gbps(n, r['out']):.1f},"
             f" {gpu.gbps(n, r['out']) / d2h:.0%}) | {r['back']:.3f}"
             f" ({gpu.gbps(n, r['back']):.1f}, {gpu.gbps(n, r['back']) / h2d:.0%})"
-            f" | {r['first']['out']:.2f} / {r['first']['back']:.2f} |"
+            f" | {r['first']['out']:.2f} / {r['first']['back']:.2f}"
+            f" | {r['first']['out'] / r['out']:.2f}x |"
         )
     if args.json:
         result = {"pinned": pinned, "switch": rows}
