@@ -18,7 +18,9 @@ The cost is the median of the pairs' ratios (swap / none - 1), beside the median
   tests/gpu_trainer.py (8 layers of 256 and of 4096, Adam);
 - **llama-server** (with ``--binary`` and ``--model``): a CUDA llama-server's own
   ``timings`` for a prompt of ``--prompt-tokens`` (prefill tokens/s) and ``--predict``
-  generated tokens (tokens/s), the median of ``--requests`` requests a start.
+  generated tokens (tokens/s), the median of ``--requests`` requests a start, after the
+  server was idle ``--settle`` seconds (under swap, the library makes its host copies
+  ready while it is idle: ``--settle`` long enough measures the resident once they are).
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def llama(args: argparse.Namespace, cpus: set[int]) -> Callable[[str], dict[str,
                         if time.monotonic() > end or proc.poll() is not None:
                             raise RuntimeError("llama-server did not come up") from None
                         time.sleep(0.2)
+                time.sleep(args.settle)  # idle: under swap, the host copies are made ready
                 got = [complete(port, words, args.predict) for _ in range(args.requests)]
             finally:
                 proc.terminate()
@@ -157,6 +160,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--predict", type=int, default=128)
     parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.0, help="llama: idle seconds first")
     parser.add_argument(
         "--only", help="the workloads to run, by the start of their names: launches,launch-bound"
     )
