@@ -58,6 +58,9 @@ CUresult prepare_step(struct phys *p)
 		if (m == MAP_FAILED)
 			return CUDA_ERROR_OUT_OF_MEMORY;
 		madvise(m, len, MADV_HUGEPAGE); /* a hint: 4 KiB pages work too */
+		/* A forked child (a data loader's worker) must not share pages the GPU writes
+		 * into: copy-on-write would leave the parent's copy behind the driver's back. */
+		madvise(m, len, MADV_DONTFORK);
 		p->prep_base = m;
 		p->prep_len = len;
 		p->prep_done = 0;
