@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .body import boundary
@@ -23,7 +23,7 @@ from .upstream import Response
 
 if TYPE_CHECKING:
     from .members import Wrapper
-    from .router import Router
+    from .router import Express, Router
 
 HEAD_MAX = 16 * 1024
 # Larger bodies go to aiohttp, which holds them once as they come.
@@ -51,14 +51,10 @@ def parse_head(head: bytes, taken: Callable[[str], bool]) -> Head | None:
     """The head (without its blank line) of a request this module takes; None for any
     other, which aiohttp answers. ``taken(path)``: is the path the router's by-model
     route for a POST?"""
-    text = head.decode("latin-1")
-    if (
-        "\0" in text
-        or text.count("\n") != text.count("\r\n")
-        or text.count("\r") != text.count("\n")
-    ):
+    lfs = head.count(b"\n")
+    if b"\0" in head or head.count(b"\r\n") != lfs or head.count(b"\r") != lfs:
         return None  # a bare CR or LF, or a NUL: aiohttp refuses it, nothing is passed on
-    line, *lines = text.split("\r\n")
+    line, *lines = head.decode("latin-1").split("\r\n")
     method, _, rest = line.partition(" ")
     target, _, version = rest.partition(" ")
     if method != "POST" or version != "HTTP/1.1" or not target.startswith("/"):
@@ -96,6 +92,7 @@ class Front(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.task: asyncio.Task[None] | None = None
+        self.express: Express | None = None  # a request under way with no task
         self._writable: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -107,6 +104,8 @@ class Front(asyncio.Protocol):
         self.router.fronts.discard(self)
         if self.task is not None:
             self.task.cancel()  # the client went away: so does its request
+        if self.express is not None:
+            self.express.cancel()
         if self._writable is not None and not self._writable.done():
             self._writable.set_exception(ConnectionResetError("the client went away"))
 
@@ -124,7 +123,7 @@ class Front(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        if self.task is None:
+        if self.task is None and self.express is None:
             self._next()
         elif len(self.buffer) > HEAD_MAX + BODY_MAX and self.transport is not None:
             self.transport.pause_reading()  # a client that sends on without reading
@@ -144,7 +143,14 @@ class Front(asyncio.Protocol):
             return  # the rest of the body is on its way
         body = bytes(self.buffer[end + 4 : whole])
         del self.buffer[:whole]
-        self.task = asyncio.get_running_loop().create_task(self._serve(head, body))
+        chosen = self.router.express(self, head, body)
+        if chosen is not None:
+            self.run(self.router.fast(self, head, body, chosen))
+
+    def run(self, request: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """The task that takes the rest of a request, ``request``."""
+        self.task = asyncio.get_running_loop().create_task(self._serve(request))
+        return self.task
 
     def _hand_off(self) -> None:
         """aiohttp's from now on, with what the client has sent."""
@@ -157,17 +163,25 @@ class Front(asyncio.Protocol):
             protocol.data_received(bytes(self.buffer))
         self.buffer.clear()
 
-    async def _serve(self, head: Head, body: bytes) -> None:
+    async def _serve(self, request: Coroutine[Any, Any, None]) -> None:
         try:
-            await self.router.fast(self, head, body)
+            await request
         except BaseException as err:
-            if self.transport is not None:
-                self.transport.abort()  # the answer cannot be finished
+            self.lost()
             if isinstance(err, (OSError, asyncio.CancelledError)):
                 return
             raise
         finally:
             self.task = None
+        self.ended()
+
+    def lost(self) -> None:
+        """The answer cannot be finished: the connection is cut."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def ended(self) -> None:
+        """A request was answered: on to the next one."""
         if self.transport is None or self.transport.is_closing():
             return
         self.transport.resume_reading()
@@ -188,17 +202,22 @@ class Front(asyncio.Protocol):
                    + body)  # fmt: skip
         return status
 
+    def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        """A whole answer, in one write, with the upstream's ``headers`` but its own."""
+        kept = [(k, v) for k, v in headers if k.lower() not in _HOP]
+        self.write(_head(status, reason, kept, len(body)) + body)
+
     async def relay(self, w: Wrapper, up: Response, whole: int) -> int:
         """Pass ``up`` on to the client as it comes (read whole up to ``whole`` bytes of
         known length, and sent in one write); its status."""
-        headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         if up.length is not None and up.length <= whole:
             try:
                 data = b"".join([chunk async for chunk in up.body])
             except OSError as err:
                 return self.refuse(502, f"model {w.model.name}: its server did not answer: {err}")
-            self.write(_head(up.status, up.reason, headers, len(data)) + data)
+            self.answer(up.status, up.reason, up.headers, data)
             return up.status
+        headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         chunked = up.length is None
         self.write(_head(up.status, up.reason, headers, up.length))
         try:

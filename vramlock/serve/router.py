@@ -37,7 +37,7 @@ from .members import Wrapper
 from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
 from .peers import Peers, entries, resolve, upstream_peer
 from .selectors import Refused, Resolver
-from .upstream import Body, Pool, Stream, UpstreamTimeout
+from .upstream import Body, Peek, Pool, Response, Stream, UpstreamTimeout
 
 T = TypeVar("T")
 # Once a request for another model has waited this long, new requests for the model
@@ -49,6 +49,9 @@ LINGER = 0.1
 # A response of known length up to this size is read whole and sent in one write;
 # others (streams, chunked, large) are passed on chunk by chunk as they come.
 WHOLE = 1 << 20
+# A request body up to this size may be sent from front.py's data callback (in one
+# write, which the transport takes whole).
+EXPRESS_BODY = 64 * 1024
 # A request body larger than this is refused (413): a JSON body is held whole, to find
 # its model, and several large ones at once must not exhaust memory. Other bodies are
 # passed on as they come, and cut (413) once this much has passed.
@@ -104,7 +107,8 @@ class Turns:
             return False
         return time.monotonic() - max(oldest, self._turn_began) > GROUP_WAIT
 
-    async def enter(self, model: str) -> None:
+    def enter_now(self, model: str) -> bool:
+        """Let a request for ``model`` in if it need not wait; whether it was."""
         # The last turn's model had LINGER since its last request for its next one: once
         # that has passed, another model goes at once.
         linger = LINGER - (time.monotonic() - self._quiet_since)
@@ -116,7 +120,13 @@ class Turns:
             if self.current is None:
                 self._begin(model)
             self.active += 1
+            return True
+        return False
+
+    async def enter(self, model: str) -> None:
+        if self.enter_now(model):
             return
+        linger = LINGER - (time.monotonic() - self._quiet_since)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._queued.setdefault(model, [])
         queue.append((time.monotonic(), fut))
@@ -178,6 +188,77 @@ class Refusal:
 
 
 NO_MODEL = Refusal(400, 'the request body must be JSON with a "model" field')
+# What a request body chose: the model's wrapper and the body to send it, or a refusal.
+Chosen = tuple[Wrapper, Body] | Refusal
+
+
+class Express:
+    """A request that ``Router.express`` sent from front.py's data callback: its answer
+    passed on from the wrapper connection's (``Peek``), or the rest in a task."""
+
+    def __init__(
+        self,
+        router: Router,
+        front: Front,
+        w: Wrapper,
+        turns: Turns,
+        head: Head,
+        pool: Pool,
+        pair: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        data: tuple[bytes, Body],
+    ) -> None:
+        self.router, self.front, self.w, self.turns = router, front, w, turns
+        self.head, self.pool, self.pair, self.data = head, pool, pair, data
+        self.began = time.monotonic()
+        self._ended: asyncio.Future[None] | None = None
+        self.peek = Peek(pool, pair, WHOLE, self._answered, self._missed)
+
+    @property
+    def shown(self) -> str:
+        return f"POST {self.head.target.partition('?')[0]}"
+
+    def waiter(self) -> asyncio.Future[None]:
+        """Done once the request has ended (here or in its task)."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        return self._ended
+
+    def _end(self, status: str) -> None:
+        self.front.express = None
+        self.router.leave(self.w, self.turns)
+        self.router.requests.add(self.w.model.name, status, time.monotonic() - self.began)
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def _answered(
+        self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes
+    ) -> None:
+        try:
+            self.front.answer(status, reason, headers, body)
+        except OSError:
+            self._end(GONE)
+            self.front.lost()
+            return
+        self.w.info(f"{self.shown} {status} in {time.monotonic() - self.began:.3f} s")
+        self._end(str(status))
+        self.front.ended()
+
+    def _missed(self) -> None:
+        self.front.express = None
+        task = self.front.run(self.router.resume(self))
+        if self._ended is not None:
+            ended = self._ended
+
+            def end(_: asyncio.Task[None]) -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            task.add_done_callback(end)
+
+    def cancel(self) -> None:
+        """The client went away: so does its request."""
+        self.peek.cancel()
+        self._end(GONE)
 
 
 def _named(body: bytes | bytearray) -> str | None:
@@ -306,6 +387,7 @@ class Router:
         self.pools: dict[str, Pool] = {}
         self.fronts: set[Front] = set()  # connections whose requests front.py takes
         self._not_fast: tuple[str, ...] | None = None
+        self._others = False  # a middleware other than the count of requests
         self.requests = Requests()
         self._seen_resident: str | None = None  # the routing rules' last model found resident
         self.peers = Peers()
@@ -376,6 +458,8 @@ class Router:
         """Would a POST to ``path`` reach ``by_model``, through no middleware but the
         count of requests (which ``fast`` keeps the same way)?"""
         if self._not_fast is None:
+            # Found once: the application's routes and middlewares are frozen once it
+            # serves.
             prefixes = []
             for resource in self.app.router.resources():
                 if resource is self._by_model:
@@ -383,12 +467,60 @@ class Router:
                 if any(route.method in ("POST", "*") for route in resource):
                     prefixes.append(resource.canonical.split("{")[0])
             self._not_fast = tuple(prefixes)
-        others = any(m is not self._counting for m in self.app.middlewares)
-        return self._plain and not others and not path.startswith(self._not_fast)
+            self._others = any(m is not self._counting for m in self.app.middlewares)
+        return self._plain and not self._others and not path.startswith(self._not_fast)
 
-    async def fast(self, front: Front, head: Head, body: bytes) -> None:
-        """``by_model`` for the request that ``front`` parsed."""
+    def express(self, front: Front, head: Head, body: bytes) -> Chosen | None:
+        """Start ``fast``'s request from front.py's data callback, with no task, where
+        nothing need wait: the model is the one its arena serves now and its turn lets
+        the request in at once (the routing rules look at nothing), its wrapper runs, a
+        kept-alive connection to it is idle, and no responseHeader bound runs. Its
+        answer is passed on from the connection's data callback (``Peek``); what does
+        not come whole at once goes on in a task, as ``fast`` would. None: started;
+        else what the body chose, for ``fast``, nothing done."""
         chosen = self.choose(body)
+        if isinstance(chosen, Refusal):
+            return chosen
+        w, sent = chosen
+        model = w.model
+        pool = self.pools.get(model.name)
+        if (
+            pool is None
+            or isinstance(sent, Stream)
+            or pool.header is not None
+            or len(sent) > EXPRESS_BODY
+            or w.admitted >= model.concurrency
+            or (self.config.routing.engine is not None and self._seen_resident != model.name)
+            or self.served.get((model.arena, model.gpu)) != model.name
+            or (w.exited is not None and w.exited.done())
+            or not w.alive()
+        ):
+            return chosen
+        pair = pool.take()
+        if pair is None:
+            return chosen
+        turns = self._turns(w)
+        if not turns.enter_now(model.name):
+            pool.keep(*pair)
+            return chosen
+        w.admitted += 1
+        w.in_flight += 1
+        if w.ttl_timer is not None:
+            w.ttl_timer.cancel()
+            w.ttl_timer = None
+        headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
+        data = pool.encode("POST", model.prefix + head.target, headers, sent)
+        front.express = Express(self, front, w, turns, head, pool, pair, data)
+        pair[1].write(data[0] + sent)  # one segment: the wrapper wakes once
+        return None
+
+    async def fast(
+        self, front: Front, head: Head, body: bytes, chosen: Chosen | None = None
+    ) -> None:
+        """``by_model`` for the request that ``front`` parsed (``chosen``: what its body
+        chose, if that is known already)."""
+        if chosen is None:
+            chosen = self.choose(body)
         if isinstance(chosen, Refusal):
             front.refuse(chosen.status, chosen.message, chosen.extra)
             return
@@ -397,19 +529,9 @@ class Router:
         path = w.model.prefix + head.target
 
         async def send() -> int:
-            try:
-                up = await self._pool(w).request("POST", path, headers, sent, w.exited)
-            except UpstreamTimeout as err:
-                return front.refuse(504, f"model {w.model.name}: {err}")
-            except OSError as err:
-                cause = await w.cause(err)
-                return front.refuse(
-                    502, f"model {w.model.name}: its server did not answer: {cause}"
-                )
-            try:
-                return await front.relay(w, up, WHOLE)
-            finally:
-                await up.body.aclose()
+            pool = self._pool(w)
+            return await self._relay(front, w, lambda: pool.request("POST", path, headers,
+                                                                  sent, w.exited))  # fmt: skip
 
         shown = f"POST {head.target.partition('?')[0]}"
         began, status = time.monotonic(), GONE
@@ -418,6 +540,46 @@ class Router:
             status = str(answered)
         finally:
             self.requests.add(w.model.name, status, time.monotonic() - began)
+
+    async def _relay(
+        self, front: Front, w: Wrapper, response: Callable[[], Awaitable[Response]]
+    ) -> int:
+        """The wrapper's ``response()`` passed on to ``front``'s client, or the error
+        that says why there is none; the status answered."""
+        try:
+            up = await response()
+        except UpstreamTimeout as err:
+            return front.refuse(504, f"model {w.model.name}: {err}")
+        except OSError as err:
+            cause = await w.cause(err)
+            return front.refuse(502, f"model {w.model.name}: its server did not answer: {cause}")
+        try:
+            return await front.relay(w, up, WHOLE)
+        finally:
+            await up.body.aclose()
+
+    async def resume(self, x: Express) -> None:
+        """An express request whose answer did not come whole at once: the rest as
+        ``fast`` does it, from its request sent."""
+        w = x.w
+        status = GONE
+        try:
+            pool, pair, data = x.pool, x.pair, x.data
+            answered = await self._relay(
+                x.front, w, lambda: pool.resume(pair[0], pair[1], data, w.exited)
+            )
+            w.info(f"{x.shown} {answered} in {time.monotonic() - x.began:.3f} s")
+            status = str(answered)
+        finally:
+            self.leave(w, x.turns)
+            self.requests.add(w.model.name, status, time.monotonic() - x.began)
+
+    def leave(self, w: Wrapper, turns: Turns) -> None:
+        """A request of ``w``'s that ``in_turn`` let in has ended."""
+        w.in_flight -= 1
+        w.admitted -= 1
+        turns.leave()
+        self._arm_ttl(w)
 
     def _pool(self, w: Wrapper) -> Pool:
         """The connections to ``w``'s wrapper, bounded by the model's timeouts."""
@@ -431,7 +593,8 @@ class Router:
     async def close_fronts(self, grace: float) -> None:
         """Let the requests in progress on front.py's connections end, for ``grace`` at
         most, then cut what is left."""
-        tasks = [f.task for f in self.fronts if f.task is not None]
+        tasks: list[asyncio.Future[None]] = [f.task for f in self.fronts if f.task is not None]
+        tasks += [f.express.waiter() for f in self.fronts if f.express is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         for front in list(self.fronts):
@@ -722,10 +885,7 @@ class Router:
             w.info(f"{shown} {status(out)} in {time.monotonic() - began:.3f} s")
             return out
         finally:
-            w.in_flight -= 1
-            w.admitted -= 1
-            turns.leave()
-            self._arm_ttl(w)
+            self.leave(w, turns)
 
     async def _evict_for(self, w: Wrapper) -> None:
         """Release, through their release strategies, the models that the routing rules

@@ -9,13 +9,15 @@ framing (``Content-Length``, chunked, or to the end of the connection) as it arr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 _CHUNK = 256 * 1024
 # A body up to this size is sent with its head, copied: one write, not two.
 _JOINED = 64 * 1024
+# A response head longer than this is the StreamReader's to refuse (its limit).
+_HEAD_LIMIT = 1 << 16
 # Kept-alive connections per wrapper: more are closed when returned.
 POOL = 32
 
@@ -84,6 +86,15 @@ class Pool:
         What ``body``'s chunks raise ends the request (its connection closed). Once
         ``exited`` is done (the wrapper exited: a connection in the backlog of the
         listening socket it had would wait for nobody), ConnectionResetError."""
+        data = self.encode(method, target, headers, body)
+        if isinstance(body, Stream):
+            return await self._fresh(method, data, exited)
+        return await self._kept(method, data, exited)
+
+    def encode(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: Body
+    ) -> tuple[bytes, Body]:
+        """The request's head, and its body: what ``request`` sends."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
         lines += [f"{k}: {v}" for k, v in headers]
         if not isinstance(body, Stream):
@@ -92,16 +103,11 @@ class Pool:
             lines.append(f"Content-Length: {body.length}")
         else:
             lines.append("Transfer-Encoding: chunked")
-        data = ("\r\n".join([*lines, "", ""]).encode("latin-1"), body)
-        while self._idle and not isinstance(body, Stream):
-            reader, writer = self._idle.pop()
-            if reader.at_eof() or writer.is_closing():
-                writer.close()
-                continue
-            try:
-                return await _unless(exited, writer, self._exchange(reader, writer, method, data))
-            except UpstreamError:
-                continue
+        return "\r\n".join([*lines, "", ""]).encode("latin-1"), body
+
+    async def _fresh(
+        self, method: str, data: tuple[bytes, Body], exited: asyncio.Future[None] | None
+    ) -> Response:
         _check(exited)
         try:
             connecting = asyncio.open_connection("127.0.0.1", self.port)
@@ -112,6 +118,49 @@ class Pool:
         exchange = self._exchange(reader, writer, method, data, fresh=True)
         return await _unless(exited, writer, exchange)
 
+    def take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A kept-alive connection that looks open, for ``Peek``; None if none is idle."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not (reader.at_eof() or writer.is_closing()):
+                return reader, writer
+            writer.close()
+        return None
+
+    def keep(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection whose exchange ended whole, back among the idle ones."""
+        if len(self._idle) < POOL:
+            self._idle.append((reader, writer))
+        else:
+            writer.close()
+
+    async def resume(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        data: tuple[bytes, Body],
+        exited: asyncio.Future[None] | None = None,
+    ) -> Response:
+        """``request``'s response where ``data`` (a POST) went on a kept-alive connection
+        already (``take``): its answer as ``request`` has it, retried as it retries."""
+        try:
+            exchange = self._exchange(reader, writer, "POST", data, sent=True)
+            return await _unless(exited, writer, exchange)
+        except UpstreamError:
+            return await self._kept("POST", data, exited)
+
+    async def _kept(
+        self, method: str, data: tuple[bytes, Body], exited: asyncio.Future[None] | None
+    ) -> Response:
+        """On a kept-alive connection while one is idle and answers, else on a new one."""
+        while (pair := self.take()) is not None:
+            reader, writer = pair
+            try:
+                return await _unless(exited, writer, self._exchange(reader, writer, method, data))
+            except UpstreamError:
+                continue
+        return await self._fresh(method, data, exited)
+
     async def _exchange(
         self,
         reader: asyncio.StreamReader,
@@ -119,9 +168,12 @@ class Pool:
         method: str,
         data: tuple[bytes, Body],
         fresh: bool = False,
+        sent: bool = False,
     ) -> Response:
         try:
-            if not isinstance(data[1], Stream) and len(data[1]) <= _JOINED:
+            if sent:
+                pass
+            elif not isinstance(data[1], Stream) and len(data[1]) <= _JOINED:
                 writer.write(data[0] + data[1])  # one segment: the wrapper wakes once
             else:
                 writer.write(data[0])
@@ -146,21 +198,7 @@ class Pool:
         except BaseException:
             writer.close()  # cancelled (the client went away): the answer is nobody's
             raise
-        status_line, *header_lines = head[:-4].decode("latin-1").split("\r\n")
-        _, status, reason = [*status_line.split(" ", 2), ""][:3]
-        headers = [(k, v.strip()) for k, _, v in (h.partition(":") for h in header_lines)]
-        names = {k.lower(): v for k, v in headers}
-        keep = names.get("connection", "").lower() != "close"
-        code = int(status)
-        length: int | None = None
-        if method == "HEAD" or code in (204, 304) or 100 <= code < 200:
-            length = 0
-        elif "chunked" in names.get("transfer-encoding", "").lower():
-            pass
-        elif "content-length" in names:
-            length = int(names["content-length"])
-        else:
-            keep = False  # to the end of the connection
+        code, reason, headers, length, keep = parse_response(head[:-4], method)
         chunked = length is None and keep
         body = self._body(reader, writer, length, chunked, keep)
         return Response(code, reason, headers, length, body)
@@ -202,6 +240,121 @@ class Pool:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
+
+
+class Peek(asyncio.Protocol):
+    """Stands in for a kept-alive connection's own protocol (its StreamReader's) for one
+    exchange: a response of known length up to ``whole`` bytes goes to ``answered``
+    from the data callback once it has come, the connection back among the pool's idle
+    ones, with no task to wake. Anything else (another framing, a larger body, a head
+    that is not one, the connection ended or broken) is given back to the StreamReader
+    as it came, and ``missed()`` called: ``Pool.resume`` goes on from there."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        pair: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        whole: int,
+        answered: Callable[[int, str, list[tuple[str, str]], bytes], None],
+        missed: Callable[[], None],
+    ) -> None:
+        self.pool, self.pair, self.whole = pool, pair, whole
+        self.answered, self.missed = answered, missed
+        self.transport = pair[1].transport
+        self.own = cast(asyncio.Protocol, self.transport.get_protocol())
+        self.buffer = bytearray()
+        self.transport.set_protocol(self)
+
+    def _back(self) -> bool:
+        """The connection's own protocol again; False if it was already."""
+        if self.transport.get_protocol() is not self:
+            return False
+        self.transport.set_protocol(self.own)
+        return True
+
+    def _miss(self) -> None:
+        if self._back():
+            if self.buffer:
+                self.own.data_received(bytes(self.buffer))
+            self.missed()
+
+    def cancel(self) -> None:
+        """The answer is nobody's: the connection is closed."""
+        self._back()
+        self.pair[1].close()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buffer
+        buf += data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _HEAD_LIMIT:
+                self._miss()  # the StreamReader says what is wrong with it
+            return
+        try:
+            code, reason, headers, length, keep = parse_response(bytes(buf[:end]), "POST")
+        except ValueError:
+            length = None
+        if length is None or length > self.whole:
+            self._miss()
+            return
+        whole = end + 4 + length
+        if len(buf) < whole:
+            return  # the rest of the body is on its way
+        self._back()
+        if len(buf) > whole:
+            self.own.data_received(bytes(buf[whole:]))  # as the StreamReader would hold it
+        if keep:
+            self.pool.keep(*self.pair)
+        else:
+            self.pair[1].close()
+        self.answered(code, reason, headers, bytes(buf[end + 4 : whole]))
+
+    def eof_received(self) -> bool | None:
+        if not self._back():
+            return None
+        if self.buffer:
+            self.own.data_received(bytes(self.buffer))
+        keep_open = self.own.eof_received()
+        self.missed()
+        return keep_open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._back():
+            if self.buffer:
+                self.own.data_received(bytes(self.buffer))
+            self.own.connection_lost(exc)
+            self.missed()
+
+    def pause_writing(self) -> None:
+        self.own.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.own.resume_writing()
+
+
+def parse_response(
+    head: bytes, method: str
+) -> tuple[int, str, list[tuple[str, str]], int | None, bool]:
+    """A response head (without its blank line): its status, reason, headers, length
+    (None: chunked, or to the end of the connection) and whether the connection stays
+    open after it. ValueError for a status that is no number."""
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    _, status, reason = [*status_line.split(" ", 2), ""][:3]
+    headers = [(k, v.strip()) for k, _, v in (h.partition(":") for h in header_lines)]
+    names = {k.lower(): v for k, v in headers}
+    keep = names.get("connection", "").lower() != "close"
+    code = int(status)
+    length: int | None = None
+    if method == "HEAD" or code in (204, 304) or 100 <= code < 200:
+        length = 0
+    elif "chunked" in names.get("transfer-encoding", "").lower():
+        pass
+    elif "content-length" in names:
+        length = int(names["content-length"])
+    else:
+        keep = False  # to the end of the connection
+    return code, reason, headers, length, keep
 
 
 def _check(exited: asyncio.Future[None] | None) -> None:
