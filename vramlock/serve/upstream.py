@@ -65,8 +65,13 @@ class Pool:
         self.connect = connect  # timeouts.connect: seconds, None: no bound
         self.header = header  # timeouts.responseHeader
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        # Counts close()s: a connection whose exchange began before the last one is
+        # closed when the exchange ends, not kept (its answer may reach the client a
+        # moment before the connection would be back among the idle ones).
+        self.epoch = 0
 
     def close(self) -> None:
+        self.epoch += 1
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
@@ -127,9 +132,12 @@ class Pool:
             writer.close()
         return None
 
-    def keep(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A connection whose exchange ended whole, back among the idle ones."""
-        if len(self._idle) < POOL:
+    def keep(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, epoch: int | None = None
+    ) -> None:
+        """A connection whose exchange ended whole, back among the idle ones, unless the
+        pool was closed since the exchange began (``epoch``: ``self.epoch`` then)."""
+        if len(self._idle) < POOL and (epoch is None or epoch == self.epoch):
             self._idle.append((reader, writer))
         else:
             writer.close()
@@ -170,6 +178,7 @@ class Pool:
         fresh: bool = False,
         sent: bool = False,
     ) -> Response:
+        epoch = self.epoch
         try:
             if sent:
                 pass
@@ -200,7 +209,7 @@ class Pool:
             raise
         code, reason, headers, length, keep = parse_response(head[:-4], method)
         chunked = length is None and keep
-        body = self._body(reader, writer, length, chunked, keep)
+        body = self._body(reader, writer, length, chunked, keep, epoch)
         return Response(code, reason, headers, length, body)
 
     async def _body(
@@ -210,6 +219,7 @@ class Pool:
         length: int | None,
         chunked: bool,
         keep: bool,
+        epoch: int,
     ) -> AsyncGenerator[bytes, None]:
         done = False
         try:
@@ -236,8 +246,8 @@ class Pool:
         except asyncio.IncompleteReadError:
             raise ConnectionResetError("the wrapper closed the connection") from None
         finally:
-            if done and keep and len(self._idle) < POOL:
-                self._idle.append((reader, writer))
+            if done and keep:
+                self.keep(reader, writer, epoch)
             else:
                 writer.close()
 
@@ -259,6 +269,7 @@ class Peek(asyncio.Protocol):
         missed: Callable[[], None],
     ) -> None:
         self.pool, self.pair, self.whole = pool, pair, whole
+        self.epoch = pool.epoch
         self.answered, self.missed = answered, missed
         self.transport = pair[1].transport
         self.own = cast(asyncio.Protocol, self.transport.get_protocol())
@@ -305,7 +316,7 @@ class Peek(asyncio.Protocol):
         if len(buf) > whole:
             self.own.data_received(bytes(buf[whole:]))  # as the StreamReader would hold it
         if keep:
-            self.pool.keep(*self.pair)
+            self.pool.keep(*self.pair, self.epoch)
         else:
             self.pair[1].close()
         self.answered(code, reason, headers, bytes(buf[end + 4 : whole]))
