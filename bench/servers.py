@@ -5,6 +5,12 @@ and on a GPU swap and checkpoint too.
     python bench/servers.py --binary CUDA_SERVER --model GGUF --ngl 99 --ctx 8192 \
         --prompt-tokens 3900 --alternations 20 --modes swap,checkpoint,preset,restart
 
+Each server's first release comes after its warm request and ``--settle`` idle seconds
+(under swap its host copies are made ready meanwhile): *first switches* are the two
+requests those releases served (server 1's warm request, then the first alternation),
+beside the later ones' p50; *released keeps* is what NVML shows the server just released
+holding, after each request (a GPU only).
+
 By default it runs the CPU llama-server that ``tools/llama_server.py`` builds and caches,
 with the tiny model ``tools/tiny_gguf.py`` writes (``--binary`` and ``--model`` name
 others; ``--ngl`` puts that many layers on the GPU). For each of ``--modes`` (one after
@@ -74,8 +80,28 @@ def request(port: int, prompt: str, timeout: float = 120.0, **fields: object) ->
     return timings
 
 
+def held_by(wrapper: int) -> int | None:
+    """What NVML shows the wrapper's command holding on the GPU (None: no NVML here)."""
+    try:
+        from vramlock.gpu import nvml
+        from vramlock.procfs import descendants
+
+        if not nvml.available():
+            return None
+        ours = set(descendants(wrapper))
+        return sum(n for pid, n in nvml.processes().items() if pid in ours)
+    except Exception:
+        return None
+
+
 def run_mode(
-    mode: str, server: list[str], prompt_tokens: int, n: int, timeout: float, trace: bool
+    mode: str,
+    server: list[str],
+    prompt_tokens: int,
+    n: int,
+    timeout: float,
+    trace: bool,
+    settle: float = 0.0,
 ) -> dict[str, Any]:
     procs = []
     ports = []
@@ -116,9 +142,16 @@ def run_mode(
             # About ten tokens a repetition.
             words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
             prompts = [f"Server {i}: {words}" for i in range(2)]
-            # Warm: each has its prompt in its slot once.
-            warm = [int(request(ports[i], prompts[i], timeout)["prompt_n"]) for i in range(2)]
-            latency, prefill, cached = [], [], []
+            # Warm: each has its prompt in its slot once, then stays idle --settle seconds
+            # (under swap the library makes its host copies ready meanwhile). Server 1's
+            # warm request is server 0's first release, the first alternation server 1's.
+            warm, firsts = [], []
+            for i in range(2):
+                t0 = time.perf_counter()
+                warm.append(int(request(ports[i], prompts[i], timeout)["prompt_n"]))
+                firsts.append(time.perf_counter() - t0)
+                time.sleep(settle)
+            latency, prefill, cached, kept = [], [], [], []
             for k in range(n):
                 i = k % 2
                 t0 = time.perf_counter()
@@ -129,7 +162,11 @@ def run_mode(
                 latency.append(time.perf_counter() - t0)
                 prefill.append(float(timings["prompt_ms"]) / 1000)
                 cached.append(int(timings.get("cache_n", 0)))
-            return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm}
+                other = held_by(procs[1 - i].pid)  # the one just released, as NVML sees it
+                if other is not None:
+                    kept.append(other)
+            return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm,
+                    "first": [firsts[1], latency[0]], "kept": kept}  # fmt: skip
         except Exception:
             # Why, before the arena and the logs go: each member's state, each log's end.
             who = [sys.executable, "-m", "vramlock", "who", "--arena", arena]
@@ -182,6 +219,9 @@ def main() -> int:
     parser.add_argument(
         "--trace", action="store_true", help="VRAMLOCK_SWAP_DEBUG=1 for the servers"
     )
+    parser.add_argument(
+        "--settle", type=float, default=0.0, help="idle seconds after each warm request"
+    )
     args = parser.parse_args()
     binary = args.binary or llama_server.cached_binary()
     if binary is None:
@@ -200,17 +240,20 @@ def main() -> int:
     print(f"{args.alternations} alternations between two llama-servers ({where},"
           f" {Path(model).name}, -c {args.ctx}), times in s")  # fmt: skip
     print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50"
-          " | prompt tokens |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          " | prompt tokens | first switches | released keeps (MiB) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     results = {}
     for mode in args.modes.split(","):  # each row as soon as it is measured
         r = results[mode] = run_mode(
-            mode, server, tokens, args.alternations, args.timeout, args.trace
+            mode, server, tokens, args.alternations, args.timeout, args.trace, args.settle
         )
+        kept = r["kept"]
+        shown = f"{min(kept) >> 20}-{max(kept) >> 20}" if kept else "-"
         print(
             f"| {mode} | {statistics.median(r['latency']):.3f} | {pct(r['latency'], 0.95):.3f}"
             f" | {statistics.median(r['prefill']):.3f} | {pct(r['prefill'], 0.95):.3f}"
-            f" | {statistics.median(r['cache_n']):.0f} | {max(r['prompt_n'])} |",
+            f" | {statistics.median(r['cache_n']):.0f} | {max(r['prompt_n'])}"
+            f" | {' / '.join(f'{t:.3f}' for t in r['first'])} | {shown} |",
             flush=True,
         )
     if "restart" in results and "preset" in results:
