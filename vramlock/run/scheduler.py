@@ -358,25 +358,32 @@ class Scheduler:
         No helper thread: starting one cost a quarter of a millisecond on the handoff
         path. Signals still run their handlers while we block (forwarding to the
         command); SIGCHLD and the ending signals break the wait (False), so that the
-        loop sees an exit or an order to end at once.
+        loop sees an exit or an order to end at once. A park that falls due meanwhile
+        (``park_in``) is made between two waits, where no signal breaks it off: a
+        command that comes back at once (``--demand always``) waits here all the while
+        another member holds the token.
         """
         member, sup = self.member, self.sup
         member.wait_polite()
         member.waiting()
-        try:
-            with sup.queueing():
-                # What came before we were queued cannot break the wait: look once more.
-                ended = self.strategy.killed and sup.pending_signal is not None
-                if ended or sup.gone() is not None:
-                    member.released()
-                    return False
-                return member.queue(None)
-        except Woken:
-            # The signal may have landed just after the kernel granted the lock.
-            if member.came():
-                return True
-            member.released()
-            return False
+        while True:
+            try:
+                with sup.queueing():
+                    # What came before we were queued cannot break the wait: look once more.
+                    ended = self.strategy.killed and sup.pending_signal is not None
+                    if ended or sup.gone() is not None:
+                        member.released()
+                        return False
+                    if member.queue(self.strategy.park_in()):
+                        return True
+            except Woken:
+                # The signal may have landed just after the kernel granted the lock.
+                if member.came():
+                    return True
+                member.released()
+                return False
+            if self.strategy.park_in() == 0:
+                self._park()
 
     def _restore(self) -> int | None:
         status = self.sup.ended_while_away()  # told to end as the token came back
