@@ -39,6 +39,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -54,6 +55,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_server  # noqa: E402
 from helpers.net import accepts, free_port  # noqa: E402
+
+LOOKUP = re.compile(r"vramlock-swap: pid \d+: (dlsym|cuGetProcAddress) ")
 
 MODES = {
     "restart": ["--release", "restart"],
@@ -173,7 +176,13 @@ def run_mode(
             shown = subprocess.run(who, env=env, capture_output=True, text=True, timeout=30)
             print(f"--- {mode}, vramlock who:", shown.stdout + shown.stderr, sep="\n")
             for log in logs:
-                print(f"--- {mode}, {log.name}:", *log.read_text().splitlines()[-40:], sep="\n")
+                lines = log.read_text(errors="replace").splitlines()
+                # The wrapper's own words whole, the rest's end without the library's
+                # lookups (with --trace they are hundreds of lines).
+                said = [ln for ln in lines if ln.startswith("vramlock:")]
+                rest = [ln for ln in lines if not LOOKUP.search(ln)][-40:]
+                print(f"--- {mode}, {log.name}, vramlock's lines:", *said, sep="\n")
+                print(f"--- {mode}, {log.name}, its end:", *rest, sep="\n")
             raise
         finally:
             end_jobs(procs)
