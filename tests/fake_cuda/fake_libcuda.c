@@ -20,16 +20,31 @@
  * with digest.h's reference, and its launches are logged as "digest <start> <end>", not
  * as the program's "launch" lines. Compile with -I vramlock/gpu/swap.
  *
+ * Built with -DFAKE_CHECKPOINT it has the driver's checkpoint API too (without it, the
+ * names are missing, as on a driver older than 570), working across processes through
+ * a state file per process in the directory named by FAKE_CUDA_CKPT_DIR: a process
+ * that makes a context writes <dir>/<pid> ("0" running, "1" locked, "2" checkpointed),
+ * and cuCheckpointProcess* called in another process change it, each logged as
+ * "<call> <ns> <pid>" (lock, checkpoint, restore, unlock). While its state is not
+ * running, the process's launches, allocations, mappings and copies block, as on the
+ * driver; a call that waited is logged as "blocked <start ns> <end ns>". A lock waits
+ * for the calls in flight (timeoutMs, then CUDA_ERROR_NOT_READY); a pid that does not
+ * exist gets CUDA_ERROR_OPERATING_SYSTEM, one without a context
+ * CUDA_ERROR_NOT_INITIALIZED, a call that does not fit the state CUDA_ERROR_ILLEGAL_STATE.
+ *
  * Build with -Wl,-Bsymbolic: the swap library exports the same names, and this
  * library's table of entry points must hold its own functions, not those.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -108,6 +123,108 @@ __attribute__((constructor)) static void init(void)
 	pthread_mutex_unlock(&mu);
 }
 
+/* With mu not held. */
+static void log_line(const char *what, long long a, long long b)
+{
+	if (log_fd < 0)
+		return;
+	char line[80];
+	int len = snprintf(line, sizeof line, "%s %lld %lld\n", what, a, b);
+	if (write(log_fd, line, (size_t)len) != len)
+		abort();
+}
+
+/* ---- the checkpoint API's gate in the process it is used on -------------------- */
+
+#ifdef FAKE_CHECKPOINT
+enum { RUNNING, LOCKED, CHECKPOINTED };
+static pthread_mutex_t ckpt_mu = PTHREAD_MUTEX_INITIALIZER;
+static int ckpt_fd = -1;   /* this process's state file, once it has a context */
+static int ckpt_inflight;  /* its driver calls under way (they share the file's lock) */
+
+static int state_of(int fd)
+{
+	char c;
+	return pread(fd, &c, 1, 0) == 1 ? c - '0' : -1;
+}
+
+static void set_state(int fd, int state)
+{
+	char buf[2] = {(char)('0' + state), '\n'};
+	if (pwrite(fd, buf, 2, 0) != 2)
+		abort();
+}
+
+/* A context: this process is one the checkpoint API can be used on. */
+static void ckpt_context(void)
+{
+	const char *dir = getenv("FAKE_CUDA_CKPT_DIR");
+	char path[4096];
+	pthread_mutex_lock(&ckpt_mu);
+	if (ckpt_fd < 0 && dir && *dir) {
+		snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
+		ckpt_fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+		if (ckpt_fd < 0)
+			abort();
+		set_state(ckpt_fd, RUNNING);
+	}
+	pthread_mutex_unlock(&ckpt_mu);
+}
+
+/* Before a driver call: wait while this process is locked or checkpointed. The file's
+ * shared lock is held while any call is under way; a lock takes it exclusively. 1: the
+ * call is counted under way (ckpt_leave after it). */
+static int ckpt_enter(void)
+{
+	long long since = 0;
+	pthread_mutex_lock(&ckpt_mu);
+	if (ckpt_fd < 0) {
+		pthread_mutex_unlock(&ckpt_mu);
+		return 0;
+	}
+	for (;;) {
+		if (!ckpt_inflight && flock(ckpt_fd, LOCK_SH))
+			abort();
+		if (state_of(ckpt_fd) == RUNNING)
+			break;
+		if (!ckpt_inflight)
+			flock(ckpt_fd, LOCK_UN);
+		pthread_mutex_unlock(&ckpt_mu);
+		if (!since)
+			since = now_ns();
+		struct timespec tick = {0, 1000000};
+		nanosleep(&tick, NULL);
+		pthread_mutex_lock(&ckpt_mu);
+	}
+	ckpt_inflight++;
+	pthread_mutex_unlock(&ckpt_mu);
+	if (since)
+		log_line("blocked", since, now_ns());
+	return 1;
+}
+
+static void ckpt_leave(int counted)
+{
+	pthread_mutex_lock(&ckpt_mu);
+	if (counted && !--ckpt_inflight)
+		flock(ckpt_fd, LOCK_UN);
+	pthread_mutex_unlock(&ckpt_mu);
+}
+#else
+static void ckpt_context(void) {}
+static int ckpt_enter(void) { return 0; }
+static void ckpt_leave(int counted) { (void)counted; }
+#endif
+
+/* A driver call that the checkpoint API's lock holds back. */
+#define GATED(call)                          \
+	do {                                 \
+		int counted_ = ckpt_enter(); \
+		CUresult gated_ = (call);    \
+		ckpt_leave(counted_);        \
+		return gated_;               \
+	} while (0)
+
 /* ---- plain allocations (what the swap library must replace) --------------- */
 
 struct plain {
@@ -117,7 +234,7 @@ struct plain {
 };
 static struct plain *plains;
 
-static CUresult plain_alloc(CUdeviceptr *p, size_t n)
+static CUresult plain_alloc_now(CUdeviceptr *p, size_t n)
 {
 	if (!p || !n)
 		return INVALID;
@@ -138,7 +255,9 @@ static CUresult plain_alloc(CUdeviceptr *p, size_t n)
 	return OK;
 }
 
-static CUresult plain_free(CUdeviceptr p)
+static CUresult plain_alloc(CUdeviceptr *p, size_t n) { GATED(plain_alloc_now(p, n)); }
+
+static CUresult plain_free_now(CUdeviceptr p)
 {
 	pthread_mutex_lock(&mu);
 	for (struct plain **pp = &plains; *pp; pp = &(*pp)->next) {
@@ -155,6 +274,8 @@ static CUresult plain_free(CUdeviceptr p)
 	pthread_mutex_unlock(&mu);
 	return INVALID;
 }
+
+static CUresult plain_free(CUdeviceptr p) { GATED(plain_free_now(p)); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return plain_alloc(p, n); }
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return plain_alloc(p, n); }
@@ -249,7 +370,7 @@ CUresult cuMemAddressFree(CUdeviceptr p, size_t size)
 	return munmap((void *)(uintptr_t)p, size) ? INVALID : OK;
 }
 
-CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long long flags)
+static CUresult cuMemCreate_now(Handle *out, size_t size, const Prop *prop, unsigned long long flags)
 {
 	(void)flags;
 	if (!size || size % GRANULE)
@@ -279,7 +400,12 @@ CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long l
 	return OK;
 }
 
-CUresult cuMemRelease(Handle hh)
+CUresult cuMemCreate(Handle *out, size_t size, const Prop *prop, unsigned long long flags)
+{
+	GATED(cuMemCreate_now(out, size, prop, flags));
+}
+
+static CUresult cuMemRelease_now(Handle hh)
 {
 	pthread_mutex_lock(&mu);
 	struct handle *h = live(hh);
@@ -293,7 +419,9 @@ CUresult cuMemRelease(Handle hh)
 	return OK;
 }
 
-CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigned long long flags)
+CUresult cuMemRelease(Handle hh) { GATED(cuMemRelease_now(hh)); }
+
+static CUresult cuMemMap_now(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigned long long flags)
 {
 	(void)flags;
 	pthread_mutex_lock(&mu);
@@ -318,7 +446,12 @@ CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigne
 	return OK;
 }
 
-CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, Handle hh, unsigned long long flags)
+{
+	GATED(cuMemMap_now(va, size, offset, hh, flags));
+}
+
+static CUresult cuMemUnmap_now(CUdeviceptr va, size_t size)
 {
 	pthread_mutex_lock(&mu);
 	int found = 0;
@@ -342,11 +475,18 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size)
 	return found ? OK : INVALID;
 }
 
-CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const Access *desc, size_t n)
+CUresult cuMemUnmap(CUdeviceptr va, size_t size) { GATED(cuMemUnmap_now(va, size)); }
+
+static CUresult cuMemSetAccess_now(CUdeviceptr va, size_t size, const Access *desc, size_t n)
 {
 	if (!n || desc[0].flags != 3)
 		return INVALID;
 	return mprotect((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE) ? INVALID : OK;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const Access *desc, size_t n)
+{
+	GATED(cuMemSetAccess_now(va, size, desc, n));
 }
 
 CUresult cuMemRetainAllocationHandle(Handle *out, void *addr)
@@ -442,7 +582,7 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 CUresult cuMemFreeHost(void *p) { free(p); return OK; }
 /* Locking host memory the caller mapped: logged as "register <monotonic ns> <bytes>"
  * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much. */
-CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl)
+static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 {
 	(void)fl;
 	if (!current)
@@ -463,18 +603,20 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl)
 	}
 	return OK;
 }
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl) { GATED(cuMemHostRegister_v2_now(p, n, fl)); }
 CUresult cuMemHostUnregister(void *p) { return p ? OK : INVALID; }
 
 #define PTR(d) ((void *)(uintptr_t)(d))
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { memcpy(PTR(d), h, n); return OK; }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { GATED((memcpy(PTR(d), h, n), OK)); }
 CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *h, size_t n) { return cuMemcpyHtoD_v2(d, h, n); }
-CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { memcpy(h, PTR(d), n); return OK; }
+CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { GATED((memcpy(h, PTR(d), n), OK)); }
 CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcpyDtoH_v2(h, d, n); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
 CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
 CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return current ? cuMemcpyDtoH_v2(h, d, n) : NO_CONTEXT; }
 CUresult cuMemcpyDtoHAsync_v2_ptsz(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove(PTR(d), PTR(s), n); return OK; }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { GATED((memmove(PTR(d), PTR(s), n), OK)); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { (void)st; return cuMemcpyDtoD_v2(d, s, n); }
 CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n)
 {
@@ -502,23 +644,18 @@ static void digest_kernel(unsigned blocks, void **params)
 	}
 }
 
-static CUresult launch(void *f, unsigned blocks, void **params)
+static CUresult launch_now(void *f, unsigned blocks, void **params)
 {
 	long long t0 = now_ns();
 	if (f == (void *)digest_kernel)
 		digest_kernel(blocks, params);
 	else
 		((kernel)f)(params);
-	long long t1 = now_ns();
-	if (log_fd >= 0) {
-		char line[64];
-		const char *what = f == (void *)digest_kernel ? "digest" : "launch";
-		int n = snprintf(line, sizeof line, "%s %lld %lld\n", what, t0, t1);
-		if (write(log_fd, line, (size_t)n) != n)
-			abort();
-	}
+	log_line(f == (void *)digest_kernel ? "digest" : "launch", t0, now_ns());
 	return OK;
 }
+
+static CUresult launch(void *f, unsigned blocks, void **params) { GATED(launch_now(f, blocks, params)); }
 
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
 			unsigned bz, unsigned sm, void *s, void **kp, void **ex)
@@ -569,14 +706,20 @@ CUresult cuInit(unsigned fl) { (void)fl; return OK; }
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
 CUresult cuDeviceGet(int *d, int i) { *d = i; return i == 0 ? OK : INVALID; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
-CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = &the_context; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d)
+{
+	(void)d;
+	ckpt_context();
+	*c = &the_context;
+	return OK;
+}
 CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
-CUresult cuCtxSynchronize(void) { return current ? OK : 201; }
+CUresult cuCtxSynchronize(void) { GATED(current ? OK : 201); }
 CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
-CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
+CUresult cuStreamSynchronize(void *s) { (void)s; GATED(OK); }
 /* A stream is one byte: whether it is capturing a graph. */
 CUresult cuStreamIsCapturing(void *s, int *status) { *status = s ? *(char *)s : 0; return OK; }
 CUresult cuStreamBeginCapture_v2(void *s, int mode) { (void)mode; *(char *)s = 1; return OK; }
@@ -594,6 +737,116 @@ CUresult cuGetErrorString(CUresult r, const char **s)
 	*s = r == OOM ? "out of memory" : r == INVALID ? "invalid argument" : "fake error";
 	return OK;
 }
+
+CUresult cuGetErrorName(CUresult r, const char **s)
+{
+	*s = r == OOM ? "CUDA_ERROR_OUT_OF_MEMORY" : r == INVALID ? "CUDA_ERROR_INVALID_VALUE"
+								  : "CUDA_ERROR_UNKNOWN";
+	return OK;
+}
+
+/* ---- the checkpoint API, called on another process ------------------------------ */
+
+#ifdef FAKE_CHECKPOINT
+#define NOT_INITIALIZED 3
+#define OS_ERROR 304
+#define ILLEGAL_STATE 401
+#define NOT_READY 600
+
+typedef struct {
+	unsigned timeoutMs, reserved0;
+	unsigned long long reserved1[7];
+} LockArgs;
+
+/* The state file of the process pid, opened: OK, or what the driver answers. */
+static CUresult ckpt_open(int pid, int *fd)
+{
+	const char *dir = getenv("FAKE_CUDA_CKPT_DIR");
+	char path[4096];
+	if (pid <= 0)
+		return INVALID;
+	if (kill(pid, 0) && errno == ESRCH)
+		return OS_ERROR; /* as the driver answers for a pid that does not exist */
+	if (!dir || !*dir)
+		return NOT_INITIALIZED;
+	snprintf(path, sizeof path, "%s/%d", dir, pid);
+	*fd = open(path, O_RDWR | O_CLOEXEC);
+	return *fd < 0 ? NOT_INITIALIZED : OK; /* no context there */
+}
+
+/* pid's state from `from` to `to`, once no call of its is under way (within timeout_ms,
+ * 0: however long that takes); logged as "<what> <ns> <pid>". */
+static CUresult ckpt_move(int pid, int from, int to, const char *what, unsigned timeout_ms)
+{
+	int fd;
+	CUresult r = ckpt_open(pid, &fd);
+	if (r)
+		return r;
+	long long until = now_ns() + (long long)timeout_ms * 1000000;
+	while (flock(fd, LOCK_EX | LOCK_NB)) {
+		if (timeout_ms && now_ns() >= until) {
+			close(fd);
+			return NOT_READY;
+		}
+		struct timespec tick = {0, 1000000};
+		nanosleep(&tick, NULL);
+	}
+	if (state_of(fd) != from) {
+		r = ILLEGAL_STATE;
+	} else {
+		set_state(fd, to);
+		log_line(what, now_ns(), pid);
+	}
+	flock(fd, LOCK_UN);
+	close(fd);
+	return r;
+}
+
+CUresult cuCheckpointProcessGetState(int pid, int *state)
+{
+	int fd;
+	CUresult r = ckpt_open(pid, &fd);
+	if (r)
+		return r;
+	*state = state_of(fd);
+	close(fd);
+	return OK;
+}
+
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+	int fd;
+	CUresult r = ckpt_open(pid, &fd);
+	if (r)
+		return r;
+	close(fd);
+	*tid = pid;
+	return OK;
+}
+
+CUresult cuCheckpointProcessLock(int pid, const LockArgs *args)
+{
+	return ckpt_move(pid, RUNNING, LOCKED, "lock", args ? args->timeoutMs : 0);
+}
+
+CUresult cuCheckpointProcessCheckpoint(int pid, const void *args)
+{
+	(void)args;
+	return ckpt_move(pid, LOCKED, CHECKPOINTED, "checkpoint", 0);
+}
+
+CUresult cuCheckpointProcessRestore(int pid, const void *args)
+{
+	(void)args;
+	return ckpt_move(pid, CHECKPOINTED, LOCKED, "restore", 0);
+}
+
+CUresult cuCheckpointProcessUnlock(int pid, const void *args)
+{
+	(void)args;
+	return ckpt_move(pid, LOCKED, RUNNING, "unlock", 0);
+}
+#endif
 
 /* ---- cuGetProcAddress, as the runtime uses it ----------------------------------- */
 
@@ -621,7 +874,7 @@ static const struct {
 	E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
 	E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxGetDevice), E(cuCtxSynchronize),
 	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing), E(cuStreamBeginCapture_v2), E(cuStreamEndCapture),
-	E(cuGetErrorString), E(cuGetProcAddress), E(cuGetProcAddress_v2),
+	E(cuGetErrorString), E(cuGetErrorName), E(cuGetProcAddress), E(cuGetProcAddress_v2),
 };
 
 static void *entry(const char *name)

@@ -35,7 +35,9 @@
  * server is: on 127.0.0.1:PORT, GET /health answers 200 without touching the GPU, and
  * any other request runs one round (a launch on every buffer, one buffer checked) and
  * answers "round N"; each connection is closed after its answer. It serves until
- * SECONDS have passed or SWAP_PROG_STOP exists.
+ * SECONDS have passed or SWAP_PROG_STOP exists. With SWAP_PROG_TERM=1, SIGTERM ends it
+ * as SWAP_PROG_STOP does (every buffer checked, "done <rounds>", exit 0), once it has
+ * said "terminated <ns>" (CLOCK_MONOTONIC: when its loop saw the signal).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -192,6 +194,14 @@ static void *worker(void *arg)
 	return NULL;
 }
 
+static volatile sig_atomic_t termed;
+
+static void on_term(int signum)
+{
+	(void)signum;
+	termed = 1;
+}
+
 static double now(void)
 {
 	struct timespec ts;
@@ -302,6 +312,12 @@ int main(int argc, char **argv)
 	double seconds = atof(argv[1]);
 	const char *unswappable = argc > 2 ? argv[2] : "";
 	setvbuf(stdout, NULL, _IOLBF, 0);
+	if (getenv("SWAP_PROG_TERM")) {
+		struct sigaction sa;
+		memset(&sa, 0, sizeof sa);
+		sa.sa_handler = on_term; /* no SA_RESTART: the server's poll returns */
+		sigaction(SIGTERM, &sa, NULL);
+	}
 	const char *start_after = getenv("SWAP_PROG_START_AFTER");
 	if (start_after) {
 		printf("waiting\n");
@@ -480,7 +496,7 @@ int main(int argc, char **argv)
 	int capturing = 0;
 	const char *listen_port = getenv("SWAP_PROG_LISTEN");
 	int server = listen_port ? listen_on(atoi(listen_port)) : -1;
-	while (now() < end && !(stop && !access(stop, F_OK))) {
+	while (now() < end && !termed && !(stop && !access(stop, F_OK))) {
 		int conn = -1;
 		if (server >= 0) {
 			struct pollfd pfd = {server, POLLIN, 0};
@@ -519,6 +535,11 @@ int main(int argc, char **argv)
 		}
 		struct timespec pause = {0, 2000000};
 		nanosleep(&pause, NULL);
+	}
+	if (termed) {
+		struct timespec ts;
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		printf("terminated %lld\n", (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
 	}
 	if (server >= 0)
 		close(server);

@@ -82,6 +82,9 @@ class Fakes:
     program: Path
     user_preload: Path
     delta_program: Path  # tests/fake_cuda/delta_prog.c
+    # Holds the libcuda.so.1 that has the checkpoint API (-DFAKE_CHECKPOINT): the other
+    # has none, as a driver older than 570.
+    checkpoint_directory: Path
 
 
 def _cc(*args: str) -> None:
@@ -91,17 +94,22 @@ def _cc(*args: str) -> None:
 
 
 def build_fakes(out: Path) -> Fakes:
-    """Compile the fake driver, the program and a user's preload library into ``out``."""
-    # -Bsymbolic: the fake's table of entry points must hold its own functions, not
-    # the swap library's of the same names.
-    _cc(*STRICT, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-I", str(SWAP_SOURCES),
-        "-o", str(out / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"), "-lpthread")  # fmt: skip
+    """Compile the fake drivers (without and with the checkpoint API), the program and a
+    user's preload library into ``out``."""
+    checkpoint = out / "checkpoint"
+    checkpoint.mkdir()
+    for directory, defines in ((out, ()), (checkpoint, ("-DFAKE_CHECKPOINT",))):
+        # -Bsymbolic: the fake's table of entry points must hold its own functions, not
+        # the swap library's of the same names.
+        _cc(*STRICT, *defines, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-I", str(SWAP_SOURCES),
+            "-o", str(directory / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"),
+            "-lpthread")  # fmt: skip
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl")
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
         str(out / "user_preload.c"), "-ldl")  # fmt: skip
-    return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog")
+    return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog", checkpoint)
 
 
 @dataclass

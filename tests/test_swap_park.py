@@ -1,0 +1,344 @@
+"""A released swapped member is parked: its CUDA contexts leave the GPU too.
+
+The fake driver built with the checkpoint API (``Fakes.checkpoint_directory``) keeps
+each process's checkpoint state in a file of ``FAKE_CUDA_CKPT_DIR`` (named after its
+pid: 0 running, 1 locked, 2 checkpointed) and logs each lock, checkpoint, restore and
+unlock with its time and pid; while the program is locked or checkpointed its
+launches, allocations and copies block, as on the driver. Those, the program's own
+check of its memory's contents, and the test's own member holding the token are the
+witnesses; never vramlock's view of itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers.commands import vramlock
+from helpers.net import accepts, free_ports
+from helpers.processes import Spawn, token_free, wait_until
+from helpers.serve import call
+from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line
+
+from vramlock.gpu import swap
+from vramlock.procfs import descendants
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
+]
+
+RUNNING, CHECKPOINTED = "0", "2"
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
+    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture
+def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    """The fake driver that can checkpoint, for the program and for vramlock alike."""
+    rig = make_rig(fakes, arena, tmp_path)
+    states = tmp_path / "checkpoint"
+    states.mkdir()
+    rig.env.update(LD_LIBRARY_PATH=str(fakes.checkpoint_directory), FAKE_CUDA_CKPT_DIR=str(states))
+    return rig
+
+
+def state(rig: Rig, pid: int) -> str | None:
+    """The fake driver's checkpoint state of ``pid`` (None: it never made a context)."""
+    path = Path(rig.env["FAKE_CUDA_CKPT_DIR"]) / str(pid)
+    return path.read_text().strip() if path.exists() else None
+
+
+def calls(rig: Rig, what: str, pid: int) -> list[int]:
+    """When the checkpoint API's ``what`` (lock, checkpoint, restore, unlock) was done
+    to ``pid``, in monotonic ns."""
+    return [ns for ns, target in rig.launches(what) if target == pid]
+
+
+def server(
+    rig: Rig, spawn: Spawn, park_after: str, *, listen: bool = False, **env: str
+) -> tuple[subprocess.Popen[str], int, int]:
+    """The program as a server idle between requests, under swap: the run, the
+    program's pid and the port its clients use (``listen``: vramlock's proxy's, with
+    ``--demand listen``; else the program's own, and the run queues again at once after
+    each release)."""
+    port, upstream = free_ports(2)
+    env = dict(rig.env, SWAP_PROG_LISTEN=str(upstream), VRAMLOCK_PARK_AFTER=park_after, **env)
+    demand = ["--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
+              "--ready-url", "/health", "--idle", "50ms"]  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 *(demand if listen else []), "--", str(rig.fakes.program), "60"),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(upstream))
+    (program,) = descendants(job.pid)
+    assert state(rig, program) == RUNNING
+    return job, program, port if listen else upstream
+
+
+def round_trip(port: int) -> bytes:
+    """One request of GPU work: the program's answer, after it checked its memory."""
+    status, _, body = call(port, "POST", "/work", {})
+    assert status == 200, body
+    return body
+
+
+def let_go(holder: subprocess.Popen[str]) -> int:
+    """The test's member leaves the token: when (monotonic ns)."""
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert left[:1] == ["leaving"], left
+    assert holder.wait(10) == 0
+    return int(left[1])
+
+
+@pytest.mark.parametrize("listen", [False, True], ids=["always", "listen"])
+def test_a_released_server_is_parked_and_comes_back_whole(
+    rig: Rig, spawn: Spawn, listen: bool
+) -> None:
+    """Released half a second, the server's context leaves the "GPU" while the test's
+    member holds the token (``always``: while vramlock waits in the queue for it); its
+    request meanwhile waits, and is answered once the context, then the memory, are
+    back."""
+    stop = rig.tmp / "stop"
+    job, program, port = server(rig, spawn, "0.5", listen=listen, SWAP_PROG_STOP=str(stop))
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[:1] == ["held"] and int(held[2]) == 0  # its memory left the "GPU"
+    wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+    (locked,), (checkpointed,) = calls(rig, "lock", program), calls(rig, "checkpoint", program)
+    assert int(held[1]) < locked < checkpointed
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(round_trip, port)
+        time.sleep(0.5)
+        assert not answer.done() and not token_free(rig.arena)
+        left = let_go(holder)
+        assert answer.result(30) == b"round 2\n"  # its contents, checked by the program
+    (restored,), (unlocked,) = calls(rig, "restore", program), calls(rig, "unlock", program)
+    assert left < restored < unlocked
+    assert state(rig, program) == RUNNING and int(rig.phys.read_text()) > 0
+    # Its context was back before its memory: nothing of it waited on the driver (a
+    # restore of its memory while it was checkpointed would have, for good).
+    assert rig.launches("blocked") == []
+    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert min(s for s, _ in rig.launches() if s > int(held[1])) > unlocked
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2:] == ["done", "2"]  # every buffer checked at its end
+    assert err == ""
+
+
+def test_told_off_it_is_never_parked(rig: Rig, spawn: Spawn) -> None:
+    stop = rig.tmp / "stop"
+    job, program, port = server(rig, spawn, "off", SWAP_PROG_STOP=str(stop))
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    time.sleep(2.5)  # longer than a park due now would take to be made
+    assert state(rig, program) == RUNNING
+    let_go(holder)
+    assert round_trip(port) == b"round 2\n"
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert err == ""
+    assert [rig.launches(what) for what in ("lock", "checkpoint")] == [[], []]
+
+
+def test_without_the_checkpoint_api_the_context_stays_and_nothing_breaks(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The usual fake: a driver without the API, as one older than 570.
+    rig.env["LD_LIBRARY_PATH"] = str(rig.fakes.directory)
+    stop = rig.tmp / "stop"
+    (port,) = free_ports(1)
+    env = dict(rig.env, SWAP_PROG_LISTEN=str(port), VRAMLOCK_PARK_AFTER="0.2",
+               SWAP_PROG_STOP=str(stop))  # fmt: skip
+    job = rig.run(spawn, "60", env=env)
+    wait_until(lambda: accepts(port))
+    for n in (1, 2, 3):
+        assert round_trip(port) == f"round {n}\n".encode()
+        holder = rig.holder(spawn)
+        held = read_line(holder)
+        assert held[:1] == ["held"] and int(held[2]) == 0
+        time.sleep(1.5)  # long past the park, due after 0.2 s
+        left = let_go(holder)
+        assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert round_trip(port) == b"round 4\n"
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2:] == ["done", "4"]
+    assert len(err.splitlines()) <= 1, err  # said once at most, not at every release
+    assert [rig.launches(what) for what in ("lock", "checkpoint")] == [[], []]
+
+
+def test_an_order_to_end_waits_for_the_parked_program_to_come_back(rig: Rig, spawn: Spawn) -> None:
+    """Told to end while parked, vramlock passes the signal on only once the program is
+    restored: a checkpointed program's exit path would block in the driver (or fail
+    there). It waits for the token like any restore, and the program then ends whole."""
+    job, program, port = server(rig, spawn, "0.3", SWAP_PROG_TERM="1")
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[:1] == ["held"]
+    wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+    os.kill(job.pid, signal.SIGTERM)
+    time.sleep(0.5)  # the program's loop would have seen a signal ten times over
+    assert job.poll() is None and state(rig, program) == CHECKPOINTED
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    words = out.split()
+    assert words[-2:] == ["done", "1"]  # every buffer checked on its way out
+    terminated = int(words[words.index("terminated") + 1])
+    (unlocked,) = calls(rig, "unlock", program)
+    assert left < unlocked < terminated  # the signal came after its context was back
+    assert rig.launches("blocked") == []
+    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert err == ""
+
+
+def test_a_wrapper_killed_while_parked_leaves_the_program_off_the_gpu(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """vramlock run SIGKILLed while its program is parked: nobody can restore it, so it
+    stays checkpointed, and runs no GPU work whoever holds the token; the next member
+    gets the token as usual."""
+    job, program, port = server(rig, spawn, "0.3")
+    assert round_trip(port) == b"round 1\n"
+    try:
+        holder = rig.holder(spawn)
+        assert read_line(holder)[:1] == ["held"]
+        wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        launched = len(rig.launches())
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(round_trip, port)  # the program takes it, and blocks
+            let_go(holder)
+            assert token_free(rig.arena)  # the program holds no token...
+            other = rig.holder(spawn)
+            held = read_line(other)
+            assert held[:1] == ["held"] and int(held[2]) == 0  # ...nor any memory
+            time.sleep(0.5)
+            assert not answer.done()  # ...and runs nothing
+            assert len(rig.launches()) == launched
+            assert state(rig, program) == CHECKPOINTED
+            let_go(other)
+            os.kill(program, signal.SIGKILL)
+            with pytest.raises(OSError):
+                answer.result(30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(program, signal.SIGKILL)
+
+
+def test_a_parked_program_that_is_killed_ends_the_run_and_frees_the_token(
+    rig: Rig, spawn: Spawn
+) -> None:
+    job, program, port = server(rig, spawn, "0.3")
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+    os.kill(program, signal.SIGKILL)  # the OOM killer, say
+    out, err = job.communicate(timeout=30)
+    assert job.returncode == 128 + signal.SIGKILL, (out, err)
+    assert calls(rig, "restore", program) == []  # nothing tried on a process that is gone
+    assert len(err.splitlines()) <= 1, err
+    let_go(holder)
+    assert token_free(rig.arena)
+
+
+# A process with a context on the fake driver; each line on its stdin runs a "kernel"
+# that takes half a second (a host function, as the fake's kernels are).
+TARGET = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    assert lib.cuInit(0) == 0 and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda params: time.sleep(0.5))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        args = [ctypes.cast(KERNEL, ctypes.c_void_p)] + [1] * 6 + [0, None, None, None]
+        print("launched", lib.cuLaunchKernel(*args), flush=True)
+    """
+)
+
+# vramlock's binding (in a process of its own: it loads the driver once), told what to
+# do (argv[1]) to the target (argv[2]): what each call answered, on a line.
+CALLER = textwrap.dedent(
+    """
+    import os, sys
+    from vramlock.gpu import cuda
+    what, target = sys.argv[1], int(sys.argv[2])
+    def answer(call, *args):
+        try:
+            out = call(*args)
+        except cuda.CudaError as err:
+            return err.code
+        return "ok" if out is None else int(out)
+    if what == "codes":  # argv[3]: a pid that is gone
+        print(answer(cuda.process_state, int(sys.argv[3])),
+              answer(cuda.process_state, os.getpid()), answer(cuda.restore_thread_id, target),
+              answer(cuda.unlock, target), answer(cuda.restore, target))
+    elif what == "lock":  # within a tenth of a second
+        print(answer(cuda.lock, target, 0.1), answer(cuda.process_state, target))
+    elif what == "checkpoint":
+        print(answer(cuda.checkpoint, target, 5), answer(cuda.process_state, target),
+              answer(cuda.checkpoint, target, 5))
+    else:
+        print(answer(cuda.restore, target), answer(cuda.process_state, target))
+    """
+)
+
+
+def test_the_fake_driver_answers_as_the_driver_does(rig: Rig, spawn: Spawn) -> None:
+    """The fake's checkpoint API itself: the codes vramlock/gpu/cuda.py expects, a lock
+    that waits for a kernel in flight, and a launch that waits for the restore."""
+    target = spawn([sys.executable, "-c", TARGET], env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(target) == ["ready"]
+    assert target.stdin is not None
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def caller(*args: object) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", CALLER, *map(str, args)], env=rig.env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done
+        return done.stdout.split()
+
+    # Gone: 304; no context (the caller itself): 3; unlock or restore while running: 401.
+    assert caller("codes", target.pid, gone.pid) == ["304", "3", str(target.pid), "401", "401"]
+    target.stdin.write("go\n")
+    target.stdin.flush()
+    time.sleep(0.1)  # its kernel runs half a second
+    assert caller("lock", target.pid) == ["600", "0"]  # not ready, and still running
+    assert read_line(target) == ["launched", "0"]
+    # Checkpointed (a second checkpoint: 401), its next launch waits for the restore.
+    assert caller("checkpoint", target.pid) == ["ok", "2", "401"]
+    target.stdin.write("go\n")
+    target.stdin.flush()
+    time.sleep(0.3)
+    assert [s for s, _ in rig.launches()][1:] == []
+    assert caller("restore", target.pid) == ["ok", "0"]
+    assert read_line(target) == ["launched", "0"]
+    (blocked,), (unlocked,) = rig.launches("blocked"), calls(rig, "unlock", target.pid)
+    assert blocked[1] > unlocked and rig.launches()[1][0] > unlocked
