@@ -62,6 +62,9 @@ EXIT_WITHIN = 1.0
 CLOSED = "it closed its connection to vramlock"
 # The name of the mapping the library keeps while its process has not joined (swap.h).
 UNJOINED = "vramlock-swap-unjoined"
+# How long a process that cannot be verified may take to become one that can (it was
+# caught starting) before the release is refused.
+VERIFY_WITHIN = 0.5
 # Releases that failed in a row (each a second apart) before swap is given up as
 # refused: the member then releases another way, or holds the GPU until it exits.
 GIVE_UP_AFTER = 3
@@ -340,7 +343,7 @@ class SwapStrategy(Strategy):
         return command
 
     def release(self, deadline: float | None) -> None:
-        why = self.hub.unverified(self.ctx.child.processes())
+        why = self._unverified(deadline)
         if why is not None:
             raise Refused(f"{why}; it was left running")
         bad = self._tell("release", "released", deadline)
@@ -427,6 +430,22 @@ class SwapStrategy(Strategy):
         except cuda.CudaError as err:
             raise StrategyError(f"the CUDA contexts could not be restored: {err}") from None
         self._parked, self._parked_used = [], {}
+
+    def _unverified(self, deadline: float | None) -> str | None:
+        """Why the release cannot reach every CUDA process of the command, once that has
+        lasted VERIFY_WITHIN: a process caught starting (its exec, the driver mapped before
+        the library's constructor ran) is not yet what it will be a moment later, and a
+        refusal is for good."""
+        end = time.monotonic() + VERIFY_WITHIN
+        if deadline is not None:
+            end = min(end, deadline)
+        while (why := self.hub.unverified(self.ctx.child.processes())) is not None:
+            if not self.ctx.child.alive:
+                raise ChildExited
+            if time.monotonic() >= end:
+                return why
+            time.sleep(0.02)
+        return None
 
     def _restore(self) -> None:
         if self._parked:
