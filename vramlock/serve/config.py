@@ -59,6 +59,10 @@ LOG_LEVELS = ("debug", "info", "warn", "error")
 # said with its last lines of output).
 DEFAULT_TO_STDOUT = "proxy"
 DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
+# The model that llama-swap's /comfyui/ reaches, and the concurrencyLimit it has at least
+# (a ComfyUI page asks for many assets at once).
+COMFYUI_MODEL = "comfyui_auto"
+COMFYUI_CONCURRENCY = 50
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -905,7 +909,7 @@ def _model(
         run_options=tuple(run),
         arena=arena,
         gpu=gpu,
-        concurrency=entry.concurrency(),
+        concurrency=max(entry.concurrency(), COMFYUI_CONCURRENCY if name == COMFYUI_MODEL else 0),
         filters=filters,
         metadata=entry.shown("metadata"),
         capabilities=entry.shown("capabilities"),
