@@ -51,6 +51,16 @@ def test_a_stripped_prefix_is_taken_off_before_the_model_s_server_gets_it(
     assert 'vramlock_serve_requests_total{model="m",status="200"} 1' in metrics
 
 
+def test_a_post_to_audio_voices_is_routed_by_its_body(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    _, port = start(spawn, path, arena)
+    got = call_json(port, "POST", "/v1/audio/voices", {"model": "m"})
+    assert (got["method"], got["path"]) == ("POST", "/v1/audio/voices")
+    assert call_json(port, "GET", "/v1/audio/voices?model=m")["method"] == "GET"
+
+
 def test_comfyui_reaches_comfyui_auto_and_only_its_root_starts_it(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:

@@ -481,7 +481,8 @@ class Router:
         r.add_put("/api/profiles/active", self.api_active_profile)
         r.add_route("*", "/api/profiles/active", _only("PUT"))
         for path in BY_QUERY:
-            get(path, self.by_query)
+            # llama-swap routes a POST /v1/audio/voices by its body, as any POST
+            (r.add_get if path == "/v1/audio/voices" else get)(path, self.by_query)
         for prefix in STRIPPED:
             r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
