@@ -610,12 +610,14 @@ def test_unknown_routes_and_models_answer_openai_json(
     assert body["error"] == {"code": 404, "message": "GET /no/such/route: no such route",
                              "type": "invalid_request_error", "param": None}  # fmt: skip
     status, body = ask(port, "DELETE", "/models/unload")
-    assert (status, body["error"]["message"]) == (404, "DELETE /models/unload: no such route")
+    assert (status, body["error"]["message"]) == (
+        405, "DELETE /models/unload: method not allowed; allowed: POST")  # fmt: skip
     # the page's routes too
     status, body = ask(port, "GET", "/ui/no/such/page")
     assert (status, body["error"]["message"]) == (404, "GET /ui/no/such/page: no such route")
     status, body = ask(port, "PUT", "/ui/")
-    assert (status, body["error"]["message"]) == (405, "PUT /ui/: method not allowed")
+    assert (status, body["error"]["message"]) == (
+        405, "PUT /ui/: method not allowed; allowed: GET, HEAD")  # fmt: skip
     # an unlisted model is served, not told of
     status, body = ask(port, "POST", "/v1/completions", b'{"model": "nope"}')
     assert (status, body["models"]) == (404, ["m"])

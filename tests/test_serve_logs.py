@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,15 +62,19 @@ def test_logs_hold_serve_s_lines_and_the_model_s_output(
     path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     proc, port = start(spawn, path, arena)
     call_json(port, "POST", "/v1/completions", {"model": "m"})
-    wait_until(lambda: "m got POST /v1/completions" in logs(port))
-    text = logs(port)
+    upstream = Follow(port, "/logs/stream/upstream")
+    try:
+        assert "m listening" in upstream.until("m got POST /v1/completions")
+    finally:
+        upstream.close()
+    text = logs(port)  # what reaches serve's output: its own lines (logToStdout: proxy)
     assert "[INFO] serving m at http://127.0.0.1:" in text
-    assert "m listening" in text
-    # and still on serve's own output (logToStdout's default here: both)
+    assert "m listening" not in text
+    # on serve's own output, its own lines only (logToStdout's default: proxy)
     proc.terminate()
     out, err = proc.communicate(timeout=30)
-    assert "m listening" in out
-    assert "m got POST /v1/completions" in err and "vramlock: serving m" in err
+    assert "m listening" not in out
+    assert "m got POST /v1/completions" not in err and "vramlock: serving m" in err
 
 
 def test_a_stream_sends_the_history_then_each_line_as_it_comes(
@@ -119,11 +124,12 @@ def test_logs_asked_for_by_a_browser_is_the_page(spawn: Spawn, tmp_path: Path, a
     assert (status, headers["Content-Type"]) == (200, "text/plain")
 
 
-@pytest.mark.parametrize("to_stdout", ["proxy", "upstream", "none"])
+@pytest.mark.parametrize("to_stdout", [None, "proxy", "upstream", "both", "none"])
 def test_log_to_stdout_picks_what_reaches_serve_s_output(
-    spawn: Spawn, tmp_path: Path, arena: Path, to_stdout: str
+    spawn: Spawn, tmp_path: Path, arena: Path, to_stdout: str | None
 ) -> None:
-    text = f"logToStdout: {to_stdout}\nmodels:\n" + echo_model("m", "release: restart")
+    key = "" if to_stdout is None else f"logToStdout: {to_stdout}\n"
+    text = f"{key}models:\n" + echo_model("m", "release: restart")
     proc, port = start(spawn, write(tmp_path, text), arena)
     call_json(port, "POST", "/v1/completions", {"model": "m"})
     follow = Follow(port, "/logs/stream/m")
@@ -132,10 +138,93 @@ def test_log_to_stdout_picks_what_reaches_serve_s_output(
     mux = logs(port)  # what went to serve's output
     proc.terminate()
     out, err = proc.communicate(timeout=30)
-    upstream, proxy = to_stdout == "upstream", to_stdout == "proxy"
+    # absent: llama-swap's default, proxy
+    upstream = to_stdout in ("upstream", "both")
+    proxy = to_stdout in (None, "proxy", "both")
     assert ("m listening" in out) == upstream == ("m listening" in mux)
     assert ("m got POST" in err) == upstream
     assert ("serving m" in err) == proxy == ("serving m" in mux)
+
+
+DIES = """
+import sys
+print("loading model...", flush=True)
+for i in range(8):
+    print(f"detail {i}", file=sys.stderr, flush=True)
+print("error: model file /x.gguf not found", file=sys.stderr, flush=True)
+sys.exit(3)
+"""
+
+
+def said_by_serve(proc: subprocess.Popen[str]) -> list[str]:
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    return err.splitlines()
+
+
+def test_a_server_that_dies_at_start_is_said_with_its_status_and_last_lines(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """logToStdout's default keeps the models' output from serve's own: a model whose
+    server exits is said there with its status and the end of its output."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    text = (f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+            "    release: restart\n  nf:\n    cmd: no-such-command-here ${PORT}\n"
+            "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    status, _, body = call(port, "POST", "/v1/completions", {"model": "m"})
+    assert (status, json.loads(body)["error"]["message"]) == (
+        502,
+        "model m: its server did not answer: its wrapper exited with status 3",
+    )
+    status, _, body = call(port, "POST", "/v1/completions", {"model": "nf"})
+    assert (status, json.loads(body)["error"]["message"]) == (
+        502, "model nf: its server did not answer: its wrapper exited with status 127"
+             " (command not found)")  # fmt: skip
+    lines = said_by_serve(proc)
+    at = lines.index("vramlock: model m: its wrapper exited with status 3; the end of its"
+                     " output (all of it: /logs/stream/m):")  # fmt: skip
+    assert lines[at + 1 : at + 6] == [  # its last 5 lines, stdout's and stderr's
+        *(f"vramlock: model m: | detail {i}" for i in (4, 5, 6, 7)),
+        "vramlock: model m: | error: model file /x.gguf not found",
+    ]
+    assert lines[at + 6].startswith("vramlock: model m: POST /v1/completions 502 in ")
+    at = lines.index("vramlock: model nf: its wrapper exited with status 127 (command not"
+                     " found); the end of its output (all of it: /logs/stream/nf):")  # fmt: skip
+    said = "vramlock: model nf: | vramlock: no-such-command-here: command not found"
+    assert lines[at + 1] == said
+    assert not any("loading model" in line for line in lines)  # the end only
+
+
+def test_a_server_shown_on_serve_s_output_is_not_said_twice(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    text = (f"logToStdout: both\nmodels:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+            "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    assert call(port, "POST", "/v1/completions", {"model": "m"})[0] == 502
+    lines = said_by_serve(proc)
+    assert "vramlock: model m: its wrapper exited with status 3" in lines
+    assert lines.count("error: model file /x.gguf not found") == 1
+    assert not any(line.startswith("vramlock: model m: |") for line in lines)
+
+
+def test_a_server_that_fails_its_health_check_is_said_with_its_answer(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    text = ("healthCheckTimeout: 2\nmodels:\n  m:\n"
+            f"    cmd: {sys.executable} -m http.server --bind 127.0.0.1 ${{PORT}}\n"
+            "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write(tmp_path, text), arena)
+    status, _, body = call(port, "POST", "/v1/completions", {"model": "m"})
+    message = json.loads(body)["error"]["message"]
+    assert status == 502 and message.endswith(
+        "answered 404 (no 2xx within healthCheckTimeout, 2 s)"
+    )
+    assert f"vramlock: {message}" in said_by_serve(proc)
 
 
 def test_log_time_format_stamps_serve_s_lines(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
@@ -172,7 +261,8 @@ def test_a_chatty_server_whose_output_nobody_reads_blocks_nobody(
     (into the bounded history, the oldest dropped) and serve still answers."""
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
-    text = f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n    release: restart\n"
+    text = (f"logToStdout: both\nmodels:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
+            "    release: restart\n")  # fmt: skip
     _, port = start(spawn, write(tmp_path, text), arena)
     call(port, "POST", "/v1/completions", {"model": "m"})  # starts it; what it answers: none
 

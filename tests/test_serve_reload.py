@@ -57,7 +57,8 @@ def test_a_changed_file_restarts_only_what_changed(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
     path = tmp_path / "serve.yaml"
-    head = f"startPort: {free_port()}\n"
+    # logToStdout both: /logs, the combined log, holds the models' output too
+    head = f"logToStdout: both\nstartPort: {free_port()}\n"
     first = head + models(tmp_path)
     path.write_text(first)
     _, port = start(spawn, path, arena, "--watch-config")
@@ -78,7 +79,7 @@ def test_a_changed_file_restarts_only_what_changed(
 
     rewrite(path, head + "models: [not, a, mapping\n")
     wait_until(lambda: "the configuration in use is kept" in history(port), 30)
-    assert f"{path}:3: not valid YAML" in history(port)
+    assert f"{path}:4: not valid YAML" in history(port)
     assert model_of(port, "c") == "c:c" and model_of(port, "b") == "b:b"
     assert history(port).count("a listening") == 1
 
@@ -87,7 +88,8 @@ def test_without_the_option_the_file_is_read_once(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
     path = tmp_path / "serve.yaml"
-    head = f"startPort: {free_port()}\n"
+    # logToStdout both: /logs, the combined log, holds the models' output too
+    head = f"logToStdout: both\nstartPort: {free_port()}\n"
     first = head + models(tmp_path)
     path.write_text(first)
     _, port = start(spawn, path, arena)

@@ -54,10 +54,15 @@ DEFAULT_START_PORT = 5800
 DEFAULT_HEALTH_TIMEOUT = 120.0
 DEFAULT_CHECK_ENDPOINT = "/health"
 LOG_LEVELS = ("debug", "info", "warn", "error")
-# logToStdout absent: serve's lines and its models' output, as before the key was read
-# (llama-swap's default is proxy: its servers' output only in /logs).
-DEFAULT_TO_STDOUT = "both"
+# logToStdout absent: serve's own lines only, as llama-swap's default; the models' output
+# is in /logs/stream/upstream and /logs/stream/MODEL (a wrapper that exits unasked is
+# said with its last lines of output).
+DEFAULT_TO_STDOUT = "proxy"
 DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
+# The model that llama-swap's /comfyui/ reaches, and the concurrencyLimit it has at least
+# (a ComfyUI page asks for many assets at once).
+COMFYUI_MODEL = "comfyui_auto"
+COMFYUI_CONCURRENCY = 50
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -211,7 +216,7 @@ class Config:
     log_level: str = "info"  # logLevel: info and debug say each request and start
     routing: routing.Routing = field(default_factory=routing.Routing)  # who is resident together
     unload_timeout: float | None = None  # unloadTimeout (None: healthCheckTimeout, no hard stop)
-    log_to_stdout: str = "both"  # logToStdout: which logs reach serve's output
+    log_to_stdout: str = DEFAULT_TO_STDOUT  # logToStdout: which logs reach serve's output
     log_time_format: str | None = None  # logTimeFormat, as a strftime format
     ignore_paths: tuple[re.Pattern[str], ...] = ()  # upstream.ignorePaths
     peers: dict[str, Peer] = field(default_factory=dict)
@@ -904,7 +909,7 @@ def _model(
         run_options=tuple(run),
         arena=arena,
         gpu=gpu,
-        concurrency=entry.concurrency(),
+        concurrency=max(entry.concurrency(), COMFYUI_CONCURRENCY if name == COMFYUI_MODEL else 0),
         filters=filters,
         metadata=entry.shown("metadata"),
         capabilities=entry.shown("capabilities"),

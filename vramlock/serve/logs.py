@@ -75,11 +75,13 @@ class Ring:
         self.limit = limit
         self._chunks: deque[bytes] = deque()
         self._size = 0
+        self.written = 0  # bytes ever written, for ``since``
         self._followers: dict[asyncio.Queue[bytes | None], list[int]] = {}
 
     def write(self, data: bytes) -> None:
         if not data:
             return
+        self.written += len(data)
         if len(data) >= self.limit:
             self._chunks.clear()
             self._size = 0
@@ -100,9 +102,12 @@ class Ring:
     def history(self) -> bytes:
         return b"".join(self._chunks)
 
-    def lines(self, n: int) -> list[str]:
-        """The last ``n`` whole lines, as text."""
-        text = self.history().decode(errors="replace")
+    def lines(self, n: int, since: int = 0) -> list[str]:
+        """The last ``n`` lines, as text, of what was written once ``written`` was
+        ``since`` (as much of it as the history still holds)."""
+        history = self.history()
+        history = history[len(history) - min(len(history), self.written - since) :]
+        text = history.decode(errors="replace")
         return text.splitlines()[-n:] if n > 0 else []
 
     def follow(self) -> asyncio.Queue[bytes | None]:
@@ -226,11 +231,16 @@ class Logs:
     def model(self, name: str) -> Ring:
         return self.models.setdefault(name, Ring())
 
+    @property
+    def shows_output(self) -> bool:
+        """Do the models' outputs reach serve's own (``logToStdout``)?"""
+        return self.to_stdout in ("upstream", "both")
+
     def output(self, name: str, data: bytes, stderr: bool) -> None:
         """What model ``name``'s wrapper wrote (``stderr``: on its standard error)."""
         self.model(name).write(data)
         self.upstream.write(data)
-        if self.to_stdout in ("upstream", "both"):
+        if self.shows_output:
             self.mux.write(data)
             out = self._err if stderr else self._out
             if out is not None:

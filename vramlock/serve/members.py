@@ -49,6 +49,9 @@ STOP_MARGIN = 2.0
 ASK_POLL = 0.01
 # A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
 _CANNOT_RELEASE = "auto:none"
+# When a wrapper exits unasked, serve says this many of its last lines of output (those
+# of its latest start), unless logToStdout shows its output already.
+EXIT_TAIL = 5
 # What vramlock run's own exit statuses mean.
 _EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
@@ -128,6 +131,7 @@ class Wrapper:
         self.unloading: asyncio.Task[bool] | None = None
         self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
         self.shown = State.RELEASED  # the member's state as last seen
+        self.ending = False  # serve ended the wrapper (its exit is no news)
 
     @property
     def where(self) -> list[str]:
@@ -172,6 +176,8 @@ class Wrapper:
     def start(self) -> None:
         """Start the wrapper (from serve's event loop), on serve's listening socket."""
         self.info("starting its wrapper")
+        self.ending = False
+        since = 0 if self.logs is None else self.logs.model(self.model.name).written
         env = dict(os.environ)
         env.update(self.model.env)
         # Output pipes (stdout's, stderr's), read by serve; their read ends are held by
@@ -203,6 +209,33 @@ class Wrapper:
         for (r, _), is_err in zip(pipes, (False, True), strict=False):
             self._read_output(r, is_err)
         self.exited = _exit_of(self.proc)
+        if self.exited is not None:
+            proc = self.proc
+            self.exited.add_done_callback(lambda _: self._exited(proc, since))
+
+    def _exited(self, proc: subprocess.Popen[bytes], since: int) -> None:
+        """The wrapper ``proc`` exited: unless serve ended it, say so with its status
+        and, where serve's output does not show the model's, its last lines of output
+        (``since``: where its latest start's output began in the model's log)."""
+        if proc is not self.proc or self.ending:
+            return
+        meaning = _EXIT_MEANING.get(proc.returncode, "")
+        said = f"model {self.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
+        logs = self.logs
+        if logs is None or logs.shows_output:
+            self.warn(said)
+            return
+        for fd, is_err in list(self.pipes.items()):  # what the pipes hold already
+            with contextlib.suppress(OSError):
+                while data := os.read(fd, 1 << 16):
+                    logs.output(self.model.name, data, is_err)
+        tail = logs.model(self.model.name).lines(EXIT_TAIL, since)
+        if not tail:
+            self.warn(f"{said}; it wrote nothing")
+            return
+        self.warn(f"{said}; the end of its output (all of it: /logs/stream/{self.model.name}):")
+        for line in tail:
+            self.warn(f"model {self.model.name}: | {line}")
 
     def _read_output(self, fd: int, is_err: bool) -> None:
         """The wrapper's output into serve's logs, read by the event loop as it comes."""
@@ -243,18 +276,24 @@ class Wrapper:
 
     async def cause(self, err: OSError) -> str:
         """Why the wrapper gave no answer, in words: its exit status (what 126 and 127
-        mean), else what its server's checkEndpoint answers now, else ``err``."""
+        mean), else what its server's checkEndpoint answers now, else ``err`` (these two
+        said on serve's output too)."""
         if self.proc is None:
             return (err.strerror or str(err)).lower()
         with contextlib.suppress(subprocess.TimeoutExpired):
             # A wrapper that cut the connection may be ending: its status says why.
             await asyncio.to_thread(self.proc.wait, EXIT_WITHIN)
         if not self.alive():
+            # Said already, with its last output, as it exited (``_exited``).
             code = self.proc.returncode
             return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
         if self.ready_url is not None:
-            return await self._health(self.ready_url, err)
-        return (err.strerror or str(err)).lower()
+            found = await self._health(self.ready_url, err)
+        else:
+            found = (err.strerror or str(err)).lower()
+        # The wrapper says why on its own output, which logToStdout may keep from serve's.
+        self.warn(f"model {self.model.name}: its server did not answer: {found}")
+        return found
 
     async def _health(self, path: str, err: OSError) -> str:
         """What ``GET path`` on the model's server answers now."""
@@ -314,6 +353,7 @@ class Wrapper:
     async def restart(self) -> None:
         """End the wrapper and its command, as llama-swap ends a model for another: it
         starts again on its next request."""
+        self.ending = True
         await asyncio.to_thread(stop_all, [self])
         self.proc = None  # ended on purpose: nothing to warn about when it starts again
 
@@ -358,6 +398,7 @@ class Wrapper:
     async def stop_hard(self) -> None:
         """SIGKILL the model's command (its process group), then end its wrapper, which
         ends whatever of the command is left before it exits."""
+        self.ending = True  # its exit, which may come before restart's, is no news
         row = self._row()
         child = None if row is None else row.child_pid
         if child is not None:
@@ -420,6 +461,7 @@ class Wrapper:
         self.listener.close()
 
     def terminate(self) -> None:
+        self.ending = True
         if self.alive():
             assert self.proc is not None
             self.proc.send_signal(signal.SIGTERM)

@@ -183,4 +183,10 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         if err.status < 400:
             raise
         why = "no such route" if err.status == 404 else err.reason.lower()
-        return error_response(err.status, f"{request.method} {request.path}: {why}")
+        allowed = ", ".join(m.strip() for m in err.headers.get("Allow", "").split(",") if m)
+        if err.status == 405 and allowed:  # as serve's other routes say it
+            why = f"{why}; allowed: {allowed}"
+        out = error_response(err.status, f"{request.method} {request.path}: {why}")
+        if allowed:
+            out.headers["Allow"] = allowed
+        return out

@@ -28,7 +28,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.records import HOLDING, State
 from . import body as bodies
-from .config import Config
+from .config import COMFYUI_MODEL, Config
 from .errors import error_response as _error
 from .front import Front, Head
 from .loading import Loading, wanted
@@ -64,6 +64,13 @@ _STREAM_CHUNK = 256 * 1024
 _PARSED = 64 * 1024
 # llama-swap's GET routes whose request names its model as ?model=NAME.
 BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
+# Prefixes that llama-swap strips before a POST is routed by its model: /v/ (clients that
+# add their own version, /v/chat/completions reaching /v1/...'s server as
+# /chat/completions) and /audioapi/ (audio.cpp's /v1/tasks/run).
+STRIPPED = ("/v", "/audioapi")
+# What llama-swap answers without an API key: its health checks and the root's redirect
+# (and every CORS preflight).
+_OPEN = frozenset({"/health", "/wol-health", "/"})
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -347,7 +354,7 @@ def _auth(keys: tuple[str, ...]) -> Middleware:
         ok = given is not None and any(
             hmac.compare_digest(given.encode(), k) for k in wanted
         )  # fmt: skip
-        if ok or request.path == "/health":
+        if ok or request.path in _OPEN or request.method == "OPTIONS":
             return await handler(request)
         refused = _error(401, "unauthorized: invalid or missing API key")
         refused.headers["WWW-Authenticate"] = 'Basic realm="vramlock"'
@@ -367,6 +374,39 @@ async def _relay(src: Any, dst: Any) -> None:
         else:
             break
     await dst.close()
+
+
+def _only(*methods: str) -> Handler:
+    """A route's other methods: 405 with Allow (as llama-swap's routes answer them). A
+    prefix's handler also gets the paths under it that nothing took: for ``methods``
+    those are 404."""
+    allowed = ", ".join(methods)
+
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        if request.method in methods:
+            return _error(404, f"{request.method} {request.path}: no such route")
+        out = _error(405, f"{request.method} {request.path}: method not allowed;"
+                          f" allowed: {allowed}")  # fmt: skip
+        out.headers["Allow"] = allowed
+        return out
+
+    return refuse
+
+
+async def _preflight(request: web.Request) -> web.Response:
+    """A CORS preflight (any OPTIONS), answered as llama-swap answers it: any origin."""
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    names = [h.strip() for h in asked.split(",")]
+    # only header names made of token characters are echoed back
+    names = [h for h in names if h and all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in h)]
+    headers = {
+        "Access-Control-Allow-Origin": "*",
+        "Access-Control-Allow-Methods": "GET, POST, PUT, PATCH, DELETE, OPTIONS",
+        "Access-Control-Allow-Headers": ", ".join(names) if asked
+        else "Content-Type, Authorization, Accept, X-Requested-With",
+        "Access-Control-Max-Age": "86400",
+    }  # fmt: skip
+    return web.Response(status=204, headers=headers)
 
 
 def _with_model(request: web.Request, model: str) -> str:
@@ -399,28 +439,52 @@ class Router:
         middlewares.append(self._counting)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         r = self.app.router
-        r.add_get("/health", self.health)
+
+        def get(path: str, handler: Handler) -> None:
+            """A GET route (and HEAD); its other methods 405, as llama-swap's."""
+            r.add_get(path, handler)
+            r.add_route("*", path, _only("GET", "HEAD"))
+
+        r.add_route("OPTIONS", "/{path:.*}", _preflight)
+        r.add_get("/", self.to_ui)  # a POST to / is routed by its model: no 405 here
+        get("/health", self.health)
+        get("/wol-health", self.health)
         # Watching (the exposition, the page) is never activity: see .metrics.
-        r.add_get("/metrics", self.metrics)
-        r.add_get("/ui", self.to_ui)
+        get("/metrics", self.metrics)
+        get("/ui", self.to_ui)
         self.app.add_subapp("/ui/", ui_app(wrappers, self.requests, logs))
-        r.add_get("/v1/models", self.list_models)
-        r.add_get("/models", self.list_models)
-        r.add_get("/v1/models/{model:.+}", self.one_model)
-        r.add_get("/running", self.running)
+        r.add_route("*", "/ui/{path:.*}", _only("GET", "HEAD"))  # what the page has not
+        get("/v1/models", self.list_models)
+        get("/models", self.list_models)
+        get("/v1/models/{model:.+}", self.one_model)
+        get("/running", self.running)
         r.add_post("/models/unload", self.unload_all)
+        r.add_route("*", "/models/unload", _only("POST"))
         r.add_post("/models/unload/{model}", self.unload_one)
-        r.add_get("/unload", self.unload_all_plain)
+        r.add_route("*", "/models/unload/{model}", _only("POST"))
+        get("/unload", self.unload_all_plain)
         r.add_post("/api/models/unload", self.api_unload_all)
+        r.add_route("*", "/api/models/unload", _only("POST"))
         r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
-        r.add_get("/upstream", self.upstream_list)
+        r.add_route("*", "/api/models/unload/{model:.+}", _only("POST"))
+        get("/upstream", self.upstream_list)
+        r.add_route("*", "/upstream/{model}", self.upstream)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
+        r.add_route("*", "/comfyui", self.to_comfyui)
+        r.add_route("*", "/comfyui/{path:.*}", self.comfyui)
         if logs is not None:
             add_routes(r, logs, self._name)
-        r.add_get("/api/profiles", self.api_profiles)
+            r.add_route("*", "/logs", _only("GET", "HEAD"))
+            r.add_route("*", "/logs/stream", _only("GET", "HEAD"))
+            r.add_route("*", "/logs/stream/{which:.+}", _only("GET", "HEAD"))
+        get("/api/profiles", self.api_profiles)
         r.add_put("/api/profiles/active", self.api_active_profile)
+        r.add_route("*", "/api/profiles/active", _only("PUT"))
         for path in BY_QUERY:
-            r.add_get(path, self.by_query)
+            # llama-swap routes a POST /v1/audio/voices by its body, as any POST
+            (r.add_get if path == "/v1/audio/voices" else get)(path, self.by_query)
+        for prefix in STRIPPED:
+            r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
         self.app.on_cleanup.append(self._close)
@@ -756,10 +820,55 @@ class Router:
         path = found.model.prefix + request.path_qs
         return await self._forward(request, found, path, stream)
 
+    async def stripped(self, request: web.Request) -> web.StreamResponse:
+        """llama-swap's /v/... and /audioapi/... (``STRIPPED``): the prefix taken off,
+        then routed by its model as any POST."""
+        prefix = next(p for p in STRIPPED if request.raw_path.startswith(p + "/"))
+        inner = request.clone(rel_url=request.raw_path[len(prefix) :])
+        try:
+            return await self.by_model(inner)
+        finally:
+            if MODEL in inner:  # counted (.metrics) by the request the middleware has
+                request[MODEL] = inner[MODEL]
+
+    async def to_comfyui(self, request: web.Request) -> web.Response:
+        """llama-swap's /comfyui: to /comfyui/ (301 for GET and HEAD, else 308, which
+        keeps the method), with the query."""
+        query = request.rel_url.raw_query_string
+        location = "/comfyui/" + (f"?{query}" if query else "")
+        if request.method in ("GET", "HEAD"):
+            raise web.HTTPMovedPermanently(location)
+        raise web.HTTPPermanentRedirect(location)
+
+    async def comfyui(self, request: web.Request) -> web.StreamResponse:
+        """llama-swap's /comfyui/PATH: model ``comfyui_auto``'s server at /PATH, as
+        /upstream/comfyui_auto/PATH but that only /comfyui/ itself may start the model
+        (a page left open must not bring it back once it was released)."""
+        w = self.wrappers.get(COMFYUI_MODEL)
+        if w is None:
+            return _error(404, f"local model {COMFYUI_MODEL} not found")
+        rest = request.raw_path[len("/comfyui") :]
+        if rest.partition("?")[0] != "/" and not (
+            w.alive() and w.member_state() == State.RESIDENT.value
+        ):
+            return _error(409, f"model {COMFYUI_MODEL} is not loaded; only /comfyui/ can start it")
+        path = w.model.prefix + rest
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._websocket(request, w, path)
+        return await self._forward(request, w, path, None)
+
     async def upstream(self, request: web.Request) -> web.StreamResponse:
         # The longest name that the path starts with: a model's name may hold "/".
         rest = request.raw_path[len("/upstream/") :]
         names = [*self.config.models, *(a for m in self.config.models.values() for a in m.aliases)]
+        bare, mark, query = rest.partition("?")
+        if bare in names:
+            # /upstream/MODEL: to /upstream/MODEL/, so that its page's relative URLs
+            # resolve under it (301 for GET and HEAD, else 308, which keeps the method).
+            location = f"/upstream/{bare}/{mark}{query}"
+            if request.method in ("GET", "HEAD"):
+                raise web.HTTPMovedPermanently(location)
+            raise web.HTTPPermanentRedirect(location)
         name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
         if name is None and self.config.peers:
             remote = upstream_peer(self.config, rest)
