@@ -385,7 +385,10 @@ def main() -> int:
     sections = set(args.only.split(","))
     if not sections <= set(SECTIONS):
         parser.error(f"--only: of {', '.join(SECTIONS)}")
-    binary = str(llama_server.cached_binary() or llama_server.ensure())
+    # The CPU build for every section but a switch given its own --binary (a GPU machine
+    # need not build one).
+    needs_cpu = bool(sections - {"switch"}) or not args.binary
+    binary = str(llama_server.cached_binary() or llama_server.ensure()) if needs_cpu else ""
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

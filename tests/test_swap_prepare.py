@@ -93,3 +93,44 @@ def test_a_busy_program_is_not_prepared_under(rig: Rig, spawn: Spawn) -> None:
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert registered(rig) == 0
+
+
+def copied_out(rig: Rig, since: int = 0) -> int:
+    """The bytes copied to the host on a stream (the library's copies) since ``since`` ns."""
+    return sum(n for t, n in rig.launches("dtoh") if t >= since)
+
+
+def test_an_idle_program_s_memory_is_copied_ahead_and_its_first_release_copies_nothing(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Idle, its memory goes to the host copies ahead (the fake's log of copies out), and
+    # is digested there: its first release finds every segment unchanged and copies none
+    # of it, where a first release used to copy it all. Its contents come back whole.
+    port = server(rig, spawn)
+    resident = int(rig.phys.read_text())
+    wait_until(lambda: copied_out(rig) >= resident, timeout=30)
+    time.sleep(1.0)  # its digests: a few MiB hashed on the host, a few ms
+    before = time.monotonic_ns()
+    held = swapped_once(rig, spawn)
+    assert int(held[2]) == 0  # its memory left the "GPU"
+    assert copied_out(rig, before) == 0
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")
+
+
+def test_memory_changed_after_it_was_copied_ahead_is_copied_again(rig: Rig, spawn: Spawn) -> None:
+    # A request adds one to every buffer after the copy ahead: every segment differs from
+    # its digest, so the release copies it all, and the program finds its contents as it
+    # left them (it checks them on the next request).
+    port = server(rig, spawn)
+    resident = int(rig.phys.read_text())
+    wait_until(lambda: copied_out(rig) >= resident, timeout=30)
+    time.sleep(1.0)
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")
+    before = time.monotonic_ns()
+    held = swapped_once(rig, spawn)
+    assert int(held[2]) == 0
+    assert copied_out(rig, before) > 0
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 2\n")

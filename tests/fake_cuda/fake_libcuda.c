@@ -614,7 +614,25 @@ CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { GATED((memcpy(h, PT
 CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcpyDtoH_v2(h, d, n); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
 CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
-CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return current ? cuMemcpyDtoH_v2(h, d, n) : NO_CONTEXT; }
+/* Copies to the host on a stream (what the swap library's copies out are) are logged as
+ * "dtoh <monotonic ns> <bytes>" (FAKE_CUDA_LAUNCH_LOG). */
+CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s)
+{
+	(void)s;
+	if (!current)
+		return NO_CONTEXT;
+	CUresult r = cuMemcpyDtoH_v2(h, d, n);
+	if (!r && log_fd >= 0) {
+		struct timespec ts;
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		char line[64];
+		int len = snprintf(line, sizeof line, "dtoh %lld %zu\n",
+				   (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, n);
+		if (write(log_fd, line, (size_t)len) != len)
+			abort();
+	}
+	return r;
+}
 CUresult cuMemcpyDtoHAsync_v2_ptsz(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { GATED((memmove(PTR(d), PTR(s), n), OK)); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { (void)st; return cuMemcpyDtoD_v2(d, s, n); }

@@ -178,6 +178,20 @@ static void digest_all(void)
 		TRACE("digest: %zu segments in %.1f ms", need / DIGEST_LANES, now_ms() - t0);
 }
 
+/* The keys, drawn if need be; NULL when they cannot be (prepare.c). */
+const uint64_t *delta_keys(void)
+{
+	return draw_keys() ? keys : NULL;
+}
+
+/* What a first release in `ctx` (current) would make: its copy streams and the
+ * kernel, loaded (the PTX compiled) ahead; 0 when the kernel cannot be (prepare.c). */
+int delta_warm(CUcontext ctx)
+{
+	CUstream *streams;
+	return !streams_of(ctx, &streams) && !real_cuCtxSetCurrent(ctx) && kernel_in(ctx);
+}
+
 /* Does `p`'s host copy hold what its digests of the last release say? */
 static int known(const struct phys *p)
 {

@@ -240,6 +240,8 @@ double now_ms(void)
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+unsigned long release_count;
+
 /* The bytes the last release copied (of `bytes`: what changed, delta.c). */
 static size_t copied_out;
 
@@ -301,6 +303,7 @@ void do_release(char *answer, size_t len, int stay_closed)
 		return;
 	}
 	double t0 = now_ms();
+	release_count++;
 	gate_close_locked();
 	if (atomic_load(&captures) > 0) {
 		/* Synchronizing would invalidate the capture: the program's graph would be

@@ -8,7 +8,7 @@
  *
  * So once the program's allocations have stood still a while and it is idle (no GPU
  * call in flight, none begun for IDLE_MS), a thread of the library's own makes the
- * host copies ready, one PREP_CHUNK at a time: it maps the copy with transparent
+ * host copies ready, then copies the memory into them (below), a step at a time: it maps the copy with transparent
  * huge pages asked for (a 2 MiB page is one fault where 4 KiB pages are 512), touches
  * the chunk and locks it (cuMemHostRegister). Each step holds `mu`, so a release
  * never sees a chunk half made, and lasts a few milliseconds; between steps the
@@ -21,7 +21,11 @@
  */
 #include "swap.h"
 
+#include "digest.h"
+
 #define PREP_CHUNK COPY_CHUNK
+#define AHEAD_CHUNK (256ULL << 20) /* copied ahead in one step: ~5 ms */
+#define HASH_CHUNK (16ULL * DIGEST_SEGMENT) /* digested on the host in one step */
 #define IDLE_MS 50.0
 #define QUIET_MS 1000.0
 #define TICK_NS 20000000L   /* how often the thread looks, while it has work */
@@ -102,6 +106,120 @@ void host_free(struct phys *p)
 	p->prep_len = p->prep_done = 0;
 }
 
+/* ---- copies made ahead ----------------------------------------------------------
+ * Once its host copy is ready, an allocation the program has mapped is copied into it
+ * while the program is idle, and that copy is digested here, on the host, segment by
+ * segment, as the GPU kernel would (digest.h). The digests describe what the host copy
+ * holds, whatever the GPU did meanwhile: at the first release, a segment whose GPU
+ * digest equals them is unchanged and not copied again, as at any later release, and a
+ * segment the program changed since (or while it was copied) differs and is copied. */
+
+/* Where `p` is mapped from its start, readable by its own device: its address and the
+ * length a release copies (engine.c's find_copy_places); 0 when it is not. */
+static CUdeviceptr ahead_place(struct phys *p, size_t *len)
+{
+	CUdevice dev;
+	if (real_cuCtxSetCurrent(p->ctx) || real_cuCtxGetDevice(&dev) || dev != p->prop.location.id)
+		return 0;
+	for (size_t i = 0; i < nmaps; i++) {
+		struct mapping *m = &maps[i];
+		if (m->phys != p || m->offset)
+			continue;
+		*len = m->size < p->size ? m->size : p->size;
+		for (size_t a = 0; *len % 16 == 0 && a < m->naccess; a++)
+			if (m->access[a].location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
+			    m->access[a].location.id == dev && m->access[a].flags & 1)
+				return m->va;
+		return 0;
+	}
+	return 0;
+}
+
+/* digest_words for the four lanes at once (the same arithmetic, in one pass). */
+static void host_digest(const uint32_t *w, size_t n, const uint64_t *k, uint64_t *out)
+{
+	_Static_assert(DIGEST_LANES == 4, "four lanes");
+	uint64_t h0 = 0, h1 = 0, h2 = 0, h3 = 0;
+	for (size_t i = n; i-- > 0;) {
+		h0 = digest_add(digest_mul(h0, k[0]), w[i]);
+		h1 = digest_add(digest_mul(h1, k[1]), w[i]);
+		h2 = digest_add(digest_mul(h2, k[2]), w[i]);
+		h3 = digest_add(digest_mul(h3, k[3]), w[i]);
+	}
+	out[0] = h0, out[1] = h1, out[2] = h2, out[3] = h3;
+}
+
+static void ahead_drop(struct phys *p)
+{
+	free(p->pre_digest);
+	p->pre_digest = NULL;
+	p->pre_done = p->pre_hashed = p->pre_len = 0;
+}
+
+/* Does `p` want a step of its copy ahead? (Its host copy is ready, it has no digests
+ * yet, and it is mapped where it can be read.) With `mu` held. */
+static int ahead_wanted(struct phys *p)
+{
+	if (!p->host || p->digest || p->pre_failed || !p->real)
+		return 0;
+	if (p->pre_len && p->pre_release != release_count)
+		ahead_drop(p); /* a release came in between: it made the host copy anew */
+	return 1;
+}
+
+/* One step of `p`'s copy ahead: a piece copied, or a piece digested, or, all done,
+ * the digests handed to delta.c as those of the host copy. With `mu` held. */
+static CUresult ahead_step(struct phys *p)
+{
+	const uint64_t *keys = delta_keys();
+	size_t len = 0;
+	CUdeviceptr va = ahead_place(p, &len);
+	if (!keys || !va || !delta_warm(p->ctx))
+		return CUDA_ERROR_NOT_FOUND;
+	if (!p->pre_len || len != p->pre_len) {
+		ahead_drop(p);
+		size_t n = (len + DIGEST_SEGMENT - 1) / DIGEST_SEGMENT * DIGEST_LANES;
+		if (!(p->pre_digest = malloc(n * sizeof *p->pre_digest)))
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		p->pre_len = len;
+		p->pre_release = release_count;
+	}
+	if (p->pre_done < len) {
+		CUstream *streams;
+		size_t n = len - p->pre_done < AHEAD_CHUNK ? len - p->pre_done : AHEAD_CHUNK;
+		CUresult r = streams_of(p->ctx, &streams);
+		for (size_t off = 0, c; !r && off < n; off += c) {
+			c = n - off < COPY_CHUNK ? n - off : COPY_CHUNK;
+			r = real_cuMemcpyDtoHAsync_v2((char *)p->host + p->pre_done + off,
+						      va + p->pre_done + off, c, streams[0]);
+		}
+		if (!r)
+			r = real_cuStreamSynchronize(streams[0]);
+		if (!r)
+			p->pre_done += n;
+		return r;
+	}
+	if (p->pre_hashed < len) {
+		const uint32_t *w = (const uint32_t *)p->host;
+		size_t words = len / 4, end = p->pre_hashed + HASH_CHUNK;
+		for (size_t off = p->pre_hashed; off < len && off < end; off += DIGEST_SEGMENT) {
+			size_t first = off / 4, left = words - first, seg = DIGEST_SEGMENT / 4;
+			host_digest(w + first, left < seg ? left : seg, keys,
+				    p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
+		}
+		p->pre_hashed = end < len ? end : len;
+		return CUDA_SUCCESS;
+	}
+	free(p->digest);
+	p->digest = p->pre_digest;
+	p->digest_len = len;
+	p->digest_host = p->host;
+	p->pre_digest = NULL;
+	p->pre_done = p->pre_hashed = p->pre_len = 0;
+	TRACE("host copy of %zu bytes made ahead", len);
+	return CUDA_SUCCESS;
+}
+
 /* The first allocation whose copy is not ready and may be made now, or NULL.
  * With `mu` held. */
 static struct phys *next_to_prepare(void)
@@ -113,15 +231,27 @@ static struct phys *next_to_prepare(void)
 	return NULL;
 }
 
+static struct phys *next_ahead(void)
+{
+	for (struct phys *p = physes; p; p = p->next)
+		if (ahead_wanted(p))
+			return p;
+	return NULL;
+}
+
 static void *preparer(void *arg)
 {
 	(void)arg;
 	unsigned long seen = atomic_load(&gate_entries);
 	double busy_at = now_ms();
-	for (;;) {
+	/* Steps one after the other: each holds `mu` a few ms (a release waits at most that),
+	 * and between two the program's calls are looked at again. */
+	for (int worked = 0;;) {
 		int rest = 0;
 		struct timespec tick = {0, TICK_NS};
-		nanosleep(&tick, NULL);
+		if (!worked) /* after a step, the next at once while the program stays idle */
+			nanosleep(&tick, NULL);
+		worked = 0;
 		unsigned long entries = atomic_load(&gate_entries);
 		double now = now_ms();
 		if (entries != seen || atomic_load(&inflight) > 0) {
@@ -131,25 +261,31 @@ static void *preparer(void *arg)
 		}
 		if (now - busy_at < IDLE_MS)
 			continue;
+		struct phys *p;
 		pthread_mutex_lock(&mu);
 		if (released || refused[0] || atomic_load(&closed) || now - table_changed_ms < QUIET_MS) {
 			rest = released || refused[0];
-		} else {
-			struct phys *p = next_to_prepare();
-			if (!p) {
-				rest = 1;
-			} else {
-				CUresult r = prepare_step(p);
-				real_cuCtxSetCurrent(NULL);
-				if (r) {
-					p->prep_failed = 1;
-					TRACE("host copy of %zu bytes not made ready: %s", p->size,
-					      errname(r));
-				} else if (p->host) {
-					TRACE("host copy of %zu bytes ready", p->size);
-				}
+		} else if ((p = next_to_prepare())) {
+			CUresult r = prepare_step(p);
+			worked = !r;
+			if (r) {
+				p->prep_failed = 1;
+				TRACE("host copy of %zu bytes not made ready: %s", p->size, errname(r));
+			} else if (p->host) {
+				TRACE("host copy of %zu bytes ready", p->size);
 			}
+		} else if ((p = next_ahead())) {
+			CUresult r = ahead_step(p);
+			worked = !r;
+			if (r) {
+				p->pre_failed = 1;
+				ahead_drop(p);
+				TRACE("host copy of %zu bytes not made ahead: %s", p->size, errname(r));
+			}
+		} else {
+			rest = 1;
 		}
+		real_cuCtxSetCurrent(NULL);
 		pthread_mutex_unlock(&mu);
 		if (rest) {
 			struct timespec pause = {0, REST_NS};

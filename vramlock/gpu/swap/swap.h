@@ -248,6 +248,14 @@ struct phys {
 	void *prep_base;                    /* host memory of ours (prepare.c), else NULL */
 	size_t prep_len, prep_done;         /* its length, and the bytes locked so far */
 	int prep_failed;                    /* could not be made ready ahead: the release will */
+	/* Copied ahead (prepare.c): the host copy's first `pre_done` bytes came from the GPU
+	 * while the program was idle, and the first `pre_hashed` are digested on the host
+	 * into `pre_digest` (for `pre_len` bytes from offset 0), begun before release
+	 * number `pre_release` (a release in between makes them nothing). */
+	size_t pre_done, pre_hashed, pre_len;
+	uint64_t *pre_digest;
+	unsigned long pre_release;
+	int pre_failed;
 	CUdeviceptr copy_va;                /* during a swap: where it is (or was) mapped */
 	size_t copy_len;
 	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
@@ -317,6 +325,10 @@ double now_ms(void);
  * time, or when the digest kernel cannot run); the bytes copied in `copied`. */
 CUresult copy_changed(size_t *copied);
 void delta_forget(void);
+const uint64_t *delta_keys(void);
+int delta_warm(CUcontext ctx);
+/* Releases begun so far (engine.c): what was made ahead of one is stale after it. */
+extern unsigned long release_count;
 
 /* ---- hostmem.c: host memory before pinning ------------------------------------- */
 

@@ -194,6 +194,7 @@ void phys_destroy(struct phys *p)
 	host_free(p);
 	table_changed_ms = now_ms();
 	free(p->digest);
+	free(p->pre_digest);
 	if (p->prev)
 		p->prev->next = p->next;
 	else
