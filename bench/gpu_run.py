@@ -77,6 +77,7 @@ def strategy(
     before: Callable[[Any], object] | None = None,
     stderr: IO[str] | None = None,
     settle: float = 0.0,
+    hold: float = 0.0,
 ) -> list[dict[str, float]]:
     """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
     member arrives and takes the token (*out*), then gives it back (*back*). ``before``
@@ -112,6 +113,7 @@ def strategy(
                 # Released: off the GPU (checkpoint), or holding its CUDA context alone.
                 assert left is None if release == "checkpoint" else (left or 0) < GIB, left
                 w.send("check")  # blocks while released
+                time.sleep(hold)
                 t2 = time.perf_counter()
                 me.residency.drop()
                 word, value = w.read(120).split()

@@ -26,6 +26,9 @@
    library's host copies made ready meanwhile (``--prepare on``), without (``off``, as
    ``VRAMLOCK_SWAP_PREPARE=0``), or ``both``, one after the other in the same run: *first
    out* against the later releases' *out*.
+5. **parked** (``--park``): each size again with ``VRAMLOCK_PARK_AFTER=0`` and the member
+   holding the token PARK_HOLD seconds, so that the released worker's CUDA context leaves
+   the GPU too: *back* then includes bringing the context back.
 
 What the library costs a resident program: bench/interpose.py. Two llama-servers under
 swap, checkpoint, the preset and restart: bench/servers.py. GB/s are 10^9 bytes a
@@ -52,6 +55,8 @@ import gpu_run  # noqa: E402
 
 from vramlock.gpu import nvml  # noqa: E402
 
+PARK_HOLD = 2.0  # seconds: the park (a checkpoint of the context, ~0.5 s) is done by then
+
 
 def traced(err: str) -> tuple[list[int], list[float]]:
     """The bytes each release copied and each digest's milliseconds, from the trace."""
@@ -61,16 +66,24 @@ def traced(err: str) -> tuple[list[int], list[float]]:
 
 
 def switch(
-    gib: float, repeat: int, unchanged: float, settle: float = 0.0, prepare: bool = True
+    gib: float,
+    repeat: int,
+    unchanged: float,
+    settle: float = 0.0,
+    prepare: bool = True,
+    park: bool = False,
 ) -> dict[str, Any]:
     def change(w: Any) -> None:
         if unchanged < 100:
             w.touch(100 - unchanged)
 
     env = {**os.environ, "VRAMLOCK_SWAP_DEBUG": "1", "VRAMLOCK_SWAP_PREPARE": str(int(prepare))}
+    if park:  # parked at once, and the member holds the token long enough for it
+        env["VRAMLOCK_PARK_AFTER"] = "0"
     with tempfile.TemporaryDirectory() as arena, tempfile.TemporaryFile("w+") as err:
         runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat, env=env, before=change,
-                                stderr=err, settle=settle)  # fmt: skip
+                                stderr=err, settle=settle,
+                                hold=PARK_HOLD if park else 0.0)  # fmt: skip
         err.seek(0)
         copied, digest = traced(err.read())
     for run, n, ms in zip(runs, copied, digest + [0.0] * len(runs), strict=False):
@@ -80,6 +93,7 @@ def switch(
         "gib": gib,
         "unchanged": unchanged,
         "prepare": prepare,
+        "park": park,
         "settle": settle,
         "first": first,
         **{key: statistics.median(r.get(key, 0) for r in later)
@@ -95,6 +109,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--settle", type=float, default=0.0, help="idle seconds before release 1")
     parser.add_argument("--prepare", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--park", action="store_true", help="each size parked too (back)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     prepares = {"on": [True], "off": [False], "both": [True, False]}[args.prepare]
@@ -106,6 +121,9 @@ def main() -> int:
     rows = [switch(float(s), args.repeat, float(u), args.settle, p)
             for s in args.sizes.split(",") for u in args.unchanged.split(",")
             for p in prepares]  # fmt: skip
+    if args.park:
+        rows += [switch(float(s), args.repeat, 100.0, args.settle, True, park=True)
+                 for s in args.sizes.split(",")]  # fmt: skip
     print(f"\nswitch: medians of {args.repeat} swaps after the first;"
           f" the first {args.settle:g} s after the worker was ready")  # fmt: skip
     print(
@@ -117,6 +135,7 @@ def main() -> int:
         n = r["moved"]
         print(
             f"| {r['gib']:g} | {r['unchanged']:g} % | {'on' if r['prepare'] else 'off'}"
+            f"{', parked' if r['park'] else ''}"
             f" | {n / gpu.GIB:.2f}"
             f" | {r['copied'] / gpu.GIB:.2f} | {r['digest_ms']:.1f}"
             f" | {r['out']:.3f} ({gpu.gbps(n, r['out']):.1f},"
