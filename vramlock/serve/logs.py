@@ -37,6 +37,9 @@ _READ = 64 * 1024
 _PIPE_BUF = 4096
 
 TO_STDOUT = ("proxy", "upstream", "both", "none")
+# A wrapper's own lines on its standard error, and the longest kept while incomplete.
+WRAPPER_PREFIX = b"vramlock: "
+WRAPPER_LINE = 4096
 
 # logTimeFormat: Go's time layouts by llama-swap's names, as strftime formats; %f is
 # microseconds (Go's "nano" layouts: shown to the microsecond, what Python's clock has).
@@ -206,6 +209,7 @@ class Logs:
         self.time_format = time_format
         self._say = say  # serve's own lines on its output (stderr, vramlock's way)
         self.proxy, self.upstream, self.mux = Ring(), Ring(), Ring()
+        self._partial: dict[str, bytes] = {}  # a model's stderr line not yet ended
         self.models: dict[str, Ring] = {}
         self._out, self._err = out, err
         self._hold = hold
@@ -245,6 +249,20 @@ class Logs:
             out = self._err if stderr else self._out
             if out is not None:
                 out.write(data)
+        elif stderr:
+            self._wrapper_lines(name, data)
+
+    def _wrapper_lines(self, name: str, data: bytes) -> None:
+        """The wrapper's own lines (``vramlock: ...``: why a release failed, why it holds
+        the GPU) are vramlock's, not the server's: among serve's lines, whatever
+        ``logToStdout`` keeps of the models' output."""
+        pending = self._partial.get(name, b"") + data
+        *lines, rest = pending.split(b"\n")
+        self._partial[name] = rest[-WRAPPER_LINE:]
+        for line in lines:
+            if line.startswith(WRAPPER_PREFIX):
+                text = line[len(WRAPPER_PREFIX) :].decode(errors="replace")
+                self.say(f"model {name}: {text}")
 
     def end_streams(self) -> None:
         """Serve is ending: every /logs/stream ends."""
