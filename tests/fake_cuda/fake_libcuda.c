@@ -592,15 +592,7 @@ static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 		return OOM;
 	if (!p || !n)
 		return INVALID;
-	if (log_fd >= 0) {
-		struct timespec ts;
-		clock_gettime(CLOCK_MONOTONIC, &ts);
-		char line[64];
-		int len = snprintf(line, sizeof line, "register %lld %zu\n",
-				   (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, n);
-		if (write(log_fd, line, (size_t)len) != len)
-			abort();
-	}
+	log_line("register", now_ns(), (long long)n);
 	return OK;
 }
 
@@ -622,15 +614,8 @@ CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s)
 	if (!current)
 		return NO_CONTEXT;
 	CUresult r = cuMemcpyDtoH_v2(h, d, n);
-	if (!r && log_fd >= 0) {
-		struct timespec ts;
-		clock_gettime(CLOCK_MONOTONIC, &ts);
-		char line[64];
-		int len = snprintf(line, sizeof line, "dtoh %lld %zu\n",
-				   (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, n);
-		if (write(log_fd, line, (size_t)len) != len)
-			abort();
-	}
+	if (!r)
+		log_line("dtoh", now_ns(), (long long)n);
 	return r;
 }
 CUresult cuMemcpyDtoHAsync_v2_ptsz(void *h, CUdeviceptr d, size_t n, void *s) { (void)s; return cuMemcpyDtoH_v2(h, d, n); }
