@@ -21,6 +21,7 @@ from helpers.engines import FAKE, Engine, MakeEngine  # noqa: E402
 from helpers.errors import ErrCli  # noqa: E402
 from helpers.net import free_port  # noqa: E402
 from helpers.processes import Spawn, kill_group  # noqa: E402
+from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig  # noqa: E402
 from helpers.worker import WORKER  # noqa: E402
 
 
@@ -161,3 +162,15 @@ def engine(tmp_path: Path) -> MakeEngine:
         return Engine(name, [*argv, *args], port, log, env)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
+    """The fake CUDA driver and programs, built once a session (tests/fake_cuda/)."""
+    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture
+def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
+    """One test's fake GPU (helpers/swap_rig.py)."""
+    return make_rig(fakes, arena, tmp_path)

@@ -23,12 +23,9 @@ from helpers.commands import vramlock, who_json
 from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import (
-    Fakes,
     Rig,
     _driver_here,
-    build_fakes,
     during,
-    make_rig,
     read_line,
     resumed,
     swap_turns,
@@ -43,16 +40,6 @@ pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
 ]
-
-
-@pytest.fixture(scope="session")
-def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
-    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
-    return make_rig(fakes, arena, tmp_path)
 
 
 def auto(rig: Rig, spawn: Spawn, *command: str, env: dict[str, str]) -> subprocess.Popen[str]:

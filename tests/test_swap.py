@@ -30,12 +30,9 @@ from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
 from helpers.serve import call
 from helpers.swap_rig import (
-    Fakes,
     Rig,
     _driver_here,
-    build_fakes,
     during,
-    make_rig,
     read_line,
     resumed,
     swap_turns,
@@ -51,16 +48,6 @@ pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
 ]
-
-
-@pytest.fixture(scope="session")
-def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
-    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
-    return make_rig(fakes, arena, tmp_path)
 
 
 def test_the_program_runs_on_the_fake_driver_alone(rig: Rig) -> None:

@@ -21,10 +21,7 @@ from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import (
     FAKES,
     SWAP_SOURCES,
-    Fakes,
     Rig,
-    build_fakes,
-    make_rig,
     read_line,
     resumed,
     swap_copies,
@@ -43,16 +40,6 @@ SEGMENT = 256 << 10  # digest.h's DIGEST_SEGMENT
 MIB = 32
 SIZE = MIB << 20
 P = (1 << 61) - 1
-
-
-@pytest.fixture(scope="session")
-def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
-    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
-    return make_rig(fakes, arena, tmp_path)
 
 
 def poke_between_swaps(rig: Rig, spawn: Spawn, pokes: list[tuple[int, int]],

@@ -11,23 +11,11 @@ contents on each request.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import pytest
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line
-
-
-@pytest.fixture(scope="session")
-def fakes(tmp_path_factory: pytest.TempPathFactory) -> Fakes:
-    return build_fakes(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def rig(fakes: Fakes, arena: Path, tmp_path: Path) -> Rig:
-    return make_rig(fakes, arena, tmp_path)
+from helpers.swap_rig import Rig, read_line
 
 
 def registered(rig: Rig) -> int:
