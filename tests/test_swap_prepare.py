@@ -11,6 +11,7 @@ contents on each request.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
@@ -122,3 +123,19 @@ def test_memory_changed_after_it_was_copied_ahead_is_copied_again(rig: Rig, spaw
     assert copied_out(rig, before) > 0
     status, _, body = call(port, "POST", "/work", {})
     assert (status, body) == (200, b"round 2\n")
+
+
+def test_a_host_short_of_memory_prepares_nothing_until_it_has_it(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    # Pinned memory cannot be reclaimed: nothing is locked ahead past what the host can
+    # spare (MemAvailable above max(1 GiB, 5 % of MemTotal) once locked), asked at each
+    # step, so that several programs preparing at once stop at the margin.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 16777216 kB\nMemAvailable: 524288 kB\n")
+    server(rig, spawn, VRAMLOCK_SWAP_MEMINFO=str(meminfo))
+    resident = int(rig.phys.read_text())
+    time.sleep(2.5)  # idle for longer than the library waits before it prepares
+    assert registered(rig) == 0
+    meminfo.write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    wait_until(lambda: registered(rig) == resident, timeout=30)

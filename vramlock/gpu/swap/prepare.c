@@ -224,9 +224,11 @@ static CUresult ahead_step(struct phys *p)
  * With `mu` held. */
 static struct phys *next_to_prepare(void)
 {
+	/* Asked again at every step: several programs preparing at once each see what the
+	 * others have locked so far, and the one that would go past the margin stops. */
 	for (struct phys *p = physes; p; p = p->next)
 		if (!p->host && !p->prep_failed && p->real &&
-		    (p->prep_base || hostmem_spare(p->size, NULL)))
+		    hostmem_spare(p->size - p->prep_done, NULL))
 			return p;
 	return NULL;
 }
