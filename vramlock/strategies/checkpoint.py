@@ -39,6 +39,28 @@ class VramTaken(StrategyError):
         self.gpu = gpu
 
 
+def footprint(pids: list[int], gpus: tuple[int, ...] | None) -> dict[int, int]:
+    """What NVML shows ``pids`` holding on each GPU of ``gpus`` (None: every GPU) that
+    they use; NVML's errors as it raises them."""
+    used = {g: nvml.used_by(pids, g) for g in (range(nvml.count()) if gpus is None else gpus)}
+    return {g: n for g, n in used.items() if n}
+
+
+def short_of(held: dict[int, int]) -> tuple[int, int, int] | None:
+    """(need, free, GPU) for the first GPU without room to restore what ``held`` says was
+    there, plus RESTORE_MARGIN; None when every one has room, or NVML is not there.
+    NvmlError as NVML raises it."""
+    for gpu, used in held.items():
+        need = used + RESTORE_MARGIN
+        try:
+            free = nvml.free_bytes(gpu)
+        except nvml.NvmlUnavailable:
+            return None
+        if free < need:
+            return need, free, gpu
+    return None
+
+
 def usable() -> str | None:
     """Why the checkpoint strategy cannot be used here, or None when it can."""
     try:
@@ -106,13 +128,9 @@ class CheckpointStrategy(Strategy):
 
     def _used(self, pids: list[int]) -> dict[int, int]:
         try:
-            gpus = self.settings.gpus
-            used = {
-                g: nvml.used_by(pids, g) for g in (range(nvml.count()) if gpus is None else gpus)
-            }
+            return footprint(pids, self.settings.gpus)
         except (nvml.NvmlUnavailable, nvml.NvmlError):
             return {}
-        return {g: n for g, n in used.items() if n}
 
     def verify(self, deadline: float | None) -> None:
         # A checkpointed process leaves NVML's list altogether: nothing may remain.
@@ -141,14 +159,7 @@ class CheckpointStrategy(Strategy):
 
     def _short(self) -> tuple[int, int, int] | None:
         """(need, free, GPU) for a GPU without room for its footprint plus the margin."""
-        for gpu, used in self.footprint.items():
-            need = used + RESTORE_MARGIN
-            try:
-                free = nvml.free_bytes(gpu)
-            except nvml.NvmlUnavailable:
-                return None
-            except nvml.NvmlError as err:
-                raise StrategyError(str(err)) from None
-            if free < need:
-                return need, free, gpu
-        return None
+        try:
+            return short_of(self.footprint)
+        except nvml.NvmlError as err:
+            raise StrategyError(str(err)) from None

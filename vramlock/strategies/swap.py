@@ -48,7 +48,7 @@ from ..errors import Immovable, StrategyError
 from ..gpu import cuda, nvml
 from ..gpu.swap import SwapUnavailable, library_path
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
-from .checkpoint import RESTORE_MARGIN, VramTaken
+from .checkpoint import VramTaken, footprint, short_of
 from .checkpoint import usable as checkpoint_usable
 
 ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
@@ -405,7 +405,7 @@ class SwapStrategy(Strategy):
             pids = cuda.cuda_pids(self.ctx.child.processes())
             used: dict[int, int] = {}
             if pids and nvml.available():
-                used = {g: nvml.used_by(pids, g) for g in self._gpus()}
+                used = footprint(pids, self.settings.gpus)
             if pids:
                 cuda.checkpoint_all(pids, PARK_LOCK_TIMEOUT)
         except (cuda.CudaError, nvml.NvmlUnavailable, nvml.NvmlError) as err:
@@ -413,18 +413,17 @@ class SwapStrategy(Strategy):
             raise StrategyError(
                 f"its CUDA contexts stay on the GPU while released: {err}"
             ) from None
-        self._parked, self._parked_used = pids, {g: n for g, n in used.items() if n}
+        self._parked, self._parked_used = pids, used
 
     def _unpark(self) -> None:
         """The contexts back first (the memory follows): where a GPU has no room for
         them, VramTaken (queue again) rather than a restore that wedges the process."""
-        for gpu, used in self._parked_used.items():
-            try:
-                free = nvml.free_bytes(gpu)
-            except (nvml.NvmlUnavailable, nvml.NvmlError):
-                break
-            if free < used + RESTORE_MARGIN:
-                raise VramTaken(used + RESTORE_MARGIN, free, gpu)
+        try:
+            short = short_of(self._parked_used)
+        except nvml.NvmlError:
+            short = None  # NVML cannot say: the driver's restore is the judge
+        if short is not None:
+            raise VramTaken(*short)
         try:
             cuda.restore_all(self._parked)
         except cuda.CudaError as err:
