@@ -97,11 +97,7 @@ static int readable(struct phys *p)
 	if (p->temp_va)
 		return 1;
 	struct mapping *m = mapping_at(p->copy_va);
-	for (size_t i = 0; m && m->va == p->copy_va && i < m->naccess; i++)
-		if (m->access[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
-		    m->access[i].location.id == dev && m->access[i].flags & 1)
-			return 1;
-	return 0;
+	return m && m->va == p->copy_va && device_reads(m, dev);
 }
 
 /* Room for `bytes` of digests in the scratch buffer (pinned with `ctx` current). */

@@ -8,9 +8,9 @@
  *
  * So once the program's allocations have stood still a while and it is idle (no GPU
  * call in flight, none begun for IDLE_MS), a thread of the library's own makes the
- * host copies ready, then copies the memory into them (below), a step at a time: it maps the copy with transparent
- * huge pages asked for (a 2 MiB page is one fault where 4 KiB pages are 512), touches
- * the chunk and locks it (cuMemHostRegister). Each step holds `mu`, so a release
+ * host copies ready, a step at a time: it maps each with transparent huge pages asked
+ * for (a 2 MiB page is one fault where 4 KiB pages are 512), touches a chunk and locks
+ * it (cuMemHostRegister). Then it copies the memory into them (below). Each step holds `mu`, so a release
  * never sees a chunk half made, and lasts a few milliseconds; between steps the
  * thread waits for the program to be idle again, so that a resident that works is
  * not slowed down. A release finishes whatever is left of an allocation itself.
@@ -126,11 +126,7 @@ static CUdeviceptr ahead_place(struct phys *p, size_t *len)
 		if (m->phys != p || m->offset)
 			continue;
 		*len = m->size < p->size ? m->size : p->size;
-		for (size_t a = 0; *len % 16 == 0 && a < m->naccess; a++)
-			if (m->access[a].location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
-			    m->access[a].location.id == dev && m->access[a].flags & 1)
-				return m->va;
-		return 0;
+		return *len % 16 == 0 && device_reads(m, dev) ? m->va : 0;
 	}
 	return 0;
 }

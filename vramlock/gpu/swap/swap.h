@@ -289,6 +289,7 @@ extern char refused[160]; /* why this process cannot be swapped, once known */
 void refuse(const char *why);
 size_t map_index(CUdeviceptr key);
 struct mapping *mapping_at(CUdeviceptr p);
+int device_reads(const struct mapping *m, CUdevice dev);
 int add_mapping(CUdeviceptr va, size_t size, size_t offset, struct phys *p);
 void forget_mappings(CUdeviceptr va, size_t size);
 int set_access(struct mapping *m, const CUmemAccessDesc *desc, size_t n);

@@ -117,6 +117,16 @@ struct mapping *mapping_at(CUdeviceptr p)
 	return NULL;
 }
 
+/* May device `dev` read through mapping `m`, as the program set its access? */
+int device_reads(const struct mapping *m, CUdevice dev)
+{
+	for (size_t i = 0; i < m->naccess; i++)
+		if (m->access[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
+		    m->access[i].location.id == dev && m->access[i].flags & 1)
+			return 1;
+	return 0;
+}
+
 int add_mapping(CUdeviceptr va, size_t size, size_t offset, struct phys *p)
 {
 	if (grow((void **)&maps, &capmaps, nmaps + 1, sizeof *maps))
