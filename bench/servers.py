@@ -85,15 +85,15 @@ def request(port: int, prompt: str, timeout: float = 120.0, **fields: object) ->
 
 def held_by(wrapper: int) -> int | None:
     """What NVML shows the wrapper's command holding on the GPU (None: no NVML here)."""
-    try:
-        from vramlock.gpu import nvml
-        from vramlock.procfs import descendants
+    from vramlock.gpu import nvml
+    from vramlock.procfs import descendants
 
+    try:
         if not nvml.available():
             return None
         ours = set(descendants(wrapper))
         return sum(n for pid, n in nvml.processes().items() if pid in ours)
-    except Exception:
+    except (nvml.NvmlUnavailable, nvml.NvmlError):
         return None
 
 

@@ -32,12 +32,16 @@ pytestmark = [gpu, pytest.mark.timeout(300)]
 SWAPS = 3
 
 
-def swap_worker(spawn: Spawn, arena: Path, allocator: str, *args: str) -> Any:
-    """``vramlock run --release swap -- gpu_worker.py ARGS`` under PyTorch's ALLOCATOR."""
+def swap_worker(
+    spawn: Spawn, arena: Path, allocator: str, *args: str, env: dict[str, str] | None = None
+) -> Any:
+    """``vramlock run --release swap -- gpu_worker.py ARGS`` under PyTorch's ALLOCATOR,
+    with ``env`` besides."""
     worker = __import__("gpu_worker")
     run = vramlock("run", "--arena", str(arena), "--release", "swap", "--min-hold", "0")
+    extra = {**ALLOCATORS[allocator], **(env or {})}
     proc = spawn([*run, "--", sys.executable, worker.PATH, *args],
-                 stdin=subprocess.PIPE, env=env_with(ALLOCATORS[allocator]))  # fmt: skip
+                 stdin=subprocess.PIPE, env=env_with(extra))  # fmt: skip
     return worker.Client(proc)
 
 
@@ -258,11 +262,7 @@ def test_a_parked_member_leaves_nothing_on_the_gpu(arena: Path, spawn: Spawn) ->
     """Released a while (VRAMLOCK_PARK_AFTER=1), a swapped program's CUDA context leaves
     the GPU too: NVML lists the process no more. Its GPU work still waits while the
     other member holds the token, and it comes back whole, SWAPS times."""
-    worker = __import__("gpu_worker")
-    run = vramlock("run", "--arena", str(arena), "--release", "swap", "--min-hold", "0")
-    proc = spawn([*run, "--", sys.executable, worker.PATH, "--gib", "1"],
-                 stdin=subprocess.PIPE, env=env_with({"VRAMLOCK_PARK_AFTER": "1"}))  # fmt: skip
-    w = worker.Client(proc)
+    w = swap_worker(spawn, arena, "caching", "--gib", "1", env={"VRAMLOCK_PARK_AFTER": "1"})
     full = nvml.processes()[w.pid]
     for n in range(SWAPS):
         holder = waiting_holder(spawn, arena)

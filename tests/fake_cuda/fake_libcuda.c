@@ -818,13 +818,11 @@ CUresult cuCheckpointProcessGetState(int pid, int *state)
 
 CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
-	int fd;
-	CUresult r = ckpt_open(pid, &fd);
-	if (r)
-		return r;
-	close(fd);
-	*tid = pid;
-	return OK;
+	int state;
+	CUresult r = cuCheckpointProcessGetState(pid, &state); /* the same checks */
+	if (!r)
+		*tid = pid;
+	return r;
 }
 
 CUresult cuCheckpointProcessLock(int pid, const LockArgs *args)
