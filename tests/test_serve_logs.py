@@ -14,19 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
-from helpers.serve import call, call_json, echo_model, start
+from helpers.serve import call, call_json, echo_model, start, write_config
 
 pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "serve.yaml"
-    path.write_text(f"startPort: {free_port()}\n{text}")
-    return path
 
 
 def logs(port: int) -> str:
@@ -59,7 +52,7 @@ class Follow:
 def test_logs_hold_serve_s_lines_and_the_model_s_output(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     proc, port = start(spawn, path, arena)
     call_json(port, "POST", "/v1/completions", {"model": "m"})
     upstream = Follow(port, "/logs/stream/upstream")
@@ -80,7 +73,7 @@ def test_logs_hold_serve_s_lines_and_the_model_s_output(
 def test_a_stream_sends_the_history_then_each_line_as_it_comes(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart", "aliases: [mm]")
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart", "aliases: [mm]")
                  + echo_model("other", "release: restart"))  # fmt: skip
     _, port = start(spawn, path, arena)
     call_json(port, "POST", "/v1/completions", {"model": "m"})
@@ -106,7 +99,7 @@ def test_a_stream_sends_the_history_then_each_line_as_it_comes(
 
 
 def test_an_unknown_log_is_refused(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     status, _, body = call(port, "GET", "/logs/stream/nope")
     assert status == 400
@@ -116,7 +109,7 @@ def test_an_unknown_log_is_refused(spawn: Spawn, tmp_path: Path, arena: Path) ->
 
 
 def test_logs_asked_for_by_a_browser_is_the_page(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     status, headers, _ = call(port, "GET", "/logs", headers={"Accept": "text/html,*/*"})
     assert (status, headers["Location"]) == (302, "/ui/")
@@ -130,7 +123,7 @@ def test_log_to_stdout_picks_what_reaches_serve_s_output(
 ) -> None:
     key = "" if to_stdout is None else f"logToStdout: {to_stdout}\n"
     text = f"{key}models:\n" + echo_model("m", "release: restart")
-    proc, port = start(spawn, write(tmp_path, text), arena)
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
     call_json(port, "POST", "/v1/completions", {"model": "m"})
     follow = Follow(port, "/logs/stream/m")
     follow.until("m got POST")  # serve has it
@@ -172,7 +165,7 @@ def test_a_server_that_dies_at_start_is_said_with_its_status_and_last_lines(
     text = (f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
             "    release: restart\n  nf:\n    cmd: no-such-command-here ${PORT}\n"
             "    release: restart\n")  # fmt: skip
-    proc, port = start(spawn, write(tmp_path, text), arena)
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
     status, _, body = call(port, "POST", "/v1/completions", {"model": "m"})
     assert (status, json.loads(body)["error"]["message"]) == (
         502,
@@ -204,7 +197,7 @@ def test_a_server_shown_on_serve_s_output_is_not_said_twice(
     script.write_text(DIES)
     text = (f"logToStdout: both\nmodels:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
             "    release: restart\n")  # fmt: skip
-    proc, port = start(spawn, write(tmp_path, text), arena)
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
     assert call(port, "POST", "/v1/completions", {"model": "m"})[0] == 502
     lines = said_by_serve(proc)
     assert "vramlock: model m: its wrapper exited with status 3" in lines
@@ -218,7 +211,7 @@ def test_a_server_that_fails_its_health_check_is_said_with_its_answer(
     text = ("healthCheckTimeout: 2\nmodels:\n  m:\n"
             f"    cmd: {sys.executable} -m http.server --bind 127.0.0.1 ${{PORT}}\n"
             "    release: restart\n")  # fmt: skip
-    proc, port = start(spawn, write(tmp_path, text), arena)
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
     status, _, body = call(port, "POST", "/v1/completions", {"model": "m"})
     message = json.loads(body)["error"]["message"]
     assert status == 502 and message.endswith(
@@ -229,7 +222,7 @@ def test_a_server_that_fails_its_health_check_is_said_with_its_answer(
 
 def test_log_time_format_stamps_serve_s_lines(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     text = "logTimeFormat: rfc3339\nmodels:\n" + echo_model("m", "release: restart")
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     line = next(ln for ln in logs(port).splitlines() if "serving m" in ln)
     stamp, rest = line.split(" ", 1)
     assert rest.startswith("[INFO] serving m")
@@ -263,7 +256,7 @@ def test_a_chatty_server_whose_output_nobody_reads_blocks_nobody(
     script.write_text(CHATTY)
     text = (f"logToStdout: both\nmodels:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}}\n"
             "    release: restart\n")  # fmt: skip
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     call(port, "POST", "/v1/completions", {"model": "m"})  # starts it; what it answers: none
 
     def counter() -> int:
@@ -315,7 +308,7 @@ def test_a_server_outlives_a_sigkilled_serve_until_its_wrapper_ends_it(
     script.write_text(ENDS_BY_SIGTERM)
     text = (f"models:\n  m:\n    cmd: {sys.executable} {script} ${{PORT}} {said}\n"
             "    release: restart\n")  # fmt: skip
-    proc, port = start(spawn, write(tmp_path, text), arena)
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
     call(port, "POST", "/v1/completions", {"model": "m"})
     everyone = procfs.descendants(proc.pid)
     proc.kill()

@@ -11,19 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
-from helpers.serve import call, call_json, echo_model, start
+from helpers.serve import call, call_json, echo_model, start, write_config
 
 pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "serve.yaml"
-    path.write_text(f"startPort: {free_port()}\n{text}")
-    return path
 
 
 def error(body: bytes) -> str:
@@ -41,7 +34,7 @@ def error(body: bytes) -> str:
 def test_a_stripped_prefix_is_taken_off_before_the_model_s_server_gets_it(
     spawn: Spawn, tmp_path: Path, arena: Path, sent: str, received: str
 ) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     got = call_json(port, "POST", sent, {"model": "m"})
     assert (got["id"], got["path"]) == ("m", received)
@@ -54,7 +47,7 @@ def test_a_stripped_prefix_is_taken_off_before_the_model_s_server_gets_it(
 def test_a_post_to_audio_voices_is_routed_by_its_body(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     got = call_json(port, "POST", "/v1/audio/voices", {"model": "m"})
     assert (got["method"], got["path"]) == ("POST", "/v1/audio/voices")
@@ -64,7 +57,7 @@ def test_a_post_to_audio_voices_is_routed_by_its_body(
 def test_comfyui_reaches_comfyui_auto_and_only_its_root_starts_it(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("comfyui_auto", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("comfyui_auto", "release: restart"))
     _, port = start(spawn, path, arena)
     status, _, body = call(port, "GET", "/comfyui/api/jobs")
     assert (status, error(body)) == (
@@ -80,7 +73,7 @@ def test_comfyui_reaches_comfyui_auto_and_only_its_root_starts_it(
 
 
 def test_comfyui_without_its_model_is_a_404(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    path = write(tmp_path, "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     status, _, body = call(port, "GET", "/comfyui/")
     assert (status, error(body)) == (404, "local model comfyui_auto not found")
@@ -91,7 +84,7 @@ def test_comfyui_auto_may_take_50_requests_at_once(tmp_path: Path) -> None:
     from vramlock.serve.config import load
 
     text = "models:\n" + echo_model("comfyui_auto") + echo_model("m", "concurrencyLimit: 3")
-    config = load(str(write(tmp_path, text)), parse_duration)
+    config = load(str(write_config(tmp_path, text)), parse_duration)
     assert config.models["comfyui_auto"].concurrency == 50
     assert config.models["m"].concurrency == 3
 
@@ -100,7 +93,7 @@ def test_upstream_model_without_its_slash_is_redirected(
     spawn: Spawn, tmp_path: Path, arena: Path
 ) -> None:
     text = "models:\n" + echo_model("org/m", "release: restart", "aliases: [mm]")
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     for method, sent, status, location in [
         ("GET", "/upstream/org/m", 301, "/upstream/org/m/"),
         ("GET", "/upstream/mm?x=1", 301, "/upstream/mm/?x=1"),
@@ -115,7 +108,7 @@ def test_upstream_model_without_its_slash_is_redirected(
 
 def test_the_open_routes_answer_without_a_key(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     text = "apiKeys: [sk-1]\nmodels:\n" + echo_model("m", "release: restart")
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     assert call(port, "GET", "/wol-health")[::2] == (200, b"OK")
     status, headers, _ = call(port, "GET", "/")
     assert (status, headers["Location"]) == (302, "/ui/")
@@ -142,7 +135,7 @@ def test_the_open_routes_answer_without_a_key(spawn: Spawn, tmp_path: Path, aren
 def test_a_method_that_a_route_has_not_is_a_405(
     spawn: Spawn, tmp_path: Path, arena: Path, method: str, path: str, allowed: str
 ) -> None:
-    _, port = start(spawn, write(tmp_path, "models:\n" + echo_model("m")), arena)
+    _, port = start(spawn, write_config(tmp_path, "models:\n" + echo_model("m")), arena)
     status, headers, body = call(port, method, path, {"model": "m"} if method == "POST" else None)
     assert (status, headers.get("Allow")) == (405, allowed), body
     assert error(body) == f"{method} {path}: method not allowed; allowed: {allowed}"

@@ -15,17 +15,11 @@ from typing import Any
 import pytest
 from helpers.net import accepts, free_port
 from helpers.processes import Spawn, wait_until
-from helpers.serve import ECHO, call, call_json, echo_model, sse, start
+from helpers.serve import ECHO, call, call_json, echo_model, sse, start, write_config
 
 pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "serve.yaml"
-    path.write_text(f"startPort: {free_port()}\n{text}")
-    return path
 
 
 def running(port: int) -> list[str]:
@@ -37,7 +31,7 @@ def test_ignored_paths_do_not_bring_a_model_in(
     spawn: Spawn, tmp_path: Path, arena: Path, listed: list[str] | None
 ) -> None:
     text = "" if listed is None else f"upstream:\n  ignorePaths: {json.dumps(listed)}\n"
-    path = write(tmp_path, text + "models:\n" + echo_model("m", "release: restart"))
+    path = write_config(tmp_path, text + "models:\n" + echo_model("m", "release: restart"))
     _, port = start(spawn, path, arena)
     ignored = "/upstream/m/static/app.js" if listed is None else "/upstream/m/ws"
     status, _, body = call(port, "GET", ignored)
@@ -57,7 +51,7 @@ def test_ignored_paths_do_not_bring_a_model_in(
 def test_a_bad_ignore_path_is_a_config_error(spawn: Spawn, tmp_path: Path) -> None:
     from vramlock.serve.config import ConfigError, load
 
-    path = write(tmp_path, "upstream:\n  ignorePaths: ['(x']\nmodels:\n" + echo_model("m"))
+    path = write_config(tmp_path, "upstream:\n  ignorePaths: ['(x']\nmodels:\n" + echo_model("m"))
     with pytest.raises(ConfigError) as err:
         load(str(path), lambda text, what: 1.0)
     assert str(err.value).startswith(f"{path}:3: upstream.ignorePaths: invalid regular")
@@ -88,7 +82,9 @@ models:
 
 def test_peers_get_their_requests_with_their_key(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
     text = PEERS.format(p=peer(spawn, "peer-p"), q=peer(spawn, "peer-q"))
-    _, port = start(spawn, write(tmp_path, text + echo_model("local", "release: restart")), arena)
+    _, port = start(
+        spawn, write_config(tmp_path, text + echo_model("local", "release: restart")), arena
+    )
 
     def ask(model: str, **headers: str) -> dict[str, Any]:
         body = {"model": model, "top_k": 3, "messages": []}
@@ -143,7 +139,7 @@ def test_send_loading_state_streams_progress_while_the_model_loads(
 ) -> None:
     text = ("sendLoadingState: true\nmodels:\n" + echo_model("m", "release: restart", delay=2)
             + echo_model("quiet", "release: restart", "sendLoadingState: false"))  # fmt: skip
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     reasoning, content = chat(port, "m")
     assert reasoning.startswith("━━━━━\nvramlock loading model: m\n")
     assert ".." in reasoning and "\nDone! (" in reasoning  # a dot each 0.75 s of 2 s
@@ -163,7 +159,7 @@ def test_a_peer_s_response_header_bound_is_a_504_naming_it(
         text = (f"peers:\n  far:\n    proxy: http://127.0.0.1:{silent.getsockname()[1]}\n"
                 "    models: [m]\n    timeouts:\n      responseHeader: 1\n"
                 "      keepalive: 5\nmodels:\n" + echo_model("local"))  # fmt: skip
-        _, port = start(spawn, write(tmp_path, text), arena)
+        _, port = start(spawn, write_config(tmp_path, text), arena)
         began = time.monotonic()
         status, _, body = call(port, "POST", "/v1/chat/completions", {"model": "far/m"})
         took = time.monotonic() - began
@@ -182,7 +178,7 @@ def test_get_routes_that_name_their_model_in_the_query(
     text = "peers:\n  p:\n    proxy: http://127.0.0.1:{p}\n    models: [far]\nmodels:\n"
     text = text.format(p=peer(spawn, "peer-p")) + echo_model("m", "release: restart",
                                                                "aliases: [al]")  # fmt: skip
-    _, port = start(spawn, write(tmp_path, text), arena)
+    _, port = start(spawn, write_config(tmp_path, text), arena)
     assert running(port) == []
     for path in ("/props", "/v1/audio/voices", "/sdapi/v1/loras"):
         got = call_json(port, "GET", f"{path}?model=al&x=1")

@@ -18,6 +18,13 @@ from .processes import Spawn, wait_until
 ECHO = ROOT / "tests" / "echo_server.py"
 
 
+def write_config(tmp_path: Path, text: str) -> Path:
+    """``text`` as ``tmp_path/serve.yaml``, its models' ports from a free one on."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"startPort: {free_port()}\n{text}")
+    return path
+
+
 def echo_model(name: str, *extra: str, delay: float = 0) -> str:
     """A ``models:`` entry (its lines under ``models:``) of tests/echo_server.py, on a
     port of its own that was free an instant ago (startPort's next ones may not be)."""
