@@ -281,11 +281,21 @@ def serve_on(spawn: Spawn, path: Path, arena: Path) -> int:
 
 
 def ask(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    status, _, data = exchange(port, method, path, body)
+    return status, json.loads(data)
+
+
+def exchange(
+    port: int, method: str, path: str, body: bytes | None = None, **headers: str
+) -> tuple[int, dict[str, str], bytes]:
+    """A request's status, headers (lower-case names) and body."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request(method, path, body=body)
+        conn.request(
+            method, path, body=body, headers={k.replace("_", "-"): v for k, v in headers.items()}
+        )
         reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read()
     finally:
         conn.close()
 
@@ -373,6 +383,16 @@ def test_api_keys_are_asked_for_as_llama_swap_does(
     assert status({"x-api-key": "sk-env"}) == 200  # from the environment
     assert status({"Authorization": f"Basic {basic}"}) == 200
     assert status({}, "/health") == 200  # no key asked
+    # as llama-swap answers a client that asks for text or a page
+    refused, headers, text = exchange(port, "GET", "/v1/models", Accept="text/plain")
+    assert (refused, headers["content-type"]) == (401, "text/plain; charset=utf-8")
+    assert text == b"vramlock: unauthorized: invalid or missing API key"
+    assert headers["www-authenticate"] == 'Basic realm="vramlock"'
+    refused, headers, text = exchange(port, "POST", "/v1/completions", b'{"model": "m"}',
+                                      Accept="text/html,*/*")  # fmt: skip
+    assert (refused, headers["content-type"]) == (401, "text/html; charset=utf-8")
+    assert text == (b"<html><body><h1>vramlock</h1><p>unauthorized: invalid or missing API"
+                    b" key</p></body></html>")  # fmt: skip
 
 
 def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
@@ -389,9 +409,16 @@ def test_requests_over_concurrency_limit_get_429(spawn: Spawn, tmp_path: Path, a
         got = b""
         while b"data: first" not in got:  # the one request allowed is in progress
             got += s.recv(65536)
-        refused, reply = ask(port, "POST", "/v1/completions", b'{"model": "m"}')
-        assert (refused, reply["error"]["type"]) == (429, "rate_limit_error")
-        assert reply["error"]["message"] == "model m: 1 requests at once already (concurrencyLimit)"
+        over = "model m: 1 requests at once already (concurrencyLimit)"
+        refused, headers, data = exchange(port, "POST", "/v1/completions", b'{"model": "m"}')
+        assert (refused, headers["retry-after"]) == (429, "1")
+        assert json.loads(data) == {"src": "vramlock", "error": {
+            "message": over, "type": "rate_limit_error", "param": None,
+            "code": "concurrency_limit"}}  # fmt: skip
+        # a client that asks for text takes the other path through serve: the same answer
+        refused, headers, data = exchange(port, "POST", "/v1/completions", b'{"model": "m"}',
+                                          Accept="text/plain")  # fmt: skip
+        assert (refused, headers["retry-after"], data) == (429, "1", f"vramlock: {over}".encode())
         while b"data: last" not in got:
             got += s.recv(65536)
 
@@ -607,8 +634,9 @@ def test_unknown_routes_and_models_answer_openai_json(
     port = serve_on(spawn, config(tmp_path, GOOD + hidden), arena)
     status, body = ask(port, "GET", "/no/such/route")
     assert status == 404
-    assert body["error"] == {"code": 404, "message": "GET /no/such/route: no such route",
-                             "type": "invalid_request_error", "param": None}  # fmt: skip
+    assert body == {"src": "vramlock", "error": {
+        "code": "not_found", "message": "GET /no/such/route: no such route",
+        "type": "invalid_request_error", "param": None}}  # fmt: skip
     status, body = ask(port, "DELETE", "/models/unload")
     assert (status, body["error"]["message"]) == (
         405, "DELETE /models/unload: method not allowed; allowed: POST")  # fmt: skip

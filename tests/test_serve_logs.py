@@ -104,7 +104,7 @@ def test_an_unknown_log_is_refused(spawn: Spawn, tmp_path: Path, arena: Path) ->
     status, _, body = call(port, "GET", "/logs/stream/nope")
     assert status == 400
     assert json.loads(body)["error"] == {
-        "code": 400, "message": "invalid logger. Use 'proxy', 'upstream' or a model's ID",
+        "code": "bad_request", "message": "invalid logger. Use 'proxy', 'upstream' or a model's ID",
         "type": "invalid_request_error", "param": None}  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .body import boundary
-from .errors import error_doc
+from .errors import BUSY, RETRY_AFTER, error_doc, wants_text
 from .upstream import Response
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ def parse_head(head: bytes, taken: Callable[[str], bool]) -> Head | None:
             return None
         if lower == "content-type" and boundary(value) is not None:
             return None
+        if lower == "accept" and wants_text(value):
+            return None  # its errors as text: the router's middleware says them so
         if lower == "content-length":
             if length is not None or not (value.isascii() and value.isdigit()):
                 return None
@@ -194,13 +196,23 @@ class Front(asyncio.Protocol):
             raise ConnectionResetError("the client went away")
         self.transport.write(data)
 
-    def refuse(self, status: int, message: str, extra: dict[str, Any] | None = None) -> int:
+    def refuse(
+        self,
+        status: int,
+        message: str,
+        extra: dict[str, Any] | None = None,
+        code: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> int:
         """Answer an error as the router does; the status."""
-        body = json.dumps(error_doc(status, message, **(extra or {}))).encode()
-        self.write(_head(status, _REASONS.get(status, "Error"),
-                         [("Content-Type", "application/json; charset=utf-8")], len(body))
-                   + body)  # fmt: skip
+        body = json.dumps(error_doc(status, message, code, **(extra or {}))).encode()
+        fields = [("Content-Type", "application/json; charset=utf-8"), *headers]
+        self.write(_head(status, _REASONS.get(status, "Error"), fields, len(body)) + body)
         return status
+
+    def busy(self, message: str) -> int:
+        """A 429 over a model's concurrencyLimit, as the router answers it."""
+        return self.refuse(429, message, code=BUSY, headers=(("Retry-After", RETRY_AFTER),))
 
     def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes) -> None:
         """A whole answer, in one write, with the upstream's ``headers`` but its own."""

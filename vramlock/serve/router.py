@@ -29,6 +29,7 @@ from aiohttp.typedefs import Handler, Middleware
 from ..arena.records import HOLDING, State
 from . import body as bodies
 from .config import COMFYUI_MODEL, Config
+from .errors import busy_response, negotiated
 from .errors import error_response as _error
 from .front import Front, Head
 from .loading import Loading, wanted
@@ -434,7 +435,9 @@ class Router:
         self.resolver = Resolver(config, self._state_of)
         self._plain_for: Config | None = None  # the config _plain was found for
         self._plain_value = True
-        middlewares = [_auth(config.api_keys)] if config.api_keys else []
+        middlewares: list[Middleware] = [negotiated]  # front.py hands such clients over
+        if config.api_keys:
+            middlewares.append(_auth(config.api_keys))
         self._counting = counting(self.requests)  # front.py counts its own the same way
         middlewares.append(self._counting)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
@@ -531,7 +534,8 @@ class Router:
                 if any(route.method in ("POST", "*") for route in resource):
                     prefixes.append(resource.canonical.split("{")[0])
             self._not_fast = tuple(prefixes)
-            self._others = any(m is not self._counting for m in self.app.middlewares)
+            mine = (self._counting, negotiated)
+            self._others = any(m not in mine for m in self.app.middlewares)
         return self._plain and not self._others and not path.startswith(self._not_fast)
 
     def express(self, front: Front, head: Head, body: bytes) -> Chosen | None:
@@ -600,7 +604,7 @@ class Router:
         shown = f"POST {head.target.partition('?')[0]}"
         began, status = time.monotonic(), GONE
         try:
-            answered = await self.in_turn(w, shown, send, int, front.refuse)
+            answered = await self.in_turn(w, shown, send, int, front.busy)
             status = str(answered)
         finally:
             self.requests.add(w.model.name, status, time.monotonic() - began)
@@ -955,7 +959,8 @@ class Router:
             return out.status
 
         try:
-            return await self.in_turn(w, f"{request.method} {request.path}", send, status, _error)
+            shown = f"{request.method} {request.path}"
+            return await self.in_turn(w, shown, send, status, busy_response)
         finally:
             if loading is not None:
                 await loading.cancel()
@@ -966,14 +971,14 @@ class Router:
         shown: str,
         send: Callable[[], Awaitable[T]],
         status: Callable[[T], int],
-        refuse: Callable[[int, str], T],
+        busy: Callable[[str], T],
     ) -> T:
-        """``send()``'s answer, in the model's turn (``refuse(429, why)`` over its
+        """``send()``'s answer, in the model's turn (``busy(why)``, a 429, over its
         concurrencyLimit); logged as ``shown`` with ``status(answer)``."""
         limit = w.model.concurrency
         if w.admitted >= limit:
-            return refuse(429, f"model {w.model.name}: {limit} requests at once already"
-                               " (concurrencyLimit)")  # fmt: skip
+            return busy(f"model {w.model.name}: {limit} requests at once already"
+                        " (concurrencyLimit)")  # fmt: skip
         w.admitted += 1
         try:
             turns = self._turns(w)
