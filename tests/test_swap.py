@@ -209,20 +209,128 @@ def test_legacy_cuda_ipc_fails_with_a_line_saying_what_to_do(rig: Rig, spawn: Sp
 @pytest.mark.parametrize(
     ("how", "why"),
     [
-        ("-u LD_PRELOAD", "uses CUDA without the swap library"),
-        ("-u VRAMLOCK_SWAP_SOCKET", "uses CUDA without the swap library"),
-        ("SWAP_PROG_CLOSE_SOCKETS=1", "cannot be swapped: it closed its connection to vramlock"),
+        ("LD_PRELOAD", "uses CUDA without the swap library"),
+        ("VRAMLOCK_SWAP_SOCKET", "uses CUDA without the swap library"),
+        ("", "cannot be swapped: it closed its connection to vramlock"),
     ],
     ids=["LD_PRELOAD", "VRAMLOCK_SWAP_SOCKET", "closes-its-socket"],
 )
 def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gpu(
     rig: Rig, spawn: Spawn, how: str, why: str
 ) -> None:
-    # The shell removes LD_PRELOAD (as a setuid program or an env scrub would), or the
-    # socket's name: the program runs on the driver with no library to release it, or a
-    # library that cannot reach its run. Or the program closes every socket it has, its
-    # connection to vramlock among them: it can no longer be asked.
-    refused_and_kept(rig, spawn, [], f"env {how}", why)
+    # The program is exec'd by the system call itself (as Go's runtime execs), without
+    # LD_PRELOAD or the socket's name, as a setuid program or an environment scrub
+    # would: it runs on the driver with no library to release it, or a library that
+    # cannot reach its run. Or the program closes every socket it has, its connection
+    # to vramlock among them: it can no longer be asked.
+    env = f"{rig.fakes.raw_exec} {how} --" if how else "SWAP_PROG_CLOSE_SOCKETS=1"
+    refused_and_kept(rig, spawn, [], env, why)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["env -u LD_PRELOAD", "env -u VRAMLOCK_SWAP_SOCKET", "env -i", "python-execve",
+     "python-spawn", "system"],
+)  # fmt: skip
+def test_a_program_execd_without_the_library_gets_it_back(rig: Rig, spawn: Spawn, how: str) -> None:
+    # A process of the command execs the program with the library's variables taken out
+    # of its environment: through the C library's exec and spawn, the library is passed
+    # on all the same, and the program, started while another member holds the token,
+    # runs nothing until the command's turn (witness: the fake driver's launch log).
+    path = rig.fakes.program
+    program = f"{path} 1"
+    scrub = "{k: v for k, v in os.environ.items() if not k.startswith(('LD_', 'VRAMLOCK_'))}"
+    keep = f"dict({scrub}, LD_LIBRARY_PATH=os.environ['LD_LIBRARY_PATH'])"
+    fake = "FAKE_CUDA_PHYS=$FAKE_CUDA_PHYS FAKE_CUDA_LAUNCH_LOG=$FAKE_CUDA_LAUNCH_LOG"
+    python = {
+        "python-execve": f"import os; os.execve('{path}', ['p', '1'], {keep})",
+        "python-spawn": f"import os, subprocess; subprocess.run(['{path}', '1'], env={keep})",
+        "system": "import os; os.environ.pop('LD_PRELOAD'); os.environ.pop("
+                  f"'VRAMLOCK_SWAP_SOCKET'); assert os.system('{program}') == 0",
+    }  # fmt: skip
+    launch = {
+        "env -u LD_PRELOAD": f"env -u LD_PRELOAD {program}",
+        "env -u VRAMLOCK_SWAP_SOCKET": f"env -u VRAMLOCK_SWAP_SOCKET {program}",
+        "env -i": f"env -i LD_LIBRARY_PATH=$LD_LIBRARY_PATH {fake} {program}",
+    }.get(how) or f'python3 -c "{python[how]}"'
+    go = rig.tmp / "go"
+    script = f"while [ ! -e {go} ]; do sleep 0.02; done; {launch}"
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=rig.env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+    time.sleep(1.0)
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+
+
+def test_a_program_that_slips_past_the_library_while_released_is_stopped(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # After the release, a process of the command execs the program by the system call
+    # itself without LD_PRELOAD (as Go's runtime execs): no library, no gate. The run's
+    # watch stops it before its first kernel (the fake's cuInit takes 300 ms, as a real
+    # driver's start and context take longer than the watch's looks), and it runs,
+    # unswapped, in the command's turn. Witness: the fake driver's launch log against
+    # the test's own member.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
+    script = (f"while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" {rig.fakes.raw_exec} LD_PRELOAD -- {rig.fakes.program} 1")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == str(rig.fakes.program):
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    time.sleep(0.5)
+    assert rig.launches() == [] and read_state(pid) == "T"
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    said = [line for line in err.splitlines() if "began to use CUDA" in line]
+    assert len(said) == 1 and f"process {pid} of the command" in said[0], err
+    assert "stopped until the command's turn" in said[0]
+
+
+def read_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (T: stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def refused_and_kept(rig: Rig, spawn: Spawn, before: list[str], env: str, why: str) -> None:

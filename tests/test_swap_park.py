@@ -342,3 +342,59 @@ def test_the_fake_driver_answers_as_the_driver_does(rig: Rig, spawn: Spawn) -> N
     assert read_line(target) == ["launched", "0"]
     (blocked,), (unlocked,) = rig.launches("blocked"), calls(rig, "unlock", target.pid)
     assert blocked[1] > unlocked and rig.launches()[1][0] > unlocked
+
+
+def test_a_cuda_process_started_after_a_checkpoint_is_stopped_until_the_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Under --release checkpoint, the release checkpoints the processes that use CUDA
+    # then. One that starts after it (another program of the command) would run on the
+    # GPU in the next member's turn: the run's watch stops it before its first kernel
+    # (the fake's cuInit takes 300 ms, as a real driver's start takes longer than the
+    # watch's looks) and lets it go in the command's turn. Witness: the fake driver's
+    # launch log against the test's own member.
+    go = rig.tmp / "go"
+    program = rig.fakes.program
+    script = (f"{program} 30 & while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" FAKE_CUDA_INIT_MS=300 {program} 1; kill $!; wait $!; exit 0")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release",
+                 "checkpoint", "--", "sh", "-c", script),
+        env=rig.env,
+    )  # fmt: skip
+    wait_until(lambda: any(state(rig, pid) == RUNNING for pid in descendants(job.pid)))
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    first = next(pid for pid in descendants(job.pid) if state(rig, pid) == CHECKPOINTED)
+    go.touch()  # the second program starts now, in the test's turn
+
+    def second() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if pid != first and os.readlink(f"/proc/{pid}/exe") == str(program):
+                    return pid
+        return None
+
+    wait_until(lambda: second() is not None)
+    pid = second()
+    assert pid is not None
+    wait_until(lambda: proc_state(pid) == "T")
+    time.sleep(0.5)
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    during = [s for s, _ in rig.launches() if int(held[1]) < s < left]
+    assert during == [], during
+    assert max(s for s, _ in rig.launches()) > left  # both ran on, in the command's turn
+    said = [line for line in err.splitlines() if "began to use CUDA" in line]
+    assert len(said) == 1 and f"process {pid} of the command" in said[0], err
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (T: stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

@@ -705,7 +705,19 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned fl)
 
 /* ---- context, streams, init ---------------------------------------------------- */
 
-CUresult cuInit(unsigned fl) { (void)fl; return OK; }
+/* FAKE_CUDA_INIT_MS: the first cuInit takes that long, as a real driver's start does. */
+CUresult cuInit(unsigned fl)
+{
+	static int done;
+	const char *ms = getenv("FAKE_CUDA_INIT_MS");
+	(void)fl;
+	if (!done && ms && *ms) {
+		struct timespec t = {atoi(ms) / 1000, (long)(atoi(ms) % 1000) * 1000000L};
+		nanosleep(&t, NULL);
+	}
+	done = 1;
+	return OK;
+}
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
 CUresult cuDeviceGet(int *d, int i) { *d = i; return i == 0 ? OK : INVALID; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }

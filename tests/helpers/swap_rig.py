@@ -82,6 +82,7 @@ class Fakes:
     program: Path
     user_preload: Path
     delta_program: Path  # tests/fake_cuda/delta_prog.c
+    raw_exec: Path  # tests/fake_cuda/raw_exec.c: an exec the C library does not make
     # Holds the libcuda.so.1 that has the checkpoint API (-DFAKE_CHECKPOINT): the other
     # has none, as a driver older than 570.
     checkpoint_directory: Path
@@ -106,10 +107,12 @@ def build_fakes(out: Path) -> Fakes:
             "-lpthread")  # fmt: skip
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl")
+    _cc(*STRICT, "-o", str(out / "raw_exec"), str(FAKES / "raw_exec.c"))
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
         str(out / "user_preload.c"), "-ldl")  # fmt: skip
-    return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog", checkpoint)
+    return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog",
+                 out / "raw_exec", checkpoint)  # fmt: skip
 
 
 @dataclass

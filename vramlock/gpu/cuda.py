@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import math
+import os
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -293,6 +294,11 @@ def restore_thread_id(pid: int) -> int:
     out = ctypes.c_int(0)
     _call("cuCheckpointProcessGetRestoreThreadId", pid, ctypes.byref(out))
     return out.value
+
+
+def driver_in(paths: set[str]) -> bool:
+    """Do these mapped files (``procfs.mapped``) hold the CUDA driver?"""
+    return any(os.path.basename(p).startswith("libcuda.so") for p in paths)
 
 
 def uses_cuda(pid: int) -> bool:

@@ -55,6 +55,8 @@ class Supervision:
         self.ctx = ctx
         self.member = member
         self.strategy: Strategy | None = None
+        # Processes of the command stopped while it is released (.strays): pid: start.
+        self.strays: dict[int, int] = {}
         self.pending_signal: int | None = None  # the last order to end
         self.ending_since: float | None = None  # when the first one came
         self.queued = False  # the token loop is blocked in the kernel's queue for the token
@@ -108,6 +110,9 @@ class Supervision:
             return
         if self.child.status is None and not self._away:
             held = self.strategy is not None and self.strategy.defers_signals
+            # A stray is stopped: the signal would wait in it, and whatever it ran on
+            # getting it would run in another's turn. Both go at the command's turn.
+            held = held or bool(self.strays)
             if held and self.member.state is not State.RESIDENT:
                 self._deferred.append(signum)  # passed on once it is restored
             elif not (signum in ENDING and self.ended_by_releasing):
@@ -164,6 +169,7 @@ class Supervision:
             self.child.reap_orphans()
         stops, self.child.stops[:] = list(self.child.stops), []
         ours = self.strategy is not None and self.strategy.stops
+        ours = ours or self.child.pid in self.strays  # the leader itself was a stray
         terminal = self.child.terminal
         if not stops or (ours and self.member.state is not State.RESIDENT) or terminal is None:
             return

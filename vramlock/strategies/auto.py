@@ -180,6 +180,13 @@ class AutoStrategy(Strategy):
     def park(self) -> None:
         self.current.park()
 
+    @property
+    def holds_processes(self) -> bool:
+        return self.current.holds_processes
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        return self.current.loose(pids)
+
     def restore(self) -> None:
         if self.current.killed:
             self._started = time.monotonic()  # started again: a new grace for its hello

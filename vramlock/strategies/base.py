@@ -191,6 +191,21 @@ class Strategy:
     def park(self) -> None:
         """Released: take what the release left on the GPU off it too (``park_in``)."""
 
+    @property
+    def holds_processes(self) -> bool:
+        """Released, are the command's processes kept off the GPU one by one (``swap``,
+        ``checkpoint``), so that one that starts CUDA afterwards beyond the strategy's
+        reach must be watched for (``loose``)? False where the release leaves nothing of
+        the command that could (``restart``, ``stop``) or the program keeps it (``none``,
+        a preset's engine)."""
+        return False
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        """Released: among ``pids`` (processes of the command), those that may run on the
+        GPU now without this strategy holding them, and those that do not use CUDA yet
+        but would not be held if they began to (to be looked at more often)."""
+        return [], []
+
     def end_command(self, grace: float) -> None:
         """End every process of the command (the leader, its group, adopted orphans);
         StrategyError, and the token kept, while any of them lives."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from .. import procfs
 from ..errors import StrategyError
 from ..gpu import cuda, nvml
 from .base import Context, ReleaseTimeout, Settings, Strategy
@@ -125,6 +126,24 @@ class CheckpointStrategy(Strategy):
         except cuda.CudaError as err:
             raise StrategyError(str(err)) from None
         self.pids = pids
+
+    holds_processes = True
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        """A process that was not checkpointed by the release and has the driver mapped
+        (it may be making its context: the driver cannot checkpoint it yet) is loose;
+        every other process that was not could begin to."""
+        held = set(self.pids)
+        loose: list[int] = []
+        suspects: list[int] = []
+        for pid in pids:
+            if pid in held:
+                continue
+            paths = procfs.mapped(pid)
+            if paths is None:
+                continue  # gone, or closed to us
+            (loose if cuda.driver_in(paths) else suspects).append(pid)
+        return loose, suspects
 
     def _used(self, pids: list[int]) -> dict[int, int]:
         try:

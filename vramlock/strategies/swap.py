@@ -187,8 +187,7 @@ class Hub:
                     f"process {pid} of the command cannot be verified: its memory map cannot"
                     " be read (a setuid or non-dumpable program)"
                 )
-            if any(os.path.basename(p).startswith("libcuda.so") for p in paths or ()):
-                assert paths is not None
+            if paths is not None and cuda.driver_in(paths):
                 if self.library in paths and any(UNJOINED in p for p in paths):
                     continue  # it runs no GPU call before it joins (told release if it does)
                 return (
@@ -197,6 +196,31 @@ class Hub:
                     " vramlock closed?)"
                 )
         return None
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        """Among ``pids``: those that have the driver mapped without the library's gate
+        (not a connected peer, nor a process the library keeps off the GPU until it
+        joins), and those without the library that have not mapped the driver yet (a
+        program exec'd by the system call itself, or a static one), which could."""
+        with self.lock:
+            for peer in self.peers:
+                peer.channel.read_lines()  # stale; notices a connection that closed (exec)
+            peers = {p.pid for p in self.peers if not p.channel.closed}
+        loose: list[int] = []
+        suspects: list[int] = []
+        for pid in pids:
+            if pid in peers:
+                continue
+            paths = procfs.mapped(pid)
+            if paths is None:
+                continue  # gone, or closed to us: refused at the next release
+            gated = self.library in paths
+            if cuda.driver_in(paths):
+                if not (gated and any(UNJOINED in p for p in paths)):
+                    loose.append(pid)
+            elif not gated:
+                suspects.append(pid)
+        return loose, suspects
 
     def tell(self, word: str, *, released: bool) -> list[Peer]:
         """Say ``word`` to every process, with ``released`` as the new state for any
@@ -373,6 +397,11 @@ class SwapStrategy(Strategy):
     def defers_signals(self) -> bool:
         # A parked process's exit path would block in the driver: restore it first.
         return bool(self._parked)
+
+    holds_processes = True
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        return self.hub.loose(pids)
 
     def park_in(self) -> float | None:
         if self._parked or self._released_at is None or self._park_refused:

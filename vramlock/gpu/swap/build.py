@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 # The library's parts, and the one header they share (swap.h says what each holds).
 PARTS = (
     *("entry", "hooks", "gate", "table", "engine", "delta", "hostmem", "prepare"),
-    *("control", "record"),
+    *("exec", "control", "record"),
 )
 SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
 # swap.h, and the digest's arithmetic and kernel (digest.h; digest_ptx.h, made by

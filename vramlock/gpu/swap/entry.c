@@ -70,7 +70,13 @@ static void setup(void)
 	if (active)
 		gate_unjoined();
 	find_real_dlsym();
+	exec_setup(real_dlsym);
 	pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+void library_setup(void)
+{
+	pthread_once(&setup_once, setup);
 }
 
 __attribute__((constructor)) static void init(void)

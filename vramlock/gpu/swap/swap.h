@@ -16,6 +16,7 @@
  *  delta.c   what a release copies: only the segments that changed (digest.h)
  *  hostmem.c whether the host has the memory a release would pin
  *  prepare.c the host copies made ready ahead of the first release
+ *  exec.c    what the process execs or spawns keeps the library
  *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
  *  record.c  the member record a process writes when its wrapper is gone
  *
@@ -347,6 +348,11 @@ CUresult prepare_all(struct phys *p);
 void host_free(struct phys *p);
 void prepare_start(void);
 void prepare_forget(void);
+
+/* ---- exec.c: the library kept across exec ------------------------------------- */
+
+void library_setup(void); /* entry.c: once, before anything else */
+void exec_setup(void *(*lookup)(void *, const char *));
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 

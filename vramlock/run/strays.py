@@ -1,0 +1,134 @@
+"""Released, a command stays off the GPU: a process that slips past its strategy is
+stopped until the command's turn.
+
+``swap`` keeps each process off the GPU through the library in it, ``checkpoint``
+through the driver, both from the release on. A process that begins to use CUDA after
+the release beyond their reach (a program exec'd by the system call itself without
+LD_PRELOAD, a static one, a process that was not checkpointed) would run in another
+member's turn. So while the member is released a thread looks at the command's
+processes: every ``TICK`` at those that could begin (``Strategy.loose``'s suspects),
+at the command's whole tree whenever a process or thread was created on the host (the
+last pid of /proc/loadavg moved, at most every ``TREE_EVERY``), and at every process of
+the command (its group and adopted orphans too) every ``ALL_EVERY``. One found loose gets
+SIGSTOP, said once, and SIGCONT once the token is the command's again.
+
+This is a watch, not a gate: a program that maps the driver, initialises it and runs a
+kernel between two looks (a few tens of milliseconds; a CUDA context takes longer than
+that to make) runs that much in another member's turn.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from .. import procfs
+from ..strategies import Strategy
+
+TICK = 0.01
+TREE_EVERY = 0.05
+ALL_EVERY = 1.0
+
+
+def _last_pid() -> str:
+    """The pid the kernel gave last, in our pid namespace (threads count too)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return f.read().split()[-1].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+class Strays:
+    """The watch over a released command's processes (one thread, started at the first
+    ``watch``), and the processes it stopped."""
+
+    def __init__(
+        self,
+        strategy: Callable[[], Strategy],
+        tree: Callable[[], list[int]],
+        everything: Callable[[], list[int]],
+        warn: Callable[[str], None],
+    ) -> None:
+        self._strategy = strategy
+        self._tree = tree  # what descends from the run: cheap
+        self._everything = everything  # its group and orphans too: every process read
+        self._warn = warn
+        self._watching = threading.Event()
+        self._lock = threading.Lock()  # held through each look
+        self._thread: threading.Thread | None = None
+        self.stopped: dict[int, int] = {}  # pid: start time, stopped until our turn
+
+    def watch(self) -> None:
+        """Released: watch from now on."""
+        with self._lock:
+            self._watching.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vramlock-strays", daemon=True)
+            self._thread.start()
+
+    def resume(self) -> list[int]:
+        """The token is the command's again: stop watching (a look under way ends
+        first), and let the stopped processes run; those that were stopped."""
+        with self._lock:
+            self._watching.clear()
+            resumed = []
+            for pid, start in self.stopped.items():
+                if procfs.alive(pid, start):
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                        resumed.append(pid)
+                    except OSError:
+                        pass
+            self.stopped.clear()
+            return resumed
+
+    def _run(self) -> None:
+        suspects: list[int] = []
+        seen, tree_at, all_at = "", 0.0, 0.0
+        while True:
+            self._watching.wait()
+            with self._lock:
+                if not self._watching.is_set():
+                    continue
+                now, last = time.monotonic(), _last_pid()
+                if now >= all_at:
+                    pids, all_at, tree_at, seen = self._everything(), now + ALL_EVERY, now, last
+                elif last != seen and now >= tree_at + TREE_EVERY:
+                    pids, tree_at, seen = self._tree(), now, last
+                else:
+                    pids = suspects
+                loose, suspects = self._strategy().loose(pids) if pids else ([], [])
+                for pid in loose:
+                    self._stop(pid)
+                for pid, start in list(self.stopped.items()):
+                    if procfs.alive(pid, start) and procfs.state(pid) not in ("T", "t"):
+                        self._stop(pid, again=True)  # continued by somebody else
+            time.sleep(TICK)
+
+    def _stop(self, pid: int, again: bool = False) -> None:
+        start = procfs.starttime(pid)
+        if start is None or (pid in self.stopped and not again):
+            return
+        label = self._strategy().label
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except OSError as err:
+            if pid not in self.stopped:
+                self._warn(
+                    f"process {pid} of the command began to use CUDA while it is released,"
+                    f" beyond what {label} holds, and cannot be stopped ({err.strerror}):"
+                    " it may run on the GPU in another member's turn"
+                )
+                self.stopped[pid] = start
+            return
+        if pid not in self.stopped:
+            self._warn(
+                f"process {pid} of the command began to use CUDA while it is released,"
+                f" beyond what {label} holds (exec'd without the swap library, a static"
+                " program, or not checkpointed): stopped until the command's turn"
+            )
+        self.stopped[pid] = start
