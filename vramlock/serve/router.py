@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
 from .config import COMFYUI_MODEL, Config
@@ -478,6 +479,7 @@ class Router:
             r.add_route("*", "/logs/stream", _only("GET", "HEAD"))
             r.add_route("*", "/logs/stream/{which:.+}", _only("GET", "HEAD"))
         get("/api/profiles", self.api_profiles)
+        get("/api/version", self.api_version)
         r.add_put("/api/profiles/active", self.api_active_profile)
         r.add_route("*", "/api/profiles/active", _only("PUT"))
         for path in BY_QUERY:
@@ -770,6 +772,11 @@ class Router:
         except KeyError:
             return _error(404, f"profile {name!r} not found")
         return web.json_response({"active": self.resolver.active})
+
+    async def api_version(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/version: vramlock's version; no commit or build date is
+        recorded in the package."""
+        return web.json_response({"version": __version__, "commit": "", "build_date": ""})
 
     def choose(
         self, body: bytes | bytearray, name: str | None = None
