@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..arena.asking import asking
 from ..arena.budget import read_budget
@@ -357,14 +357,19 @@ class Wrapper:
         await asyncio.to_thread(stop_all, [self])
         self.proc = None  # ended on purpose: nothing to warn about when it starts again
 
-    def state(self) -> State:
+    def state(self, rows: list[Row] | None = None) -> State:
         """The model's member state: its wrapper's, WAITING before the wrapper joined
         (it is about to queue for the token), RELEASED when no wrapper runs. Each change
-        goes the member's way (``follow``)."""
+        goes the member's way (``follow``). ``rows``: its arena's snapshot, taken
+        already (``states``)."""
         if not self.alive():
             seen = State.RELEASED
         else:
-            found = self.member_state()
+            if rows is None:
+                found = self.member_state()
+            else:
+                assert self.proc is not None
+                found = next((r.state for r in rows if r.pid == self.proc.pid), None)
             seen = State.WAITING if found is None else _STATES.get(found, self.shown)
         follow(self.shown, seen)
         self.shown = seen
@@ -488,6 +493,19 @@ def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
 
     loop.add_reader(pidfd, exited)
     return done
+
+
+def states(wrappers: Iterable[Wrapper]) -> dict[str, State]:
+    """Each model's ``Wrapper.state``, its arena read once for all of its models."""
+    rows: dict[tuple[str | None, str | None], list[Row]] = {}
+    found = {}
+    for w in wrappers:
+        where = (w.model.arena, w.model.gpu)
+        if where not in rows and w.alive():
+            with contextlib.closing(w.arena()) as opened:
+                rows[where] = snapshot(opened)
+        found[w.model.name] = w.state(rows.get(where))
+    return found
 
 
 def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:

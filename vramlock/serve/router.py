@@ -26,15 +26,17 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
 from .config import COMFYUI_MODEL, Config
 from .errors import busy_response, negotiated
 from .errors import error_response as _error
+from .events import Events, model_status
 from .front import Front, Head
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
-from .members import Wrapper
+from .members import Wrapper, states
 from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
 from .peers import Peers, entries, resolve, upstream_peer
 from .selectors import Refused, Resolver
@@ -433,6 +435,7 @@ class Router:
         self._seen_resident: str | None = None  # the routing rules' last model found resident
         self.peers = Peers()
         self.resolver = Resolver(config, self._state_of)
+        self.events = Events(self._model_status, self._active_profile, logs)
         self._plain_for: Config | None = None  # the config _plain was found for
         self._plain_value = True
         middlewares: list[Middleware] = [negotiated]  # front.py hands such clients over
@@ -481,6 +484,8 @@ class Router:
             r.add_route("*", "/logs/stream", _only("GET", "HEAD"))
             r.add_route("*", "/logs/stream/{which:.+}", _only("GET", "HEAD"))
         get("/api/profiles", self.api_profiles)
+        get("/api/events", self.events.stream)
+        get("/api/version", self.api_version)
         r.add_put("/api/profiles/active", self.api_active_profile)
         r.add_route("*", "/api/profiles/active", _only("PUT"))
         for path in BY_QUERY:
@@ -490,7 +495,12 @@ class Router:
             r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
+        self.app.on_shutdown.append(self._end_streams)
         self.app.on_cleanup.append(self._close)
+
+    async def _end_streams(self, app: web.Application) -> None:
+        """/api/events streams end before the server waits for its requests."""
+        self.events.end()
 
     async def _close(self, app: web.Application) -> None:
         for pool in self.pools.values():
@@ -508,6 +518,13 @@ class Router:
             self._plain_value = not (c.peers or c.selectors or c.profiles or loading)
             self._plain_for = c
         return self._plain_value
+
+    def _model_status(self) -> list[dict[str, Any]]:
+        """/api/events' modelStatus: the models in their states, the peers' models."""
+        return model_status(self.config, states(self.wrappers.values()))
+
+    def _active_profile(self) -> str | None:
+        return self.resolver.active  # the resolver is another after a reload
 
     def _state_of(self, name: str) -> str | None:
         """Model ``name``'s member state; None when its wrapper is not running."""
@@ -773,7 +790,13 @@ class Router:
             self.resolver.set_active(name or None)
         except KeyError:
             return _error(404, f"profile {name!r} not found")
+        self.events.check()  # told to /api/events before it is answered
         return web.json_response({"active": self.resolver.active})
+
+    async def api_version(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/version: vramlock's version; no commit or build date is
+        recorded in the package."""
+        return web.json_response({"version": __version__, "commit": "", "build_date": ""})
 
     def choose(
         self, body: bytes | bytearray, name: str | None = None
