@@ -98,8 +98,9 @@ def test_auto_falls_back_when_swap_refuses_and_the_program_runs_on(rig: Rig, spa
 def test_auto_keeps_swap_off_a_program_that_runs_cuda_without_the_library(
     rig: Rig, spawn: Spawn
 ) -> None:
-    prog = str(rig.fakes.program)
-    job = auto(rig, spawn, "sh", "-c", f"env -u LD_PRELOAD {prog} 3", env=rig.env)
+    # exec'd by the system call itself without LD_PRELOAD: the library cannot pass itself on
+    prog = f"{rig.fakes.raw_exec} LD_PRELOAD -- {rig.fakes.program}"
+    job = auto(rig, spawn, "sh", "-c", f"{prog} 3", env=rig.env)
     assert read_line(job) == ["ready"]
     holder = rig.holder(spawn)
     out, err = job.communicate(timeout=60)
