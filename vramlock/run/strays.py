@@ -61,6 +61,7 @@ class Strays:
         self._lock = threading.Lock()  # held through each look
         self._thread: threading.Thread | None = None
         self.stopped: dict[int, int] = {}  # pid: start time, stopped until our turn
+        self._said: set[tuple[int, int]] = set()  # (pid, start) told of already
 
     def watch(self) -> None:
         """Released: watch from now on."""
@@ -88,11 +89,16 @@ class Strays:
 
     def _run(self) -> None:
         suspects: list[int] = []
+        # Found loose at the last look: stopped if they still are at the next. A process
+        # is caught between the dynamic linker mapping the driver and the library's
+        # constructor saying it has not joined yet (microseconds) at most once.
+        seen_loose: set[int] = set()
         seen, tree_at, all_at = "", 0.0, 0.0
         while True:
             self._watching.wait()
             with self._lock:
                 if not self._watching.is_set():
+                    seen_loose.clear()
                     continue
                 now, last = time.monotonic(), _last_pid()
                 if now >= all_at:
@@ -100,14 +106,27 @@ class Strays:
                 elif last != seen and now >= tree_at + TREE_EVERY:
                     pids, tree_at, seen = self._tree(), now, last
                 else:
-                    pids = suspects
-                loose, suspects = self._strategy().loose(pids) if pids else ([], [])
+                    pids = suspects + [p for p in seen_loose if p not in suspects]
+                try:
+                    loose, suspects = self._strategy().loose(pids) if pids else ([], [])
+                except Exception as err:  # a look that failed: the next one may not
+                    self._say(0, 0, f"a look at the command's processes failed: {err}")
+                    loose = []
+                suspects += [p for p in loose if p not in seen_loose]  # looked at again
                 for pid in loose:
-                    self._stop(pid)
+                    if pid in seen_loose:
+                        self._stop(pid)
+                seen_loose = set(loose)
                 for pid, start in list(self.stopped.items()):
                     if procfs.alive(pid, start) and procfs.state(pid) not in ("T", "t"):
                         self._stop(pid, again=True)  # continued by somebody else
             time.sleep(TICK)
+
+    def _say(self, pid: int, start: int, message: str) -> None:
+        """``message``, once for process ``pid`` started at ``start``."""
+        if (pid, start) not in self._said:
+            self._said.add((pid, start))
+            self._warn(message)
 
     def _stop(self, pid: int, again: bool = False) -> None:
         start = procfs.starttime(pid)
@@ -117,18 +136,14 @@ class Strays:
         try:
             os.kill(pid, signal.SIGSTOP)
         except OSError as err:
-            if pid not in self.stopped:
-                self._warn(
-                    f"process {pid} of the command began to use CUDA while it is released,"
-                    f" beyond what {label} holds, and cannot be stopped ({err.strerror}):"
-                    " it may run on the GPU in another member's turn"
-                )
-                self.stopped[pid] = start
+            self._say(pid, start,
+                      f"process {pid} of the command began to use CUDA while it is released,"
+                      f" beyond what {label} holds, and cannot be stopped ({err.strerror}):"
+                      " it may run on the GPU in another member's turn")  # fmt: skip
+            self.stopped[pid] = start
             return
-        if pid not in self.stopped:
-            self._warn(
-                f"process {pid} of the command began to use CUDA while it is released,"
-                f" beyond what {label} holds (exec'd without the swap library, a static"
-                " program, or not checkpointed): stopped until the command's turn"
-            )
+        self._say(pid, start,
+                  f"process {pid} of the command began to use CUDA while it is released,"
+                  f" beyond what {label} holds (exec'd without the swap library, a static"
+                  " program, or not checkpointed): stopped until the command's turn")  # fmt: skip
         self.stopped[pid] = start

@@ -80,6 +80,7 @@ class CheckpointStrategy(Strategy):
     def __init__(self, ctx: Context, settings: Settings) -> None:
         super().__init__(ctx, settings)
         self.pids: list[int] = []  # the processes checkpointed by the last release
+        self.idle: dict[int, int] = {}  # pid: start, the driver mapped, not checkpointed
         # Their VRAM before it, per GPU index, as NVML reported it (empty: unknown).
         self.footprint: dict[int, int] = {}
         # Initialise NVML and load libcuda now, not on the handoff path: nvmlInit alone
@@ -126,13 +127,23 @@ class CheckpointStrategy(Strategy):
         except cuda.CudaError as err:
             raise StrategyError(str(err)) from None
         self.pids = pids
+        # Those with the driver mapped but no context now (workers forked from a CUDA
+        # process): loose only once they make one (``loose``).
+        self.idle = {}
+        for pid in self.ctx.child.processes():
+            paths = procfs.mapped(pid) if pid not in pids else None
+            start = procfs.starttime(pid)
+            if paths is not None and cuda.driver_in(paths) and start is not None:
+                self.idle[pid] = start
 
     holds_processes = True
 
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
         """A process that was not checkpointed by the release and has the driver mapped
-        (it may be making its context: the driver cannot checkpoint it yet) is loose;
-        every other process that was not could begin to."""
+        (it may be making its context: the driver cannot checkpoint it yet) is loose,
+        unless it had it mapped at the release already without a context (a worker
+        forked from a CUDA process): that one is loose once the driver says it has one.
+        Every other process that was not checkpointed could begin to."""
         held = set(self.pids)
         loose: list[int] = []
         suspects: list[int] = []
@@ -142,7 +153,15 @@ class CheckpointStrategy(Strategy):
             paths = procfs.mapped(pid)
             if paths is None:
                 continue  # gone, or closed to us
-            (loose if cuda.driver_in(paths) else suspects).append(pid)
+            if not cuda.driver_in(paths):
+                suspects.append(pid)
+            elif self.idle.get(pid) != procfs.starttime(pid):
+                loose.append(pid)
+            else:
+                try:
+                    (loose if cuda.uses_cuda(pid) else suspects).append(pid)
+                except cuda.CudaError:
+                    suspects.append(pid)
         return loose, suspects
 
     def _used(self, pids: list[int]) -> dict[int, int]:
