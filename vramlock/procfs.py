@@ -15,7 +15,7 @@ _READ_ATTEMPTS = 4
 
 # Field indexes in proc_stat()'s list (fields after the command name, state first).
 _STATE, _PPID, _PGRP, _SESSION = 0, 1, 2, 3
-_STARTTIME = 19
+_STARTTIME, _VSIZE = 19, 20
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -52,6 +52,12 @@ def state(pid: int) -> str | None:
 def starttime(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
     return _int_field(pid, _STARTTIME)
+
+
+def vsize(pid: int) -> int | None:
+    """The size of the process's address space in bytes (field 23): it changes with
+    every mapping made or dropped (a library loaded, memory allocated)."""
+    return _int_field(pid, _VSIZE)
 
 
 def pgrp(pid: int) -> int | None:

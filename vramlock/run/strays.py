@@ -94,6 +94,7 @@ class Strays:
         # constructor saying it has not joined yet (microseconds) at most once.
         seen_loose: set[int] = set()
         seen, tree_at, all_at = "", 0.0, 0.0
+        sizes: dict[int, int | None] = {}  # address space sizes, as before the last look
         while True:
             self._watching.wait()
             with self._lock:
@@ -101,18 +102,27 @@ class Strays:
                     seen_loose.clear()
                     continue
                 now, last = time.monotonic(), _last_pid()
+                whole = True
                 if now >= all_at:
                     pids, all_at, tree_at, seen = self._everything(), now + ALL_EVERY, now, last
                 elif last != seen and now >= tree_at + TREE_EVERY:
                     pids, tree_at, seen = self._tree(), now, last
                 else:
-                    pids = suspects + [p for p in seen_loose if p not in suspects]
+                    # A suspect that maps the driver changes its address space's size: the
+                    # others are not read again (a maps file is long; a stat line is not).
+                    whole = False
+                    pids = [p for p in suspects if procfs.vsize(p) != sizes.get(p)]
+                    pids += [p for p in seen_loose if p not in pids]
+                sizes.update((p, procfs.vsize(p)) for p in pids)  # before the look
                 try:
-                    loose, suspects = self._strategy().loose(pids) if pids else ([], [])
+                    loose, found = self._strategy().loose(pids) if pids else ([], [])
                 except Exception as err:  # a look that failed: the next one may not
                     self._say(0, 0, f"a look at the command's processes failed: {err}")
-                    loose = []
-                suspects += [p for p in loose if p not in seen_loose]  # looked at again
+                    loose, found = [], [p for p in pids if p in suspects]
+                looked = set(pids)
+                suspects = found if whole else [p for p in suspects if p not in looked] + found
+                if whole:
+                    sizes = {p: sizes.get(p) for p in suspects}
                 for pid in loose:
                     if pid in seen_loose:
                         self._stop(pid)
