@@ -342,3 +342,40 @@ def test_the_fake_driver_answers_as_the_driver_does(rig: Rig, spawn: Spawn) -> N
     assert read_line(target) == ["launched", "0"]
     (blocked,), (unlocked,) = rig.launches("blocked"), calls(rig, "unlock", target.pid)
     assert blocked[1] > unlocked and rig.launches()[1][0] > unlocked
+
+
+def test_a_parked_process_that_dies_does_not_keep_the_others_off_the_gpu(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """Two CUDA processes in one command, both parked; one is killed meanwhile (the OOM
+    killer, say). On the next turn the one that lives gets its context and memory back
+    and answers: the restore of a process that is gone must not leave the others
+    checkpointed for good."""
+    (port,) = free_ports(1)
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop))
+    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    wait_until(lambda: len(descendants(job.pid)) == 3)
+    _, *programs = descendants(job.pid)
+    wait_until(lambda: all(state(rig, p) == RUNNING for p in programs))
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (worker,) = [p for p in programs if p != server_pid]
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    wait_until(lambda: all(state(rig, p) == CHECKPOINTED for p in programs), timeout=10)
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: worker not in descendants(job.pid))  # reaped by its shell
+    let_go(holder)
+    assert round_trip(port) == b"round 2\n"  # its contents, checked by the program
+    assert state(rig, server_pid) == RUNNING
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert "done 2" in out and "could not be restored" not in err, (out, err)
