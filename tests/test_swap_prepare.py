@@ -10,13 +10,15 @@ contents on each request.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
+from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Rig, read_line
+from helpers.swap_rig import Rig, read_line, swap_copies, take_turn
 
 
 def registered(rig: Rig) -> int:
@@ -139,3 +141,32 @@ def test_a_host_short_of_memory_prepares_nothing_until_it_has_it(
     assert registered(rig) == 0
     meminfo.write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
     wait_until(lambda: registered(rig) == resident, timeout=30)
+
+
+def test_a_release_waits_for_one_step_of_the_copy_ahead_not_for_all_of_it(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Over a slow link (each copy out 100 ms) a step of the copy ahead holds the table lock
+    # most of a second, and the thread takes the next at once while the program is idle.
+    # A release asked for meanwhile gets the lock once the step in progress is over, not
+    # once the copy ahead is done: it makes that nothing and copies everything itself.
+    size = 256 << 20
+    err_file = rig.tmp / "stderr"
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="100")
+    with err_file.open("w") as err:
+        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
+    assert read_line(job) == ["ready"]
+    wait_until(lambda: copied_out(rig) > 0, timeout=30)  # the copy ahead has begun
+    take_turn(rig, spawn)
+    assert job.stdin is not None
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+    trace = err_file.read_text()
+    assert swap_copies(trace)[:1] == [(size, size)], trace
+    assert "made ahead" not in trace.split("released")[0], trace

@@ -607,12 +607,19 @@ CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcp
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
 CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
 /* Copies to the host on a stream (what the swap library's copies out are) are logged as
- * "dtoh <monotonic ns> <bytes>" (FAKE_CUDA_LAUNCH_LOG). */
+ * "dtoh <monotonic ns> <bytes>" (FAKE_CUDA_LAUNCH_LOG); with FAKE_CUDA_DTOH_MS set, each
+ * takes that many milliseconds at least, as over a slow link. */
 CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s)
 {
 	(void)s;
 	if (!current)
 		return NO_CONTEXT;
+	const char *slow = getenv("FAKE_CUDA_DTOH_MS");
+	if (slow && *slow) {
+		long ms = atol(slow);
+		struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+		nanosleep(&t, NULL);
+	}
 	CUresult r = cuMemcpyDtoH_v2(h, d, n);
 	if (!r)
 		log_line("dtoh", now_ns(), (long long)n);

@@ -82,7 +82,7 @@ static int resume_locked(void)
 static void orphaned(void)
 {
 	int said = 0;
-	pthread_mutex_lock(&mu);
+	control_lock();
 	int was_released = released;
 	if (!greeted) {
 		atomic_store(&closed, 1);
@@ -116,7 +116,7 @@ static void orphaned(void)
 		pthread_mutex_unlock(&mu);
 		struct timespec tick = {0, 20000000};
 		nanosleep(&tick, NULL);
-		pthread_mutex_lock(&mu);
+		control_lock();
 	}
 	pthread_mutex_unlock(&mu);
 }
@@ -125,7 +125,7 @@ static void handle(const char *word)
 {
 	char answer[256] = "";
 	TRACE("vramlock run says %s", word);
-	pthread_mutex_lock(&mu);
+	control_lock();
 	if (!strcmp(word, "release"))
 		do_release(answer, sizeof answer, 0);
 	else if (!strcmp(word, "restore"))

@@ -39,6 +39,17 @@ atomic_ulong gate_entries;
 double table_changed_ms;
 int prepare_wanted = 1;
 static int started;
+/* The control thread waits for `mu` (a release, a restore): the thread takes no step
+ * meanwhile. A mutex is not fair: taken again at once after each step, it may go to the
+ * thread again and again (a waiter was seen kept out for seconds by steps of 4 ms). */
+static atomic_int control_waits;
+
+void control_lock(void)
+{
+	atomic_fetch_add(&control_waits, 1);
+	pthread_mutex_lock(&mu);
+	atomic_fetch_sub(&control_waits, 1);
+}
 
 /* Touches [p, p + n): MADV_POPULATE_WRITE (Linux 5.14), else a write to every page. */
 static void populate(char *p, size_t n)
@@ -257,7 +268,7 @@ static void *preparer(void *arg)
 			busy_at = now;
 			continue;
 		}
-		if (now - busy_at < IDLE_MS)
+		if (now - busy_at < IDLE_MS || atomic_load(&control_waits))
 			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
@@ -312,4 +323,5 @@ void prepare_start(void)
 void prepare_forget(void)
 {
 	started = 0;
+	atomic_store(&control_waits, 0);
 }

@@ -347,6 +347,8 @@ CUresult prepare_all(struct phys *p);
 void host_free(struct phys *p);
 void prepare_start(void);
 void prepare_forget(void);
+/* `mu` for the control thread: it goes before the preparer's next step. */
+void control_lock(void);
 
 /* ---- control.c and record.c ---------------------------------------------------- */
 
