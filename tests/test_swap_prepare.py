@@ -170,3 +170,24 @@ def test_a_release_waits_for_one_step_of_the_copy_ahead_not_for_all_of_it(
     trace = err_file.read_text()
     assert swap_copies(trace)[:1] == [(size, size)], trace
     assert "made ahead" not in trace.split("released")[0], trace
+
+
+def test_nothing_is_prepared_while_the_program_captures_a_cuda_graph(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    # A program idle with a capture open (begun on one request, ended on the next): pinning
+    # or synchronizing from the library's thread meanwhile would make the driver refuse
+    # the call and invalidate the program's graph, whose capture then fails at its end
+    # (as the fake driver does). Its copies are made once the capture is over.
+    capture = tmp_path / "capture"
+    capture.touch()
+    port = server(rig, spawn, SWAP_PROG_CAPTURE=str(capture))
+    resident = int(rig.phys.read_text())
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")  # capturing from now on
+    time.sleep(2.5)  # idle for longer than the library waits before it prepares
+    assert registered(rig) == 0
+    capture.unlink()
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 2\n")  # captured: its graph was not broken
+    wait_until(lambda: registered(rig) == resident, timeout=30)

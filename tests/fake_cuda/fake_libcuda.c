@@ -12,7 +12,10 @@
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
  * cuLaunchKernel under an address no exported name has; while the file named by
  * FAKE_CUDA_FULL exists, cuMemCreate finds no memory, and while the file named by
- * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none.
+ * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none. While a stream captures a graph,
+ * a call of any thread that would synchronize or pin (cuCtxSynchronize, cuStreamSynchronize,
+ * cuMemHostRegister, cuModuleLoadData) fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+ * invalidates the capture, whose end then fails, as on a GPU.
  *
  * The swap library's digest kernel is emulated: cuModuleLoadData takes a PTX image that
  * has its entry (unless FAKE_CUDA_NO_MODULE is set: then no image loads, as on a driver
@@ -563,6 +566,23 @@ CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
 	return OK;
 }
 
+/* ---- graph capture ------------------------------------------------------------- */
+
+#define CAPTURE_UNSUPPORTED 900
+#define CAPTURE_INVALIDATED 901
+static int capturing_now, capture_broken; /* streams capturing; one of them invalidated */
+
+/* A call the driver does not allow while a stream captures: it fails, and breaks the
+ * capture. OK when none is under way. */
+static CUresult unsafe_in_capture(void)
+{
+	pthread_mutex_lock(&mu);
+	int now = capturing_now;
+	capture_broken |= now > 0;
+	pthread_mutex_unlock(&mu);
+	return now ? CAPTURE_UNSUPPORTED : OK;
+}
+
 /* ---- host memory, copies, launches -------------------------------------------- */
 
 static __thread void *current;
@@ -592,6 +612,8 @@ static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 		return OOM;
 	if (!p || !n)
 		return INVALID;
+	if (unsafe_in_capture())
+		return CAPTURE_UNSUPPORTED;
 	log_line("register", now_ns(), (long long)n);
 	return OK;
 }
@@ -688,6 +710,8 @@ CUresult cuModuleLoadData(void **m, const void *image)
 		return 222; /* CUDA_ERROR_UNSUPPORTED_PTX_VERSION */
 	if (!current)
 		return NO_CONTEXT;
+	if (unsafe_in_capture())
+		return CAPTURE_UNSUPPORTED;
 	if (!strstr(image, ".entry " DIGEST_NAME "("))
 		return 218; /* CUDA_ERROR_INVALID_PTX */
 	*m = &the_module;
@@ -726,20 +750,34 @@ CUresult cuDevicePrimaryCtxRetain(void **c, int d)
 CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
-CUresult cuCtxSynchronize(void) { GATED(current ? OK : 201); }
+CUresult cuCtxSynchronize(void) { GATED(!current ? 201 : unsafe_in_capture()); }
 CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
-CUresult cuStreamSynchronize(void *s) { (void)s; GATED(OK); }
+CUresult cuStreamSynchronize(void *s) { (void)s; GATED(unsafe_in_capture()); }
 /* A stream is one byte: whether it is capturing a graph. */
 CUresult cuStreamIsCapturing(void *s, int *status) { *status = s ? *(char *)s : 0; return OK; }
-CUresult cuStreamBeginCapture_v2(void *s, int mode) { (void)mode; *(char *)s = 1; return OK; }
+CUresult cuStreamBeginCapture_v2(void *s, int mode)
+{
+	(void)mode;
+	pthread_mutex_lock(&mu);
+	capturing_now++;
+	pthread_mutex_unlock(&mu);
+	*(char *)s = 1;
+	return OK;
+}
+
 CUresult cuStreamEndCapture(void *s, void **graph)
 {
 	if (!*(char *)s)
 		return 401; /* not capturing */
 	*(char *)s = 0;
 	*graph = NULL;
-	return OK;
+	pthread_mutex_lock(&mu);
+	int broken = capture_broken;
+	if (!--capturing_now)
+		capture_broken = 0;
+	pthread_mutex_unlock(&mu);
+	return broken ? CAPTURE_INVALIDATED : OK;
 }
 
 CUresult cuGetErrorString(CUresult r, const char **s)

@@ -272,7 +272,8 @@ static void *preparer(void *arg)
 			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
-		if (released || refused[0] || atomic_load(&closed) || now - table_changed_ms < QUIET_MS) {
+		if (released || refused[0] || atomic_load(&closed) || atomic_load(&captures) > 0 ||
+		    now - table_changed_ms < QUIET_MS) {
 			rest = released || refused[0];
 		} else if ((p = next_to_prepare())) {
 			CUresult r = prepare_step(p);
