@@ -20,6 +20,8 @@ from helpers.processes import Spawn, wait_until
 from helpers.serve import call
 from helpers.swap_rig import Rig, read_line, swap_copies, take_turn
 
+from vramlock.procfs import descendants
+
 
 def registered(rig: Rig) -> int:
     """The bytes the fake driver was asked to lock so far."""
@@ -191,3 +193,44 @@ def test_nothing_is_prepared_while_the_program_captures_a_cuda_graph(
     status, _, body = call(port, "POST", "/work", {})
     assert (status, body) == (200, b"round 2\n")  # captured: its graph was not broken
     wait_until(lambda: registered(rig) == resident, timeout=30)
+
+
+def host_copies(pid: int, size: int) -> int:
+    """How many anonymous mappings ``size`` bytes long ``pid`` has (a host copy made ahead
+    is one: its pages are advised apart, so the kernel merges it with no neighbour)."""
+    count = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        count += len(fields) == 5 and end - start == size
+    return count
+
+
+def test_an_allocation_freed_after_its_copy_was_made_gives_the_copy_back(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Its host copy made and locked ahead, the program frees the allocation: every chunk
+    # locked is unlocked again (the fake driver logs both, and refuses to unlock a range it
+    # did not lock) and the copy is unmapped; nothing is prepared for it any more.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: registered(rig) == size, timeout=30)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)  # and copied ahead
+    assert host_copies(program, size) == 1
+    assert job.stdin is not None
+    job.stdin.write("free\n")
+    job.stdin.flush()
+    assert read_line(job) == ["freed"]
+    unlocked = rig.launches("unregister")
+    assert len(unlocked) == len(rig.launches("register")) == size // (32 << 20)
+    assert sum(n for _, n in unlocked) == size
+    assert host_copies(program, size) == 0
+    time.sleep(1.5)  # longer than the library waits once allocations stand still
+    assert registered(rig) == size
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0

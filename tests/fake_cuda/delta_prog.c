@@ -8,7 +8,8 @@
  * it and prints "ready". Then, one line at a time on stdin: "poke OFFSET LENGTH" flips
  * every bit of those bytes (on the GPU, and in the mirror) and says "poked"; "check"
  * copies all of it back and says "ok", or "MISMATCH <offset>" at the first byte that is
- * not the mirror's. "done" at end of input; exit 4 when a driver call fails.
+ * not the mirror's; "free" frees it (nothing else may follow) and says "freed". "done" at
+ * end of input; exit 4 when a driver call fails.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -52,6 +53,7 @@ int main(int argc, char **argv)
 	CUresult (*alloc)(CUdeviceptr *, size_t) = get("cuMemAlloc_v2");
 	CUresult (*htod)(CUdeviceptr, const void *, size_t) = get("cuMemcpyHtoD_v2");
 	CUresult (*dtoh)(void *, CUdeviceptr, size_t) = get("cuMemcpyDtoH_v2");
+	CUresult (*release)(CUdeviceptr) = get("cuMemFree_v2");
 	void *ctx;
 	CUdeviceptr dev;
 	unsigned char *mirror = malloc(size), *back = malloc(size);
@@ -82,6 +84,9 @@ int main(int argc, char **argv)
 				printf("MISMATCH %zu\n", i);
 			else
 				printf("ok\n");
+		} else if (!strncmp(line, "free", 4)) {
+			check(release(dev), "cuMemFree");
+			printf("freed\n");
 		}
 	}
 	printf("done\n");

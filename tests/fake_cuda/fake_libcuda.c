@@ -600,8 +600,18 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 	return *p ? OK : OOM;
 }
 CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+
+/* What is registered now, as the driver keeps it: a range is unregistered by its start. */
+struct registered {
+	void *p;
+	size_t n;
+	struct registered *next;
+};
+static struct registered *registered;
+
 /* Locking host memory the caller mapped: logged as "register <monotonic ns> <bytes>"
- * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much. */
+ * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much; undone by
+ * cuMemHostUnregister, logged as "unregister <monotonic ns> <bytes>". */
 static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 {
 	(void)fl;
@@ -614,12 +624,41 @@ static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 		return INVALID;
 	if (unsafe_in_capture())
 		return CAPTURE_UNSUPPORTED;
+	struct registered *r = malloc(sizeof *r);
+	if (!r)
+		abort();
+	pthread_mutex_lock(&mu);
+	for (struct registered *o = registered; o; o = o->next)
+		if ((char *)p < (char *)o->p + o->n && (char *)o->p < (char *)p + n) {
+			pthread_mutex_unlock(&mu);
+			free(r);
+			return 712; /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
+		}
+	*r = (struct registered){p, n, registered};
+	registered = r;
+	pthread_mutex_unlock(&mu);
 	log_line("register", now_ns(), (long long)n);
 	return OK;
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl) { GATED(cuMemHostRegister_v2_now(p, n, fl)); }
-CUresult cuMemHostUnregister(void *p) { return p ? OK : INVALID; }
+
+CUresult cuMemHostUnregister(void *p)
+{
+	pthread_mutex_lock(&mu);
+	for (struct registered **pp = &registered; *pp; pp = &(*pp)->next) {
+		struct registered *r = *pp;
+		if (r->p != p)
+			continue;
+		*pp = r->next;
+		pthread_mutex_unlock(&mu);
+		log_line("unregister", now_ns(), (long long)r->n);
+		free(r);
+		return OK;
+	}
+	pthread_mutex_unlock(&mu);
+	return 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
+}
 
 #define PTR(d) ((void *)(uintptr_t)(d))
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { GATED((memcpy(PTR(d), h, n), OK)); }
