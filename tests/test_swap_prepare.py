@@ -234,3 +234,31 @@ def test_an_allocation_freed_after_its_copy_was_made_gives_the_copy_back(
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
+
+
+def test_a_program_that_cannot_be_swapped_any_more_gives_its_copies_back(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Prepared, the program then uses what cannot be swapped (managed memory here; CUDA
+    # IPC or an exported handle, as NCCL's first collective may, the same): no release
+    # will ever use its host copies, and they are page-locked host memory as large as its
+    # GPU memory, which nothing else may use. They go back.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)  # made and copied ahead
+    assert job.stdin is not None
+    job.stdin.write("managed\n")
+    job.stdin.flush()
+    assert read_line(job) == ["managed"]
+    wait_until(lambda: sum(n for _, n in rig.launches("unregister")) == size, timeout=10)
+    assert host_copies(program, size) == 0
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0

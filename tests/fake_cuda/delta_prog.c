@@ -8,7 +8,8 @@
  * it and prints "ready". Then, one line at a time on stdin: "poke OFFSET LENGTH" flips
  * every bit of those bytes (on the GPU, and in the mirror) and says "poked"; "check"
  * copies all of it back and says "ok", or "MISMATCH <offset>" at the first byte that is
- * not the mirror's; "free" frees it (nothing else may follow) and says "freed". "done" at
+ * not the mirror's; "free" frees it (nothing else may follow) and says "freed"; "managed"
+ * allocates 1 MiB of managed memory (what cannot be swapped) and says "managed". "done" at
  * end of input; exit 4 when a driver call fails.
  */
 #define _GNU_SOURCE
@@ -54,6 +55,7 @@ int main(int argc, char **argv)
 	CUresult (*htod)(CUdeviceptr, const void *, size_t) = get("cuMemcpyHtoD_v2");
 	CUresult (*dtoh)(void *, CUdeviceptr, size_t) = get("cuMemcpyDtoH_v2");
 	CUresult (*release)(CUdeviceptr) = get("cuMemFree_v2");
+	CUresult (*managed)(CUdeviceptr *, size_t, unsigned) = get("cuMemAllocManaged");
 	void *ctx;
 	CUdeviceptr dev;
 	unsigned char *mirror = malloc(size), *back = malloc(size);
@@ -87,6 +89,10 @@ int main(int argc, char **argv)
 		} else if (!strncmp(line, "free", 4)) {
 			check(release(dev), "cuMemFree");
 			printf("freed\n");
+		} else if (!strncmp(line, "managed", 7)) {
+			CUdeviceptr m;
+			check(managed(&m, 1 << 20, 1), "cuMemAllocManaged");
+			printf("managed\n");
 		}
 	}
 	printf("done\n");

@@ -248,6 +248,24 @@ static struct phys *next_ahead(void)
 	return NULL;
 }
 
+/* One allocation's host copy and digests freed, once the process cannot be swapped any
+ * more: 1, or 0 when none is left. With `mu` held, never while released. */
+static int give_back(void)
+{
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->host && !p->prep_base)
+			continue;
+		real_cuCtxSetCurrent(p->ctx); /* unpinning, as pinning, is done in a context */
+		host_free(p);
+		ahead_drop(p);
+		free(p->digest);
+		p->digest = NULL;
+		p->digest_len = 0;
+		return 1;
+	}
+	return 0;
+}
+
 static void *preparer(void *arg)
 {
 	(void)arg;
@@ -272,9 +290,13 @@ static void *preparer(void *arg)
 			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
-		if (released || refused[0] || atomic_load(&closed) || atomic_load(&captures) > 0 ||
-		    now - table_changed_ms < QUIET_MS) {
-			rest = released || refused[0];
+		if (released || atomic_load(&closed) || atomic_load(&captures) > 0 ||
+		    (!refused[0] && now - table_changed_ms < QUIET_MS)) {
+			rest = released;
+		} else if (refused[0]) {
+			/* No release will use the copies: pinned, they are memory nobody else has. */
+			worked = give_back();
+			rest = !worked;
 		} else if ((p = next_to_prepare())) {
 			CUresult r = prepare_step(p);
 			worked = !r;
