@@ -9,11 +9,14 @@
  * every bit of those bytes (on the GPU, and in the mirror) and says "poked"; "check"
  * copies all of it back and says "ok", or "MISMATCH <offset>" at the first byte that is
  * not the mirror's; "free" frees it (nothing else may follow) and says "freed"; "managed"
- * allocates 1 MiB of managed memory (what cannot be swapped) and says "managed". "done" at
- * end of input; exit 4 when a driver call fails.
+ * allocates 1 MiB of managed memory (what cannot be swapped) and says "managed"; "block"
+ * blocks SIGTERM in its thread, as a program that takes its signals with sigwait does, and
+ * says "blocked"; "sigwait" waits for one and says "sigterm". "done" at end of input; exit
+ * 4 when a driver call fails.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,6 +96,14 @@ int main(int argc, char **argv)
 			CUdeviceptr m;
 			check(managed(&m, 1 << 20, 1), "cuMemAllocManaged");
 			printf("managed\n");
+		} else if (!strncmp(line, "block", 5) || !strncmp(line, "sigwait", 7)) {
+			sigset_t term;
+			int sig;
+			sigemptyset(&term);
+			sigaddset(&term, SIGTERM);
+			if (line[0] == 'b' ? pthread_sigmask(SIG_BLOCK, &term, NULL) : sigwait(&term, &sig))
+				return 4;
+			printf(line[0] == 'b' ? "blocked\n" : "sigterm\n");
 		}
 	}
 	printf("done\n");

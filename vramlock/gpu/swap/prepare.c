@@ -333,13 +333,7 @@ void prepare_start(void)
 	if (started || !prepare_wanted || !real_cuMemHostRegister_v2 ||
 	    !real_cuMemHostUnregister)
 		return;
-	pthread_t t;
-	pthread_attr_t attr;
-	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-	if (!pthread_create(&t, &attr, preparer, NULL))
-		started = 1;
-	pthread_attr_destroy(&attr);
+	started = !start_thread(preparer);
 }
 
 /* In a forked child: the thread is its parent's. */

@@ -30,6 +30,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -355,6 +356,7 @@ void control_lock(void);
 extern pthread_once_t connect_once;
 int control_setup(void);
 void connect_control(void);
+int start_thread(void *(*fn)(void *));
 void join_now(void);
 void before_fork(void);
 void after_fork_parent(void);
