@@ -262,3 +262,33 @@ def test_a_program_that_cannot_be_swapped_any_more_gives_its_copies_back(
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
+
+
+def test_a_write_during_the_copy_ahead_is_copied_at_the_release(rig: Rig, spawn: Spawn) -> None:
+    # The program writes one byte of a chunk the copy ahead has already copied, while that
+    # copy is still under way (its writes take no lock of the library's): the digests made
+    # ahead describe the host copy, not the GPU, so the release finds that one segment
+    # changed and copies it, and only it; the program finds its byte after the restore.
+    size, segment = 64 << 20, 256 << 10
+    err_file = rig.tmp / "stderr"
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="300")
+    with err_file.open("w") as err:
+        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
+    assert read_line(job) == ["ready"]
+    assert job.stdin is not None
+    wait_until(lambda: copied_out(rig) > 0, timeout=30)  # its first chunk is copied
+    job.stdin.write("poke 100 1\n")  # in that chunk, while the second is being copied
+    job.stdin.flush()
+    assert read_line(job) == ["poked"]
+    assert copied_out(rig) < size  # the copy ahead was still under way
+    wait_until(lambda: "made ahead" in err_file.read_text(), timeout=30)
+    take_turn(rig, spawn)
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+    assert swap_copies(err_file.read_text()) == [(size, segment)]
