@@ -379,3 +379,36 @@ def test_a_parked_process_that_dies_does_not_keep_the_others_off_the_gpu(
     stop.touch()
     out, err = job.communicate(timeout=60)
     assert "done 2" in out and "could not be restored" not in err, (out, err)
+
+
+def test_a_process_that_ends_as_it_is_parked_leaves_parking_on(rig: Rig, spawn: Spawn) -> None:
+    """Two CUDA processes, one ending while the driver locks them for the park (each lock
+    slowed to two seconds here): the park fails for a process that is gone, which says
+    nothing of the others; the next look parks them, and no warning says parking is off."""
+    (port,) = free_ports(1)
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop),
+               FAKE_CUDA_CKPT_LOCK_MS="2000")  # fmt: skip
+    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    wait_until(lambda: len(descendants(job.pid)) == 3)
+    _, *programs = descendants(job.pid)
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (worker,) = [p for p in programs if p != server_pid]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    time.sleep(1.0)  # the park is due after 0.3 s: its first lock is under way
+    assert calls(rig, "lock", server_pid) == calls(rig, "lock", worker) == []
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: state(rig, server_pid) == CHECKPOINTED, timeout=15)
+    let_go(holder)
+    assert round_trip(port) == b"round 1\n"
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert "done 1" in out and "stay on the GPU" not in err, (out, err)

@@ -909,8 +909,15 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 	return r;
 }
 
+/* With FAKE_CUDA_CKPT_LOCK_MS set, a lock takes that long before it looks at the target. */
 CUresult cuCheckpointProcessLock(int pid, const LockArgs *args)
 {
+	const char *slow = getenv("FAKE_CUDA_CKPT_LOCK_MS");
+	if (slow && *slow) {
+		long ms = atol(slow);
+		struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+		nanosleep(&t, NULL);
+	}
 	return ckpt_move(pid, RUNNING, LOCKED, "lock", args ? args->timeoutMs : 0);
 }
 
