@@ -10,6 +10,8 @@ contents on each request.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -292,3 +294,38 @@ def test_a_write_during_the_copy_ahead_is_copied_at_the_release(rig: Rig, spawn:
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
     assert swap_copies(err_file.read_text()) == [(size, segment)]
+
+
+def test_a_child_forked_after_the_copies_were_made_does_not_share_them(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The host copies are mapped MADV_DONTFORK: a child forked afterwards (a worker pool's)
+    # does not have them, so nothing of it shares pages the GPU writes into, and the
+    # parent's release and restore go on as before.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)
+    assert job.stdin is not None
+    job.stdin.write("fork\n")
+    job.stdin.flush()
+    words = read_line(job)
+    assert words[:1] == ["child"]
+    child = int(words[1])
+    try:
+        assert host_copies(program, size) == 1 and host_copies(child, size) == 0
+        job.stdin.write(f"poke {size // 2} 1\n")
+        job.stdin.flush()
+        assert read_line(job) == ["poked"]
+        take_turn(rig, spawn)
+        job.stdin.write("check\n")
+        job.stdin.flush()
+        assert read_line(job) == ["ok"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0

@@ -11,8 +11,9 @@
  * not the mirror's; "free" frees it (nothing else may follow) and says "freed"; "managed"
  * allocates 1 MiB of managed memory (what cannot be swapped) and says "managed"; "block"
  * blocks SIGTERM in its thread, as a program that takes its signals with sigwait does, and
- * says "blocked"; "sigwait" waits for one and says "sigterm". "done" at end of input; exit
- * 4 when a driver call fails.
+ * says "blocked"; "sigwait" waits for one and says "sigterm"; "fork" forks a child that
+ * only waits to be killed, as a worker pool's, and says "child <pid>". "done" at end of
+ * input; exit 4 when a driver call fails.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -21,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -104,6 +106,14 @@ int main(int argc, char **argv)
 			if (line[0] == 'b' ? pthread_sigmask(SIG_BLOCK, &term, NULL) : sigwait(&term, &sig))
 				return 4;
 			printf(line[0] == 'b' ? "blocked\n" : "sigterm\n");
+		} else if (!strncmp(line, "fork", 4)) {
+			pid_t child = fork();
+			if (child < 0)
+				return 4;
+			if (!child)
+				for (;;)
+					pause();
+			printf("child %d\n", (int)child);
 		}
 	}
 	printf("done\n");
