@@ -134,6 +134,16 @@ def test_restore_all_restores_then_unlocks(fake_driver: FakeDriver) -> None:
     assert fake_driver.calls == [("Restore", 1), ("Restore", 2), ("Unlock", 1), ("Unlock", 2)]
 
 
+def test_restore_all_passes_over_a_process_that_is_gone(fake_driver: FakeDriver) -> None:
+    gone = 0x3FFFFFFF  # beyond pid_max: no such process (killed while checkpointed)
+    fake_driver.codes = {("Restore", gone): 304}
+    cuda.restore_all([gone, 1])
+    assert fake_driver.calls == [("Restore", gone), ("Restore", 1), ("Unlock", 1)]
+    fake_driver.codes[("Restore", os.getpid())] = 304  # alive: a real error
+    with pytest.raises(cuda.DriverOSError):
+        cuda.restore_all([os.getpid()])
+
+
 def test_cuda_pids_keeps_cuda_processes_only(fake_driver: FakeDriver) -> None:
     gone = 0x3FFFFFFF  # beyond pid_max: no such process
     fake_driver.codes = {("GetState", 2): 3, ("GetState", gone): 304}

@@ -819,3 +819,27 @@ def test_two_idle_servers_behind_their_proxies_take_turns(
         if k:  # the other one was released for it: nothing of it left on the "GPU"
             assert int(phys[1 - i].read_text()) == 0
         assert int(phys[i].read_text()) > 0
+
+
+def test_the_library_s_threads_take_none_of_the_program_s_signals(rig: Rig, spawn: Spawn) -> None:
+    # A program that takes SIGTERM with sigwait blocks it in its threads once it has
+    # started; the library's threads (the connection's, the one that prepares host copies)
+    # came before and must not take it for the program: with no thread of its own left
+    # to take it, a SIGTERM would end the program at once, whatever it meant to do.
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), "8")  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: rig.launches("register"), timeout=30)  # the preparer runs too
+    assert job.stdin is not None
+    job.stdin.write("block\n")
+    job.stdin.flush()
+    assert read_line(job) == ["blocked"]
+    os.kill(program, signal.SIGTERM)
+    job.stdin.write("sigwait\n")
+    job.stdin.flush()
+    assert read_line(job) == ["sigterm"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0

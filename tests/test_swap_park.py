@@ -398,3 +398,110 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def test_a_parked_process_that_dies_does_not_keep_the_others_off_the_gpu(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """Two CUDA processes in one command, both parked; one is killed meanwhile (the OOM
+    killer, say). On the next turn the one that lives gets its context and memory back
+    and answers: the restore of a process that is gone must not leave the others
+    checkpointed for good."""
+    (port,) = free_ports(1)
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop))
+    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    wait_until(lambda: len(descendants(job.pid)) == 3)
+    _, *programs = descendants(job.pid)
+    wait_until(lambda: all(state(rig, p) == RUNNING for p in programs))
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (worker,) = [p for p in programs if p != server_pid]
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    wait_until(lambda: all(state(rig, p) == CHECKPOINTED for p in programs), timeout=10)
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: worker not in descendants(job.pid))  # reaped by its shell
+    let_go(holder)
+    assert round_trip(port) == b"round 2\n"  # its contents, checked by the program
+    assert state(rig, server_pid) == RUNNING
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert "done 2" in out and "could not be restored" not in err, (out, err)
+
+
+def test_a_process_that_ends_as_it_is_parked_leaves_parking_on(rig: Rig, spawn: Spawn) -> None:
+    """Two CUDA processes, one ending while the driver locks them for the park (each lock
+    slowed to two seconds here): the park fails for a process that is gone, which says
+    nothing of the others; the next look parks them, and no warning says parking is off."""
+    (port,) = free_ports(1)
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop),
+               FAKE_CUDA_CKPT_LOCK_MS="2000")  # fmt: skip
+    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    wait_until(lambda: len(descendants(job.pid)) == 3)
+    _, *programs = descendants(job.pid)
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (worker,) = [p for p in programs if p != server_pid]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[:1] == ["held"]
+    time.sleep(1.0)  # the park is due after 0.3 s: its first lock is under way
+    assert calls(rig, "lock", server_pid) == calls(rig, "lock", worker) == []
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: state(rig, server_pid) == CHECKPOINTED, timeout=15)
+    let_go(holder)
+    assert round_trip(port) == b"round 1\n"
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert "done 1" in out and "stay on the GPU" not in err, (out, err)
+
+
+def test_a_process_started_while_parked_waits_for_the_turn(rig: Rig, spawn: Spawn) -> None:
+    """A second CUDA process of the command starts while the first is parked: it joins
+    released, touches nothing on the "GPU" (not even a context) while the test's member
+    holds the token, and runs once the command is back, its parked process restored."""
+    (port,) = free_ports(1)
+    go, stop = rig.tmp / "go", rig.tmp / "stop"
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop))
+    script = f'SWAP_PROG_LISTEN=$1 "$0" 60 & SWAP_PROG_START_AFTER={go} "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    assert sorted([read_line(job), read_line(job)]) == [["ready"], ["waiting"]]
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    _, *programs = descendants(job.pid)
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (late,) = [p for p in programs if p != server_pid]
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[:1] == ["held"]
+    wait_until(lambda: state(rig, server_pid) == CHECKPOINTED, timeout=10)
+    go.touch()  # CUDA starts in the late one now, while the test's member holds the token
+    time.sleep(1.0)
+    assert state(rig, late) is None  # no context: its first CUDA call waits for its turn
+    left = let_go(holder)
+    assert read_line(job) == ["ready"]  # the late one, on the command's turn
+    assert round_trip(port) == b"round 2\n"
+    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert rig.launches("blocked") == []
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and err == "", (out, err)

@@ -10,13 +10,19 @@ contents on each request.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
+from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Rig, read_line
+from helpers.swap_rig import Rig, read_line, swap_copies, take_turn
+
+from vramlock.procfs import descendants
 
 
 def registered(rig: Rig) -> int:
@@ -139,3 +145,187 @@ def test_a_host_short_of_memory_prepares_nothing_until_it_has_it(
     assert registered(rig) == 0
     meminfo.write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
     wait_until(lambda: registered(rig) == resident, timeout=30)
+
+
+def test_a_release_waits_for_one_step_of_the_copy_ahead_not_for_all_of_it(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Over a slow link (each copy out 100 ms) a step of the copy ahead holds the table lock
+    # most of a second, and the thread takes the next at once while the program is idle.
+    # A release asked for meanwhile gets the lock once the step in progress is over, not
+    # once the copy ahead is done: it makes that nothing and copies everything itself.
+    size = 256 << 20
+    err_file = rig.tmp / "stderr"
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="100")
+    with err_file.open("w") as err:
+        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
+    assert read_line(job) == ["ready"]
+    wait_until(lambda: copied_out(rig) > 0, timeout=30)  # the copy ahead has begun
+    take_turn(rig, spawn)
+    assert job.stdin is not None
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+    trace = err_file.read_text()
+    assert swap_copies(trace)[:1] == [(size, size)], trace
+    assert "made ahead" not in trace.split("released")[0], trace
+
+
+def test_nothing_is_prepared_while_the_program_captures_a_cuda_graph(
+    rig: Rig, spawn: Spawn, tmp_path: Path
+) -> None:
+    # A program idle with a capture open (begun on one request, ended on the next): pinning
+    # or synchronizing from the library's thread meanwhile would make the driver refuse
+    # the call and invalidate the program's graph, whose capture then fails at its end
+    # (as the fake driver does). Its copies are made once the capture is over.
+    capture = tmp_path / "capture"
+    capture.touch()
+    port = server(rig, spawn, SWAP_PROG_CAPTURE=str(capture))
+    resident = int(rig.phys.read_text())
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 1\n")  # capturing from now on
+    time.sleep(2.5)  # idle for longer than the library waits before it prepares
+    assert registered(rig) == 0
+    capture.unlink()
+    status, _, body = call(port, "POST", "/work", {})
+    assert (status, body) == (200, b"round 2\n")  # captured: its graph was not broken
+    wait_until(lambda: registered(rig) == resident, timeout=30)
+
+
+def host_copies(pid: int, size: int) -> int:
+    """How many anonymous mappings ``size`` bytes long ``pid`` has (a host copy made ahead
+    is one: its pages are advised apart, so the kernel merges it with no neighbour)."""
+    count = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        count += len(fields) == 5 and end - start == size
+    return count
+
+
+def test_an_allocation_freed_after_its_copy_was_made_gives_the_copy_back(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Its host copy made and locked ahead, the program frees the allocation: every chunk
+    # locked is unlocked again (the fake driver logs both, and refuses to unlock a range it
+    # did not lock) and the copy is unmapped; nothing is prepared for it any more.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: registered(rig) == size, timeout=30)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)  # and copied ahead
+    assert host_copies(program, size) == 1
+    assert job.stdin is not None
+    job.stdin.write("free\n")
+    job.stdin.flush()
+    assert read_line(job) == ["freed"]
+    unlocked = rig.launches("unregister")
+    assert len(unlocked) == len(rig.launches("register")) == size // (32 << 20)
+    assert sum(n for _, n in unlocked) == size
+    assert host_copies(program, size) == 0
+    time.sleep(1.5)  # longer than the library waits once allocations stand still
+    assert registered(rig) == size
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+
+
+def test_a_program_that_cannot_be_swapped_any_more_gives_its_copies_back(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # Prepared, the program then uses what cannot be swapped (managed memory here; CUDA
+    # IPC or an exported handle, as NCCL's first collective may, the same): no release
+    # will ever use its host copies, and they are page-locked host memory as large as its
+    # GPU memory, which nothing else may use. They go back.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)  # made and copied ahead
+    assert job.stdin is not None
+    job.stdin.write("managed\n")
+    job.stdin.flush()
+    assert read_line(job) == ["managed"]
+    wait_until(lambda: sum(n for _, n in rig.launches("unregister")) == size, timeout=10)
+    assert host_copies(program, size) == 0
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+
+
+def test_a_write_during_the_copy_ahead_is_copied_at_the_release(rig: Rig, spawn: Spawn) -> None:
+    # The program writes one byte of a chunk the copy ahead has already copied, while that
+    # copy is still under way (its writes take no lock of the library's): the digests made
+    # ahead describe the host copy, not the GPU, so the release finds that one segment
+    # changed and copies it, and only it; the program finds its byte after the restore.
+    size, segment = 64 << 20, 256 << 10
+    err_file = rig.tmp / "stderr"
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="300")
+    with err_file.open("w") as err:
+        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
+    assert read_line(job) == ["ready"]
+    assert job.stdin is not None
+    wait_until(lambda: copied_out(rig) > 0, timeout=30)  # its first chunk is copied
+    job.stdin.write("poke 100 1\n")  # in that chunk, while the second is being copied
+    job.stdin.flush()
+    assert read_line(job) == ["poked"]
+    assert copied_out(rig) < size  # the copy ahead was still under way
+    wait_until(lambda: "made ahead" in err_file.read_text(), timeout=30)
+    take_turn(rig, spawn)
+    job.stdin.write("check\n")
+    job.stdin.flush()
+    assert read_line(job) == ["ok"]
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0
+    assert swap_copies(err_file.read_text()) == [(size, segment)]
+
+
+def test_a_child_forked_after_the_copies_were_made_does_not_share_them(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The host copies are mapped MADV_DONTFORK: a child forked afterwards (a worker pool's)
+    # does not have them, so nothing of it shares pages the GPU writes into, and the
+    # parent's release and restore go on as before.
+    size = 64 << 20
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    wait_until(lambda: copied_out(rig) == size, timeout=30)
+    assert job.stdin is not None
+    job.stdin.write("fork\n")
+    job.stdin.flush()
+    words = read_line(job)
+    assert words[:1] == ["child"]
+    child = int(words[1])
+    try:
+        assert host_copies(program, size) == 1 and host_copies(child, size) == 0
+        job.stdin.write(f"poke {size // 2} 1\n")
+        job.stdin.flush()
+        assert read_line(job) == ["poked"]
+        take_turn(rig, spawn)
+        job.stdin.write("check\n")
+        job.stdin.flush()
+        assert read_line(job) == ["ok"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+    job.stdin.close()
+    assert read_line(job) == ["done"]
+    assert job.wait(30) == 0

@@ -8,14 +8,21 @@
  * it and prints "ready". Then, one line at a time on stdin: "poke OFFSET LENGTH" flips
  * every bit of those bytes (on the GPU, and in the mirror) and says "poked"; "check"
  * copies all of it back and says "ok", or "MISMATCH <offset>" at the first byte that is
- * not the mirror's. "done" at end of input; exit 4 when a driver call fails.
+ * not the mirror's; "free" frees it (nothing else may follow) and says "freed"; "managed"
+ * allocates 1 MiB of managed memory (what cannot be swapped) and says "managed"; "block"
+ * blocks SIGTERM in its thread, as a program that takes its signals with sigwait does, and
+ * says "blocked"; "sigwait" waits for one and says "sigterm"; "fork" forks a child that
+ * only waits to be killed, as a worker pool's, and says "child <pid>". "done" at end of
+ * input; exit 4 when a driver call fails.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -52,6 +59,8 @@ int main(int argc, char **argv)
 	CUresult (*alloc)(CUdeviceptr *, size_t) = get("cuMemAlloc_v2");
 	CUresult (*htod)(CUdeviceptr, const void *, size_t) = get("cuMemcpyHtoD_v2");
 	CUresult (*dtoh)(void *, CUdeviceptr, size_t) = get("cuMemcpyDtoH_v2");
+	CUresult (*release)(CUdeviceptr) = get("cuMemFree_v2");
+	CUresult (*managed)(CUdeviceptr *, size_t, unsigned) = get("cuMemAllocManaged");
 	void *ctx;
 	CUdeviceptr dev;
 	unsigned char *mirror = malloc(size), *back = malloc(size);
@@ -82,6 +91,29 @@ int main(int argc, char **argv)
 				printf("MISMATCH %zu\n", i);
 			else
 				printf("ok\n");
+		} else if (!strncmp(line, "free", 4)) {
+			check(release(dev), "cuMemFree");
+			printf("freed\n");
+		} else if (!strncmp(line, "managed", 7)) {
+			CUdeviceptr m;
+			check(managed(&m, 1 << 20, 1), "cuMemAllocManaged");
+			printf("managed\n");
+		} else if (!strncmp(line, "block", 5) || !strncmp(line, "sigwait", 7)) {
+			sigset_t term;
+			int sig;
+			sigemptyset(&term);
+			sigaddset(&term, SIGTERM);
+			if (line[0] == 'b' ? pthread_sigmask(SIG_BLOCK, &term, NULL) : sigwait(&term, &sig))
+				return 4;
+			printf(line[0] == 'b' ? "blocked\n" : "sigterm\n");
+		} else if (!strncmp(line, "fork", 4)) {
+			pid_t child = fork();
+			if (child < 0)
+				return 4;
+			if (!child)
+				for (;;)
+					pause();
+			printf("child %d\n", (int)child);
 		}
 	}
 	printf("done\n");

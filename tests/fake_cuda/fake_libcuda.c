@@ -12,7 +12,10 @@
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
  * cuLaunchKernel under an address no exported name has; while the file named by
  * FAKE_CUDA_FULL exists, cuMemCreate finds no memory, and while the file named by
- * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none.
+ * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none. While a stream captures a graph,
+ * a call of any thread that would synchronize or pin (cuCtxSynchronize, cuStreamSynchronize,
+ * cuMemHostRegister, cuModuleLoadData) fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+ * invalidates the capture, whose end then fails, as on a GPU.
  *
  * The swap library's digest kernel is emulated: cuModuleLoadData takes a PTX image that
  * has its entry (unless FAKE_CUDA_NO_MODULE is set: then no image loads, as on a driver
@@ -563,6 +566,23 @@ CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p)
 	return OK;
 }
 
+/* ---- graph capture ------------------------------------------------------------- */
+
+#define CAPTURE_UNSUPPORTED 900
+#define CAPTURE_INVALIDATED 901
+static int capturing_now, capture_broken; /* streams capturing; one of them invalidated */
+
+/* A call the driver does not allow while a stream captures: it fails, and breaks the
+ * capture. OK when none is under way. */
+static CUresult unsafe_in_capture(void)
+{
+	pthread_mutex_lock(&mu);
+	int now = capturing_now;
+	capture_broken |= now > 0;
+	pthread_mutex_unlock(&mu);
+	return now ? CAPTURE_UNSUPPORTED : OK;
+}
+
 /* ---- host memory, copies, launches -------------------------------------------- */
 
 static __thread void *current;
@@ -580,8 +600,18 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned fl)
 	return *p ? OK : OOM;
 }
 CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+
+/* What is registered now, as the driver keeps it: a range is unregistered by its start. */
+struct registered {
+	void *p;
+	size_t n;
+	struct registered *next;
+};
+static struct registered *registered;
+
 /* Locking host memory the caller mapped: logged as "register <monotonic ns> <bytes>"
- * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much. */
+ * (FAKE_CUDA_LAUNCH_LOG), so that a test sees when it happens and how much; undone by
+ * cuMemHostUnregister, logged as "unregister <monotonic ns> <bytes>". */
 static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 {
 	(void)fl;
@@ -592,12 +622,43 @@ static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 		return OOM;
 	if (!p || !n)
 		return INVALID;
+	if (unsafe_in_capture())
+		return CAPTURE_UNSUPPORTED;
+	struct registered *r = malloc(sizeof *r);
+	if (!r)
+		abort();
+	pthread_mutex_lock(&mu);
+	for (struct registered *o = registered; o; o = o->next)
+		if ((char *)p < (char *)o->p + o->n && (char *)o->p < (char *)p + n) {
+			pthread_mutex_unlock(&mu);
+			free(r);
+			return 712; /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
+		}
+	*r = (struct registered){p, n, registered};
+	registered = r;
+	pthread_mutex_unlock(&mu);
 	log_line("register", now_ns(), (long long)n);
 	return OK;
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned fl) { GATED(cuMemHostRegister_v2_now(p, n, fl)); }
-CUresult cuMemHostUnregister(void *p) { return p ? OK : INVALID; }
+
+CUresult cuMemHostUnregister(void *p)
+{
+	pthread_mutex_lock(&mu);
+	for (struct registered **pp = &registered; *pp; pp = &(*pp)->next) {
+		struct registered *r = *pp;
+		if (r->p != p)
+			continue;
+		*pp = r->next;
+		pthread_mutex_unlock(&mu);
+		log_line("unregister", now_ns(), (long long)r->n);
+		free(r);
+		return OK;
+	}
+	pthread_mutex_unlock(&mu);
+	return 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
+}
 
 #define PTR(d) ((void *)(uintptr_t)(d))
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { GATED((memcpy(PTR(d), h, n), OK)); }
@@ -607,12 +668,19 @@ CUresult cuMemcpyDtoH_v2_ptds(void *h, CUdeviceptr d, size_t n) { return cuMemcp
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return current ? cuMemcpyHtoD_v2(d, h, n) : NO_CONTEXT; }
 CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *h, size_t n, void *s) { (void)s; return cuMemcpyHtoD_v2(d, h, n); }
 /* Copies to the host on a stream (what the swap library's copies out are) are logged as
- * "dtoh <monotonic ns> <bytes>" (FAKE_CUDA_LAUNCH_LOG). */
+ * "dtoh <monotonic ns> <bytes>" (FAKE_CUDA_LAUNCH_LOG); with FAKE_CUDA_DTOH_MS set, each
+ * takes that many milliseconds at least, as over a slow link. */
 CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, void *s)
 {
 	(void)s;
 	if (!current)
 		return NO_CONTEXT;
+	const char *slow = getenv("FAKE_CUDA_DTOH_MS");
+	if (slow && *slow) {
+		long ms = atol(slow);
+		struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+		nanosleep(&t, NULL);
+	}
 	CUresult r = cuMemcpyDtoH_v2(h, d, n);
 	if (!r)
 		log_line("dtoh", now_ns(), (long long)n);
@@ -681,6 +749,8 @@ CUresult cuModuleLoadData(void **m, const void *image)
 		return 222; /* CUDA_ERROR_UNSUPPORTED_PTX_VERSION */
 	if (!current)
 		return NO_CONTEXT;
+	if (unsafe_in_capture())
+		return CAPTURE_UNSUPPORTED;
 	if (!strstr(image, ".entry " DIGEST_NAME "("))
 		return 218; /* CUDA_ERROR_INVALID_PTX */
 	*m = &the_module;
@@ -731,20 +801,34 @@ CUresult cuDevicePrimaryCtxRetain(void **c, int d)
 CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
-CUresult cuCtxSynchronize(void) { GATED(current ? OK : 201); }
+CUresult cuCtxSynchronize(void) { GATED(!current ? 201 : unsafe_in_capture()); }
 CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
-CUresult cuStreamSynchronize(void *s) { (void)s; GATED(OK); }
+CUresult cuStreamSynchronize(void *s) { (void)s; GATED(unsafe_in_capture()); }
 /* A stream is one byte: whether it is capturing a graph. */
 CUresult cuStreamIsCapturing(void *s, int *status) { *status = s ? *(char *)s : 0; return OK; }
-CUresult cuStreamBeginCapture_v2(void *s, int mode) { (void)mode; *(char *)s = 1; return OK; }
+CUresult cuStreamBeginCapture_v2(void *s, int mode)
+{
+	(void)mode;
+	pthread_mutex_lock(&mu);
+	capturing_now++;
+	pthread_mutex_unlock(&mu);
+	*(char *)s = 1;
+	return OK;
+}
+
 CUresult cuStreamEndCapture(void *s, void **graph)
 {
 	if (!*(char *)s)
 		return 401; /* not capturing */
 	*(char *)s = 0;
 	*graph = NULL;
-	return OK;
+	pthread_mutex_lock(&mu);
+	int broken = capture_broken;
+	if (!--capturing_now)
+		capture_broken = 0;
+	pthread_mutex_unlock(&mu);
+	return broken ? CAPTURE_INVALIDATED : OK;
 }
 
 CUresult cuGetErrorString(CUresult r, const char **s)
@@ -837,8 +921,15 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 	return r;
 }
 
+/* With FAKE_CUDA_CKPT_LOCK_MS set, a lock takes that long before it looks at the target. */
 CUresult cuCheckpointProcessLock(int pid, const LockArgs *args)
 {
+	const char *slow = getenv("FAKE_CUDA_CKPT_LOCK_MS");
+	if (slow && *slow) {
+		long ms = atol(slow);
+		struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+		nanosleep(&t, NULL);
+	}
 	return ckpt_move(pid, RUNNING, LOCKED, "lock", args ? args->timeoutMs : 0);
 }
 

@@ -106,7 +106,7 @@ def build_fakes(out: Path) -> Fakes:
             "-o", str(directory / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"),
             "-lpthread")  # fmt: skip
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
-    _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl")
+    _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "raw_exec"), str(FAKES / "raw_exec.c"))
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),

@@ -399,12 +399,25 @@ def restore_all(pids: Sequence[int]) -> None:
 
     Confirm first that the GPU has free VRAM for the job's footprint plus a
     margin (``nvml.wait_free``): a restore that runs out of memory raises
-    OutOfMemory and leaves that process wedged until it is killed.
+    OutOfMemory and leaves that process wedged until it is killed. A pid that is
+    gone (killed while checkpointed) is passed over: the others must not stay
+    checkpointed for want of it.
     """
+    living = []
     for pid in pids:
-        _restore_checkpointed(pid)
-    for pid in pids:
-        unlock(pid)
+        try:
+            _restore_checkpointed(pid)
+        except CudaError:
+            if procfs.living(pid):
+                raise
+            continue
+        living.append(pid)
+    for pid in living:
+        try:
+            unlock(pid)
+        except CudaError:
+            if procfs.living(pid):
+                raise
 
 
 def checkpoint(pid: int, lock_timeout_s: float | None = None) -> None:

@@ -41,6 +41,7 @@ import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import NoReturn
 
 from .. import procfs
 from ..command.control import LineChannel
@@ -429,7 +430,8 @@ class SwapStrategy(Strategy):
 
     def park(self) -> None:
         """Checkpoint what the released processes still hold on the GPU (their contexts:
-        their memory is in host memory already). Refused once, never tried again."""
+        their memory is in host memory already). Refused once, never tried again; a
+        process that ended meanwhile refuses nothing: the next look parks the others."""
         try:
             pids = cuda.cuda_pids(self.ctx.child.processes())
             used: dict[int, int] = {}
@@ -437,12 +439,17 @@ class SwapStrategy(Strategy):
                 used = footprint(pids, self.settings.gpus)
             if pids:
                 cuda.checkpoint_all(pids, PARK_LOCK_TIMEOUT)
-        except (cuda.CudaError, nvml.NvmlUnavailable, nvml.NvmlError) as err:
-            self._park_refused = True
-            raise StrategyError(
-                f"its CUDA contexts stay on the GPU while released: {err}"
-            ) from None
+        except cuda.CudaError as err:
+            if err.pid is not None and not procfs.living(err.pid):
+                return  # everything undone: not parked, and due again
+            self._refuse_park(err)
+        except (nvml.NvmlUnavailable, nvml.NvmlError) as err:
+            self._refuse_park(err)
         self._parked, self._parked_used = pids, used
+
+    def _refuse_park(self, err: Exception) -> NoReturn:
+        self._park_refused = True
+        raise StrategyError(f"its CUDA contexts stay on the GPU while released: {err}") from None
 
     def _unpark(self) -> None:
         """The contexts back first (the memory follows): where a GPU has no room for

@@ -82,7 +82,7 @@ static int resume_locked(void)
 static void orphaned(void)
 {
 	int said = 0;
-	pthread_mutex_lock(&mu);
+	control_lock();
 	int was_released = released;
 	if (!greeted) {
 		atomic_store(&closed, 1);
@@ -116,7 +116,7 @@ static void orphaned(void)
 		pthread_mutex_unlock(&mu);
 		struct timespec tick = {0, 20000000};
 		nanosleep(&tick, NULL);
-		pthread_mutex_lock(&mu);
+		control_lock();
 	}
 	pthread_mutex_unlock(&mu);
 }
@@ -125,7 +125,7 @@ static void handle(const char *word)
 {
 	char answer[256] = "";
 	TRACE("vramlock run says %s", word);
-	pthread_mutex_lock(&mu);
+	control_lock();
 	if (!strcmp(word, "release"))
 		do_release(answer, sizeof answer, 0);
 	else if (!strcmp(word, "restore"))
@@ -192,13 +192,32 @@ int control_setup(void)
 	return 1;
 }
 
+/* Starts `fn` on a detached thread of the library's own, every signal blocked there: the
+ * program's signals are the program's threads' (one that blocks a signal to take it with
+ * sigwait would otherwise see it taken here, its default action ending the process).
+ * 0, or an errno. */
+int start_thread(void *(*fn)(void *))
+{
+	pthread_t t;
+	pthread_attr_t attr;
+	sigset_t all, was;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &was);
+	int e = pthread_attr_init(&attr);
+	if (!e) {
+		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+		e = pthread_create(&t, &attr, fn, NULL);
+		pthread_attr_destroy(&attr);
+	}
+	pthread_sigmask(SIG_SETMASK, &was, NULL);
+	return e;
+}
+
 /* Connects to the wrapper and waits for its first word. Whatever goes wrong, the
  * process cannot know that its command holds the token: the gate stays closed. */
 void connect_control(void)
 {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
-	pthread_t t;
-	pthread_attr_t attr;
 	const char *why = NULL;
 	char hello[64];
 
@@ -221,13 +240,8 @@ void connect_control(void)
 	snprintf(hello, sizeof hello, "hello %d", (int)getpid());
 	if (!why && send_line(hello))
 		why = strerror(errno);
-	if (!why) {
-		pthread_attr_init(&attr);
-		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-		if (pthread_create(&t, &attr, control_thread, NULL))
-			why = "cannot start the control thread";
-		pthread_attr_destroy(&attr);
-	}
+	if (!why && start_thread(control_thread))
+		why = "cannot start the control thread";
 	pthread_mutex_lock(&mu);
 	if (why) {
 		say("cannot reach vramlock run at %s (%s): GPU calls stay blocked", sock_path, why);

@@ -589,7 +589,10 @@ EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHa
 	return r;
 }
 
-/* Graph capture: counted, so that a release does not synchronize under it. */
+/* Graph capture: counted, so that a release does not synchronize under it, nor the
+ * preparer pin or synchronize (prepare.c): the driver refuses such calls of any thread
+ * while a stream captures, and invalidates the capture. Begun under `mu`: never in the
+ * middle of a preparer's step. */
 
 #define BEGIN_CAPTURE(name, params, args)                      \
 	REAL_OF(name, params);                                 \
@@ -598,9 +601,11 @@ EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHa
 		if (!ready() || !real_##name)                  \
 			return CUDA_ERROR_NOT_FOUND;           \
 		gate_enter();                                  \
+		pthread_mutex_lock(&mu);                       \
 		CUresult r = real_##name args;                 \
 		if (r == CUDA_SUCCESS)                         \
 			atomic_fetch_add(&captures, 1);        \
+		pthread_mutex_unlock(&mu);                     \
 		gate_leave();                                  \
 		return r;                                      \
 	}

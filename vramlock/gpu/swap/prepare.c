@@ -39,6 +39,17 @@ atomic_ulong gate_entries;
 double table_changed_ms;
 int prepare_wanted = 1;
 static int started;
+/* The control thread waits for `mu` (a release, a restore): the thread takes no step
+ * meanwhile. A mutex is not fair: taken again at once after each step, it may go to the
+ * thread again and again (a waiter was seen kept out for seconds by steps of 4 ms). */
+static atomic_int control_waits;
+
+void control_lock(void)
+{
+	atomic_fetch_add(&control_waits, 1);
+	pthread_mutex_lock(&mu);
+	atomic_fetch_sub(&control_waits, 1);
+}
 
 /* Touches [p, p + n): MADV_POPULATE_WRITE (Linux 5.14), else a write to every page. */
 static void populate(char *p, size_t n)
@@ -237,6 +248,24 @@ static struct phys *next_ahead(void)
 	return NULL;
 }
 
+/* One allocation's host copy and digests freed, once the process cannot be swapped any
+ * more: 1, or 0 when none is left. With `mu` held, never while released. */
+static int give_back(void)
+{
+	for (struct phys *p = physes; p; p = p->next) {
+		if (!p->host && !p->prep_base)
+			continue;
+		real_cuCtxSetCurrent(p->ctx); /* unpinning, as pinning, is done in a context */
+		host_free(p);
+		ahead_drop(p);
+		free(p->digest);
+		p->digest = NULL;
+		p->digest_len = 0;
+		return 1;
+	}
+	return 0;
+}
+
 static void *preparer(void *arg)
 {
 	(void)arg;
@@ -257,12 +286,17 @@ static void *preparer(void *arg)
 			busy_at = now;
 			continue;
 		}
-		if (now - busy_at < IDLE_MS)
+		if (now - busy_at < IDLE_MS || atomic_load(&control_waits))
 			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
-		if (released || refused[0] || atomic_load(&closed) || now - table_changed_ms < QUIET_MS) {
-			rest = released || refused[0];
+		if (released || atomic_load(&closed) || atomic_load(&captures) > 0 ||
+		    (!refused[0] && now - table_changed_ms < QUIET_MS)) {
+			rest = released;
+		} else if (refused[0]) {
+			/* No release will use the copies: pinned, they are memory nobody else has. */
+			worked = give_back();
+			rest = !worked;
 		} else if ((p = next_to_prepare())) {
 			CUresult r = prepare_step(p);
 			worked = !r;
@@ -299,17 +333,12 @@ void prepare_start(void)
 	if (started || !prepare_wanted || !real_cuMemHostRegister_v2 ||
 	    !real_cuMemHostUnregister)
 		return;
-	pthread_t t;
-	pthread_attr_t attr;
-	pthread_attr_init(&attr);
-	pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-	if (!pthread_create(&t, &attr, preparer, NULL))
-		started = 1;
-	pthread_attr_destroy(&attr);
+	started = !start_thread(preparer);
 }
 
 /* In a forked child: the thread is its parent's. */
 void prepare_forget(void)
 {
 	started = 0;
+	atomic_store(&control_waits, 0);
 }

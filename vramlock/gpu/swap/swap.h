@@ -31,6 +31,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -348,6 +349,8 @@ CUresult prepare_all(struct phys *p);
 void host_free(struct phys *p);
 void prepare_start(void);
 void prepare_forget(void);
+/* `mu` for the control thread: it goes before the preparer's next step. */
+void control_lock(void);
 
 /* ---- exec.c: the library kept across exec ------------------------------------- */
 
@@ -359,6 +362,7 @@ void exec_setup(void *(*lookup)(void *, const char *));
 extern pthread_once_t connect_once;
 int control_setup(void);
 void connect_control(void);
+int start_thread(void *(*fn)(void *));
 void join_now(void);
 void before_fork(void);
 void after_fork_parent(void);
