@@ -249,6 +249,38 @@ def test_a_wrapper_killed_while_parked_leaves_the_program_off_the_gpu(
             os.kill(program, signal.SIGKILL)
 
 
+def test_a_wrapper_killed_while_it_unparks_gives_the_token_back(rig: Rig, spawn: Spawn) -> None:
+    """vramlock run SIGKILLed while it brings its parked program back (the token taken,
+    the contexts not restored yet: the fake's restore takes 3 s here). The program cannot
+    run, so it must not keep the token that the command shares with the run: it gives it
+    back, and the next member gets it. The program runs nothing, then or later."""
+    job, program, port = server(rig, spawn, "0", FAKE_CUDA_CKPT_RESTORE_MS="3000")
+    assert round_trip(port) == b"round 1\n"
+    try:
+        holder = rig.holder(spawn)
+        assert read_line(holder)[:1] == ["held"]
+        wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+        launched = len(rig.launches())
+        let_go(holder)  # the run takes the token and restores: 3 s
+        time.sleep(1.0)
+        assert not token_free(rig.arena)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        other = rig.holder(spawn)
+        held = read_line(other)  # on the tree before: never
+        assert held[:1] == ["held"] and int(held[2]) == 0
+        time.sleep(0.5)
+        assert len(rig.launches()) == launched and state(rig, program) == CHECKPOINTED
+        let_go(other)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(program, signal.SIGKILL)
+    assert job.stderr is not None
+    said = job.stderr.read()
+    assert "went away while the command was parked" in said
+    assert "the token is given back" in said
+
+
 def test_a_parked_program_that_is_killed_ends_the_run_and_frees_the_token(
     rig: Rig, spawn: Spawn
 ) -> None:

@@ -939,9 +939,16 @@ CUresult cuCheckpointProcessCheckpoint(int pid, const void *args)
 	return ckpt_move(pid, LOCKED, CHECKPOINTED, "checkpoint", 0);
 }
 
+/* With FAKE_CUDA_CKPT_RESTORE_MS set, a restore takes that long before it acts. */
 CUresult cuCheckpointProcessRestore(int pid, const void *args)
 {
+	const char *slow = getenv("FAKE_CUDA_CKPT_RESTORE_MS");
 	(void)args;
+	if (slow && *slow) {
+		long ms = atol(slow);
+		struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+		nanosleep(&t, NULL);
+	}
 	return ckpt_move(pid, CHECKPOINTED, LOCKED, "restore", 0);
 }
 

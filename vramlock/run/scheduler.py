@@ -398,7 +398,9 @@ class Scheduler:
                 self._park()
 
     def _restore(self) -> int | None:
-        self.strays.resume()  # the token is ours: what was stopped runs in our turn
+        # The token is ours: no watch. What the watch stopped runs once the command is
+        # resident again, not before: a run killed while restoring leaves it stopped.
+        self.strays.pause()
         status = self.sup.ended_while_away()  # told to end as the token came back
         if status is not None:
             return status
@@ -408,6 +410,7 @@ class Scheduler:
         try:
             self.strategy.restore()  # tells the command first; bookkeeping after
         except ChildExited:
+            self.strays.resume()  # leftovers now, ended by finish in our turn
             return self.sup.finish(exit_code(self.child.poll() or 0))
         except Interrupted:
             pass  # told to end while restoring: we hold the token, the command has the signal
@@ -425,5 +428,6 @@ class Scheduler:
             self._started = time.monotonic()
             if self.demand.takes_turns:
                 member.set_min_hold(max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run))
+        self.strays.resume()
         self._resident_again()
         return None

@@ -71,9 +71,15 @@ class Strays:
             self._thread = threading.Thread(target=self._run, name="vramlock-strays", daemon=True)
             self._thread.start()
 
-    def resume(self) -> list[int]:
+    def pause(self) -> None:
         """The token is the command's again: stop watching (a look under way ends
-        first), and let the stopped processes run; those that were stopped."""
+        first). What was stopped stays so until ``resume``."""
+        with self._lock:
+            self._watching.clear()
+
+    def resume(self) -> list[int]:
+        """The command is resident again: stop watching, and let the stopped processes
+        run; those that were stopped."""
         with self._lock:
             self._watching.clear()
             resumed = []

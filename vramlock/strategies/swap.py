@@ -30,6 +30,7 @@ the contexts back first, then the memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -72,6 +73,9 @@ GIVE_UP_AFTER = 3
 # Virtual memory management came with CUDA 10.2.
 VMM_VERSION = 10020
 SOCKET_NAME = "control"
+# Beside the socket while a process of the command may be checkpointed (parked): the
+# library's word for it too (control.c).
+PARKED = "parked"
 # Released this long, a member's processes' CUDA contexts leave the GPU too (parked);
 # at once when a GPU it uses has less than SHORT_OF_ROOM free, looked at every LOOK_EVERY.
 # VRAMLOCK_PARK_AFTER (seconds, or "off") in vramlock run's environment says otherwise.
@@ -432,6 +436,7 @@ class SwapStrategy(Strategy):
         """Checkpoint what the released processes still hold on the GPU (their contexts:
         their memory is in host memory already). Refused once, never tried again; a
         process that ended meanwhile refuses nothing: the next look parks the others."""
+        self._mark_parked(True)  # before the driver's first step: see _mark_parked
         try:
             pids = cuda.cuda_pids(self.ctx.child.processes())
             used: dict[int, int] = {}
@@ -440,12 +445,34 @@ class SwapStrategy(Strategy):
             if pids:
                 cuda.checkpoint_all(pids, PARK_LOCK_TIMEOUT)
         except cuda.CudaError as err:
+            self._mark_parked(False)  # checkpoint_all undid what it did
             if err.pid is not None and not procfs.living(err.pid):
                 return  # everything undone: not parked, and due again
             self._refuse_park(err)
         except (nvml.NvmlUnavailable, nvml.NvmlError) as err:
+            self._mark_parked(False)
             self._refuse_park(err)
         self._parked, self._parked_used = pids, used
+        if not pids:
+            self._mark_parked(False)
+
+    def _mark_parked(self, parked: bool) -> None:
+        """The mark the library looks for when this run is gone (``PARKED``, beside the
+        hub's socket): while it is there, a process of the command may be checkpointed,
+        so none may run on the token the command shares with us; each gives the token
+        back instead and stays blocked. Made before the first checkpoint, removed once
+        every context is back: a run killed in between (unparking, the token taken)
+        leaves a command that cannot run, but not holding the token for good."""
+        mark = os.path.join(os.path.dirname(self.hub.path), PARKED)
+        if not parked:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
+            return
+        try:
+            with open(mark, "a"):
+                pass
+        except OSError as err:
+            self._refuse_park(err)
 
     def _refuse_park(self, err: Exception) -> NoReturn:
         self._park_refused = True
@@ -465,6 +492,7 @@ class SwapStrategy(Strategy):
         except cuda.CudaError as err:
             raise StrategyError(f"the CUDA contexts could not be restored: {err}") from None
         self._parked, self._parked_used = [], {}
+        self._mark_parked(False)
 
     def _unverified(self, deadline: float | None) -> str | None:
         """Why the release cannot reach every CUDA process of the command, once that has

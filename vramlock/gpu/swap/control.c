@@ -4,6 +4,8 @@
  */
 #include "swap.h"
 
+#include <sys/file.h>
+
 /* ---- control ------------------------------------------------------------------ */
 
 static int control_fd = -1;
@@ -61,6 +63,18 @@ static int wrapper_gone(void)
 				   state == 'Z' || state == 'X');
 }
 
+/* Is the run's mark there that says a process of the command may be checkpointed
+ * (parked, or being brought back)? It lies beside the socket (strategies/swap.py). */
+static int parked_mark(void)
+{
+	char path[sizeof sock_path + 16];
+	const char *slash = strrchr(sock_path, '/');
+	if (!slash)
+		return 0;
+	snprintf(path, sizeof path, "%.*s/parked", (int)(slash - sock_path), sock_path);
+	return !access(path, F_OK);
+}
+
 /* With `mu` and the token: the program runs on, its memory back first. */
 static int resume_locked(void)
 {
@@ -78,7 +92,10 @@ static int resume_locked(void)
  * frees it only when every copy is closed) and the program runs on, restored; while
  * it does not, the program's memory stays out and its GPU calls wait until it does.
  * Gone before the first word, the safe side is the same as released (nothing is on
- * the GPU yet). */
+ * the GPU yet). Gone while the command was parked, or while it was brought back from
+ * it, a process of the command may be checkpointed: none can run, so none runs on the
+ * token, and the token goes back (the command's description is unlocked) rather than
+ * leave every other member waiting for a command that cannot run. */
 static void orphaned(void)
 {
 	int said = 0;
@@ -92,6 +109,15 @@ static void orphaned(void)
 	pthread_cond_broadcast(&greet_cv);
 	for (;;) {
 		int held = token_held();
+		if (parked_mark()) {
+			if (held == 1)
+				flock(token_fd, LOCK_UN);
+			say("vramlock run went away while the command was parked: this process's GPU"
+			    " calls stay blocked for good (end it)%s",
+			    held == 1 ? "; the token is given back" : "");
+			write_orphan_record();
+			break;
+		}
 		if (held == 1 && resume_locked()) {
 			if (said || was_released)
 				say("vramlock run is out of reach, and the command holds the token:"
