@@ -109,7 +109,9 @@ static void orphaned(void)
 	pthread_cond_broadcast(&greet_cv);
 	for (;;) {
 		int held = token_held();
-		if (parked_mark()) {
+		/* Released only: a process running on the token keeps it (a mark left over
+		 * cannot take the token from under a program that is on the GPU). */
+		if (released && parked_mark()) {
 			if (held == 1)
 				flock(token_fd, LOCK_UN);
 			say("vramlock run went away while the command was parked: this process's GPU"
