@@ -11,6 +11,7 @@ waiting_holder): while it does, the program's GPU work must not run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -284,3 +285,41 @@ def test_a_parked_member_leaves_nothing_on_the_gpu(arena: Path, spawn: Spawn) ->
         assert now >= full - (64 << 20)
     w.close()
     assert w.proc.wait(30) == 0
+
+
+def test_a_parked_program_whose_wrapper_dies_stays_off_the_gpu(arena: Path, spawn: Spawn) -> None:
+    """The wrapper is SIGKILLed while its program is parked: the library's own thread,
+    in a process whose context the driver checkpointed, still sees its run go and says
+    so (what lets a run killed while it unparks give the token back); the program runs
+    nothing, holds nothing on the GPU, and the token is free for others."""
+    w = swap_worker(spawn, arena, "caching", "--gib", "1", env={"VRAMLOCK_PARK_AFTER": "0"})
+    try:
+        holder = waiting_holder(spawn, arena)
+        wait_until(lambda: w.pid not in nvml.processes(), timeout=30)
+        w.proc.kill()
+        w.proc.wait(10)
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+        w.send("check")
+        assert w.silent(3.0)
+        assert w.pid not in nvml.processes()
+        assert w.proc.stderr is not None
+        err = w.proc.stderr.fileno()
+        os.set_blocking(err, False)
+        said = b""
+
+        def told() -> bool:
+            nonlocal said
+            with contextlib.suppress(BlockingIOError):
+                said += os.read(err, 65536)
+            return b"went away while the command was parked" in said
+
+        wait_until(told, timeout=30)
+        other = waiting_holder(spawn, arena)  # the token is nobody's: the next gets it
+        assert other.stdin is not None
+        other.stdin.close()
+        assert other.wait(30) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGKILL)
