@@ -310,6 +310,12 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     pid = stray()
     assert pid is not None
     wait_until(lambda: read_state(pid) == "T")
+
+    def noted() -> bool:
+        notes = [m["note"] or "" for m in who_json(rig.arena) if m["member"]]
+        return any(f"stopped until its turn: {pid} " in n for n in notes)
+
+    wait_until(noted)  # who says so too
     time.sleep(0.5)
     assert rig.launches() == [] and read_state(pid) == "T"
     assert holder.stdin is not None

@@ -88,7 +88,8 @@ class Scheduler:
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.meter = self._meter()
-        self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn)
+        self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
+                             lambda note: self.member.describe(note=note))  # fmt: skip
         sup.strays = self.strays.stopped
         # This residency uses more than its units and no more are free: it steps aside.
         self._outgrown = False

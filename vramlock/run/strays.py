@@ -52,11 +52,13 @@ class Strays:
         tree: Callable[[], list[int]],
         everything: Callable[[], list[int]],
         warn: Callable[[str], None],
+        note: Callable[[str | None], None],
     ) -> None:
         self._strategy = strategy
         self._tree = tree  # what descends from the run: cheap
         self._everything = everything  # its group and orphans too: every process read
         self._warn = warn
+        self._note = note  # the member record's note, for who
         self._watching = threading.Event()
         self._lock = threading.Lock()  # held through each look
         self._thread: threading.Thread | None = None
@@ -90,6 +92,8 @@ class Strays:
                         resumed.append(pid)
                     except OSError:
                         pass
+            if self.stopped:
+                self._note(None)
             self.stopped.clear()
             return resumed
 
@@ -162,4 +166,8 @@ class Strays:
                   f"process {pid} of the command began to use CUDA while it is released,"
                   f" beyond what {label} holds (exec'd without the swap library, a static"
                   " program, or not checkpointed): stopped until the command's turn")  # fmt: skip
+        if pid not in self.stopped:
+            self.stopped[pid] = start
+            pids = ", ".join(map(str, self.stopped))
+            self._note(f"stopped until its turn: {pids} (began to use CUDA while released)")
         self.stopped[pid] = start
