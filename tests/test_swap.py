@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.net import accepts, free_ports
-from helpers.processes import Spawn, token_free, wait_until
+from helpers.processes import Spawn, own_pid_namespace, token_free, wait_until
 from helpers.serve import call
 from helpers.swap_rig import (
     Rig,
@@ -322,6 +322,55 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     said = [line for line in err.splitlines() if "began to use CUDA" in line]
     assert len(said) == 1 and f"process {pid} of the command" in said[0], err
     assert "stopped until the command's turn" in said[0]
+
+
+def test_a_program_execd_in_place_past_the_library_is_stopped_on_a_quiet_host(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # As above, on a host where nothing else starts processes (the run in a pid namespace
+    # of its own), and in place of the process that waited: the exec makes no new pid.
+    # It must be stopped before its first kernel all the same. Witness: the fake
+    # driver's launch log against the test's own member.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
+    program, raw_exec = str(rig.fakes.program), str(rig.fakes.raw_exec)
+    command = ["python3", "-c", (
+        "import os, sys, time\nprint('waiting', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "time.sleep(0.2)\nos.execv(sys.argv[2], sys.argv[2:])"
+    ), str(go), raw_exec, "LD_PRELOAD", "--", program, "1"]  # fmt: skip
+    job = spawn(
+        [*own_pid_namespace(), *vramlock("run", "--arena", str(rig.arena), "--min-hold", "0",
+                                         "--release", "swap", "--", *command)],
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    time.sleep(0.5)
+    assert rig.launches() == [] and read_state(pid) == "T"
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    said = [line for line in err.splitlines() if "began to use CUDA" in line]
+    assert len(said) == 1 and "stopped until the command's turn" in said[0], err
 
 
 def read_state(pid: int) -> str | None:
