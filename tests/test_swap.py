@@ -324,21 +324,28 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     assert "stopped until the command's turn" in said[0]
 
 
-def test_a_program_execd_in_place_past_the_library_is_stopped_on_a_quiet_host(
-    rig: Rig, spawn: Spawn
+@pytest.mark.parametrize("how", ["exec-in-place", "library-without-its-socket"])
+def test_a_program_that_slips_past_the_library_on_a_quiet_host_is_stopped(
+    rig: Rig, spawn: Spawn, how: str
 ) -> None:
     # As above, on a host where nothing else starts processes (the run in a pid namespace
-    # of its own), and in place of the process that waited: the exec makes no new pid.
-    # It must be stopped before its first kernel all the same. Witness: the fake
-    # driver's launch log against the test's own member.
+    # of its own): the program is exec'd by the system call in place of the process that
+    # waited (no new pid), or it has the library mapped without the socket's name, and
+    # maps the driver only after the release. Each must be stopped before its first
+    # kernel all the same. Witness: the fake driver's launch log against the test's own
+    # member.
     go = rig.tmp / "go"
     env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
     program, raw_exec = str(rig.fakes.program), str(rig.fakes.raw_exec)
-    command = ["python3", "-c", (
-        "import os, sys, time\nprint('waiting', flush=True)\n"
-        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
-        "time.sleep(0.2)\nos.execv(sys.argv[2], sys.argv[2:])"
-    ), str(go), raw_exec, "LD_PRELOAD", "--", program, "1"]  # fmt: skip
+    if how == "exec-in-place":
+        command = ["python3", "-c", (
+            "import os, sys, time\nprint('waiting', flush=True)\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+            "time.sleep(0.2)\nos.execv(sys.argv[2], sys.argv[2:])"
+        ), str(go), raw_exec, "LD_PRELOAD", "--", program, "1"]  # fmt: skip
+    else:
+        env["SWAP_PROG_START_AFTER"] = str(go)
+        command = [raw_exec, "VRAMLOCK_SWAP_SOCKET", "--", program, "1"]
     job = spawn(
         [*own_pid_namespace(), *vramlock("run", "--arena", str(rig.arena), "--min-hold", "0",
                                          "--release", "swap", "--", *command)],
@@ -371,6 +378,101 @@ def test_a_program_execd_in_place_past_the_library_is_stopped_on_a_quiet_host(
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
     said = [line for line in err.splitlines() if "began to use CUDA" in line]
     assert len(said) == 1 and "stopped until the command's turn" in said[0], err
+
+
+def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # A program linked against the driver, started while the command is released: the
+    # dynamic linker maps the driver, then runs the constructors of the program's own
+    # libraries (one of them slow, as a C++ library's static initialisers are) before
+    # the swap library's. It has the library all along: it waits for its turn as any
+    # other, and is neither stopped nor said to use CUDA beyond it.
+    go = rig.tmp / "go"
+    env = dict(rig.env, SLOW_INIT_MS="300")
+    program = str(rig.fakes.linked_program)
+    script = f"while [ ! -e {go} ]; do sleep 0.02; done; {program} 1"
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def started() -> list[int]:
+        found = []
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    found.append(pid)
+        return found
+
+    wait_until(lambda: started() != [])
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert all(read_state(pid) != "T" for pid in started())
+        time.sleep(0.005)
+    assert rig.launches() == []
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    assert "began to use CUDA" not in err, err
+
+
+def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
+    # A CUDA process of the command spawns a program while released (posix_spawn, as
+    # Python's subprocess and many runtimes do: a child that shares its memory until it
+    # execs), and the child waits before its exec (it opens a FIFO nobody writes to
+    # yet). Until then the child is its parent's memory map: the driver and the library
+    # (joined) in a process that is no peer. It runs nothing of its own, and must be
+    # neither stopped nor said to use CUDA.
+    go, fifo = rig.tmp / "go", rig.tmp / "fifo"
+    os.mkfifo(fifo)
+    code = (
+        "import ctypes, os, sys, time\n"
+        "assert ctypes.CDLL('libcuda.so.1').cuInit(0) == 0\n"
+        "print('joined', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "wait = [(os.POSIX_SPAWN_OPEN, 0, sys.argv[2], os.O_RDONLY, 0)]\n"
+        "pid = os.posix_spawn('/bin/true', ['true'], os.environ, file_actions=wait)\n"
+        "assert os.waitpid(pid, 0)[1] == 0\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "python3", "-c", code, str(go), str(fifo)),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["joined"]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()
+    wait_until(lambda: len(descendants(job.pid)) == 2)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert all(read_state(pid) != "T" for pid in descendants(job.pid))
+        time.sleep(0.005)
+
+    def let_it_exec() -> bool:
+        try:  # once the child waits in its open
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            return False
+        return True
+
+    wait_until(let_it_exec)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "began to use CUDA" not in err, err
 
 
 def read_state(pid: int) -> str | None:
