@@ -475,6 +475,59 @@ def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -
     assert "began to use CUDA" not in err, err
 
 
+def test_a_run_told_to_end_while_a_stray_is_stopped_ends_without_its_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # SIGTERM to vramlock run while a program that slipped past the library is stopped
+    # and the test's member holds the token: the command is told at once, as it is with
+    # nothing stopped (its shell ends), and the run ends without waiting for a turn that
+    # may never come. The stopped program (it catches SIGTERM) never runs meanwhile: it
+    # is killed where it stands. Witnesses: its state, and the fake driver's launch log
+    # and memory.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300", SWAP_PROG_TERM="1")
+    program = str(rig.fakes.program)
+    script = (f"while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" {rig.fakes.raw_exec} LD_PRELOAD -- {program} 30")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    time.sleep(0.5)  # its driver's start is over: continued, it would launch at once
+    job.send_signal(signal.SIGTERM)
+    states: list[str | None] = []  # the stopped program's, until the run is over
+    end = time.monotonic() + 15
+    while job.poll() is None and time.monotonic() < end:
+        states.append(read_state(pid))
+        time.sleep(0.002)
+    assert job.poll() == 128 + signal.SIGTERM, job.poll()
+    # Stopped until it was killed (R or D as it dies): never continued, to be stopped again.
+    dying = next((i for i, st in enumerate(states) if st != "T"), len(states))
+    assert "T" not in states[dying:], states
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+    assert holder.poll() is None  # the test's member held the token all along
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+
+
 def read_state(pid: int) -> str | None:
     """The one-letter state of ``pid`` (T: stopped)."""
     try:
