@@ -276,6 +276,29 @@ def test_a_program_execd_without_the_library_gets_it_back(rig: Rig, spawn: Spawn
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
 
 
+def test_a_huge_environment_is_passed_on_from_a_small_stack(rig: Rig, spawn: Spawn) -> None:
+    # A thread with a small stack (256 KiB) execs a program with an environment of
+    # 40,000 variables and no LD_PRELOAD: the exec works as it does without the library
+    # (the copy with the library put back does not fit on that stack), and the program
+    # has the library. Witness: the program's own environment and exit status.
+    code = (
+        "import os, sys, threading\n"
+        "env = {f'V{i}': 'x' for i in range(40000)}\n"
+        "args = ['sh', '-c', 'printf \"%s\\\\n\" \"$LD_PRELOAD\"']\n"
+        "threading.stack_size(256 * 1024)\n"
+        "threading.Thread(target=os.execve, args=('/bin/sh', args, env)).start()\n"
+        "threading.Event().wait()\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--",
+                 "python3", "-c", code),
+        env=rig.env,
+    )  # fmt: skip
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split(":")[0].strip() == str(swap.library_path()), out
+
+
 def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     rig: Rig, spawn: Spawn
 ) -> None:
