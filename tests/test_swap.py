@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.net import accepts, free_ports
-from helpers.processes import Spawn, own_pid_namespace, token_free, wait_until
+from helpers.processes import Spawn, own_pid_namespace, queued, token_free, wait_until
 from helpers.serve import call
 from helpers.swap_rig import (
     Rig,
@@ -41,7 +41,7 @@ from helpers.swap_rig import (
 
 from vramlock.arena import records
 from vramlock.gpu import swap
-from vramlock.procfs import descendants, environ, starttime
+from vramlock.procfs import descendants, environ, starttime, stopped
 from vramlock.strategies.swap import Hub
 
 pytestmark = [
@@ -549,6 +549,70 @@ def test_a_run_told_to_end_while_a_stray_is_stopped_ends_without_its_turn(
     assert holder.stdin is not None
     holder.stdin.close()
     assert holder.wait(10) == 0
+
+
+def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # A program that slipped past the library is stopped while the command is released.
+    # At the command's turn it is continued; but the restore fails (somebody outside the
+    # arena took the GPU's memory), and the member gives the token back: the program must
+    # be stopped again before the next member's turn, not some looks later. Witness: the
+    # fake driver's launch log against the test's second turn.
+    go, full, stop = rig.tmp / "go", rig.tmp / "full", rig.tmp / "stop"
+    prog = str(rig.fakes.program)
+    script = (f"{prog} 60 & while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" env -u FAKE_CUDA_FULL FAKE_CUDA_INIT_MS=300 {rig.fakes.raw_exec} LD_PRELOAD"
+              f" -- {prog} 2; touch {stop}; wait")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop)),
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    first = rig.holder(spawn)
+    assert read_line(first)[0] == "held"
+    go.touch()
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == prog and "LD_PRELOAD" not in environ(pid):
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    full.touch()  # the restore at the command's turn fails
+    second = rig.holder(spawn)
+    wait_until(lambda: queued(second.pid))
+    let_go(first)
+    held = read_line(second)
+    assert held[0] == "held"
+    start = time.monotonic()
+    while time.monotonic() < start + 0.5:
+        assert stopped(pid), read_state(pid)  # T, or SIGSTOP pending: it runs nothing
+        if time.monotonic() > start + 0.05:  # the first looks of the watch, closely
+            time.sleep(0.002)
+    full.unlink()
+    left = let_go(second)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "could not be restored" in err, err
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left]
+    assert max(s for s, _ in rig.launches()) > left  # both ran on, in the command's turn
+
+
+def let_go(holder: subprocess.Popen[str]) -> int:
+    """The test's member leaves the token: when (monotonic ns)."""
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert left[:1] == ["leaving"], left
+    assert holder.wait(10) == 0
+    return int(left[1])
 
 
 def read_state(pid: int) -> str | None:

@@ -398,7 +398,7 @@ class Scheduler:
                 self._park()
 
     def _restore(self) -> int | None:
-        self.strays.resume()  # the token is ours: what was stopped runs in our turn
+        resumed = self.strays.resume()  # the token is ours: what was stopped runs in our turn
         status = self.sup.ended_while_away()  # told to end as the token came back
         if status is not None:
             return status
@@ -415,7 +415,7 @@ class Scheduler:
             # Restoring now would wedge the command: give the token back, queue again.
             self.sup.warn(str(err), once=True)
             if self.strategy.holds_processes and not self.strategy.killed:
-                self.strays.watch()
+                self.strays.watch(resumed)
             member.step_aside()
             self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
             return None

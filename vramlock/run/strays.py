@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .. import procfs
 from ..strategies import Strategy
@@ -74,10 +74,13 @@ class Strays:
         self.stopped: dict[int, int] = {}  # pid: start time, stopped until our turn
         self._said: set[tuple[int, int]] = set()  # (pid, start) told of already
 
-    def watch(self) -> None:
-        """Released: watch from now on."""
+    def watch(self, again: Iterable[int] = ()) -> None:
+        """Released: watch from now on. ``again``: processes ``resume`` let go for a turn
+        that did not come (the restore failed), stopped again before the token goes."""
         with self._lock:
             self._watching.set()
+            for pid in again:
+                self._stop(pid, again=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="vramlock-strays", daemon=True)
             self._thread.start()
