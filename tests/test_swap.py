@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.net import accepts, free_ports
-from helpers.processes import Spawn, token_free, wait_until
+from helpers.processes import Spawn, own_pid_namespace, queued, token_free, wait_until
 from helpers.serve import call
 from helpers.swap_rig import (
     Rig,
@@ -41,7 +41,7 @@ from helpers.swap_rig import (
 
 from vramlock.arena import records
 from vramlock.gpu import swap
-from vramlock.procfs import descendants, environ, starttime
+from vramlock.procfs import descendants, environ, starttime, stopped
 from vramlock.strategies.swap import Hub
 
 pytestmark = [
@@ -276,6 +276,29 @@ def test_a_program_execd_without_the_library_gets_it_back(rig: Rig, spawn: Spawn
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
 
 
+def test_a_huge_environment_is_passed_on_from_a_small_stack(rig: Rig, spawn: Spawn) -> None:
+    # A thread with a small stack (256 KiB) execs a program with an environment of
+    # 40,000 variables and no LD_PRELOAD: the exec works as it does without the library
+    # (the copy with the library put back does not fit on that stack), and the program
+    # has the library. Witness: the program's own environment and exit status.
+    code = (
+        "import os, sys, threading\n"
+        "env = {f'V{i}': 'x' for i in range(40000)}\n"
+        "args = ['sh', '-c', 'printf \"%s\\\\n\" \"$LD_PRELOAD\"']\n"
+        "threading.stack_size(256 * 1024)\n"
+        "threading.Thread(target=os.execve, args=('/bin/sh', args, env)).start()\n"
+        "threading.Event().wait()\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--release", "swap", "--",
+                 "python3", "-c", code),
+        env=rig.env,
+    )  # fmt: skip
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split(":")[0].strip() == str(swap.library_path()), out
+
+
 def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     rig: Rig, spawn: Spawn
 ) -> None:
@@ -328,6 +351,274 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     said = [line for line in err.splitlines() if "began to use CUDA" in line]
     assert len(said) == 1 and f"process {pid} of the command" in said[0], err
     assert "stopped until the command's turn" in said[0]
+
+
+@pytest.mark.parametrize("how", ["exec-in-place", "library-without-its-socket"])
+def test_a_program_that_slips_past_the_library_on_a_quiet_host_is_stopped(
+    rig: Rig, spawn: Spawn, how: str
+) -> None:
+    # As above, on a host where nothing else starts processes (the run in a pid namespace
+    # of its own): the program is exec'd by the system call in place of the process that
+    # waited (no new pid), or it has the library mapped without the socket's name, and
+    # maps the driver only after the release. Each must be stopped before its first
+    # kernel all the same. Witness: the fake driver's launch log against the test's own
+    # member.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
+    program, raw_exec = str(rig.fakes.program), str(rig.fakes.raw_exec)
+    if how == "exec-in-place":
+        command = ["python3", "-c", (
+            "import os, sys, time\nprint('waiting', flush=True)\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+            "time.sleep(0.2)\nos.execv(sys.argv[2], sys.argv[2:])"
+        ), str(go), raw_exec, "LD_PRELOAD", "--", program, "1"]  # fmt: skip
+    else:
+        env["SWAP_PROG_START_AFTER"] = str(go)
+        command = [raw_exec, "VRAMLOCK_SWAP_SOCKET", "--", program, "1"]
+    job = spawn(
+        [*own_pid_namespace(), *vramlock("run", "--arena", str(rig.arena), "--min-hold", "0",
+                                         "--release", "swap", "--", *command)],
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    time.sleep(0.5)
+    assert rig.launches() == [] and read_state(pid) == "T"
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    said = [line for line in err.splitlines() if "began to use CUDA" in line]
+    assert len(said) == 1 and "stopped until the command's turn" in said[0], err
+
+
+def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # A program linked against the driver, started while the command is released: the
+    # dynamic linker maps the driver, then runs the constructors of the program's own
+    # libraries (one of them slow, as a C++ library's static initialisers are) before
+    # the swap library's. It has the library all along: it waits for its turn as any
+    # other, and is neither stopped nor said to use CUDA beyond it.
+    go = rig.tmp / "go"
+    env = dict(rig.env, SLOW_INIT_MS="300")
+    program = str(rig.fakes.linked_program)
+    script = f"while [ ! -e {go} ]; do sleep 0.02; done; {program} 1"
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def started() -> list[int]:
+        found = []
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    found.append(pid)
+        return found
+
+    wait_until(lambda: started() != [])
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert all(read_state(pid) != "T" for pid in started())
+        time.sleep(0.005)
+    assert rig.launches() == []
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    assert "began to use CUDA" not in err, err
+
+
+def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
+    # A CUDA process of the command spawns a program while released (posix_spawn, as
+    # Python's subprocess and many runtimes do: a child that shares its memory until it
+    # execs), and the child waits before its exec (it opens a FIFO nobody writes to
+    # yet). Until then the child is its parent's memory map: the driver and the library
+    # (joined) in a process that is no peer. It runs nothing of its own, and must be
+    # neither stopped nor said to use CUDA.
+    go, fifo = rig.tmp / "go", rig.tmp / "fifo"
+    os.mkfifo(fifo)
+    code = (
+        "import ctypes, os, sys, time\n"
+        "assert ctypes.CDLL('libcuda.so.1').cuInit(0) == 0\n"
+        "print('joined', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "wait = [(os.POSIX_SPAWN_OPEN, 0, sys.argv[2], os.O_RDONLY, 0)]\n"
+        "pid = os.posix_spawn('/bin/true', ['true'], os.environ, file_actions=wait)\n"
+        "assert os.waitpid(pid, 0)[1] == 0\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "python3", "-c", code, str(go), str(fifo)),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["joined"]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()
+    wait_until(lambda: len(descendants(job.pid)) == 2)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert all(read_state(pid) != "T" for pid in descendants(job.pid))
+        time.sleep(0.005)
+
+    def let_it_exec() -> bool:
+        try:  # once the child waits in its open
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            return False
+        return True
+
+    wait_until(let_it_exec)
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "began to use CUDA" not in err, err
+
+
+def test_a_run_told_to_end_while_a_stray_is_stopped_ends_without_its_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # SIGTERM to vramlock run while a program that slipped past the library is stopped
+    # and the test's member holds the token: the command is told at once, as it is with
+    # nothing stopped (its shell ends), and the run ends without waiting for a turn that
+    # may never come. The stopped program (it catches SIGTERM) never runs meanwhile: it
+    # is killed where it stands. Witnesses: its state, and the fake driver's launch log
+    # and memory.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300", SWAP_PROG_TERM="1")
+    program = str(rig.fakes.program)
+    script = (f"while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" {rig.fakes.raw_exec} LD_PRELOAD -- {program} 30")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    go.touch()
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program:
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    time.sleep(0.5)  # its driver's start is over: continued, it would launch at once
+    job.send_signal(signal.SIGTERM)
+    states: list[str | None] = []  # the stopped program's, until the run is over
+    end = time.monotonic() + 15
+    while job.poll() is None and time.monotonic() < end:
+        states.append(read_state(pid))
+        time.sleep(0.002)
+    assert job.poll() == 128 + signal.SIGTERM, job.poll()
+    # Stopped until it was killed (R or D as it dies): never continued, to be stopped again.
+    dying = next((i for i, st in enumerate(states) if st != "T"), len(states))
+    assert "T" not in states[dying:], states
+    assert rig.launches() == [] and int(rig.phys.read_text()) == 0
+    assert holder.poll() is None  # the test's member held the token all along
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+
+
+def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # A program that slipped past the library is stopped while the command is released.
+    # At the command's turn it is continued; but the restore fails (somebody outside the
+    # arena took the GPU's memory), and the member gives the token back: the program must
+    # be stopped again before the next member's turn, not some looks later. Witness: the
+    # fake driver's launch log against the test's second turn.
+    go, full, stop = rig.tmp / "go", rig.tmp / "full", rig.tmp / "stop"
+    prog = str(rig.fakes.program)
+    script = (f"{prog} 60 & while [ ! -e {go} ]; do sleep 0.02; done;"
+              f" env -u FAKE_CUDA_FULL FAKE_CUDA_INIT_MS=300 {rig.fakes.raw_exec} LD_PRELOAD"
+              f" -- {prog} 2; touch {stop}; wait")  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script),
+        env=dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop)),
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    first = rig.holder(spawn)
+    assert read_line(first)[0] == "held"
+    go.touch()
+
+    def stray() -> int | None:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == prog and "LD_PRELOAD" not in environ(pid):
+                    return pid
+        return None
+
+    wait_until(lambda: stray() is not None)
+    pid = stray()
+    assert pid is not None
+    wait_until(lambda: read_state(pid) == "T")
+    full.touch()  # the restore at the command's turn fails
+    second = rig.holder(spawn)
+    wait_until(lambda: queued(second.pid))
+    let_go(first)
+    held = read_line(second)
+    assert held[0] == "held"
+    start = time.monotonic()
+    while time.monotonic() < start + 0.5:
+        assert stopped(pid), read_state(pid)  # T, or SIGSTOP pending: it runs nothing
+        if time.monotonic() > start + 0.05:  # the first looks of the watch, closely
+            time.sleep(0.002)
+    full.unlink()
+    left = let_go(second)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "could not be restored" in err, err
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left]
+    assert max(s for s, _ in rig.launches()) > left  # both ran on, in the command's turn
+
+
+def let_go(holder: subprocess.Popen[str]) -> int:
+    """The test's member leaves the token: when (monotonic ns)."""
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert left[:1] == ["leaving"], left
+    assert holder.wait(10) == 0
+    return int(left[1])
 
 
 def read_state(pid: int) -> str | None:

@@ -423,6 +423,52 @@ def test_a_cuda_process_started_after_a_checkpoint_is_stopped_until_the_turn(
     assert len(said) == 1 and f"process {pid} of the command" in said[0], err
 
 
+def test_a_worker_forked_after_a_checkpoint_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
+    # Under --release checkpoint, a checkpointed CUDA process forks a worker (no exec)
+    # while released, as a data loader starts its workers: the worker has the driver
+    # mapped, as its parent, and no context of its own (the driver says so). It is not
+    # stopped, nor said to use CUDA. Witnesses: its state, and the run's stderr.
+    go = rig.tmp / "go"
+    code = textwrap.dedent(
+        """
+        import ctypes, os, sys, time
+        cuda = ctypes.CDLL("libcuda.so.1")
+        ctx, ptr = ctypes.c_void_p(), ctypes.c_ulonglong()
+        assert cuda.cuInit(0) == 0
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20) == 0
+        print("ready", flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.02)
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(1.5)
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        """
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release",
+                 "checkpoint", "--", sys.executable, "-c", code, str(go)),
+        env=rig.env,
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)
+    assert read_line(holder)[0] == "held"
+    (parent,) = descendants(job.pid)
+    assert state(rig, parent) == CHECKPOINTED
+    go.touch()  # the worker is forked now, in the test's turn
+    wait_until(lambda: len(descendants(job.pid)) == 2)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert all(proc_state(pid) != "T" for pid in descendants(job.pid))
+        time.sleep(0.005)
+    let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "began to use CUDA" not in err, err
+
+
 def proc_state(pid: int) -> str | None:
     """The one-letter state of ``pid`` (T: stopped)."""
     try:

@@ -16,6 +16,8 @@ _READ_ATTEMPTS = 4
 # Field indexes in proc_stat()'s list (fields after the command name, state first).
 _STATE, _PPID, _PGRP, _SESSION = 0, 1, 2, 3
 _STARTTIME, _VSIZE = 19, 20
+_STARTCODE, _ENDCODE, _STARTSTACK = 23, 24, 25
+_LAYOUT = (_VSIZE, _STARTCODE, _ENDCODE, _STARTSTACK)
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -54,10 +56,16 @@ def starttime(pid: int) -> int | None:
     return _int_field(pid, _STARTTIME)
 
 
-def vsize(pid: int) -> int | None:
-    """The size of the process's address space in bytes (field 23): it changes with
-    every mapping made or dropped (a library loaded, memory allocated)."""
-    return _int_field(pid, _VSIZE)
+def layout(pid: int) -> tuple[int, ...] | None:
+    """The size of the process's address space, and where its program's code and its
+    stack are (fields 23 and 26-28), or None if gone: the size changes with every
+    mapping made or dropped, the rest with every exec (the kernel lays each program out
+    anew, at random places). Zero where its memory is not ours to read."""
+    fields = proc_stat(pid)
+    try:
+        return None if fields is None else tuple(int(fields[i]) for i in _LAYOUT)
+    except (IndexError, ValueError):
+        return None
 
 
 def pgrp(pid: int) -> int | None:

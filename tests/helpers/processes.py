@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from vramlock.procfs import descendants, proc_stat
 
@@ -82,3 +86,26 @@ def sigint_default() -> None:
     the shell that started the tests ignores SIGINT (a background job), the child inherits
     SIG_IGN, and Python then installs no KeyboardInterrupt: Ctrl-C would do nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+_UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc")
+
+
+@functools.cache
+def _own_pid_namespace() -> tuple[str, ...] | None:
+    for prefix in (_UNSHARE, (*_UNSHARE, "--user", "--map-root-user")):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0:
+                return prefix
+    return None
+
+
+def own_pid_namespace() -> list[str]:
+    """A prefix that runs a command in a pid namespace of its own, where only the
+    command's own processes are made: on a host that starts processes all the time (a
+    test machine) something is woken by every new pid, on a quiet one (a GPU server)
+    nothing is. Skips the test where no pid namespace can be made here."""
+    prefix = _own_pid_namespace()
+    if prefix is None:
+        pytest.skip("no pid namespace can be made here (unshare)")
+    return [*prefix, "--"]

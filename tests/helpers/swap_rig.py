@@ -83,6 +83,10 @@ class Fakes:
     user_preload: Path
     delta_program: Path  # tests/fake_cuda/delta_prog.c
     raw_exec: Path  # tests/fake_cuda/raw_exec.c: an exec the C library does not make
+    # The program linked against the driver and, before it, a library whose constructor
+    # takes SLOW_INIT_MS (tests/fake_cuda/slow_init.c): the dynamic linker maps the
+    # driver long before the swap library's constructor runs.
+    linked_program: Path
     # Holds the libcuda.so.1 that has the checkpoint API (-DFAKE_CHECKPOINT): the other
     # has none, as a driver older than 570.
     checkpoint_directory: Path
@@ -108,11 +112,16 @@ def build_fakes(out: Path) -> Fakes:
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "raw_exec"), str(FAKES / "raw_exec.c"))
+    _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "libslow_init.so"),
+        str(FAKES / "slow_init.c"))  # fmt: skip
+    _cc(*STRICT, "-o", str(out / "swap_prog_linked"), str(FAKES / "swap_prog.c"), "-ldl",
+        "-lpthread", "-Wl,--no-as-needed", "-L", str(out), "-lslow_init",
+        "-l:libcuda.so.1")  # fmt: skip
     (out / "user_preload.c").write_text(USER_PRELOAD)
     _cc(*STRICT, "-fPIC", "-shared", "-o", str(out / "user_preload.so"),
         str(out / "user_preload.c"), "-ldl")  # fmt: skip
     return Fakes(out, out / "swap_prog", out / "user_preload.so", out / "delta_prog",
-                 out / "raw_exec", checkpoint)  # fmt: skip
+                 out / "raw_exec", out / "swap_prog_linked", checkpoint)  # fmt: skip
 
 
 @dataclass

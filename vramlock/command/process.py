@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -9,6 +10,7 @@ import select
 import shutil
 import signal
 import time
+from collections.abc import Collection
 
 from .. import procfs
 from ..errors import CommandNotExecutable, CommandNotFound, StrategyError
@@ -275,17 +277,26 @@ class Child:
                 return left
             time.sleep(_GONE_POLL)
 
-    def end_all(self, grace: float, kill_wait: float = 5.0) -> list[int]:
+    def end_all(
+        self, grace: float, kill_wait: float = 5.0, stopped: Collection[int] = ()
+    ) -> list[int]:
         """End every process of the command: SIGTERM (and SIGCONT, so a stopped one can act
-        on it), SIGKILL after ``grace`` seconds, then wait up to ``kill_wait`` seconds. The
-        survivors (a process in uninterruptible sleep); StrategyError when we may not signal.
+        on it, unless it is to stay ``stopped``), SIGKILL after ``grace`` seconds, then wait
+        up to ``kill_wait`` seconds. The survivors (a process in uninterruptible sleep);
+        StrategyError when we may not signal.
         """
         left = self.processes()
         if not left:
             self.poll()
             return []
         self.signal_all(signal.SIGTERM, left)
-        self.signal_all(signal.SIGCONT, left)
+        if stopped:  # one by one: the group's SIGCONT would reach them too
+            for pid in left:
+                if pid not in stopped:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+        else:
+            self.signal_all(signal.SIGCONT, left)
         left = self.wait_gone(grace)
         if left:
             self.signal_all(signal.SIGKILL, left)

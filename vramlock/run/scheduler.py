@@ -419,7 +419,7 @@ class Scheduler:
             # Restoring now would wedge the command: give the token back, queue again.
             self.sup.warn(str(err), once=True)
             if self.strategy.holds_processes and not self.strategy.killed:
-                self.strays.watch()
+                self.strays.watch()  # what it stopped stays stopped
             member.step_aside()
             self._requeue_at = time.monotonic() + RETRY_AFTER_FAILURE
             return None

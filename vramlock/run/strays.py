@@ -8,8 +8,10 @@ LD_PRELOAD, a static one, a process that was not checkpointed) would run in anot
 member's turn. So while the member is released a thread looks at the command's
 processes: every ``TICK`` at those that could begin (``Strategy.loose``'s suspects),
 at the command's whole tree whenever a process or thread was created on the host (the
-last pid of /proc/loadavg moved, at most every ``TREE_EVERY``), and at every process of
-the command (its group and adopted orphans too) every ``ALL_EVERY``. One found loose gets
+last pid of /proc/loadavg moved, at most every ``TREE_EVERY``), at any process that
+exec'd another program in place (its layout in /proc/PID/stat moved, read at most every
+``TREE_EVERY``: a quiet host makes no pid for that), and at every process of the
+command (its group and adopted orphans too) every ``ALL_EVERY``. One found loose gets
 SIGSTOP, said once, and SIGCONT once the token is the command's again.
 
 This is a watch, not a gate: a program that maps the driver, initialises it and runs a
@@ -23,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .. import procfs
 from ..strategies import Strategy
@@ -40,6 +42,15 @@ def _last_pid() -> str:
             return f.read().split()[-1].decode()
     except (OSError, IndexError):
         return ""
+
+
+def _moved(pid: int, before: tuple[int, ...] | None, size_too: bool) -> bool:
+    """Has ``pid`` exec'd a program since its ``procfs.layout`` was ``before`` (or, with
+    ``size_too``, mapped or unmapped anything)?"""
+    now = procfs.layout(pid)
+    if now is None or before is None:
+        return now is not None  # gone: nothing to look at
+    return now != before if size_too else now[1:] != before[1:]
 
 
 class Strays:
@@ -65,10 +76,13 @@ class Strays:
         self.stopped: dict[int, int] = {}  # pid: start time, stopped until our turn
         self._said: set[tuple[int, int]] = set()  # (pid, start) told of already
 
-    def watch(self) -> None:
-        """Released: watch from now on."""
+    def watch(self, again: Iterable[int] = ()) -> None:
+        """Released: watch from now on. ``again``: processes ``resume`` let go for a turn
+        that did not come (the restore failed), stopped again before the token goes."""
         with self._lock:
             self._watching.set()
+            for pid in again:
+                self._stop(pid, again=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="vramlock-strays", daemon=True)
             self._thread.start()
@@ -99,12 +113,12 @@ class Strays:
 
     def _run(self) -> None:
         suspects: list[int] = []
-        # Found loose at the last look: stopped if they still are at the next. A process
-        # is caught between the dynamic linker mapping the driver and the library's
-        # constructor saying it has not joined yet (microseconds) at most once.
+        # Found loose at the last look: stopped if they still are at the next, so that
+        # one look that reads a process in the middle of a change stops nothing.
         seen_loose: set[int] = set()
         seen, tree_at, all_at = "", 0.0, 0.0
-        sizes: dict[int, int | None] = {}  # address space sizes, as before the last look
+        # procfs.layout of each process looked at, as before its last look
+        layouts: dict[int, tuple[int, ...] | None] = {}
         while True:
             self._watching.wait()
             with self._lock:
@@ -118,12 +132,22 @@ class Strays:
                 elif last != seen and now >= tree_at + TREE_EVERY:
                     pids, tree_at, seen = self._tree(), now, last
                 else:
-                    # A suspect that maps the driver changes its address space's size: the
-                    # others are not read again (a maps file is long; a stat line is not).
+                    # Read again: a suspect whose address space changed (it may have mapped
+                    # the driver) and, at most every TREE_EVERY, a process that exec'd
+                    # another program in place (no new pid for the host to count). The
+                    # others are not (a maps file is long; a stat line is not).
                     whole = False
-                    pids = [p for p in suspects if procfs.vsize(p) != sizes.get(p)]
+                    execs = now >= tree_at + TREE_EVERY
+                    if execs:
+                        tree_at = now
+                    suspected = set(suspects)
+                    pids = [
+                        p
+                        for p in (list(layouts) if execs else suspects)
+                        if _moved(p, layouts.get(p), size_too=p in suspected)
+                    ]
                     pids += [p for p in seen_loose if p not in pids]
-                sizes.update((p, procfs.vsize(p)) for p in pids)  # before the look
+                layouts.update((p, procfs.layout(p)) for p in pids)  # before the look
                 try:
                     loose, found = self._strategy().loose(pids) if pids else ([], [])
                 except Exception as err:  # a look that failed: the next one may not
@@ -132,7 +156,7 @@ class Strays:
                 looked = set(pids)
                 suspects = found if whole else [p for p in suspects if p not in looked] + found
                 if whole:
-                    sizes = {p: sizes.get(p) for p in suspects}
+                    layouts = {p: layouts.get(p) for p in pids}
                 for pid in loose:
                     if pid in seen_loose:
                         self._stop(pid)

@@ -109,10 +109,9 @@ class Supervision:
                 raise Woken  # the command may have exited: look before waiting on
             return
         if self.child.status is None and not self._away:
+            # A stray stopped meanwhile (.strays) gets it all the same: it stays stopped,
+            # the signal waiting in it for the command's turn, or is ended by it there.
             held = self.strategy is not None and self.strategy.defers_signals
-            # A stray is stopped: the signal would wait in it, and whatever it ran on
-            # getting it would run in another's turn. Both go at the command's turn.
-            held = held or bool(self.strays)
             if held and self.member.state is not State.RESIDENT:
                 self._deferred.append(signum)  # passed on once it is restored
             elif not (signum in ENDING and self.ended_by_releasing):
@@ -196,8 +195,10 @@ class Supervision:
                 " ending them before the GPU is released"
             )
             self.member.describe(leftovers=left)
+            # Those stopped while released stay stopped: they run only in the command's turn.
+            stopped = set(self.strays) if self.member.state is not State.RESIDENT else set()
             try:
-                left = self.child.end_all(LEFTOVER_GRACE, KILL_WAIT)
+                left = self.child.end_all(LEFTOVER_GRACE, KILL_WAIT, stopped)
             except StrategyError as err:
                 self.warn(f"{err}; holding the GPU until they exit")
             while left:

@@ -141,9 +141,10 @@ class CheckpointStrategy(Strategy):
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
         """A process that was not checkpointed by the release and has the driver mapped
         (it may be making its context: the driver cannot checkpoint it yet) is loose,
-        unless it had it mapped at the release already without a context (a worker
-        forked from a CUDA process): that one is loose once the driver says it has one.
-        Every other process that was not checkpointed could begin to."""
+        unless it had it mapped at the release already without a context, or is a copy
+        of such a process or of a checkpointed one (a worker forked from a CUDA process,
+        before the release or after it): that one is loose once the driver says it has
+        one. Every other process that was not checkpointed could begin to."""
         held = set(self.pids)
         loose: list[int] = []
         suspects: list[int] = []
@@ -155,7 +156,7 @@ class CheckpointStrategy(Strategy):
                 continue  # gone, or closed to us
             if not cuda.driver_in(paths):
                 suspects.append(pid)
-            elif self.idle.get(pid) != procfs.starttime(pid):
+            elif self.idle.get(pid) != procfs.starttime(pid) and not self._forked(pid):
                 loose.append(pid)
             else:
                 try:
@@ -163,6 +164,21 @@ class CheckpointStrategy(Strategy):
                 except cuda.CudaError:
                     suspects.append(pid)
         return loose, suspects
+
+    def _forked(self, pid: int) -> bool:
+        """Is ``pid`` forked, without an exec since, from a process the release
+        checkpointed or found idle (through parents forked the same way)? A fork keeps
+        its parent's layout (procfs.layout); an exec lays the program out anew."""
+        image = procfs.layout(pid)
+        parent = procfs.ppid(pid)
+        while image is not None and parent:
+            above = procfs.layout(parent)
+            if above is None or above[1:] != image[1:]:
+                return False
+            if parent in self.pids or parent in self.idle:
+                return True
+            parent = procfs.ppid(parent)
+        return False
 
     def _used(self, pids: list[int]) -> dict[int, int]:
         try:

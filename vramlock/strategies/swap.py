@@ -203,10 +203,10 @@ class Hub:
         return None
 
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
-        """Among ``pids``: those that have the driver mapped without the library's gate
-        (not a connected peer, nor a process the library keeps off the GPU until it
-        joins), and those without the library that have not mapped the driver yet (a
-        program exec'd by the system call itself, or a static one), which could."""
+        """Among ``pids``: those that have the driver mapped without the library's gate,
+        and those without it that have not mapped the driver yet (a program exec'd by
+        the system call itself, or a static one, or one whose library was not given the
+        socket's name), which could."""
         with self.lock:
             for peer in self.peers:
                 peer.channel.read_lines()  # stale; notices a connection that closed (exec)
@@ -217,15 +217,25 @@ class Hub:
             if pid in peers:
                 continue
             paths = procfs.mapped(pid)
-            if paths is None:
-                continue  # gone, or closed to us: refused at the next release
-            gated = self.library in paths
-            if cuda.driver_in(paths):
-                if not (gated and any(UNJOINED in p for p in paths)):
-                    loose.append(pid)
-            elif not gated:
-                suspects.append(pid)
+            if paths is None or self._gated(pid, paths):
+                continue  # gone, or closed to us (refused at the next release), or held
+            (loose if cuda.driver_in(paths) else suspects).append(pid)
         return loose, suspects
+
+    def _gated(self, pid: int, paths: set[str]) -> bool:
+        """Does the library keep ``pid`` (not a peer, its mapped files ``paths``) off the
+        GPU while the command is released? Where it is loaded and was given the socket's
+        name: until the process joins it shows its mapping; a process whose connection
+        closed waits for the token itself; and one whose library has not set up yet
+        (the dynamic linker maps a program's libraries, a driver it links among them,
+        and runs their constructors before the library's), or a child that shares its
+        parent's memory until it execs (vfork, posix_spawn), calls nothing on the GPU
+        that does not pass the library first. Its environment at start tells."""
+        if self.library not in paths:
+            return False
+        if any(UNJOINED in p for p in paths):
+            return True
+        return procfs.environ(pid).get(ENV_SOCKET) == self.path
 
     def tell(self, word: str, *, released: bool) -> list[Peer]:
         """Say ``word`` to every process, with ``released`` as the new state for any

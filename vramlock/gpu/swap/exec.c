@@ -122,11 +122,22 @@ static size_t preload_size(char *const envp[])
 	return size;
 }
 
-/* `out` (room for count(envp) + NKEPT + 2) becomes `envp` with LD_PRELOAD naming this
- * library first (the program's own preloads after it) and the kept variables as they
- * were at start, in place of any other values of theirs. `preload` holds the new
- * LD_PRELOAD entry (preload_size bytes). */
-static char *const *fill(char *const envp[], char **out, char *preload)
+/* Appends `s` to the string in `dst` (`size` bytes in all), as much of it as fits. */
+static void append(char *dst, size_t size, const char *s)
+{
+	size_t n = strlen(dst);
+	while (*s && n + 1 < size)
+		dst[n++] = *s++;
+	dst[n] = '\0';
+}
+
+/* `out` (room for `slots` entries) becomes `envp` with LD_PRELOAD naming this library
+ * first (the program's own preloads after it) and the kept variables as they were at
+ * start, in place of any other values of theirs. `preload` (`size` bytes) holds the new
+ * LD_PRELOAD entry. What no longer fits (another thread changed `envp` since it was
+ * measured) is left out: nothing is written past the room. */
+static char *const *fill(char *const envp[], char **out, size_t slots, char *preload,
+			 size_t size)
 {
 	size_t n = 0;
 	const char *theirs = NULL;
@@ -140,16 +151,19 @@ static char *const *fill(char *const envp[], char **out, char *preload)
 			if (kept[i][0] && name_len(*e) == strlen(kept_names[i]) &&
 			    !strncmp(*e, kept_names[i], strlen(kept_names[i])))
 				drop = 1;
-		if (!drop)
+		if (!drop && n + 1 + NKEPT + 2 <= slots) /* then LD_PRELOAD, the kept, NULL */
 			out[n++] = *e;
 	}
-	strcpy(preload, PRELOAD);
-	strcat(preload, self_path);
-	if (theirs && *theirs && !names_self(theirs)) {
-		strcat(preload, ":");
-		strcat(preload, theirs);
-	} else if (theirs && *theirs) {
-		strcpy(preload + sizeof PRELOAD - 1, theirs);
+	preload[0] = '\0';
+	append(preload, size, PRELOAD);
+	if (theirs && *theirs && names_self(theirs)) {
+		append(preload, size, theirs);
+	} else {
+		append(preload, size, self_path);
+		if (theirs && *theirs) {
+			append(preload, size, ":");
+			append(preload, size, theirs);
+		}
 	}
 	out[n++] = preload;
 	for (int i = 0; i < NKEPT; i++)
@@ -159,12 +173,81 @@ static char *const *fill(char *const envp[], char **out, char *preload)
 	return out;
 }
 
-/* `envp` as the exec must see it: the same where nothing lacks, else a copy on the
- * caller's stack (a macro: the arrays live in the caller's frame). */
+/* What `fill` needs for `envp`, measured once (another thread may change it meanwhile):
+ * its entries and the LD_PRELOAD entry's bytes; none where nothing lacks. */
+struct need {
+	size_t slots, preload;
+};
+
+static struct need measure(char *const envp[])
+{
+	struct need n = {0, 0};
+	if (lacking(envp)) {
+		n.slots = count(envp) + NKEPT + 2;
+		n.preload = preload_size(envp);
+	}
+	return n;
+}
+
+/* The copy is made on the caller's stack up to this size, in pages mapped for it above
+ * (a thread's stack may be small, an environment large): never on the heap. */
+#define ON_STACK 16384
+
+static size_t pointers(struct need n)
+{
+	return n.slots + (n.preload + sizeof(char *) - 1) / sizeof(char *);
+}
+
+/* The pointers the caller's stack is to hold for a copy of `n` pointers (1: none). */
+static size_t on_stack(size_t n)
+{
+	return n && n * sizeof(char *) <= ON_STACK ? n : 1;
+}
+
+struct copy {
+	char *const *envp; /* what the exec gets; NULL: no room could be had (ENOMEM) */
+	void *map;	   /* mapped for it: unmapped by done() */
+	size_t len;
+};
+
+static struct copy with_library(char *const envp[], struct need need, char **stack)
+{
+	struct copy c = {envp, NULL, 0};
+	if (!need.slots)
+		return c;
+	char **room = stack;
+	if (pointers(need) * sizeof(char *) > ON_STACK) {
+		c.len = pointers(need) * sizeof(char *);
+		c.map = mmap(NULL, c.len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (c.map == MAP_FAILED) {
+			c.map = NULL;
+			c.envp = NULL;
+			return c;
+		}
+		room = c.map;
+	}
+	c.envp = fill(envp, room, need.slots, (char *)(room + need.slots), need.preload);
+	return c;
+}
+
+/* After the exec (it failed) or the spawn: the mapped room goes, errno kept. A vfork
+ * child's exec that succeeds leaves it in its parent's memory: only an environment too
+ * large for the stack costs that. */
+static void done(struct copy *c)
+{
+	if (c->map) {
+		int e = errno;
+		munmap(c->map, c->len);
+		errno = e;
+	}
+}
+
+/* `envp` as the exec must see it (`fixed.envp`): the same where nothing lacks, else a
+ * copy in the caller's frame (a macro: the array lives there) or mapped. */
 #define WITH_LIBRARY(envp, fixed)                                                           \
-	char *fixed##_out[lacking(envp) ? count(envp) + NKEPT + 2 : 1];                     \
-	char fixed##_preload[lacking(envp) ? preload_size(envp) : 1];                       \
-	char *const *fixed = lacking(envp) ? fill(envp, fixed##_out, fixed##_preload) : envp
+	const struct need fixed##_need = measure(envp);                                     \
+	char *fixed##_stack[on_stack(pointers(fixed##_need))];                              \
+	struct copy fixed = with_library(envp, fixed##_need, fixed##_stack)
 
 /* Before our constructor (another library's constructor execs): set up first. */
 static void ready_to_exec(void)
@@ -179,13 +262,24 @@ static int missing(void)
 	return -1;
 }
 
+/* No room for the environment with the library: no exec without it. */
+static int no_room(void)
+{
+	errno = ENOMEM;
+	return -1;
+}
+
 EXPORT int execve(const char *path, char *const argv[], char *const envp[])
 {
 	ready_to_exec();
 	if (!real_execve)
 		return missing();
 	WITH_LIBRARY(envp, env);
-	return real_execve(path, argv, env);
+	if (!env.envp)
+		return no_room();
+	int r = real_execve(path, argv, env.envp);
+	done(&env);
+	return r;
 }
 
 EXPORT int execvpe(const char *file, char *const argv[], char *const envp[])
@@ -194,7 +288,11 @@ EXPORT int execvpe(const char *file, char *const argv[], char *const envp[])
 	if (!real_execvpe)
 		return missing();
 	WITH_LIBRARY(envp, env);
-	return real_execvpe(file, argv, env);
+	if (!env.envp)
+		return no_room();
+	int r = real_execvpe(file, argv, env.envp);
+	done(&env);
+	return r;
 }
 
 EXPORT int execv(const char *path, char *const argv[])
@@ -213,7 +311,11 @@ EXPORT int fexecve(int fd, char *const argv[], char *const envp[])
 	if (!real_fexecve)
 		return missing();
 	WITH_LIBRARY(envp, env);
-	return real_fexecve(fd, argv, env);
+	if (!env.envp)
+		return no_room();
+	int r = real_fexecve(fd, argv, env.envp);
+	done(&env);
+	return r;
 }
 
 EXPORT int execveat(int dirfd, const char *path, char *const argv[], char *const envp[],
@@ -223,7 +325,11 @@ EXPORT int execveat(int dirfd, const char *path, char *const argv[], char *const
 	if (!real_execveat)
 		return missing();
 	WITH_LIBRARY(envp, env);
-	return real_execveat(dirfd, path, argv, env, flags);
+	if (!env.envp)
+		return no_room();
+	int r = real_execveat(dirfd, path, argv, env.envp, flags);
+	done(&env);
+	return r;
 }
 
 /* execl, execlp, execle: how many arguments follow `first`, up to the NULL. */
@@ -291,7 +397,11 @@ EXPORT int posix_spawn(pid_t *pid, const char *path, const posix_spawn_file_acti
 	if (!real_posix_spawn)
 		return ENOSYS;
 	WITH_LIBRARY(envp, env);
-	return real_posix_spawn(pid, path, actions, attr, argv, env);
+	if (!env.envp)
+		return ENOMEM;
+	int r = real_posix_spawn(pid, path, actions, attr, argv, env.envp);
+	done(&env);
+	return r;
 }
 
 EXPORT int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_actions_t *actions,
@@ -301,7 +411,11 @@ EXPORT int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_act
 	if (!real_posix_spawnp)
 		return ENOSYS;
 	WITH_LIBRARY(envp, env);
-	return real_posix_spawnp(pid, file, actions, attr, argv, env);
+	if (!env.envp)
+		return ENOMEM;
+	int r = real_posix_spawnp(pid, file, actions, attr, argv, env.envp);
+	done(&env);
+	return r;
 }
 
 /* system and popen run the shell with the process's own environment: where the
