@@ -254,7 +254,28 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
         raise _Deadline
 
 
+def _other_than_deadline(late: BaseException) -> BaseException | None:
+    """The exception that was leaving the wait when the alarm's was raised, if any."""
+    seen: BaseException | None = late.__context__
+    while seen is not None and isinstance(seen, _Deadline):
+        seen = seen.__context__
+    return seen
+
+
 def _lock_with_alarm(fd: int, exclusive: bool, timeout: float) -> bool:
+    """``_timed_lock``; where the alarm fell due as another signal's handler broke the
+    wait (the caller's way out, such as vramlock run's SIGTERM), that exception stands,
+    not the alarm's, wherever in the way out the alarm's was raised."""
+    try:
+        return _timed_lock(fd, exclusive, timeout)
+    except _Deadline as late:
+        broke = _other_than_deadline(late)
+        if broke is not None:
+            raise broke from None
+        return try_lock(fd, exclusive=exclusive)  # the alarm, raised on its own way out
+
+
+def _timed_lock(fd: int, exclusive: bool, timeout: float) -> bool:
     # A blocking flock cut by SIGALRM is how flock(1) -w works: the waiter keeps
     # its place in the kernel's queue, which polling would lose.
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
@@ -265,11 +286,17 @@ def _lock_with_alarm(fd: int, exclusive: bool, timeout: float) -> bool:
             lock(fd, exclusive=exclusive)
             _waiting.clear()
             return True
-        except _Deadline:
+        except _Deadline as late:
             _waiting.clear()
+            broke = _other_than_deadline(late)
+            if broke is not None:
+                raise broke from None  # see _lock_with_alarm
             # The alarm may have fired just after the kernel granted the lock; a
             # non-blocking retry on the same description settles it either way.
             return try_lock(fd, exclusive=exclusive)
+        except BaseException:
+            _waiting.clear()  # before an alarm due now can raise on top of it
+            raise
     finally:
         _waiting.clear()
         signal.setitimer(signal.ITIMER_REAL, 0)
