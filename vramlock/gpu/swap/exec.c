@@ -350,15 +350,20 @@ static void list(char **argv, const char *first, va_list *ap)
 		;
 }
 
+/* In execl, execlp and execle: `argv`, on the caller's stack, holds `arg` and what
+ * follows it up to the NULL; `ap` is left just past the NULL, open (va_end it). */
+#define LIST_ARGV(arg, ap, argv)                                                            \
+	va_start(ap, arg);                                                                  \
+	size_t argc_ = listed(&ap) + 1;                                                     \
+	va_end(ap);                                                                         \
+	char *argv[argc_ + 1];                                                              \
+	va_start(ap, arg);                                                                  \
+	list(argv, arg, &ap)
+
 EXPORT int execl(const char *path, const char *arg, ...)
 {
 	va_list ap;
-	va_start(ap, arg);
-	size_t argc = listed(&ap) + 1;
-	va_end(ap);
-	char *argv[argc + 1];
-	va_start(ap, arg);
-	list(argv, arg, &ap);
+	LIST_ARGV(arg, ap, argv);
 	va_end(ap);
 	return execve(path, argv, environ);
 }
@@ -366,12 +371,7 @@ EXPORT int execl(const char *path, const char *arg, ...)
 EXPORT int execlp(const char *file, const char *arg, ...)
 {
 	va_list ap;
-	va_start(ap, arg);
-	size_t argc = listed(&ap) + 1;
-	va_end(ap);
-	char *argv[argc + 1];
-	va_start(ap, arg);
-	list(argv, arg, &ap);
+	LIST_ARGV(arg, ap, argv);
 	va_end(ap);
 	return execvpe(file, argv, environ);
 }
@@ -379,12 +379,7 @@ EXPORT int execlp(const char *file, const char *arg, ...)
 EXPORT int execle(const char *path, const char *arg, ...)
 {
 	va_list ap;
-	va_start(ap, arg);
-	size_t argc = listed(&ap) + 1;
-	va_end(ap);
-	char *argv[argc + 1];
-	va_start(ap, arg);
-	list(argv, arg, &ap);
+	LIST_ARGV(arg, ap, argv);
 	char *const *envp = va_arg(ap, char *const *);
 	va_end(ap);
 	return execve(path, argv, envp);
