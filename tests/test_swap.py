@@ -35,13 +35,14 @@ from helpers.swap_rig import (
     during,
     read_line,
     resumed,
+    stopped_stray,
     swap_turns,
     take_turn,
 )
 
 from vramlock.arena import records
 from vramlock.gpu import swap
-from vramlock.procfs import descendants, environ, starttime, stopped
+from vramlock.procfs import descendants, environ, starttime, state, stopped
 from vramlock.strategies.swap import Hub
 
 pytestmark = [
@@ -322,17 +323,7 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     assert read_line(holder)[0] == "held"
     go.touch()  # the program starts now, in the test's turn
 
-    def stray() -> int | None:
-        for pid in descendants(job.pid):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/exe") == str(rig.fakes.program):
-                    return pid
-        return None
-
-    wait_until(lambda: stray() is not None)
-    pid = stray()
-    assert pid is not None
-    wait_until(lambda: read_state(pid) == "T")
+    pid = stopped_stray(job, str(rig.fakes.program))
 
     def noted() -> bool:
         notes = [m["note"] or "" for m in who_json(rig.arena) if m["member"]]
@@ -340,7 +331,7 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
 
     wait_until(noted)  # who says so too
     time.sleep(0.5)
-    assert rig.launches() == [] and read_state(pid) == "T"
+    assert rig.launches() == [] and state(pid) == "T"
     assert holder.stdin is not None
     holder.stdin.close()
     left = read_line(holder)
@@ -385,19 +376,9 @@ def test_a_program_that_slips_past_the_library_on_a_quiet_host_is_stopped(
     assert read_line(holder)[0] == "held"
     go.touch()  # the program starts now, in the test's turn
 
-    def stray() -> int | None:
-        for pid in descendants(job.pid):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/exe") == program:
-                    return pid
-        return None
-
-    wait_until(lambda: stray() is not None)
-    pid = stray()
-    assert pid is not None
-    wait_until(lambda: read_state(pid) == "T")
+    pid = stopped_stray(job, program)
     time.sleep(0.5)
-    assert rig.launches() == [] and read_state(pid) == "T"
+    assert rig.launches() == [] and state(pid) == "T"
     assert holder.stdin is not None
     holder.stdin.close()
     left = read_line(holder)
@@ -442,7 +423,7 @@ def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
     wait_until(lambda: started() != [])
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
-        assert all(read_state(pid) != "T" for pid in started())
+        assert all(state(pid) != "T" for pid in started())
         time.sleep(0.005)
     assert rig.launches() == []
     assert holder.stdin is not None
@@ -485,7 +466,7 @@ def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -
     wait_until(lambda: len(descendants(job.pid)) == 2)
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
-        assert all(read_state(pid) != "T" for pid in descendants(job.pid))
+        assert all(state(pid) != "T" for pid in descendants(job.pid))
         time.sleep(0.005)
 
     def let_it_exec() -> bool:
@@ -528,23 +509,13 @@ def test_a_run_told_to_end_while_a_stray_is_stopped_ends_without_its_turn(
     assert read_line(holder)[0] == "held"
     go.touch()
 
-    def stray() -> int | None:
-        for pid in descendants(job.pid):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/exe") == program:
-                    return pid
-        return None
-
-    wait_until(lambda: stray() is not None)
-    pid = stray()
-    assert pid is not None
-    wait_until(lambda: read_state(pid) == "T")
+    pid = stopped_stray(job, program)
     time.sleep(0.5)  # its driver's start is over: continued, it would launch at once
     job.send_signal(signal.SIGTERM)
     states: list[str | None] = []  # the stopped program's, until the run is over
     end = time.monotonic() + 15
     while job.poll() is None and time.monotonic() < end:
-        states.append(read_state(pid))
+        states.append(state(pid))
         time.sleep(0.002)
     assert job.poll() == 128 + signal.SIGTERM, job.poll()
     # Stopped until it was killed (R or D as it dies): never continued, to be stopped again.
@@ -580,17 +551,7 @@ def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
     assert read_line(first)[0] == "held"
     go.touch()
 
-    def stray() -> int | None:
-        for pid in descendants(job.pid):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/exe") == prog and "LD_PRELOAD" not in environ(pid):
-                    return pid
-        return None
-
-    wait_until(lambda: stray() is not None)
-    pid = stray()
-    assert pid is not None
-    wait_until(lambda: read_state(pid) == "T")
+    pid = stopped_stray(job, prog, lambda pid: "LD_PRELOAD" not in environ(pid))
     full.touch()  # the restore at the command's turn fails
     second = rig.holder(spawn)
     wait_until(lambda: queued(second.pid))
@@ -599,7 +560,7 @@ def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
     assert held[0] == "held"
     start = time.monotonic()
     while time.monotonic() < start + 0.5:
-        assert stopped(pid), read_state(pid)  # T, or SIGSTOP pending: it runs nothing
+        assert stopped(pid), state(pid)  # T, or SIGSTOP pending: it runs nothing
         if time.monotonic() > start + 0.05:  # the first looks of the watch, closely
             time.sleep(0.002)
     full.unlink()
@@ -619,15 +580,6 @@ def let_go(holder: subprocess.Popen[str]) -> int:
     assert left[:1] == ["leaving"], left
     assert holder.wait(10) == 0
     return int(left[1])
-
-
-def read_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` (T: stopped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def refused_and_kept(rig: Rig, spawn: Spawn, before: list[str], env: str, why: str) -> None:

@@ -26,8 +26,9 @@ from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line
+from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line, stopped_stray
 
+from vramlock import procfs
 from vramlock.gpu import swap
 from vramlock.procfs import descendants
 
@@ -86,6 +87,29 @@ def server(
     (program,) = descendants(job.pid)
     assert state(rig, program) == RUNNING
     return job, program, port if listen else upstream
+
+
+def server_and_worker(
+    rig: Rig, spawn: Spawn, stop: Path, **env: str
+) -> tuple[subprocess.Popen[str], int, int, int]:
+    """Two CUDA processes under one swapped run (parked after 0.3 s released): a server
+    and a worker, both ended by ``stop``. The run, the server's port, the server's and the
+    worker's pids."""
+    (port,) = free_ports(1)
+    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop), **env)
+    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: accepts(port))
+    wait_until(lambda: len(descendants(job.pid)) == 3)
+    _, *programs = descendants(job.pid)
+    listening = f"SWAP_PROG_LISTEN={port}".encode()
+    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
+    (worker,) = [p for p in programs if p != server_pid]
+    return job, port, server_pid, worker
 
 
 def round_trip(port: int) -> bytes:
@@ -401,17 +425,7 @@ def test_a_cuda_process_started_after_a_checkpoint_is_stopped_until_the_turn(
     first = next(pid for pid in descendants(job.pid) if state(rig, pid) == CHECKPOINTED)
     go.touch()  # the second program starts now, in the test's turn
 
-    def second() -> int | None:
-        for pid in descendants(job.pid):
-            with contextlib.suppress(OSError):
-                if pid != first and os.readlink(f"/proc/{pid}/exe") == str(program):
-                    return pid
-        return None
-
-    wait_until(lambda: second() is not None)
-    pid = second()
-    assert pid is not None
-    wait_until(lambda: proc_state(pid) == "T")
+    pid = stopped_stray(job, str(program), lambda pid: pid != first)
     time.sleep(0.5)
     left = let_go(holder)
     out, err = job.communicate(timeout=60)
@@ -461,21 +475,12 @@ def test_a_worker_forked_after_a_checkpoint_is_not_stopped(rig: Rig, spawn: Spaw
     wait_until(lambda: len(descendants(job.pid)) == 2)
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
-        assert all(proc_state(pid) != "T" for pid in descendants(job.pid))
+        assert all(procfs.state(pid) != "T" for pid in descendants(job.pid))
         time.sleep(0.005)
     let_go(holder)
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert "began to use CUDA" not in err, err
-
-
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` (T: stopped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def test_a_parked_process_that_dies_does_not_keep_the_others_off_the_gpu(
@@ -485,22 +490,10 @@ def test_a_parked_process_that_dies_does_not_keep_the_others_off_the_gpu(
     killer, say). On the next turn the one that lives gets its context and memory back
     and answers: the restore of a process that is gone must not leave the others
     checkpointed for good."""
-    (port,) = free_ports(1)
     stop = rig.tmp / "stop"
-    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop))
-    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: accepts(port))
-    wait_until(lambda: len(descendants(job.pid)) == 3)
-    _, *programs = descendants(job.pid)
+    job, port, server_pid, worker = server_and_worker(rig, spawn, stop)
+    programs = [server_pid, worker]
     wait_until(lambda: all(state(rig, p) == RUNNING for p in programs))
-    listening = f"SWAP_PROG_LISTEN={port}".encode()
-    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
-    (worker,) = [p for p in programs if p != server_pid]
     assert round_trip(port) == b"round 1\n"
     holder = rig.holder(spawn)
     assert read_line(holder)[:1] == ["held"]
@@ -519,22 +512,9 @@ def test_a_process_that_ends_as_it_is_parked_leaves_parking_on(rig: Rig, spawn: 
     """Two CUDA processes, one ending while the driver locks them for the park (each lock
     slowed to two seconds here): the park fails for a process that is gone, which says
     nothing of the others; the next look parks them, and no warning says parking is off."""
-    (port,) = free_ports(1)
     stop = rig.tmp / "stop"
-    env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop),
-               FAKE_CUDA_CKPT_LOCK_MS="2000")  # fmt: skip
-    script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
-        env=env,
-    )  # fmt: skip
-    wait_until(lambda: accepts(port))
-    wait_until(lambda: len(descendants(job.pid)) == 3)
-    _, *programs = descendants(job.pid)
-    listening = f"SWAP_PROG_LISTEN={port}".encode()
-    (server_pid,) = [p for p in programs if listening in Path(f"/proc/{p}/environ").read_bytes()]
-    (worker,) = [p for p in programs if p != server_pid]
+    job, port, server_pid, worker = server_and_worker(rig, spawn, stop,
+                                                      FAKE_CUDA_CKPT_LOCK_MS="2000")  # fmt: skip
     holder = rig.holder(spawn)
     assert read_line(holder)[:1] == ["held"]
     time.sleep(1.0)  # the park is due after 0.3 s: its first lock is under way

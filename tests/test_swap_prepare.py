@@ -156,12 +156,9 @@ def test_a_release_waits_for_one_step_of_the_copy_ahead_not_for_all_of_it(
     # once the copy ahead is done: it makes that nothing and copies everything itself.
     size = 256 << 20
     err_file = rig.tmp / "stderr"
-    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
     env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="100")
     with err_file.open("w") as err:
-        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
-    assert read_line(job) == ["ready"]
+        job, _ = delta_job(rig, spawn, size, env=env, stderr=err)
     wait_until(lambda: copied_out(rig) > 0, timeout=30)  # the copy ahead has begun
     take_turn(rig, spawn)
     assert job.stdin is not None
@@ -197,6 +194,19 @@ def test_nothing_is_prepared_while_the_program_captures_a_cuda_graph(
     wait_until(lambda: registered(rig) == resident, timeout=30)
 
 
+def delta_job(
+    rig: Rig, spawn: Spawn, size: int, env: dict[str, str] | None = None, **kw: object
+) -> tuple[subprocess.Popen[str], int]:
+    """``vramlock run --release swap -- delta_prog SIZE`` (bytes, in whole MiB), told on
+    its stdin, once the program says it is ready: the run and the program's pid."""
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
+    job = spawn(argv, env=rig.env if env is None else env, stdin=subprocess.PIPE, **kw)
+    assert read_line(job) == ["ready"]
+    (program,) = descendants(job.pid)
+    return job, program
+
+
 def host_copies(pid: int, size: int) -> int:
     """How many anonymous mappings ``size`` bytes long ``pid`` has (a host copy made ahead
     is one: its pages are advised apart, so the kernel merges it with no neighbour)."""
@@ -215,11 +225,7 @@ def test_an_allocation_freed_after_its_copy_was_made_gives_the_copy_back(
     # locked is unlocked again (the fake driver logs both, and refuses to unlock a range it
     # did not lock) and the copy is unmapped; nothing is prepared for it any more.
     size = 64 << 20
-    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
-    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
-    assert read_line(job) == ["ready"]
-    (program,) = descendants(job.pid)
+    job, program = delta_job(rig, spawn, size)
     wait_until(lambda: registered(rig) == size, timeout=30)
     wait_until(lambda: copied_out(rig) == size, timeout=30)  # and copied ahead
     assert host_copies(program, size) == 1
@@ -246,11 +252,7 @@ def test_a_program_that_cannot_be_swapped_any_more_gives_its_copies_back(
     # will ever use its host copies, and they are page-locked host memory as large as its
     # GPU memory, which nothing else may use. They go back.
     size = 64 << 20
-    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
-    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
-    assert read_line(job) == ["ready"]
-    (program,) = descendants(job.pid)
+    job, program = delta_job(rig, spawn, size)
     wait_until(lambda: copied_out(rig) == size, timeout=30)  # made and copied ahead
     assert job.stdin is not None
     job.stdin.write("managed\n")
@@ -273,12 +275,9 @@ def test_a_write_during_the_copy_ahead_is_copied_at_the_release(rig: Rig, spawn:
     # changed and copies it, and only it; the program finds its byte after the restore.
     size, segment = 64 << 20, 256 << 10
     err_file = rig.tmp / "stderr"
-    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
     env = dict(rig.env, VRAMLOCK_SWAP_DEBUG="1", FAKE_CUDA_DTOH_MS="300")
     with err_file.open("w") as err:
-        job = spawn(argv, env=env, stdin=subprocess.PIPE, stderr=err)
-    assert read_line(job) == ["ready"]
+        job, _ = delta_job(rig, spawn, size, env=env, stderr=err)
     assert job.stdin is not None
     wait_until(lambda: copied_out(rig) > 0, timeout=30)  # its first chunk is copied
     job.stdin.write("poke 100 1\n")  # in that chunk, while the second is being copied
@@ -303,11 +302,7 @@ def test_a_child_forked_after_the_copies_were_made_does_not_share_them(
     # does not have them, so nothing of it shares pages the GPU writes into, and the
     # parent's release and restore go on as before.
     size = 64 << 20
-    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                    "--", str(rig.fakes.delta_program), str(size >> 20))  # fmt: skip
-    job = spawn(argv, env=rig.env, stdin=subprocess.PIPE)
-    assert read_line(job) == ["ready"]
-    (program,) = descendants(job.pid)
+    job, program = delta_job(rig, spawn, size)
     wait_until(lambda: copied_out(rig) == size, timeout=30)
     assert job.stdin is not None
     job.stdin.write("fork\n")

@@ -3,6 +3,7 @@ test's rig, and the turns of a member the test owns."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 from helpers import ROOT
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
+from vramlock import procfs
 from vramlock.gpu import swap
 
 FAKES = ROOT / "tests" / "fake_cuda"
@@ -257,3 +259,23 @@ def _driver_here() -> bool:
     except OSError:
         return False
     return True
+
+
+def stopped_stray(
+    job: subprocess.Popen[str], program: str, also: Callable[[int], bool] = lambda pid: True
+) -> int:
+    """The process of ``job`` running ``program`` (and passing ``also``), once the run's
+    watch has stopped it (state T): its pid."""
+
+    def find() -> int | None:
+        for pid in procfs.descendants(job.pid):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/exe") == program and also(pid):
+                    return pid
+        return None
+
+    wait_until(lambda: find() is not None)
+    pid = find()
+    assert pid is not None
+    wait_until(lambda: procfs.state(pid) == "T")
+    return pid
