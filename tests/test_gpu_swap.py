@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.gpu import ALLOCATORS, GIB, SWAP_KEEPS, env_with, gpu
-from helpers.processes import Spawn, wait_until, waiting_holder
+from helpers.processes import Spawn, token_free, wait_until, waiting_holder
 from helpers.swap_rig import SWAP_SOURCES, swap_copies
 
 from vramlock.gpu import nvml, swap
@@ -318,8 +318,10 @@ def test_a_parked_program_whose_wrapper_dies_stays_off_the_gpu(arena: Path, spaw
         wait_until(told, timeout=30)
         other = waiting_holder(spawn, arena)  # the token is nobody's: the next gets it
         assert other.stdin is not None
-        other.stdin.close()
-        assert other.wait(30) == 0
+        other.stdin.close()  # its `read` meets the end of input: it exits 1, and lets go
+        other.wait(30)
+        assert token_free(arena)  # and the parked program did not take it back
+        assert w.pid not in nvml.processes()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGKILL)
