@@ -25,7 +25,9 @@
 4. **first**: the first release, ``--settle`` seconds after the worker is ready, with the
    library's host copies made ready meanwhile (``--prepare on``), without (``off``, as
    ``VRAMLOCK_SWAP_PREPARE=0``), or ``both``, one after the other in the same run: *first
-   out* against the later releases' *out*.
+   out* and *back*, what the first release copied, and the first switch (out + back)
+   against a later one's; then, for each host copy made ahead, how long digesting it
+   took and where (the kernel reading it, or the CPU: the library's trace).
 5. **parked** (``--park``): each size again with ``VRAMLOCK_PARK_AFTER=0`` and the member
    holding the token PARK_HOLD seconds, so that the released worker's CUDA context leaves
    the GPU too: *back* then includes bringing the context back.
@@ -85,7 +87,9 @@ def switch(
                                 stderr=err, settle=settle,
                                 hold=PARK_HOLD if park else 0.0)  # fmt: skip
         err.seek(0)
-        copied, digest = traced(err.read())
+        trace = err.read()
+        copied, digest = traced(trace)
+        ahead = re.findall(r"(\d+) bytes made ahead \(digested in ([\d.]+) ms, (\w+)\)", trace)
     for run, n, ms in zip(runs, copied, digest + [0.0] * len(runs), strict=False):
         run["copied"], run["digest_ms"] = n, ms
     first, later = runs[0], runs[1:]
@@ -96,6 +100,8 @@ def switch(
         "park": park,
         "settle": settle,
         "first": first,
+        # each host copy made ahead of the first release: bytes, ms digesting it, where
+        "ahead": [(int(n), float(ms), where) for n, ms, where in ahead],
         **{key: statistics.median(r.get(key, 0) for r in later)
            for key in ("out", "back", "moved", "copied", "digest_ms")},
         "runs": later,
@@ -128,9 +134,10 @@ def main() -> int:
           f" the first {args.settle:g} s after the worker was ready")  # fmt: skip
     print(
         "| GiB asked | unchanged | prepare | GiB moved | GiB copied | digest ms | out: s (GB/s,"
-        " % pinned) | back: s (GB/s, % pinned) | first out / back: s | first / later out |"
+        " % pinned) | back: s (GB/s, % pinned) | first out / back: s | first copied GiB"
+        " | first / later switch |"
     )
-    print("|---:|---:|---|---:|---:|---:|---|---|---|---:|")
+    print("|---:|---:|---|---:|---:|---:|---|---|---|---:|---:|")
     for r in rows:
         n = r["moved"]
         print(
@@ -142,8 +149,14 @@ def main() -> int:
             f" {gpu.gbps(n, r['out']) / d2h:.0%}) | {r['back']:.3f}"
             f" ({gpu.gbps(n, r['back']):.1f}, {gpu.gbps(n, r['back']) / h2d:.0%})"
             f" | {r['first']['out']:.2f} / {r['first']['back']:.2f}"
-            f" | {r['first']['out'] / r['out']:.2f}x |"
+            f" | {r['first']['copied'] / gpu.GIB:.2f}"
+            f" | {(r['first']['out'] + r['first']['back']) / (r['out'] + r['back']):.2f}x |"
         )
+    for r in rows:
+        for n, ms, where in r["ahead"]:
+            print(f"{r['gib']:g} GiB, prepare {'on' if r['prepare'] else 'off'}: a host copy of"
+                  f" {n / gpu.GIB:.2f} GiB made ahead, digested in {ms:.1f} ms ({where},"
+                  f" {gpu.gbps(n, ms / 1000):.1f} GB/s)")  # fmt: skip
     if args.json:
         result = {"pinned": pinned, "switch": rows}
         Path(args.json).write_text(json.dumps(result, indent=2))

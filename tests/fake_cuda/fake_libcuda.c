@@ -605,6 +605,7 @@ CUresult cuMemFreeHost(void *p) { free(p); return OK; }
 struct registered {
 	void *p;
 	size_t n;
+	unsigned fl;
 	struct registered *next;
 };
 static struct registered *registered;
@@ -614,7 +615,6 @@ static struct registered *registered;
  * cuMemHostUnregister, logged as "unregister <monotonic ns> <bytes>". */
 static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 {
-	(void)fl;
 	if (!current)
 		return NO_CONTEXT;
 	const char *full = getenv("FAKE_CUDA_HOST_FULL");
@@ -634,7 +634,7 @@ static CUresult cuMemHostRegister_v2_now(void *p, size_t n, unsigned fl)
 			free(r);
 			return 712; /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
 		}
-	*r = (struct registered){p, n, registered};
+	*r = (struct registered){p, n, fl, registered};
 	registered = r;
 	pthread_mutex_unlock(&mu);
 	log_line("register", now_ns(), (long long)n);
@@ -765,12 +765,24 @@ CUresult cuModuleGetFunction(void **f, void *m, const char *name)
 	return OK;
 }
 
-/* Pinned memory is the device's too, at the same address (unified addressing). */
+/* Pinned memory is the device's too, at the same address (unified addressing); memory
+ * registered without CU_MEMHOSTREGISTER_DEVICEMAP (2) has no device address, as the
+ * driver documents, and with FAKE_CUDA_NO_HOST_MAP set no registered memory has one. */
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned fl)
 {
 	(void)fl;
+	if (!current)
+		return NO_CONTEXT;
+	pthread_mutex_lock(&mu);
+	for (struct registered *o = registered; o; o = o->next)
+		if ((char *)p >= (char *)o->p && (char *)p < (char *)o->p + o->n &&
+		    (!(o->fl & 2) || getenv("FAKE_CUDA_NO_HOST_MAP"))) {
+			pthread_mutex_unlock(&mu);
+			return INVALID;
+		}
+	pthread_mutex_unlock(&mu);
 	*d = (CUdeviceptr)(uintptr_t)p;
-	return current ? OK : NO_CONTEXT;
+	return OK;
 }
 
 /* ---- context, streams, init ---------------------------------------------------- */

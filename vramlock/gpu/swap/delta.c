@@ -188,6 +188,39 @@ int delta_warm(CUcontext ctx)
 	return !streams_of(ctx, &streams) && !real_cuCtxSetCurrent(ctx) && kernel_in(ctx);
 }
 
+/* The digests of `n` bytes (a multiple of 16) of pinned, device-mapped host memory at
+ * `host`, its segments counted from `host`, into `out`: the kernel in `ctx` reads them
+ * across the bus, and is waited for. They are of what the host memory holds, as
+ * digest_words gives them. With `mu` held (prepare.c: a host copy made ahead). */
+CUresult delta_digest_host(CUcontext ctx, const void *host, size_t n, uint64_t *out)
+{
+	CUstream *streams;
+	CUdeviceptr in, at;
+	CUfunction fn = NULL;
+	size_t values = segments(n) * DIGEST_LANES;
+	CUresult r = streams_of(ctx, &streams);
+	if (!r)
+		r = real_cuCtxSetCurrent(ctx);
+	if (!r && (n % 16 || !draw_keys() || !(fn = kernel_in(ctx)) ||
+		   !scratch_for(values * sizeof *scratch)))
+		r = CUDA_ERROR_NOT_FOUND;
+	if (!r)
+		r = real_cuMemHostGetDevicePointer_v2(&in, (void *)host, 0);
+	if (!r)
+		r = real_cuMemHostGetDevicePointer_v2(&at, scratch, 0);
+	if (r)
+		return r;
+	unsigned long long len = n;
+	void *params[] = {&in, &len, &at, &keys[0], &keys[1], &keys[2], &keys[3]};
+	r = real_cuLaunchKernel(fn, (unsigned)segments(n), 1, 1, DIGEST_THREADS, 1, 1, 0, streams[0],
+				params, NULL);
+	if (!r)
+		r = real_cuStreamSynchronize(streams[0]);
+	if (!r)
+		memcpy(out, scratch, values * sizeof *out);
+	return r;
+}
+
 /* Does `p`'s host copy hold what its digests of the last release say? */
 static int known(const struct phys *p)
 {

@@ -85,7 +85,7 @@ CUresult prepare_step(struct phys *p)
 	populate(at, n);
 	CUresult r = real_cuCtxSetCurrent(p->ctx);
 	if (!r)
-		r = real_cuMemHostRegister_v2(at, n, CU_MEMHOSTALLOC_PORTABLE);
+		r = real_cuMemHostRegister_v2(at, n, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
 	if (r)
 		return r;
 	p->prep_done += n;
@@ -119,8 +119,10 @@ void host_free(struct phys *p)
 
 /* ---- copies made ahead ----------------------------------------------------------
  * Once its host copy is ready, an allocation the program has mapped is copied into it
- * while the program is idle, and that copy is digested here, on the host, segment by
- * segment, as the GPU kernel would (digest.h). The digests describe what the host copy
+ * while the program is idle, and that copy is digested segment by segment: by the GPU
+ * kernel reading the host copy across the bus (delta_digest_host), or, where the driver
+ * gives it no device address, here on the CPU with the same arithmetic (digest.h), which
+ * is ~50 times slower. Either way the digests describe what the host copy
  * holds, whatever the GPU did meanwhile: at the first release, a segment whose GPU
  * digest equals them is unchanged and not copied again, as at any later release, and a
  * segment the program changed since (or while it was copied) differs and is copied. */
@@ -161,6 +163,8 @@ static void ahead_drop(struct phys *p)
 	free(p->pre_digest);
 	p->pre_digest = NULL;
 	p->pre_done = p->pre_hashed = p->pre_len = 0;
+	p->pre_cpu = 0;
+	p->pre_ms = 0;
 }
 
 /* Does `p` want a step of its copy ahead? (Its host copy is ready, it has no digests
@@ -206,15 +210,38 @@ static CUresult ahead_step(struct phys *p)
 			p->pre_done += n;
 		return r;
 	}
+	if (p->pre_hashed < len && !p->pre_cpu) {
+		/* The kernel digests the host copy, a registered piece (PREP_CHUNK) at a time:
+		 * one piece's device address says nothing of the next's. */
+		size_t end = p->pre_hashed + AHEAD_CHUNK < len ? p->pre_hashed + AHEAD_CHUNK : len;
+		CUresult r = p->host == p->prep_base ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+		double t0 = now_ms();
+		for (size_t off = p->pre_hashed, stop; off < end && !r; off = stop) {
+			stop = off / PREP_CHUNK * PREP_CHUNK + PREP_CHUNK;
+			stop = stop < end ? stop : end;
+			r = delta_digest_host(p->ctx, (char *)p->host + off, stop - off,
+					      p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
+		}
+		if (!r) {
+			p->pre_hashed = end;
+			p->pre_ms += now_ms() - t0;
+			return CUDA_SUCCESS;
+		}
+		TRACE("host copy digested on the CPU: the kernel cannot read it (%s)", errname(r));
+		p->pre_cpu = 1;
+		p->pre_hashed = 0;
+	}
 	if (p->pre_hashed < len) {
 		const uint32_t *w = (const uint32_t *)p->host;
 		size_t words = len / 4, end = p->pre_hashed + HASH_CHUNK;
+		double t0 = now_ms();
 		for (size_t off = p->pre_hashed; off < len && off < end; off += DIGEST_SEGMENT) {
 			size_t first = off / 4, left = words - first, seg = DIGEST_SEGMENT / 4;
 			host_digest(w + first, left < seg ? left : seg, keys,
 				    p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
 		}
 		p->pre_hashed = end < len ? end : len;
+		p->pre_ms += now_ms() - t0;
 		return CUDA_SUCCESS;
 	}
 	free(p->digest);
@@ -222,8 +249,11 @@ static CUresult ahead_step(struct phys *p)
 	p->digest_len = len;
 	p->digest_host = p->host;
 	p->pre_digest = NULL;
+	TRACE("host copy of %zu bytes made ahead (digested in %.1f ms, %s)", len, p->pre_ms,
+	      p->pre_cpu ? "CPU" : "GPU");
 	p->pre_done = p->pre_hashed = p->pre_len = 0;
-	TRACE("host copy of %zu bytes made ahead", len);
+	p->pre_cpu = 0;
+	p->pre_ms = 0;
 	return CUDA_SUCCESS;
 }
 

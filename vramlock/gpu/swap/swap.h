@@ -251,13 +251,15 @@ struct phys {
 	size_t prep_len, prep_done;         /* its length, and the bytes locked so far */
 	int prep_failed;                    /* could not be made ready ahead: the release will */
 	/* Copied ahead (prepare.c): the host copy's first `pre_done` bytes came from the GPU
-	 * while the program was idle, and the first `pre_hashed` are digested on the host
-	 * into `pre_digest` (for `pre_len` bytes from offset 0), begun before release
-	 * number `pre_release` (a release in between makes them nothing). */
+	 * while the program was idle, and the first `pre_hashed` are digested (by the kernel
+	 * reading the host copy, else on the CPU: `pre_cpu`) into `pre_digest` (for
+	 * `pre_len` bytes from offset 0), begun before release number `pre_release` (a
+	 * release in between makes them nothing). */
 	size_t pre_done, pre_hashed, pre_len;
 	uint64_t *pre_digest;
 	unsigned long pre_release;
-	int pre_failed;
+	int pre_failed, pre_cpu;
+	double pre_ms;                      /* spent digesting it so far */
 	CUdeviceptr copy_va;                /* during a swap: where it is (or was) mapped */
 	size_t copy_len;
 	CUdeviceptr temp_va;                /* a mapping made just for the copy, if any */
@@ -330,6 +332,7 @@ CUresult copy_changed(size_t *copied);
 void delta_forget(void);
 const uint64_t *delta_keys(void);
 int delta_warm(CUcontext ctx);
+CUresult delta_digest_host(CUcontext ctx, const void *host, size_t n, uint64_t *out);
 /* Releases begun so far (engine.c): what was made ahead of one is stale after it. */
 extern unsigned long release_count;
 
