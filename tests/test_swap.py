@@ -42,7 +42,7 @@ from helpers.swap_rig import (
 
 from vramlock.arena import records
 from vramlock.gpu import swap
-from vramlock.procfs import descendants, environ, starttime, state, stopped
+from vramlock.procfs import descendants, environ, mapped, starttime, state, stopped
 from vramlock.strategies.swap import Hub
 
 pytestmark = [
@@ -226,6 +226,17 @@ def test_a_process_that_lost_the_library_is_refused_and_the_command_keeps_the_gp
     # to vramlock among them: it can no longer be asked.
     env = f"{rig.fakes.raw_exec} {how} --" if how else "SWAP_PROG_CLOSE_SOCKETS=1"
     refused_and_kept(rig, spawn, [], env, why)
+
+
+def test_a_process_whose_connection_ended_is_refused_though_its_library_is_set_up(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The program shuts down every socket it has once it is ready: its library, set up
+    # and given the run's socket, sees its connection end while the command holds the
+    # token, and lets its GPU calls go on. It is no process still starting (which joins
+    # released): a release would leave it running on the GPU in the next member's turn.
+    why = "uses CUDA without the swap library"
+    refused_and_kept(rig, spawn, [], "SWAP_PROG_CLOSE_SOCKETS=shutdown", why)
 
 
 @pytest.mark.parametrize(
@@ -434,6 +445,44 @@ def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
     assert job.returncode == 0, (out, err)
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
     assert "began to use CUDA" not in err, err
+
+
+def test_a_program_still_starting_when_a_member_asks_is_released(rig: Rig, spawn: Spawn) -> None:
+    # A member asks for the token while the command's program is still starting: the
+    # dynamic linker has mapped the driver (the program links it) and the swap library,
+    # but a slow constructor runs before the library's. The program was given the socket:
+    # it joins released, as any process does. The wrapper used to take it for a program
+    # beyond the library and keep the GPU until it exited (a CUDA llama-server started
+    # just before the other server's request: that request waited for good).
+    env = dict(rig.env, SLOW_INIT_MS="1500")
+    program = str(rig.fakes.linked_program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", program, "1"),
+        env=env,
+    )  # fmt: skip
+
+    def starting() -> bool:
+        for pid in descendants(job.pid):
+            paths = mapped(pid)
+            if paths and any(os.path.basename(p) == "libcuda.so.1" for p in paths):
+                return True
+        return False
+
+    wait_until(starting)
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    time.sleep(2.0)  # its constructors are done: it waits for its turn
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert "without the swap library" not in err, err
+    # It ran nothing before the member's turn, nor in it: all of it came after.
+    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1]) > int(held[1])
 
 
 def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:

@@ -28,7 +28,8 @@
  * to others); SWAP_PROG_CUSERID=1 looks up libc's cuserid before the driver is there;
  * SWAP_PROG_DRIVER=PATH opens the driver by that path, not by name;
  * SWAP_PROG_CLEARENV=1 clears the environment before cuInit; SWAP_PROG_CLOSE_SOCKETS=1
- * closes every socket it has once it is ready. With SWAP_PROG_IDLE_CHILD=1 it forks a
+ * closes every socket it has once it is ready (=shutdown: shuts each down first, so that
+ * the other end and a thread of its own blocked on it see it end). With SWAP_PROG_IDLE_CHILD=1 it forks a
  * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
  *
  * With SWAP_PROG_LISTEN=PORT it is a server, idle between requests as an inference
@@ -231,8 +232,11 @@ static void close_sockets(void)
 	int mine = d ? dirfd(d) : -1;
 	while (d && (e = readdir(d))) {
 		int fd = atoi(e->d_name);
-		if (fd > 2 && fd != mine && !fstat(fd, &st) && S_ISSOCK(st.st_mode))
+		if (fd > 2 && fd != mine && !fstat(fd, &st) && S_ISSOCK(st.st_mode)) {
+			if (!strcmp(getenv("SWAP_PROG_CLOSE_SOCKETS"), "shutdown"))
+				shutdown(fd, SHUT_RDWR); /* what a thread blocked on it sees too */
 			close(fd);
+		}
 	}
 	if (d)
 		closedir(d);

@@ -64,6 +64,7 @@ EXIT_WITHIN = 1.0
 CLOSED = "it closed its connection to vramlock"
 # The name of the mapping the library keeps while its process has not joined (swap.h).
 UNJOINED = "vramlock-swap-unjoined"
+SET_UP = "vramlock-swap-set-up"  # the library's mapping once it has set up (gate.c)
 # How long a process that cannot be verified may take to become one that can (it was
 # caught starting) before the release is refused.
 VERIFY_WITHIN = 0.5
@@ -177,8 +178,8 @@ class Hub:
         """Why a release cannot reach every CUDA process among ``pids``, or None when it
         can: each that has the CUDA driver loaded, or whose memory map cannot be read,
         must be connected now as a verified peer, or have the library saying it has not
-        joined yet (its GPU calls wait for the join). One that is neither would run on
-        without the token."""
+        joined yet (its GPU calls wait for the join), or be still starting with it
+        (``_starting``). One that is none of these would run on without the token."""
         with self.lock:
             for peer in self.peers:
                 peer.channel.read_lines()  # stale; notices a connection that closed
@@ -193,7 +194,9 @@ class Hub:
                     " be read (a setuid or non-dumpable program)"
                 )
             if paths is not None and cuda.driver_in(paths):
-                if self.library in paths and any(UNJOINED in p for p in paths):
+                if self.library in paths and (
+                    any(UNJOINED in p for p in paths) or self._starting(pid, paths)
+                ):
                     continue  # it runs no GPU call before it joins (told release if it does)
                 return (
                     f"process {pid} of the command uses CUDA without the swap library (were"
@@ -221,6 +224,18 @@ class Hub:
                 continue  # gone, or closed to us (refused at the next release), or held
             (loose if cuda.driver_in(paths) else suspects).append(pid)
         return loose, suspects
+
+    def _starting(self, pid: int, paths: set[str]) -> bool:
+        """Is ``pid`` (the library among its mapped files ``paths``) still starting? The
+        dynamic linker maps a program's libraries, the driver among them where the
+        program links it, and runs their constructors (a CUDA program's can take
+        seconds) before the library's. Until the library has set up, which its mark
+        shows, nothing of the process passes to the GPU but through it, and where it was
+        given this run's socket, setting up joins the run. One that has set up and is
+        neither joined nor joining has lost its connection: it is not starting."""
+        if any(SET_UP in p for p in paths):
+            return False
+        return procfs.environ(pid).get(ENV_SOCKET) == self.path
 
     def _gated(self, pid: int, paths: set[str]) -> bool:
         """Does the library keep ``pid`` (not a peer, its mapped files ``paths``) off the

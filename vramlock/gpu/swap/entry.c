@@ -66,6 +66,7 @@ static void setup(void)
 {
 	const char *dbg = getenv("VRAMLOCK_SWAP_DEBUG");
 	debug_on = dbg && *dbg && strcmp(dbg, "0");
+	gate_set_up();
 	active = control_setup();
 	if (active)
 		gate_unjoined();

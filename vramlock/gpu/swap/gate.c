@@ -49,17 +49,35 @@ void gate_open_locked(void)
 	pthread_cond_broadcast(&gate_cv);
 }
 
+/* A mapping named `name`, kept (a page of a memfd); NULL where it cannot be made. */
+static void *named_mapping(const char *name)
+{
+	void *m = NULL;
+	int fd = memfd_create(name, MFD_CLOEXEC);
+	if (fd >= 0 && !ftruncate(fd, 4096))
+		m = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+	if (fd >= 0)
+		close(fd);
+	return m == MAP_FAILED ? NULL : m;
+}
+
+/* At setup, active or not: from now on the wrapper, which reads /proc/PID/maps, knows
+ * that this image's library has set up. Before that, the dynamic linker may have mapped
+ * the driver and run other libraries' constructors for seconds, and a process given the
+ * run's socket is then only starting: its first GPU call sets the library up and joins.
+ * A forked child keeps the mapping (it is set up too); an exec drops it. */
+void gate_set_up(void)
+{
+	named_mapping(SET_UP);
+}
+
 /* Until it joins, a process runs no GPU call: its first one joins (cuInit, or any
  * call through the gate), and waits for the wrapper's first word. */
 void gate_unjoined(void)
 {
 	atomic_store(&must_join, 1);
 	atomic_store(&closed, 1);
-	int fd = memfd_create(UNJOINED, MFD_CLOEXEC);
-	if (fd >= 0 && !ftruncate(fd, 4096))
-		marker = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
-	if (fd >= 0)
-		close(fd);
+	marker = named_mapping(UNJOINED);
 }
 
 /* With `mu`, at a joining process's first word: `resident` opens the gate (any other
@@ -68,7 +86,7 @@ void gate_joined_locked(int resident)
 {
 	if (!atomic_exchange(&must_join, 0))
 		return;
-	if (marker && marker != MAP_FAILED)
+	if (marker)
 		munmap(marker, 4096);
 	marker = NULL;
 	if (resident && !broken)

@@ -212,6 +212,10 @@ void gate_close_locked(void);
 void gate_open_locked(void);
 /* The name of gate_unjoined's mapping (vramlock/strategies/swap.py looks for it). */
 #define UNJOINED "vramlock-swap-unjoined"
+/* The name of gate_set_up's mapping: the library has set up in this image (kept until
+ * exec; a process without it may still be running other libraries' constructors). */
+#define SET_UP "vramlock-swap-set-up"
+void gate_set_up(void);
 void gate_unjoined(void);
 void gate_joined_locked(int resident);
 void gate_break(void);
