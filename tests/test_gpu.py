@@ -15,6 +15,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -403,3 +405,29 @@ def test_two_trainers_that_do_not_fit_together_take_turns(
     print(how, [f"swaps={s} bad={b}" for s, b, _ in results])
     assert all(swaps >= 1 and bad == 0 for swaps, bad, _ in results)
     assert results[0][2] == results[1][2]  # the same training, however it was interrupted
+
+
+def test_nvml_is_warmed_in_a_thread_of_its_own_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A wrapper's first NVML call used to initialise NVML on its first handoff, a
+    # waiter's time; warm() does it at start in a thread, and a call meanwhile waits for
+    # that one rather than initialising NVML again.
+    calls: list[str] = []
+
+    class FakeNvml(types.ModuleType):
+        class NVMLError(Exception):
+            pass
+
+        @staticmethod
+        def nvmlInit() -> None:
+            calls.append(threading.current_thread().name)
+            time.sleep(0.2)
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml("pynvml"))
+    monkeypatch.setattr(nvml, "_pynvml", None)
+    monkeypatch.setattr(nvml, "_missing", None)
+    nvml.warm()
+    time.sleep(0.05)  # the thread has begun initialising
+    assert nvml.available()
+    assert calls == ["vramlock-nvml"]
+    nvml.warm()  # ready: nothing more
+    assert calls == ["vramlock-nvml"]

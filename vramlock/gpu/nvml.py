@@ -109,6 +109,14 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value  # bytes before 11.515
 
 
+def warm() -> None:
+    """Import pynvml and initialise NVML in a thread of its own, now: the first call
+    otherwise pays it (tenths of a second on a GPU host), and a wrapper's first is on
+    its first handoff, a waiter's time. A call meanwhile waits for it, not twice."""
+    if _pynvml is None and _missing is None:
+        threading.Thread(target=available, name="vramlock-nvml", daemon=True).start()
+
+
 def available() -> bool:
     """Is NVML usable here? (Imports pynvml and initialises NVML once.)"""
     try:

@@ -77,6 +77,10 @@ class Scheduler:
         self.ctx = sup.ctx
         self.strategy = strategies.pick(opts.release, self.ctx, opts.settings)
         sup.use(self.strategy)
+        if self.strategy.releases:  # its releases are checked with NVML: ready it now
+            from ..gpu import nvml
+
+            nvml.warm()
         self.proxy = proxy
         self._wake_r = wake_r
         self._retry_at = 0.0
