@@ -230,6 +230,7 @@ def switch(
         f"{what}, {when}": {
             "p50_s": statistics.median(v),
             "p90_s": statistics.quantiles(v, n=10)[8],
+            "all_s": v,
         }
         for (what, when), v in seconds.items()
     }

@@ -40,6 +40,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -105,6 +106,7 @@ def run_mode(
     timeout: float,
     trace: bool,
     settle: float = 0.0,
+    keep: str | None = None,
 ) -> dict[str, Any]:
     procs = []
     ports = []
@@ -186,6 +188,10 @@ def run_mode(
             raise
         finally:
             end_jobs(procs)
+            if keep:  # the wrappers' and servers' logs, where the caller asked
+                for log in logs:
+                    if log.exists():
+                        shutil.copy(log, Path(keep) / f"{mode}-{log.name}")
 
 
 def end_jobs(procs: list[subprocess.Popen[Any]]) -> None:
@@ -229,6 +235,9 @@ def main() -> int:
         "--trace", action="store_true", help="VRAMLOCK_SWAP_DEBUG=1 for the servers"
     )
     parser.add_argument(
+        "--keep-logs", metavar="DIR", help="copy each mode's server logs into DIR at its end"
+    )
+    parser.add_argument(
         "--settle", type=float, default=0.0, help="idle seconds after each warm request"
     )
     args = parser.parse_args()
@@ -254,7 +263,14 @@ def main() -> int:
     results = {}
     for mode in args.modes.split(","):  # each row as soon as it is measured
         r = results[mode] = run_mode(
-            mode, server, tokens, args.alternations, args.timeout, args.trace, args.settle
+            mode,
+            server,
+            tokens,
+            args.alternations,
+            args.timeout,
+            args.trace,
+            args.settle,
+            args.keep_logs,
         )
         kept = r["kept"]
         shown = f"{min(kept) >> 20}-{max(kept) >> 20}" if kept else "-"

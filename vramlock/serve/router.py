@@ -46,12 +46,12 @@ T = TypeVar("T")
 # Once a request for another model has waited this long, new requests for the model
 # being served queue behind it: grouping never starves a model for longer.
 GROUP_WAIT = 2.0
-# When the model being served has no request left, its turn lasts this much longer, for
-# requests that arrive together (a burst) to start with it, and for a client's next
-# request. A request for another model that comes right after waits as long: short
-# against a switch (0.13 s for a 5 GiB llama-server on an H100), where 0.1 s once made
-# a client that alternates models wait 77 % longer than through run's own proxy.
-LINGER = 0.01
+# When the model being served has no request left and others are waiting, its turn
+# lasts this much longer, for its client's next request. A request that finds nothing in
+# progress goes at once: a client alternating models waits for nothing but the switch
+# (it once waited this much more each time: 0.23 s through serve against 0.13 s through
+# run's proxy, two 5 GiB llama-servers on an H100).
+LINGER = 0.1
 # A response of known length up to this size is read whole and sent in one write;
 # others (streams, chunked, large) are passed on chunk by chunk as they come.
 WHOLE = 1 << 20
@@ -90,12 +90,11 @@ class Turns:
     Requests for the model being served are admitted at once, unless a request for
     another model has waited ``GROUP_WAIT``; others queue. When no admitted request is
     left (and none came within ``LINGER``, or somebody waited too long), every queued
-    request of the model waiting longest is admitted. With nothing in progress, a model
-    other than the last one served waits until ``LINGER`` has passed since the last
-    request left, so that a burst starts with the model that is likely resident (and a
-    request after a pause waits for nothing). A B A B arriving together are served A A B B;
-    clients that never pause take turns of about ``GROUP_WAIT``, so a request waits at
-    most that long for each other model's turn (and its swap).
+    request of the model waiting longest is admitted. A request that finds nothing in
+    progress and nobody waiting is admitted at once, whatever its model. A B A B
+    arriving together are served A A B B; clients that never pause take turns of about
+    ``GROUP_WAIT``, so a request waits at most that long for each other model's turn
+    (and its swap).
 
     ``priority`` (llama-swap's fifo priorities, model -> priority, 0 by default): of
     the models waiting when a turn ends, one of the highest priority goes next, the
@@ -109,8 +108,6 @@ class Turns:
         self._queued: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
         self._switch: asyncio.TimerHandle | None = None
         self._turn_began = 0.0
-        self._last: str | None = None  # the model of the last turn: likely resident
-        self._quiet_since = float("-inf")  # when the last turn's last request left
 
     def _overdue(self) -> bool:
         """Has the current turn lasted GROUP_WAIT since it began and since somebody
@@ -122,11 +119,7 @@ class Turns:
 
     def enter_now(self, model: str) -> bool:
         """Let a request for ``model`` in if it need not wait; whether it was."""
-        # The last turn's model had LINGER since its last request for its next one: once
-        # that has passed, another model goes at once.
-        linger = LINGER - (time.monotonic() - self._quiet_since)
-        idle = self.current is None and (self._last in (None, model) or linger <= 0)
-        if idle or (self.current == model and not self._overdue()):
+        if self.current is None or (self.current == model and not self._overdue()):
             if self._switch is not None:
                 self._switch.cancel()
                 self._switch = None
@@ -139,14 +132,9 @@ class Turns:
     async def enter(self, model: str) -> None:
         if self.enter_now(model):
             return
-        linger = LINGER - (time.monotonic() - self._quiet_since)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._queued.setdefault(model, [])
         queue.append((time.monotonic(), fut))
-        if self.current is None and self._switch is None:
-            # Nothing in progress, but this model is likely not resident: a request for
-            # the one that is, arriving within LINGER (a burst), goes first.
-            self._switch = asyncio.get_running_loop().call_later(linger, self._next)
         try:
             await fut
         except asyncio.CancelledError:
@@ -161,14 +149,13 @@ class Turns:
             raise
 
     def _begin(self, model: str) -> None:
-        self.current = self._last = model
+        self.current = model
         self._turn_began = time.monotonic()
 
     def leave(self) -> None:
         self.active -= 1
         if self.active > 0:
             return
-        self._quiet_since = time.monotonic()
         if not any(self._queued.values()):
             self.current = None
         elif self._overdue():
