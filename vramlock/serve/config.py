@@ -20,7 +20,8 @@ What llama-swap's keys mean here:
   ``unloadTimeout``, ``routing`` and the older ``groups`` and ``matrix`` (``routing.py``),
   ``logToStdout``, ``logTimeFormat`` (``logs``), ``sendLoadingState`` (also per model:
   ``loading``), ``upstream.ignorePaths``, ``peers`` (``peers``), ``selectors`` and
-  ``profiles`` (``selectors``).
+  ``profiles`` (``selectors``), ``metricsMaxInMemory`` and ``captureBuffer``
+  (``activity``).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
@@ -63,6 +64,9 @@ DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 # (a ComfyUI page asks for many assets at once).
 COMFYUI_MODEL = "comfyui_auto"
 COMFYUI_CONCURRENCY = 50
+# llama-swap's metricsMaxInMemory and captureBuffer (MB) defaults.
+DEFAULT_KEEP = 1000
+DEFAULT_CAPTURE_MB = 5
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -74,10 +78,8 @@ MAX_EXPANDED = 1 << 20
 _NO_UI = "serve's /ui, /metrics and /logs have no settings of their own"
 
 IGNORED_TOP = {
-    "metricsMaxInMemory": _NO_UI,
-    "captureBuffer": _NO_UI,
     "ui": _NO_UI,
-    "store": _NO_UI,
+    "store": "serve keeps its activity in memory (the last metricsMaxInMemory requests)",
     "performance": _NO_UI,
 }
 IGNORED_MODEL = {
@@ -87,7 +89,7 @@ TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
      "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout",
      "logToStdout", "logTimeFormat", "sendLoadingState", "upstream", "peers", "profiles",
-     "selectors"}
+     "selectors", "metricsMaxInMemory", "captureBuffer"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
@@ -222,6 +224,8 @@ class Config:
     peers: dict[str, Peer] = field(default_factory=dict)
     selectors: dict[str, Selector] = field(default_factory=dict)
     profiles: dict[str, Profile] = field(default_factory=dict)
+    activity_kept: int = DEFAULT_KEEP  # metricsMaxInMemory: requests kept for /api/metrics
+    capture_mb: int = DEFAULT_CAPTURE_MB  # captureBuffer: MB of captures (0: none)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -999,6 +1003,25 @@ def _newer(
     if "profiles" in top:
         targets = known | set(out.get("selectors", {}))
         out["profiles"] = _profiles(reader, top["profiles"][1], targets)
+    out.update(_observed(reader, top))
+    return out
+
+
+def _whole(reader: _Reader, node: yaml.Node, what: str) -> int:
+    value = reader.value(node)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise reader.fail(node, f"{what} must be a whole number")
+    return value
+
+
+def _observed(reader: _Reader, top: dict[str, tuple[yaml.Node, yaml.Node]]) -> dict[str, Any]:
+    """The Config fields of metricsMaxInMemory and captureBuffer."""
+    out: dict[str, Any] = {}
+    if "metricsMaxInMemory" in top:
+        kept = _whole(reader, top["metricsMaxInMemory"][1], "metricsMaxInMemory")
+        out["activity_kept"] = kept if kept > 0 else DEFAULT_KEEP  # as llama-swap's
+    if "captureBuffer" in top:
+        out["capture_mb"] = max(_whole(reader, top["captureBuffer"][1], "captureBuffer"), 0)
     return out
 
 
