@@ -194,7 +194,8 @@ def test_every_new_route_wants_the_api_key(spawn: Spawn, tmp_path: Path, arena: 
     call_json(port, "POST", "/v1/completions", {"model": "m"}, headers=key)
     for method, path, answered in [
         ("GET", "/api/metrics/activity", 200), ("GET", "/api/metrics/stats", 200),
-        ("GET", "/api/captures/1", 200), ("POST", "/api/inflight/1/cancel", 404),
+        ("GET", "/api/captures/1", 200), ("GET", "/api/hardware", 200),
+        ("GET", "/api/performance", 200), ("POST", "/api/inflight/1/cancel", 404),
     ]:  # fmt: skip
         status, headers, body = call(port, method, path)
         assert (status, json.loads(body)["error"]["type"]) == (401, "authentication_error"), path

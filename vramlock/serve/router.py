@@ -30,12 +30,13 @@ from aiohttp.typedefs import Handler, Middleware
 from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
-from .activity import Activity, Query
+from .activity import Activity, Query, rfc3339
 from .config import COMFYUI_MODEL, Config
 from .errors import busy_response, negotiated
 from .errors import error_response as _error
 from .events import Events, model_status
 from .front import Front, Head
+from .hardware import Hardware, Performance
 from .inflight import CANCELLED, Flight, Flights, uncancel
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
@@ -473,6 +474,9 @@ class Router:
         self.requests = Requests()
         self.activity = Activity(config.activity_kept, config.capture_mb << 20, self._priority)
         self.flights = Flights(self.activity, self.activity.keep_bytes)
+        self.hardware = Hardware(__version__)
+        every = config.performance_every
+        self.performance = None if every is None else Performance(every)
         self._seen_resident: str | None = None  # the routing rules' last model found resident
         self.peers = Peers()
         self.resolver = Resolver(config, self._state_of)
@@ -530,6 +534,8 @@ class Router:
         get("/api/version", self.api_version)
         get("/api/metrics/activity", self.api_activity)
         get("/api/metrics/stats", self.api_stats)
+        get("/api/performance", self.api_performance)
+        get("/api/hardware", self.api_hardware)
         get("/api/captures/{id}", self.api_capture)
         r.add_post("/api/inflight/{id}/cancel", self.api_cancel)
         r.add_route("*", "/api/inflight/{id}/cancel", _only("POST"))
@@ -542,8 +548,13 @@ class Router:
             r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
+        self.app.on_startup.append(self._begin)
         self.app.on_shutdown.append(self._end_streams)
         self.app.on_cleanup.append(self._close)
+
+    async def _begin(self, app: web.Application) -> None:
+        if self.performance is not None:
+            self.performance.start()
 
     async def _end_streams(self, app: web.Application) -> None:
         """/api/events streams end before the server waits for its requests."""
@@ -553,12 +564,22 @@ class Router:
         for pool in self.pools.values():
             pool.close()
         await self.peers.close()
+        if self.performance is not None:
+            await self.performance.stop()
 
     async def observe(self, config: Config) -> None:
-        """A configuration read again: its metricsMaxInMemory and captureBuffer taken
-        (the activity kept so far stays, within the new bounds, as llama-swap keeps its
-        store)."""
+        """A configuration read again: its metricsMaxInMemory, captureBuffer and
+        performance taken (the activity and the samples kept so far stay, within the new
+        bounds, as llama-swap keeps its store and restarts its monitor)."""
         self.activity.resize(config.activity_kept, config.capture_mb << 20)
+        every = config.performance_every
+        now = None if self.performance is None else self.performance.every
+        if every != now:
+            if self.performance is not None:
+                await self.performance.stop()
+            self.performance = None if every is None else Performance(every)
+            if self.performance is not None:
+                self.performance.start()
 
     def _priority(self, model: str) -> int:
         """The model's fifo priority (llama-swap's activity metadata)."""
@@ -889,7 +910,7 @@ class Router:
         recorded in the package."""
         return web.json_response({"version": __version__, "commit": "", "build_date": ""})
 
-    # -- llama-swap's activity, requests in progress ---------------------------------
+    # -- llama-swap's activity, requests in progress, hardware -----------------------
 
     async def api_activity(self, request: web.Request) -> web.Response:
         """llama-swap's GET /api/metrics/activity: a page of the recorded requests."""
@@ -918,6 +939,25 @@ class Router:
         if not self.flights.cancel(request.match_info["id"]):
             return _error(404, "inflight request not found")
         return web.json_response({"msg": "ok"})
+
+    async def api_performance(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/performance[?after=RFC3339]: the samples kept (after)."""
+        if self.performance is None:
+            return _error(503, "performance monitoring is disabled", enabled=False)
+        after = None
+        raw = request.query.get("after", "")
+        if raw:
+            after = rfc3339(raw)
+            if after is None:
+                return _error(400, "invalid 'after' timestamp, use RFC3339 format")
+        return web.json_response(self.performance.current(after))
+
+    async def api_hardware(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/hardware: the machine, described on the first request."""
+        found = await self.hardware.get()
+        if found is None:
+            return _error(503, "hardware detection unavailable")
+        return web.json_response(found)
 
     def choose(
         self, body: bytes | bytearray, name: str | None = None
