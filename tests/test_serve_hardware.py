@@ -54,7 +54,8 @@ def test_the_hardware_is_described_in_llama_swap_s_schema(
     assert set(got["cpu"]) == {"vendor", "model", "socket_count", "physical_core_count",
                                "logical_thread_count"}  # fmt: skip
     assert got["cpu"]["logical_thread_count"] == os.cpu_count()
-    assert got["memory"]["capacity_bytes"] >= os.sysconf("SC_PHYS_PAGES") * 4096 // 2
+    capacity = got["memory"]["capacity_bytes"]  # within a cgroup's limit: no more to say
+    assert isinstance(capacity, int) and capacity > 0
     assert got["accelerators"] == [{
         "index": 0, "kind": "gpu", "vendor": "NVIDIA", "model": "stand-in GPU",
         "architecture": "Hopper", "memory": {"kind": "dedicated", "capacity_bytes": 80 << 30},
