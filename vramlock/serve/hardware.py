@@ -10,21 +10,30 @@ NVML: the ``nvml`` extra). What is not known is null, never guessed.
 The performance is sampled every ``performance.every`` (5 s by default, at least
 5 s), its last hour kept: each CPU's use, the memory and swap, the load averages and
 each network interface's bytes (from /proc), and each GPU's temperature, use, memory,
-fan and power (from NVML; none without it). A sample is read in a worker thread, never
-in the way of a request. ``vram_temp_c`` is 0: NVML has no memory temperature to read.
+fan and power (from NVML; none without it). ``vram_temp_c`` is 0: NVML has no memory
+temperature to read.
+
+/proc is read in the event loop (about 50 us a sample); what may block (NVML, a command)
+runs in a thread of its own that ends with it (``_briefly``), never in a pool's threads,
+which would outlive it: when serve is SIGKILLed, each of its threads still alive makes
+the kernel signal the wrappers once more as they are handed from thread to thread (their
+parent-death signal), in the middle of the cleanup the first signal began.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .config import DEFAULT_EVERY
 from .inflight import stamp
@@ -43,6 +52,36 @@ _MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "arm64", "arm64":
 _CONTAINERS = ("docker", "lxc", "rkt", "podman", "containerd", "systemd-nspawn")
 _NAMES = {"docker": "Docker", "kvm": "KVM", "vmware": "VMware", "oracle": "VirtualBox",
           "microsoft": "Hyper-V", "lxc": "LXC", "podman": "Podman"}  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+async def _briefly(fn: Callable[[], T]) -> T:
+    """``fn()``, in a thread of its own that ends with it (see above)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: T | None, err: BaseException | None) -> None:
+        if done.done():
+            return  # cancelled meanwhile
+        if err is not None:
+            done.set_exception(err)
+        else:
+            done.set_result(value)  # type: ignore[arg-type]
+
+    def run() -> None:
+        value: T | None = None
+        err: BaseException | None = None
+        try:
+            value = fn()
+        except BaseException as e:  # handed to the waiter
+            err = e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, value, err)
+
+    threading.Thread(target=run, name="vramlock-serve-probe", daemon=True).start()
+    return await done
 
 
 def _read(path: str) -> str:
@@ -223,7 +262,7 @@ class Hardware:
 
     async def get(self) -> dict[str, Any] | None:
         if self._found is None:
-            self._found = asyncio.ensure_future(asyncio.to_thread(hardware, self.version))
+            self._found = asyncio.ensure_future(_briefly(functools.partial(hardware, self.version)))
         return await asyncio.shield(self._found)
 
 
@@ -290,16 +329,18 @@ class Performance:
             self._task = None
 
     async def _run(self) -> None:
-        self._cpu = await asyncio.to_thread(_cpu_times)
+        self._cpu = _cpu_times()
         while True:
             await asyncio.sleep(self.every)
-            at, sys_stat, gpu_stats = await asyncio.to_thread(self.sample)
+            at, sys_stat = self.sample()
             self.sys.append((at, sys_stat))
-            if gpu_stats:
-                self.gpu.append((at, gpu_stats))
+            if self._nvml:
+                gpu_stats = await _briefly(functools.partial(self._gpus, at / 1e6))
+                if gpu_stats:
+                    self.gpu.append((at, gpu_stats))
 
-    def sample(self) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
-        """One sample (its time in microseconds): the machine's, and each GPU's. Blocking."""
+    def sample(self) -> tuple[int, dict[str, Any]]:
+        """The machine's sample, and its time in microseconds (from /proc: quick)."""
         micros = round(time.time() * 1e6)
         wall = micros / 1e6
         times = _cpu_times()
@@ -322,11 +363,11 @@ class Performance:
             "load_avg_1": load[0], "load_avg_5": load[1], "load_avg_15": load[2],
             "net_io": _net(),
         }  # fmt: skip
-        return micros, sys_stat, self._gpus(wall)
+        return micros, sys_stat
 
     def _gpus(self, wall: float) -> list[dict[str, Any]]:
-        if not self._nvml:
-            return []
+        """Each GPU's sample, from NVML (none without it, and NVML is not asked again).
+        Blocking."""
         from ..gpu import nvml
 
         try:
