@@ -6,7 +6,6 @@ request it gets on stderr, which reach serve's upstream log.
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from pathlib import Path
@@ -14,64 +13,13 @@ from typing import Any
 
 import pytest
 from helpers.processes import Spawn
-from helpers.serve import call, call_json, echo_model, start, write_config
+from helpers.serve import Events, call, call_json, echo_model, start, write_config
 
 import vramlock
 
 pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class Events:
-    """A client of /api/events: the events it reads, each (type, its data decoded)."""
-
-    def __init__(self, port: int, headers: dict[str, str] | None = None) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        self.conn.request("GET", "/api/events", headers=headers or {})
-        self.reply = self.conn.getresponse()
-        if self.reply.status != 200:
-            self.conn.close()
-            raise AssertionError(self.reply.status, self.reply.read())
-        self.kept: list[tuple[str, Any]] = []  # read, not yet asked for
-
-    def next(self) -> tuple[str, Any]:
-        """The next event, as an EventSource's onmessage gets it, its envelope opened."""
-        lines = []
-        while (line := self.reply.readline()) not in (b"\n", b""):
-            lines.append(line.decode().rstrip("\n"))
-        assert lines, "the stream ended"
-        assert lines[0] == "event:message" and lines[1].startswith("data:"), lines
-        assert len(lines) == 2, lines
-        envelope = json.loads(lines[1][len("data:") :])
-        assert set(envelope) == {"type", "data"} and isinstance(envelope["data"], str)
-        return envelope["type"], json.loads(envelope["data"])
-
-    def until(self, kind: str, holds: Any = lambda data: True) -> Any:
-        """The data of the next ``kind`` event for which ``holds(data)``; the ``kind``
-        events before it are passed over, those of other types kept for their turn."""
-        at = 0
-        while True:
-            if at == len(self.kept):
-                self.kept.append(self.next())
-            got, data = self.kept[at]
-            if got != kind:
-                at += 1
-                continue
-            del self.kept[at]
-            if holds(data):
-                return data
-
-    def output(self, line: str) -> str:
-        """The models' output from the next upstream logData until ``line`` (however
-        their servers' writes came in chunks)."""
-        said = ""
-        while line not in said:
-            said += self.until("logData", lambda d: d["source"] == "upstream")["data"]
-        return said
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def states(data: list[dict[str, Any]]) -> dict[str, str]:

@@ -328,16 +328,38 @@ def test_vramlock_keys_become_run_options(tmp_path: Path) -> None:
 
 def test_llama_swap_s_other_keys_are_ignored_saying_why(tmp_path: Path) -> None:
     config = read(tmp_path, """\
-        metricsMaxInMemory: 1000
+        store: {path: /tmp/activity.sqlite}
         models:
           a:
             cmd: srv --port ${PORT}
             compat: {ignoreWebsockets: true}
         """)  # fmt: skip
     said = [w.split(": ", 1)[1] for w in config.warnings]
-    assert [w.split(" ignored: ")[0] for w in said] == [
-        "metricsMaxInMemory", "model 'a': compat"]  # fmt: skip
+    assert [w.split(" ignored: ")[0] for w in said] == ["store", "model 'a': compat"]
     assert "unknown" not in " ".join(said)
+
+
+def test_activity_and_performance_keys_as_llama_swap_reads_them(tmp_path: Path) -> None:
+    plain = read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT}\n")
+    assert (plain.activity_kept, plain.capture_mb, plain.performance_every) == (1000, 5, 5.0)
+    config = read(tmp_path, """\
+        metricsMaxInMemory: 50
+        captureBuffer: 0
+        performance: {every: 1m30s}
+        models:
+          a:
+            cmd: srv ${PORT}
+        """)  # fmt: skip
+    assert (config.activity_kept, config.capture_mb, config.performance_every) == (50, 0, 90.0)
+    assert config.warnings == []
+    off = read(tmp_path, """\
+        metricsMaxInMemory: 0
+        performance: {disabled: true, every: 10s}
+        models:
+          a:
+            cmd: srv ${PORT}
+        """)  # fmt: skip
+    assert (off.activity_kept, off.performance_every) == (1000, None)  # 0: the default
 
 
 def test_unknown_keys_warn_once_each(tmp_path: Path) -> None:
@@ -488,6 +510,13 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "model 'a': aliases[0]: an alias object needs an id"),
         ("models:\n  a:\n    cmd: srv\n    aliases:\n      - [x]\n", 5,
          "model 'a': aliases[0] must be a name or a mapping with an id"),
+        ("captureBuffer: 5MB\n" + ONE_MODEL, 1, "captureBuffer must be a whole number"),
+        ("metricsMaxInMemory: 1.5\n" + ONE_MODEL, 1, "metricsMaxInMemory must be a whole number"),
+        ("performance:\n  every: 1s\n" + ONE_MODEL, 2,
+         "performance.every must be a duration of at least 5s"),
+        ("performance:\n  every: 5\n" + ONE_MODEL, 2, "performance.every must be a duration"),
+        ("performance:\n  disabled: no thanks\n" + ONE_MODEL, 2,
+         "performance.disabled must be true or false"),
     ],
     ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
@@ -497,7 +526,8 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "peer-scheme", "peer-models", "peer-clash", "loading-state", "selector-strategy",
          "selector-no-strategy", "selector-no-targets", "selector-chain",
          "selector-clash", "selector-warm-peer", "selector-twice", "profile-empty",
-         "profile-list", "profile-text", "alias-no-id", "alias-list"],
+         "profile-list", "profile-text", "alias-no-id", "alias-list", "capture-buffer",
+         "metrics-kept", "every-short", "every-unit", "perf-disabled"],
 )  # fmt: skip
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:

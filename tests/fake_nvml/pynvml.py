@@ -111,3 +111,38 @@ def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[_Process]:
 
 def nvmlDeviceGetGraphicsRunningProcesses(handle: int) -> list[_Process]:
     return []
+
+
+# What a performance sample and the hardware's description read: an H100-like card,
+# passively cooled (no fan to read).
+NVML_TEMPERATURE_GPU = 0
+
+
+@dataclass
+class _Rates:
+    gpu: int
+    memory: int
+
+
+def nvmlDeviceGetTemperature(handle: int, sensor: int) -> int:
+    return 41
+
+
+def nvmlDeviceGetUtilizationRates(handle: int) -> _Rates:
+    return _Rates(gpu=7, memory=3)
+
+
+def nvmlDeviceGetFanSpeed(handle: int) -> int:
+    raise NVMLError("Not Supported")
+
+
+def nvmlDeviceGetPowerUsage(handle: int) -> int:
+    return 71_500  # milliwatts
+
+
+def nvmlDeviceGetPowerManagementLimit(handle: int) -> int:
+    return 700_000
+
+
+def nvmlDeviceGetCudaComputeCapability(handle: int) -> tuple[int, int]:
+    return (9, 0)

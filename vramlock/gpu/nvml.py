@@ -2,7 +2,8 @@
 
 What the GPUs are and what they hold: used to confirm a release (the member's memory
 is really gone: "Verified release" in vramlock-strategies(7)), to check free VRAM
-before a checkpoint restore, and for ``who``. Importing this module imports nothing;
+before a checkpoint restore, for ``who``, and for serve's llama-swap performance samples
+and hardware description (``readings``, ``cards``). Importing this module imports nothing;
 ``pynvml`` is imported, and NVML initialised, on first use. Without it, ``available()``
 is False and the other functions raise NvmlUnavailable.
 
@@ -240,3 +241,70 @@ def wait_free(
     that runs out of memory wedges the process.
     """
     return _poll(lambda: free_bytes(which) >= need_bytes, timeout, interval)
+
+
+def _optional(call: str, *args: Any) -> Any:
+    """NVML's ``call`` (a pynvml function's name); None where this NVML or this GPU does
+    not have it (a fan on a passively cooled card, an older pynvml)."""
+    nv = _nvml()
+    fn = getattr(nv, call, None)
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except nv.NVMLError:
+        return None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One GPU's figures of the moment; None where NVML does not say."""
+
+    gpu: Gpu
+    temperature: int | None  # °C, the GPU's sensor
+    utilization: int | None  # % of the last sample period in which a kernel ran
+    fan: int | None  # % of the fan's full speed
+    power: float | None  # watts drawn
+
+
+def readings() -> list[Reading]:
+    """Every GPU's figures of the moment, by NVML index."""
+    nv = _nvml()
+    out = []
+    for index in range(count()):
+        handle = _handle(index)
+        rates = _optional("nvmlDeviceGetUtilizationRates", handle)
+        power = _optional("nvmlDeviceGetPowerUsage", handle)  # milliwatts
+        sensor = getattr(nv, "NVML_TEMPERATURE_GPU", 0)
+        out.append(Reading(
+            gpu=_describe(handle),
+            temperature=_optional("nvmlDeviceGetTemperature", handle, sensor),
+            utilization=None if rates is None else int(rates.gpu),
+            fan=_optional("nvmlDeviceGetFanSpeed", handle),
+            power=None if power is None else power / 1000,
+        ))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Card:
+    """What a GPU is, beyond ``Gpu``: None where NVML does not say."""
+
+    gpu: Gpu
+    compute_capability: tuple[int, int] | None  # (major, minor)
+    power_limit: float | None  # watts: the power management limit
+
+
+def cards() -> list[Card]:
+    """Every GPU, by NVML index."""
+    out = []
+    for index in range(count()):
+        handle = _handle(index)
+        capability = _optional("nvmlDeviceGetCudaComputeCapability", handle)
+        limit = _optional("nvmlDeviceGetPowerManagementLimit", handle)  # milliwatts
+        out.append(Card(
+            gpu=_describe(handle),
+            compute_capability=None if capability is None else (capability[0], capability[1]),
+            power_limit=None if not limit else limit / 1000,
+        ))  # fmt: skip
+    return out

@@ -20,7 +20,8 @@ What llama-swap's keys mean here:
   ``unloadTimeout``, ``routing`` and the older ``groups`` and ``matrix`` (``routing.py``),
   ``logToStdout``, ``logTimeFormat`` (``logs``), ``sendLoadingState`` (also per model:
   ``loading``), ``upstream.ignorePaths``, ``peers`` (``peers``), ``selectors`` and
-  ``profiles`` (``selectors``).
+  ``profiles`` (``selectors``), ``metricsMaxInMemory`` and ``captureBuffer``
+  (``activity``), ``performance.disabled`` and ``performance.every`` (``hardware``).
 
 vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_within``,
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
@@ -63,6 +64,12 @@ DEFAULT_CONCURRENCY = 10  # llama-swap's, where concurrencyLimit is absent or 0
 # (a ComfyUI page asks for many assets at once).
 COMFYUI_MODEL = "comfyui_auto"
 COMFYUI_CONCURRENCY = 50
+# llama-swap's metricsMaxInMemory, captureBuffer (MB) and performance.every defaults, and
+# the shortest performance.every it takes.
+DEFAULT_KEEP = 1000
+DEFAULT_CAPTURE_MB = 5
+DEFAULT_EVERY = 5.0
+MIN_EVERY = 5.0
 
 _MACRO = re.compile(r"\$\{([^${}]*)\}")
 _MACRO_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
@@ -74,11 +81,8 @@ MAX_EXPANDED = 1 << 20
 _NO_UI = "serve's /ui, /metrics and /logs have no settings of their own"
 
 IGNORED_TOP = {
-    "metricsMaxInMemory": _NO_UI,
-    "captureBuffer": _NO_UI,
     "ui": _NO_UI,
-    "store": _NO_UI,
-    "performance": _NO_UI,
+    "store": "serve keeps its activity in memory (the last metricsMaxInMemory requests)",
 }
 IGNORED_MODEL = {
     "compat": "a websocket through /upstream is a connection like any other",
@@ -87,7 +91,7 @@ TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
      "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout",
      "logToStdout", "logTimeFormat", "sendLoadingState", "upstream", "peers", "profiles",
-     "selectors"}
+     "selectors", "metricsMaxInMemory", "captureBuffer", "performance"}
 )  # fmt: skip
 MODEL_KEYS = frozenset(
     {"cmd", "proxy", "checkEndpoint", "ttl", "aliases", "env", "unlisted", "name",
@@ -222,6 +226,9 @@ class Config:
     peers: dict[str, Peer] = field(default_factory=dict)
     selectors: dict[str, Selector] = field(default_factory=dict)
     profiles: dict[str, Profile] = field(default_factory=dict)
+    activity_kept: int = DEFAULT_KEEP  # metricsMaxInMemory: requests kept for /api/metrics
+    capture_mb: int = DEFAULT_CAPTURE_MB  # captureBuffer: MB of captures (0: none)
+    performance_every: float | None = DEFAULT_EVERY  # performance.every (None: disabled)
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -999,6 +1006,51 @@ def _newer(
     if "profiles" in top:
         targets = known | set(out.get("selectors", {}))
         out["profiles"] = _profiles(reader, top["profiles"][1], targets)
+    out.update(_observed(reader, top))
+    return out
+
+
+def _whole(reader: _Reader, node: yaml.Node, what: str) -> int:
+    value = reader.value(node)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise reader.fail(node, f"{what} must be a whole number")
+    return value
+
+
+# A Go duration, as llama-swap's performance.every takes one: 15s, 1m30s, 500ms.
+_GO_DURATION = re.compile(r"((?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _go_duration(text: str) -> float | None:
+    text = text.strip()
+    if not _GO_DURATION.fullmatch(text):
+        return None
+    parts = re.findall(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)", text)
+    return sum(float(n) * _GO_UNITS[unit] for n, unit in parts)
+
+
+def _observed(reader: _Reader, top: dict[str, tuple[yaml.Node, yaml.Node]]) -> dict[str, Any]:
+    """The Config fields of metricsMaxInMemory, captureBuffer and performance."""
+    out: dict[str, Any] = {}
+    if "metricsMaxInMemory" in top:
+        kept = _whole(reader, top["metricsMaxInMemory"][1], "metricsMaxInMemory")
+        out["activity_kept"] = kept if kept > 0 else DEFAULT_KEEP  # as llama-swap's
+    if "captureBuffer" in top:
+        out["capture_mb"] = max(_whole(reader, top["captureBuffer"][1], "captureBuffer"), 0)
+    if "performance" in top:
+        perf = {n: (k, v) for n, k, v in reader.pairs(top["performance"][1], "performance")}
+        reader.check_keys(perf, frozenset({"disabled", "every"}), {}, "performance: ")
+        every = DEFAULT_EVERY
+        if "every" in perf:
+            node = perf["every"][1]
+            found = _go_duration(reader.text(node, "performance.every"))
+            if found is None or found < MIN_EVERY:
+                raise reader.fail(node, "performance.every must be a duration of at least"
+                                        f" {MIN_EVERY:g}s (15s, 1m30s)")  # fmt: skip
+            every = found
+        disabled = "disabled" in perf and reader.flag(perf["disabled"][1], "performance.disabled")
+        out["performance_every"] = None if disabled else every
     return out
 
 

@@ -8,7 +8,12 @@ Every event is ``event:message`` with one ``data:`` line, a JSON envelope
 - ``logData``: ``{"source": "proxy"|"upstream", "data": TEXT}``, serve's own log and
   the models' output: their histories at connect, then each chunk as it comes;
 - ``profileChanged``: ``{"active": NAME or null}``, at connect and when it changes;
-- ``inflight``: a snapshot of the requests in progress, at connect.
+- ``inflight``: the requests in progress (``inflight``): a snapshot at connect
+  (``{"operation": "snapshot", "requests": [ENTRY...]}``), then each change
+  (``{"operation": "upsert", "request": ENTRY}`` when one starts, when its answer begins
+  and every ``POLL`` seconds while its answer grows; ``{"operation": "remove", "id": ID}``
+  when it ends); a follower that falls ``BEHIND`` changes behind gets a snapshot instead;
+- ``activity``: ``{"id": ID}``, each request recorded (``activity``) as it ends.
 
 The models' states are the wrappers' members' (kept in the arenas, changed by the
 wrappers, not by serve): they are looked at every ``POLL`` seconds while a client
@@ -30,10 +35,14 @@ from aiohttp import web
 from ..arena.records import State
 
 if TYPE_CHECKING:
+    from .activity import Activity
     from .config import Config
+    from .inflight import Flights
     from .logs import Logs, Ring
 
 POLL = 0.25
+# A follower with more changes than this still to be sent gets a snapshot instead.
+BEHIND = 1000
 
 # llama-swap's process states (stopped, starting, ready, stopping; shutdown is never
 # shown) for the members' states, by what a request finds: ``ready`` is served at once;
@@ -107,16 +116,22 @@ def model_status(config: Config, states: dict[str, State]) -> list[dict[str, Any
 
 
 class _Client:
-    """One follower's events still to be sent, the latest of each type (a follower
-    that falls behind gets the current state, not every step of it)."""
+    """One follower's events still to be sent: the latest of each state's type (a
+    follower that falls behind gets the current state, not every step of it), and the
+    changes (inflight, activity) in order."""
 
     def __init__(self) -> None:
         self.pending: dict[str, str] = {}
+        self.changes: list[tuple[str, str]] = []
         self.woken = asyncio.Event()
         self.ended = False
 
     def put(self, kind: str, data: str) -> None:
         self.pending[kind] = data
+        self.woken.set()
+
+    def change(self, kind: str, data: str) -> None:
+        self.changes.append((kind, data))
         self.woken.set()
 
     def end(self) -> None:
@@ -127,15 +142,18 @@ class _Client:
 class Events:
     """``GET /api/events``: ``models()`` (modelStatus's list) and ``active()`` (the
     active profile) looked at while anybody follows; ``logs``' proxy and upstream
-    logs passed on."""
+    logs passed on; ``flights``' and ``activity``'s changes told while anybody follows."""
 
     def __init__(
         self,
         models: Callable[[], list[dict[str, Any]]],
         active: Callable[[], str | None],
         logs: Logs | None,
+        flights: Flights,
+        activity: Activity,
     ) -> None:
         self.models, self.active, self.logs = models, active, logs
+        self.flights, self.activity = flights, activity
         self._clients: set[_Client] = set()
         self._last: dict[str, str] = {}
         self._poller: asyncio.Task[None] | None = None
@@ -156,6 +174,23 @@ class Events:
         while True:
             await asyncio.sleep(POLL)
             self.check()
+            self.flights.progress()
+
+    def _change(self, kind: str, data: dict[str, Any]) -> None:
+        """A change (``kind``: inflight or activity) to every follower."""
+        said = _json(data)
+        for client in self._clients:
+            if len(client.changes) < BEHIND:
+                client.change(kind, said)
+            elif kind == "inflight":  # too far behind: where things stand instead
+                client.changes = [c for c in client.changes if c[0] != "inflight"]
+                client.change(kind, _json(self.flights.snapshot()))
+
+    def _inflight(self, data: dict[str, Any]) -> None:
+        self._change("inflight", data)
+
+    def _activity(self, id: int) -> None:
+        self._change("activity", {"id": id})
 
     def _follow(self) -> _Client:
         self.check()  # the others get what changed before; the newcomer starts from it
@@ -164,15 +199,18 @@ class Events:
             client.end()
             return client
         self._clients.add(client)
+        self.flights.tell, self.activity.tell = self._inflight, self._activity
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
         return client
 
     def _unfollow(self, client: _Client) -> None:
         self._clients.discard(client)
-        if not self._clients and self._poller is not None:
-            self._poller.cancel()
-            self._poller = None
+        if not self._clients:
+            self.flights.tell = self.activity.tell = None  # nobody to tell: no cost
+            if self._poller is not None:
+                self._poller.cancel()
+                self._poller = None
 
     def end(self) -> None:
         """Serve is ending: every stream ends (and none starts)."""
@@ -210,9 +248,10 @@ class Events:
             for kind in ("modelStatus", "profileChanged"):
                 if kind in self._last:
                     await send(kind, self._last[kind])
-            # vramlock counts a model's requests in progress but keeps no entry for each
-            # (its path, headers, bytes so far): the snapshot lists none.
-            await send("inflight", _json({"operation": "snapshot", "requests": []}))
+            # Where things stand now; the changes told before it are in it.
+            snapshot = _json(self.flights.snapshot())
+            client.changes = [c for c in client.changes if c[0] != "inflight"]
+            await send("inflight", snapshot)
             waits = {asyncio.ensure_future(q.get()): source for source, q in queues.items()}
             waits[asyncio.ensure_future(client.woken.wait())] = None
             while not client.ended:
@@ -222,7 +261,8 @@ class Events:
                     if following is None:  # a model's state, the profile, or the end
                         client.woken.clear()
                         pending, client.pending = client.pending, {}
-                        for kind, data in pending.items():
+                        changes, client.changes = client.changes, []
+                        for kind, data in [*pending.items(), *changes]:
                             await send(kind, data)
                         waits[asyncio.ensure_future(client.woken.wait())] = None
                         continue

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from .body import boundary
 from .errors import BUSY, RETRY_AFTER, error_doc, wants_text
+from .inflight import uncancel
 from .upstream import Response
 
 if TYPE_CHECKING:
+    from .inflight import Flight
     from .members import Wrapper
     from .router import Express, Router
 
@@ -95,11 +97,14 @@ class Front(asyncio.Protocol):
         self.buffer = bytearray()
         self.task: asyncio.Task[None] | None = None
         self.express: Express | None = None  # a request under way with no task
+        self.flight: Flight | None = None  # the request in progress, whose answer is kept
+        self.peer: Any = None  # the client's address
         self._writable: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.peer = transport.get_extra_info("peername")
         self.router.fronts.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -208,6 +213,8 @@ class Front(asyncio.Protocol):
         body = json.dumps(error_doc(status, message, code, **(extra or {}))).encode()
         fields = [("Content-Type", "application/json; charset=utf-8"), *headers]
         self.write(_head(status, _REASONS.get(status, "Error"), fields, len(body)) + body)
+        if self.flight is not None and self.flight.resp_headers is None:
+            self.flight.answered(status, fields, body)
         return status
 
     def busy(self, message: str) -> int:
@@ -218,6 +225,8 @@ class Front(asyncio.Protocol):
         """A whole answer, in one write, with the upstream's ``headers`` but its own."""
         kept = [(k, v) for k, v in headers if k.lower() not in _HOP]
         self.write(_head(status, reason, kept, len(body)) + body)
+        if self.flight is not None:
+            self.flight.answered(status, kept, body)
 
     async def relay(self, w: Wrapper, up: Response, whole: int) -> int:
         """Pass ``up`` on to the client as it comes (read whole up to ``whole`` bytes of
@@ -232,10 +241,16 @@ class Front(asyncio.Protocol):
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
         chunked = up.length is None
         self.write(_head(up.status, up.reason, headers, up.length))
+        flight = self.flight
+        if flight is not None:
+            flight.head(up.status, headers)
+            self.router.flights.started(flight)
         try:
             async for chunk in up.body:
                 if chunk:
                     self.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    if flight is not None:
+                        flight.took(chunk)
                     await self.drain()
         except OSError:
             # Cut in the middle: cut the client's connection too, so that it sees the
@@ -243,6 +258,17 @@ class Front(asyncio.Protocol):
             assert self.transport is not None
             self.transport.abort()
             return up.status
+        except asyncio.CancelledError:
+            if flight is None or not flight.cancelled:
+                raise
+            # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it stands,
+            # as llama-swap's; one of announced length cannot, and is cut.
+            uncancel()
+            if not chunked:
+                assert self.transport is not None
+                self.transport.abort()
+                return up.status
+            w.info(f"POST {flight.path} cancelled")
         if chunked:
             self.write(b"0\r\n\r\n")
         return up.status

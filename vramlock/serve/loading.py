@@ -81,8 +81,11 @@ class Loading:
                 await self._ticker
             self._ticker = None
 
-    async def relay(self, request: web.Request, up: Response) -> web.StreamResponse:
-        """The model answered: say so, then pass its body on in this response."""
+    async def relay(
+        self, request: web.Request, up: Response, took: Callable[[bytes], None] | None = None
+    ) -> web.StreamResponse:
+        """The model answered: say so, then pass its body on in this response (each
+        piece to ``took`` too)."""
         await self._stop()
         try:
             await self._send(f"\nDone! ({time.monotonic() - self.began:.2f}s)\n")
@@ -90,6 +93,8 @@ class Loading:
             await self._send(" \n")
             async for chunk in up.body:
                 await self.out.write(chunk)
+                if took is not None:
+                    took(chunk)
             await self.out.write_eof()
         except OSError:
             if request.transport is not None:

@@ -16,6 +16,7 @@ import base64
 import binascii
 import hmac
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,11 +30,14 @@ from aiohttp.typedefs import Handler, Middleware
 from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
+from .activity import Activity, Query, rfc3339
 from .config import COMFYUI_MODEL, Config
 from .errors import busy_response, negotiated
 from .errors import error_response as _error
 from .events import Events, model_status
 from .front import Front, Head
+from .hardware import Hardware, Performance
+from .inflight import CANCELLED, Flight, Flights, uncancel
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
 from .members import Wrapper, states
@@ -74,6 +78,8 @@ BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
 # add their own version, /v/chat/completions reaching /v1/...'s server as
 # /chat/completions) and /audioapi/ (audio.cpp's /v1/tasks/run).
 STRIPPED = ("/v", "/audioapi")
+# The request key of the selector whose name a request used (for its activity).
+SELECTOR = "vramlock.selector"
 # What llama-swap answers without an API key: its health checks and the root's redirect
 # (and every CORS preflight).
 _OPEN = frozenset({"/health", "/wol-health", "/"})
@@ -211,6 +217,10 @@ class Express:
         self.head, self.pool, self.pair, self.data = head, pool, pair, data
         self.began = time.monotonic()
         self._ended: asyncio.Future[None] | None = None
+        flight = front.flight
+        assert flight is not None
+        self.flight: Flight = flight
+        flight.on_cancel = self._cancel_asked
         self.peek = Peek(pool, pair, WHOLE, self._answered, self._missed)
 
     @property
@@ -225,8 +235,10 @@ class Express:
 
     def _end(self, status: str) -> None:
         self.front.express = None
+        self.front.flight = None
         self.router.leave(self.w, self.turns)
         self.router.requests.add(self.w.model.name, status, time.monotonic() - self.began)
+        self.router.flights.end(self.flight, status)
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
 
@@ -245,6 +257,7 @@ class Express:
 
     def _missed(self) -> None:
         self.front.express = None
+        self.flight.on_cancel = None  # the task has it (resume)
         task = self.front.run(self.router.resume(self))
         if self._ended is not None:
             ended = self._ended
@@ -259,6 +272,24 @@ class Express:
         """The client went away: so does its request."""
         self.peek.cancel()
         self._end(GONE)
+
+    def _cancel_asked(self) -> None:
+        """POST /api/inflight/ID/cancel: ended soon (not in the middle of that request)."""
+        asyncio.get_running_loop().call_soon(self._cancelled)
+
+    def _cancelled(self) -> None:
+        if self.front.express is not self:
+            return  # answered meanwhile, or gone on in a task (which sees it cancelled)
+        self.peek.cancel()  # the wrapper's connection closed: its server's request ends
+        self.w.info(f"{self.shown} cancelled")
+        try:
+            status = self.front.refuse(502, CANCELLED)
+        except OSError:
+            self._end(GONE)
+            self.front.lost()
+            return
+        self._end(str(status))
+        self.front.ended()
 
 
 def _named(body: bytes | bytearray) -> str | None:
@@ -402,6 +433,15 @@ async def _preflight(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=headers)
 
 
+def _bare(path: str, prefix: str) -> str:
+    """The path a model's server is asked for (``path``, after the proxy's ``prefix``),
+    without its query: what inflight and activity show."""
+    return path.partition("?")[0][len(prefix) :] or "/"
+
+
+_ID = re.compile(r"[+-]?\d{1,18}")
+
+
 def _with_model(request: web.Request, model: str) -> str:
     """The request's path and query, its ``model`` parameter ``model``."""
     return str(request.rel_url.update_query(model=model))
@@ -422,10 +462,16 @@ class Router:
         self._not_fast: tuple[str, ...] | None = None
         self._others = False  # a middleware other than the count of requests
         self.requests = Requests()
+        self.activity = Activity(config.activity_kept, config.capture_mb << 20, self._priority)
+        self.flights = Flights(self.activity, self.activity.keep_bytes)
+        self.hardware = Hardware(__version__)
+        every = config.performance_every
+        self.performance = None if every is None else Performance(every)
         self._seen_resident: str | None = None  # the routing rules' last model found resident
         self.peers = Peers()
         self.resolver = Resolver(config, self._state_of)
-        self.events = Events(self._model_status, self._active_profile, logs)
+        self.events = Events(self._model_status, self._active_profile, logs, self.flights,
+                             self.activity)  # fmt: skip
         self._plain_for: Config | None = None  # the config _plain was found for
         self._plain_value = True
         middlewares: list[Middleware] = [negotiated]  # front.py hands such clients over
@@ -476,6 +522,13 @@ class Router:
         get("/api/profiles", self.api_profiles)
         get("/api/events", self.events.stream)
         get("/api/version", self.api_version)
+        get("/api/metrics/activity", self.api_activity)
+        get("/api/metrics/stats", self.api_stats)
+        get("/api/performance", self.api_performance)
+        get("/api/hardware", self.api_hardware)
+        get("/api/captures/{id}", self.api_capture)
+        r.add_post("/api/inflight/{id}/cancel", self.api_cancel)
+        r.add_route("*", "/api/inflight/{id}/cancel", _only("POST"))
         r.add_put("/api/profiles/active", self.api_active_profile)
         r.add_route("*", "/api/profiles/active", _only("PUT"))
         for path in BY_QUERY:
@@ -485,8 +538,13 @@ class Router:
             r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
+        self.app.on_startup.append(self._begin)
         self.app.on_shutdown.append(self._end_streams)
         self.app.on_cleanup.append(self._close)
+
+    async def _begin(self, app: web.Application) -> None:
+        if self.performance is not None:
+            self.performance.start()
 
     async def _end_streams(self, app: web.Application) -> None:
         """/api/events streams end before the server waits for its requests."""
@@ -496,6 +554,26 @@ class Router:
         for pool in self.pools.values():
             pool.close()
         await self.peers.close()
+        if self.performance is not None:
+            await self.performance.stop()
+
+    async def observe(self, config: Config) -> None:
+        """A configuration read again: its metricsMaxInMemory, captureBuffer and
+        performance taken (the activity and the samples kept so far stay, within the new
+        bounds, as llama-swap keeps its store and restarts its monitor)."""
+        self.activity.resize(config.activity_kept, config.capture_mb << 20)
+        every = config.performance_every
+        now = None if self.performance is None else self.performance.every
+        if every != now:
+            if self.performance is not None:
+                await self.performance.stop()
+            self.performance = None if every is None else Performance(every)
+            if self.performance is not None:
+                self.performance.start()
+
+    def _priority(self, model: str) -> int:
+        """The model's fifo priority (llama-swap's activity metadata)."""
+        return self.config.routing.priority.get(model, 0)
 
     @property
     def _plain(self) -> bool:
@@ -585,6 +663,9 @@ class Router:
             w.ttl_timer = None
         headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
         data = pool.encode("POST", model.prefix + head.target, headers, sent)
+        held = sent if isinstance(sent, bytes | bytearray) else None
+        front.flight = self.flights.start(model.name, "POST", head.target.partition("?")[0],
+                                          head.headers, front.peer, held)  # fmt: skip
         front.express = Express(self, front, w, turns, head, pool, pair, data)
         pair[1].write(data[0] + sent)  # one segment: the wrapper wakes once
         return None
@@ -602,19 +683,33 @@ class Router:
         w, sent = chosen
         headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
         path = w.model.prefix + head.target
+        bare = head.target.partition("?")[0]
+        held = sent if isinstance(sent, bytes | bytearray) else None
+        flight = front.flight = self.flights.start(w.model.name, "POST", bare, head.headers,
+                                                   front.peer, held)  # fmt: skip
+        flight.task = asyncio.current_task()
 
         async def send() -> int:
             pool = self._pool(w)
             return await self._relay(front, w, lambda: pool.request("POST", path, headers,
                                                                   sent, w.exited))  # fmt: skip
 
-        shown = f"POST {head.target.partition('?')[0]}"
+        shown = f"POST {bare}"
         began, status = time.monotonic(), GONE
         try:
-            answered = await self.in_turn(w, shown, send, int, front.busy)
+            try:
+                answered = await self.in_turn(w, shown, send, int, front.busy)
+            except asyncio.CancelledError:
+                if not flight.cancelled:
+                    raise
+                uncancel()
+                w.info(f"{shown} cancelled")
+                answered = front.refuse(502, CANCELLED)
             status = str(answered)
         finally:
+            front.flight = None
             self.requests.add(w.model.name, status, time.monotonic() - began)
+            self.flights.end(flight, status)
 
     async def _relay(
         self, front: Front, w: Wrapper, response: Callable[[], Awaitable[Response]]
@@ -636,18 +731,31 @@ class Router:
     async def resume(self, x: Express) -> None:
         """An express request whose answer did not come whole at once: the rest as
         ``fast`` does it, from its request sent."""
-        w = x.w
+        w, flight = x.w, x.flight
+        flight.task = asyncio.current_task()
         status = GONE
         try:
             pool, pair, data = x.pool, x.pair, x.data
-            answered = await self._relay(
-                x.front, w, lambda: pool.resume(pair[0], pair[1], data, w.exited)
-            )
-            w.info(f"{x.shown} {answered} in {time.monotonic() - x.began:.3f} s")
+            try:
+                if flight.cancelled:  # asked between the data callback and this task
+                    raise asyncio.CancelledError
+                answered = await self._relay(
+                    x.front, w, lambda: pool.resume(pair[0], pair[1], data, w.exited)
+                )
+                w.info(f"{x.shown} {answered} in {time.monotonic() - x.began:.3f} s")
+            except asyncio.CancelledError:
+                if not flight.cancelled:
+                    raise
+                uncancel()
+                pair[1].close()  # the wrapper's connection: its server's request ends
+                w.info(f"{x.shown} cancelled")
+                answered = x.front.refuse(502, CANCELLED)
             status = str(answered)
         finally:
+            x.front.flight = None
             self.leave(w, x.turns)
             self.requests.add(w.model.name, status, time.monotonic() - x.began)
+            self.flights.end(flight, status)
 
     def leave(self, w: Wrapper, turns: Turns) -> None:
         """A request of ``w``'s that ``in_turn`` let in has ended."""
@@ -704,6 +812,8 @@ class Router:
             target, done = self.resolver.resolve(name)
         except Refused as err:
             return _error(err.status, err.message)
+        if name in self.config.selectors:
+            request[SELECTOR] = name
         try:
             return await self._by_name(request, name, target, body)
         finally:
@@ -746,6 +856,8 @@ class Router:
             target, done = self.resolver.resolve(name)
         except Refused as err:
             return _error(err.status, err.message)
+        if name in self.config.selectors:
+            request[SELECTOR] = name
         try:
             remote = resolve(self.config, target) if self.config.peers else None
             if remote is not None:
@@ -787,6 +899,55 @@ class Router:
         """llama-swap's GET /api/version: vramlock's version; no commit or build date is
         recorded in the package."""
         return web.json_response({"version": __version__, "commit": "", "build_date": ""})
+
+    # -- llama-swap's activity, requests in progress, hardware -----------------------
+
+    async def api_activity(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/metrics/activity: a page of the recorded requests."""
+        try:
+            query = Query(request.query)
+        except ValueError as err:
+            return _error(400, str(err))
+        return web.json_response(self.activity.page(query))
+
+    async def api_stats(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/metrics/stats[?model=NAME]: totals and histograms."""
+        return web.json_response(self.activity.stats(request.query.get("model", "").strip()))
+
+    async def api_capture(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/captures/ID: a recorded request and its answer."""
+        raw = request.match_info["id"]
+        if not _ID.fullmatch(raw):
+            return _error(400, "invalid capture ID")
+        found = self.activity.capture(int(raw))
+        if found is None:
+            return _error(404, "capture not found")
+        return web.json_response(found)
+
+    async def api_cancel(self, request: web.Request) -> web.Response:
+        """llama-swap's POST /api/inflight/ID/cancel: the request ends (see .inflight)."""
+        if not self.flights.cancel(request.match_info["id"]):
+            return _error(404, "inflight request not found")
+        return web.json_response({"msg": "ok"})
+
+    async def api_performance(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/performance[?after=RFC3339]: the samples kept (after)."""
+        if self.performance is None:
+            return _error(503, "performance monitoring is disabled", enabled=False)
+        after = None
+        raw = request.query.get("after", "")
+        if raw:
+            after = rfc3339(raw)
+            if after is None:
+                return _error(400, "invalid 'after' timestamp, use RFC3339 format")
+        return web.json_response(self.performance.current(after))
+
+    async def api_hardware(self, request: web.Request) -> web.Response:
+        """llama-swap's GET /api/hardware: the machine, described on the first request."""
+        found = await self.hardware.get()
+        if found is None:
+            return _error(503, "hardware detection unavailable")
+        return web.json_response(found)
 
     def choose(
         self, body: bytes | bytearray, name: str | None = None
@@ -954,29 +1115,56 @@ class Router:
         show_loading: bool = False,
     ) -> web.StreamResponse:
         """``request`` passed to ``w`` in its turn; with ``show_loading``, a streaming
-        chat for a model that is not resident is answered at once with its progress."""
+        chat for a model that is not resident is answered at once with its progress.
+        In progress (``inflight``) until answered, and cancelled as llama-swap cancels."""
         request[MODEL] = w.model.name  # counted (.metrics)
+        sent = body if isinstance(body, bytes | bytearray) else None  # a Stream is not held
+        peer = None if request.transport is None else request.transport.get_extra_info("peername")
+        flight = self.flights.start(w.model.name, request.method, _bare(path, w.model.prefix),
+                                    request.headers.items(), peer, sent)  # fmt: skip
+        flight.task = asyncio.current_task()
+        flight.selector = request.get(SELECTOR)
         loading = None
-        if (
-            show_loading
-            and w.admitted < w.model.concurrency
-            and not (w.alive() and w.member_state() == State.RESIDENT.value)
-        ):
-            loading = Loading(w.model.name, lambda: w.member_state() if w.alive() else None)
-            await loading.start(request)
-
-        async def send() -> web.StreamResponse:
-            return await self._pass(request, w, path, body, loading)
-
-        def status(out: web.StreamResponse) -> int:
-            return out.status
-
+        shown = f"{request.method} {request.path}"
+        status = GONE
         try:
-            shown = f"{request.method} {request.path}"
-            return await self.in_turn(w, shown, send, status, busy_response)
+            try:
+                if (
+                    show_loading
+                    and w.admitted < w.model.concurrency
+                    and not (w.alive() and w.member_state() == State.RESIDENT.value)
+                ):
+                    loading = Loading(w.model.name,
+                                      lambda: w.member_state() if w.alive() else None)  # fmt: skip
+                    await loading.start(request)
+                    flight.head(200, loading.out.headers.items())
+                    self.flights.started(flight)
+
+                async def send() -> web.StreamResponse:
+                    return await self._pass(request, w, path, body, flight, loading)
+
+                def status_of(out: web.StreamResponse) -> int:
+                    return out.status
+
+                out = await self.in_turn(w, shown, send, status_of, busy_response)
+            except asyncio.CancelledError:
+                if not flight.cancelled:
+                    raise
+                uncancel()
+                w.info(f"{shown} cancelled")
+                if loading is not None and loading.out.prepared:
+                    out = await loading.fail(CANCELLED)
+                else:
+                    out = _error(502, CANCELLED)
+            answer = out.body if isinstance(out, web.Response) else None
+            if flight.resp_headers is None and isinstance(answer, bytes):  # serve's own
+                flight.answered(out.status, out.headers.items(), answer)
+            status = str(out.status)
+            return out
         finally:
             if loading is not None:
                 await loading.cancel()
+            self.flights.end(flight, status)
 
     async def in_turn(
         self,
@@ -1032,7 +1220,8 @@ class Router:
         evicted = [self.wrappers[name] for name in rules.evict(w.model.name, running)]
         for other in evicted:
             other.info(f"releasing it for model {w.model.name} (routing)")
-        await asyncio.gather(*(self._unload(other) for other in evicted))
+        # Shielded: a request cancelled meanwhile leaves the releases to finish.
+        await asyncio.shield(asyncio.gather(*(self._unload(other) for other in evicted)))
 
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
@@ -1062,6 +1251,7 @@ class Router:
         w: Wrapper,
         path: str,
         body: Body | None,
+        flight: Flight,
         loading: Loading | None = None,
     ) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
@@ -1084,7 +1274,7 @@ class Router:
             return _error(502, message) if loading is None else await loading.fail(message)
         if loading is not None:
             try:
-                return await loading.relay(request, up)
+                return await loading.relay(request, up, flight.took)
             finally:
                 await up.body.aclose()
         headers = [(k, v) for k, v in up.headers if k.lower() not in _HOP]
@@ -1094,25 +1284,46 @@ class Router:
                     whole = b"".join([chunk async for chunk in up.body])
                 except OSError as err:
                     return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+                flight.answered(up.status, headers, whole)
                 return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
             out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
             if up.length is not None:
                 out.content_length = up.length
             try:
                 await out.prepare(request)
+                flight.head(up.status, headers)
+                self.flights.started(flight)
                 async for chunk in up.body:
                     await out.write(chunk)
+                    flight.took(chunk)
                 await out.write_eof()
             except OSError:
                 # Cut in the middle: cut the client's connection too, so that it sees the
                 # answer end early rather than wait for the rest.
                 if request.transport is not None:
                     request.transport.abort()
+            except asyncio.CancelledError:
+                if not (flight.cancelled and out.prepared):
+                    raise
+                # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it
+                # stands, as llama-swap's; one of announced length cannot, and is cut.
+                uncancel()
+                self._ended_early(request, out, up.length is None)
+                w.info(f"{request.method} {request.path} cancelled")
             return out
         finally:
             # Also when the client went away (cancelled): the connection to the wrapper
             # is closed at once, not left looking like a request awaiting its answer.
             await up.body.aclose()
+
+    @staticmethod
+    def _ended_early(request: web.Request, out: web.StreamResponse, chunked: bool) -> None:
+        """A cancelled answer's end: its last chunk where it is chunked, else the client's
+        connection cut."""
+        if chunked and "chunked" in out.headers.get("Transfer-Encoding", ""):
+            return  # aiohttp writes the last chunk once the handler returns it
+        if request.transport is not None:
+            request.transport.abort()
 
     # -- ttl and unload ------------------------------------------------------------
 

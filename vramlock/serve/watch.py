@@ -117,6 +117,7 @@ class Watcher:
         wrappers.update({name: kept.get(name) or fresh[name] for name in new.models})
         self.router.config = new
         self.router.resolver = Resolver(new, self.router.resolver.state)  # no profile active
+        await self.router.observe(new)
         self.logs.configure(new.log_to_stdout, new.log_time_format)
         for name in fresh:
             self.logs.model(name)
