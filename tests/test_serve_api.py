@@ -7,6 +7,7 @@ request it gets on stderr, which reach serve's upstream log.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,28 @@ def test_streams_end_when_serve_ends(spawn: Spawn, tmp_path: Path, arena: Path) 
     _, err = proc.communicate()
     assert took < 5, took
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_serve_keeps_no_thread_once_its_blocking_work_is_done(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    # A scrape, an unload and a model's restart block, and run off the event loop. In a
+    # pool's threads, which stay, they left serve with threads for good: each one alive
+    # when serve is SIGKILLed makes the kernel send the wrappers their parent-death
+    # signal once more, in the middle of the cleanup the first one began.
+    text = "models:\n" + echo_model("m", "release: restart") + echo_model("b", "release: restart")
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert call(port, "POST", "/v1/chat/completions", body)[0] == 200
+    assert call(port, "POST", "/v1/chat/completions", dict(body, model="b"))[0] == 200
+    assert call(port, "GET", "/metrics")[0] == 200
+    assert call(port, "POST", "/api/models/unload/m")[0] == 200
+    assert call(port, "GET", "/unload")[0] == 200
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+    end = time.monotonic() + 10
+    while threads() > 1 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert threads() == 1, os.listdir(f"/proc/{proc.pid}/task")

@@ -14,7 +14,7 @@ fan and power (from NVML; none without it). ``vram_temp_c`` is 0: NVML has no me
 temperature to read.
 
 /proc is read in the event loop (about 50 us a sample); what may block (NVML, a command)
-runs in a thread of its own that ends with it (``_briefly``), never in a pool's threads,
+runs in a thread of its own that ends with it (``passing.briefly``), never in a pool's threads,
 which would outlive it: when serve is SIGKILLed, each of its threads still alive makes
 the kernel signal the wrappers once more as they are handed from thread to thread (their
 parent-death signal), in the middle of the cleanup the first signal began.
@@ -29,14 +29,13 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .config import DEFAULT_EVERY
 from .inflight import stamp
+from .passing import briefly
 
 _MB = 1024 * 1024
 # The GPU architectures by CUDA compute capability (NVIDIA's names).
@@ -55,33 +54,6 @@ _NAMES = {"docker": "Docker", "kvm": "KVM", "vmware": "VMware", "oracle": "Virtu
 
 
 T = TypeVar("T")
-
-
-async def _briefly(fn: Callable[[], T]) -> T:
-    """``fn()``, in a thread of its own that ends with it (see above)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(value: T | None, err: BaseException | None) -> None:
-        if done.done():
-            return  # cancelled meanwhile
-        if err is not None:
-            done.set_exception(err)
-        else:
-            done.set_result(value)  # type: ignore[arg-type]
-
-    def run() -> None:
-        value: T | None = None
-        err: BaseException | None = None
-        try:
-            value = fn()
-        except BaseException as e:  # handed to the waiter
-            err = e
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, value, err)
-
-    threading.Thread(target=run, name="vramlock-serve-probe", daemon=True).start()
-    return await done
 
 
 def _read(path: str) -> str:
@@ -262,7 +234,7 @@ class Hardware:
 
     async def get(self) -> dict[str, Any] | None:
         if self._found is None:
-            self._found = asyncio.ensure_future(_briefly(functools.partial(hardware, self.version)))
+            self._found = asyncio.ensure_future(briefly(functools.partial(hardware, self.version)))
         return await asyncio.shield(self._found)
 
 
@@ -335,7 +307,7 @@ class Performance:
             at, sys_stat = self.sample()
             self.sys.append((at, sys_stat))
             if self._nvml:
-                gpu_stats = await _briefly(functools.partial(self._gpus, at / 1e6))
+                gpu_stats = await briefly(functools.partial(self._gpus, at / 1e6))
                 if gpu_stats:
                     self.gpu.append((at, gpu_stats))
 

@@ -31,6 +31,7 @@ from ..errors import InvalidTransition
 from ..net.address import parse
 from .config import Config, Model
 from .logs import Logs, drain, read_pipe
+from .passing import briefly
 
 # How long ended wrappers get to hand their commands' GPU back and exit (each gives
 # its command 10 s, then kills it), before serve SIGKILLs what is left.
@@ -278,14 +279,15 @@ class Wrapper:
         """Why the wrapper gave no answer, in words: its exit status (what 126 and 127
         mean), else what its server's checkEndpoint answers now, else ``err`` (these two
         said on serve's output too)."""
-        if self.proc is None:
+        proc = self.proc
+        if proc is None:
             return (err.strerror or str(err)).lower()
         with contextlib.suppress(subprocess.TimeoutExpired):
             # A wrapper that cut the connection may be ending: its status says why.
-            await asyncio.to_thread(self.proc.wait, EXIT_WITHIN)
+            await briefly(lambda: proc.wait(EXIT_WITHIN))
         if not self.alive():
             # Said already, with its last output, as it exited (``_exited``).
-            code = self.proc.returncode
+            code = proc.returncode
             return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
         if self.ready_url is not None:
             found = await self._health(self.ready_url, err)
@@ -354,7 +356,7 @@ class Wrapper:
         """End the wrapper and its command, as llama-swap ends a model for another: it
         starts again on its next request."""
         self.ending = True
-        await asyncio.to_thread(stop_all, [self])
+        await briefly(lambda: stop_all([self]))
         self.proc = None  # ended on purpose: nothing to warn about when it starts again
 
     def state(self, rows: list[Row] | None = None) -> State:

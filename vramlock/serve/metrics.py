@@ -8,7 +8,6 @@ model, keeps none resident, and does not count as a request for a ttl.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from bisect import bisect_left
@@ -22,6 +21,7 @@ from aiohttp.typedefs import Handler, Middleware
 from ..arena.directory import parse_gpus
 from ..observe.prometheus import Family, arena_families, text
 from .errors import error_response
+from .passing import briefly
 
 if TYPE_CHECKING:
     from .logs import Logs
@@ -140,7 +140,7 @@ def exposition(wrappers: Iterable[Wrapper], requests: Requests) -> str:
 
 
 async def metrics(wrappers: dict[str, Wrapper], requests: Requests) -> web.Response:
-    body = await asyncio.to_thread(exposition, list(wrappers.values()), requests)
+    body = await briefly(lambda: exposition(list(wrappers.values()), requests))
     return web.Response(text=body, content_type="text/plain", charset="utf-8",
                         headers={"Cache-Control": "no-store"})  # fmt: skip
 
@@ -160,7 +160,7 @@ def ui_app(
     async def state() -> dict[str, Any]:
         models = [{"name": name, "state": w.state().value, **requests.of(name)}
                   for name, w in wrappers.items()]  # fmt: skip
-        shown = await asyncio.to_thread(lambda: merge([watch.state() for watch in watches]))
+        shown = await briefly(lambda: merge([watch.state() for watch in watches]))
         recent = {} if logs is None else {"lines": logs.proxy.lines(LINES)}
         return {**shown, "models": models, **recent}
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from ..errors import VramlockError
+from .passing import briefly
 from .selectors import Resolver
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class Watcher:
         for w in gone:
             if w.ttl_timer is not None:
                 w.ttl_timer.cancel()
-        await asyncio.to_thread(stop_all, gone)
+        await briefly(lambda: stop_all(gone))
         for w in gone:
             w.drain_output()
             w.close()
