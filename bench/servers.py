@@ -6,10 +6,12 @@ and on a GPU swap and checkpoint too.
         --prompt-tokens 3900 --alternations 20 --modes swap,checkpoint,preset,restart
 
 Each server's first release comes after its warm request and ``--settle`` idle seconds
-(under swap its host copies are made ready meanwhile): *first switches* are the two
-requests those releases served (server 1's warm request, then the first alternation),
-beside the later ones' p50; *released keeps* is what NVML shows the server just released
-holding, after each request (a GPU only).
+(under swap its host copies are made ready meanwhile): the *first switch* is the request
+server 1's first release served (the first alternation), beside the later ones' p50.
+Server 0's first release served server 1's warm request, which is not shown there: it may
+hold server 1's start too (its model's load), as server 1 may have taken the token first
+and loaded before server 0, or not (the JSON has it, as ``warm_s``). *Released keeps* is
+what NVML shows the server just released holding, after each request (a GPU only).
 
 By default it runs the CPU llama-server that ``tools/llama_server.py`` builds and caches,
 with the tiny model ``tools/tiny_gguf.py`` writes (``--binary`` and ``--model`` name
@@ -149,7 +151,8 @@ def run_mode(
             prompts = [f"Server {i}: {words}" for i in range(2)]
             # Warm: each has its prompt in its slot once, then stays idle --settle seconds
             # (under swap the library makes its host copies ready meanwhile). Server 1's
-            # warm request is server 0's first release, the first alternation server 1's.
+            # warm request is server 0's first release (and may be server 1's start: which
+            # loads first is the token's order), the first alternation server 1's.
             warm, firsts = [], []
             for i in range(2):
                 t0 = time.perf_counter()
@@ -171,7 +174,7 @@ def run_mode(
                 if other is not None:
                     kept.append(other)
             return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm,
-                    "first": [firsts[1], latency[0]], "kept": kept}  # fmt: skip
+                    "first": [latency[0]], "warm_s": firsts, "kept": kept}  # fmt: skip
         except Exception:
             # Why, before the arena and the logs go: each member's state, each log's end.
             who = [sys.executable, "-m", "vramlock", "who", "--arena", arena]
@@ -258,7 +261,7 @@ def main() -> int:
     print(f"{args.alternations} alternations between two llama-servers ({where},"
           f" {Path(model).name}, -c {args.ctx}), times in s")  # fmt: skip
     print("| release | latency p50 | latency p95 | prefill p50 | prefill p95 | cache_n p50"
-          " | prompt tokens | first switches | released keeps (MiB) |")  # fmt: skip
+          " | prompt tokens | first switch | released keeps (MiB) |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     results = {}
     for mode in args.modes.split(","):  # each row as soon as it is measured
