@@ -485,6 +485,40 @@ def test_a_program_still_starting_when_a_member_asks_is_released(rig: Rig, spawn
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1]) > int(held[1])
 
 
+def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # As above, and the slow constructor takes the socket's name out of the process's
+    # environment before the swap library's constructor reads it (a library that scrubs
+    # the environment at start). The wrapper saw the name in the environment the program
+    # was started with and released the command, taking the program for one still
+    # starting: the program must join released all the same, not run unswapped in the
+    # member's turn.
+    env = dict(rig.env, SLOW_INIT_MS="1000", SLOW_INIT_UNSETENV="VRAMLOCK_SWAP_SOCKET")
+    program = str(rig.fakes.linked_program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", program, "1"),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: any(_maps_driver(pid) for pid in descendants(job.pid)))
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    time.sleep(2.0)  # its constructors are done: it waits for its turn
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert rig.launches() and min(s for s, _ in rig.launches()) > left
+
+
+def _maps_driver(pid: int) -> bool:
+    """Has ``pid`` the CUDA driver mapped?"""
+    paths = mapped(pid)
+    return bool(paths) and any(os.path.basename(p) == "libcuda.so.1" for p in paths or ())
+
+
 def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
     # A CUDA process of the command spawns a program while released (posix_spawn, as
     # Python's subprocess and many runtimes do: a child that shares its memory until it
