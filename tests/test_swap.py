@@ -513,6 +513,53 @@ def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
     assert rig.launches() and min(s for s, _ in rig.launches()) > left
 
 
+def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # After the release, a process of the command execs the program with an environment
+    # that names the socket twice: empty first, this run's path after it. The C library
+    # reads the first (the swap library in the program is not given the socket: it lets
+    # every call through); the wrapper must not read the last and take the program for
+    # one the library holds. The run's watch stops it before its first kernel.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
+    program = str(rig.fakes.program)
+    code = (
+        "import ctypes, os, sys, time\n"
+        "print('waiting', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "env = [b'VRAMLOCK_SWAP_SOCKET='] + [k + b'=' + v for k, v in os.environb.items()]\n"
+        "envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)\n"
+        "argv = (ctypes.c_char_p * 3)(sys.argv[2].encode(), b'1', None)\n"
+        "ctypes.CDLL(None).execve(sys.argv[2].encode(), argv, envp)\n"
+        "sys.exit(127)\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "python3", "-c", code, str(go), program),
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def stopped_or_ran() -> bool:
+        return bool(rig.launches()) or any(
+            os.path.realpath(f"/proc/{pid}/exe") == program and state(pid) == "T"
+            for pid in descendants(job.pid)
+        )
+
+    wait_until(stopped_or_ran)
+    time.sleep(0.5)
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert rig.launches() and min(s for s, _ in rig.launches()) > left
+
+
 def _maps_driver(pid: int) -> bool:
     """Has ``pid`` the CUDA driver mapped?"""
     paths = mapped(pid)
