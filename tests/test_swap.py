@@ -560,6 +560,41 @@ def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released
     assert rig.launches() and min(s for s, _ in rig.launches()) > left
 
 
+def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_connection_ends(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # As in test_a_process_whose_connection_ended_is_refused_though_its_library_is_set_up,
+    # the program's library, set up and joined, sees its connection end and runs on the
+    # command's token; but its set-up mark could not be made (the process had no
+    # descriptor left when the library's constructor ran: memfd_create failed). Without
+    # the mark it looks like a program still starting; it is not one, and a release must
+    # not leave it running in the next member's turn: refused, the command keeps the GPU.
+    go = rig.tmp / "go"
+    env = dict(rig.env, SLOW_INIT_FILL_FDS="300", SWAP_PROG_START_AFTER=str(go),
+               SWAP_PROG_CLOSE_SOCKETS="shutdown")  # fmt: skip
+    program = str(rig.fakes.linked_program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", f"ulimit -n 64 && exec {program} 2"),
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    time.sleep(0.5)  # its descriptors are back
+    go.touch()
+    assert read_line(job) == ["ready"]
+    time.sleep(0.3)  # its connection has ended: it runs on the command's token
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    time.sleep(0.5)
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert int(held[2]) == 0, held  # the command's memory was off the GPU
+    assert "uses CUDA without the swap library" in err, err
+
+
 def _maps_driver(pid: int) -> bool:
     """Has ``pid`` the CUDA driver mapped?"""
     paths = mapped(pid)
