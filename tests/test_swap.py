@@ -501,7 +501,7 @@ def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
                  "--", program, "1"),
         env=env,
     )  # fmt: skip
-    wait_until(lambda: any(_maps_driver(pid) for pid in descendants(job.pid)))
+    wait_until(lambda: _starting(job, program))
     holder = rig.holder(spawn)
     held = read_line(holder)
     assert held[0] == "held"
@@ -595,10 +595,14 @@ def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_c
     assert "uses CUDA without the swap library" in err, err
 
 
-def _maps_driver(pid: int) -> bool:
-    """Has ``pid`` the CUDA driver mapped?"""
-    paths = mapped(pid)
-    return bool(paths) and any(os.path.basename(p) == "libcuda.so.1" for p in paths or ())
+def _starting(job: subprocess.Popen[str], program: str) -> bool:
+    """Does a process of ``job`` run ``program`` with the CUDA driver mapped?"""
+    for pid in descendants(job.pid):
+        with contextlib.suppress(OSError):
+            paths = mapped(pid)
+            if os.readlink(f"/proc/{pid}/exe") == program and paths is not None:
+                return any(os.path.basename(p) == "libcuda.so.1" for p in paths)
+    return False
 
 
 def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
