@@ -485,6 +485,126 @@ def test_a_program_still_starting_when_a_member_asks_is_released(rig: Rig, spawn
     assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1]) > int(held[1])
 
 
+def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # As above, and the slow constructor takes the socket's name out of the process's
+    # environment before the swap library's constructor reads it (a library that scrubs
+    # the environment at start). The wrapper saw the name in the environment the program
+    # was started with and released the command, taking the program for one still
+    # starting: the program must join released all the same, not run unswapped in the
+    # member's turn.
+    env = dict(rig.env, SLOW_INIT_MS="1000", SLOW_INIT_UNSETENV="VRAMLOCK_SWAP_SOCKET")
+    program = str(rig.fakes.linked_program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", program, "1"),
+        env=env,
+    )  # fmt: skip
+    wait_until(lambda: _starting(job, program))
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    time.sleep(2.0)  # its constructors are done: it waits for its turn
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert rig.launches() and min(s for s, _ in rig.launches()) > left
+
+
+def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # After the release, a process of the command execs the program with an environment
+    # that names the socket twice: empty first, this run's path after it. The C library
+    # reads the first (the swap library in the program is not given the socket: it lets
+    # every call through); the wrapper must not read the last and take the program for
+    # one the library holds. The run's watch stops it before its first kernel.
+    go = rig.tmp / "go"
+    env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
+    program = str(rig.fakes.program)
+    code = (
+        "import ctypes, os, sys, time\n"
+        "print('waiting', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "env = [b'VRAMLOCK_SWAP_SOCKET='] + [k + b'=' + v for k, v in os.environb.items()]\n"
+        "envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)\n"
+        "argv = (ctypes.c_char_p * 3)(sys.argv[2].encode(), b'1', None)\n"
+        "ctypes.CDLL(None).execve(sys.argv[2].encode(), argv, envp)\n"
+        "sys.exit(127)\n"
+    )
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "python3", "-c", code, str(go), program),
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    go.touch()  # the program starts now, in the test's turn
+
+    def stopped_or_ran() -> bool:
+        return bool(rig.launches()) or any(
+            os.path.realpath(f"/proc/{pid}/exe") == program and state(pid) == "T"
+            for pid in descendants(job.pid)
+        )
+
+    wait_until(stopped_or_ran)
+    time.sleep(0.5)
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert rig.launches() and min(s for s, _ in rig.launches()) > left
+
+
+def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_connection_ends(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # As in test_a_process_whose_connection_ended_is_refused_though_its_library_is_set_up,
+    # the program's library, set up and joined, sees its connection end and runs on the
+    # command's token; but its set-up mark could not be made (the process had no
+    # descriptor left when the library's constructor ran: memfd_create failed). Without
+    # the mark it looks like a program still starting; it is not one, and a release must
+    # not leave it running in the next member's turn: refused, the command keeps the GPU.
+    go = rig.tmp / "go"
+    env = dict(rig.env, SLOW_INIT_FILL_FDS="300", SWAP_PROG_START_AFTER=str(go),
+               SWAP_PROG_CLOSE_SOCKETS="shutdown")  # fmt: skip
+    program = str(rig.fakes.linked_program)
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
+                 "--", "sh", "-c", f"ulimit -n 64 && exec {program} 2"),
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["waiting"]
+    time.sleep(0.5)  # its descriptors are back
+    go.touch()
+    assert read_line(job) == ["ready"]
+    time.sleep(0.3)  # its connection has ended: it runs on the command's token
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held"
+    time.sleep(0.5)
+    left = let_go(holder)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert int(held[2]) == 0, held  # the command's memory was off the GPU
+    assert "uses CUDA without the swap library" in err, err
+
+
+def _starting(job: subprocess.Popen[str], program: str) -> bool:
+    """Does a process of ``job`` run ``program`` with the CUDA driver mapped?"""
+    for pid in descendants(job.pid):
+        with contextlib.suppress(OSError):
+            paths = mapped(pid)
+            if os.readlink(f"/proc/{pid}/exe") == program and paths is not None:
+                return any(os.path.basename(p) == "libcuda.so.1" for p in paths)
+    return False
+
+
 def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -> None:
     # A CUDA process of the command spawns a program while released (posix_spawn, as
     # Python's subprocess and many runtimes do: a child that shares its memory until it

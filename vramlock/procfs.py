@@ -187,14 +187,19 @@ def mapped(pid: int) -> set[str] | None:
 
 
 def environ(pid: int) -> dict[str, str]:
-    """The environment ``pid`` was started with; empty when it is gone or not ours."""
+    """The environment ``pid`` was started with; empty when it is gone or not ours. A name
+    given twice has its first value, the one the C library's getenv reads."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()
     except OSError:
         return {}
-    pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0"))
-    return {name: value for name, eq, value in pairs if eq}
+    found: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        name, eq, value = entry.decode(errors="replace").partition("=")
+        if eq:
+            found.setdefault(name, value)
+    return found
 
 
 def text(pid: int, what: str, limit: int = 4096) -> str:

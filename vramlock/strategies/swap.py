@@ -131,6 +131,9 @@ class Hub:
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.released = False
+        # Each process that connected, with the program it ran then (``_image``): it had
+        # set up, whether or not its mark shows.
+        self._connected: dict[int, tuple[int, ...]] = {}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         self._sock.listen(64)
@@ -144,6 +147,11 @@ class Hub:
             except OSError:
                 return  # closed: the run is over
             pid = _peer_pid(conn)
+            image = None if pid is None else _image(pid)
+            if pid is not None and image is not None:
+                with self.lock:
+                    self._connected = {p: i for p, i in self._connected.items() if procfs.living(p)}
+                    self._connected[pid] = image
             if pid is None or pid not in procfs.descendants(os.getpid()):
                 conn.close()  # a stranger: nothing it says counts
                 continue
@@ -232,8 +240,14 @@ class Hub:
         seconds) before the library's. Until the library has set up, which its mark
         shows, nothing of the process passes to the GPU but through it, and where it was
         given this run's socket, setting up joins the run. One that has set up and is
-        neither joined nor joining has lost its connection: it is not starting."""
+        neither joined nor joining has lost its connection: it is not starting. Nor is
+        one that connected, running the program it runs now: its library had set up,
+        though its mark may not show (it could not be made: no descriptor left, say)."""
         if any(SET_UP in p for p in paths):
+            return False
+        with self.lock:
+            seen = self._connected.get(pid)
+        if seen is not None and seen == _image(pid):
             return False
         return procfs.environ(pid).get(ENV_SOCKET) == self.path
 
@@ -319,6 +333,16 @@ def usable() -> str | None:
     if any(c in library for c in " :"):  # LD_PRELOAD splits at both
         return f"the swap library's path {library!r} cannot go in LD_PRELOAD"
     return None
+
+
+def _image(pid: int) -> tuple[int, ...] | None:
+    """The program ``pid`` runs, told from any it exec'd before or after: its start time,
+    and where the kernel laid that program out (``procfs.layout``, its size left out);
+    None when it is gone or cannot be read."""
+    start, layout = procfs.starttime(pid), procfs.layout(pid)
+    if start is None or layout is None or not any(layout[1:]):
+        return None
+    return (start, *layout[1:])
 
 
 def _peer_pid(conn: socket.socket) -> int | None:

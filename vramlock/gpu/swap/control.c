@@ -197,13 +197,58 @@ static void *control_thread(void *arg)
 	return NULL;
 }
 
-/* At start, from the environment: whether the library is to act (1), where the
- * wrapper listens, and which descriptor holds the command's token. */
+/* `name`'s value in the environment the process was started with, as the wrapper reads
+ * it (/proc/PID/environ: the first entry of that name, as getenv takes it), into `out`
+ * (`size` bytes, cut short where longer); 0 when it has none or cannot be read. */
+static int started_with(const char *name, char *out, size_t size)
+{
+	char buf[4096];
+	size_t len = strlen(name), at = 0, n = 0; /* where in the entry, how much copied */
+	int same = 1, found = 0;		  /* the entry so far is "name=..." */
+	ssize_t got;
+	int fd = open("/proc/self/environ", O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	while (!found && (got = read(fd, buf, sizeof buf)) > 0) {
+		for (ssize_t i = 0; i < got && !found; i++, at++) {
+			char c = buf[i];
+			if (!c && same && at > len) {
+				found = 1;
+			} else if (!c) {
+				at = (size_t)-1, same = 1, n = 0; /* the next entry */
+			} else if (at <= len) {
+				same = same && c == (at < len ? name[at] : '=');
+			} else if (same && n + 1 < size) {
+				out[n++] = c;
+			}
+		}
+	}
+	close(fd);
+	out[n] = '\0';
+	return found;
+}
+
+/* One of the variables that reach the library: its value, or where the process's own
+ * environment has none (or an empty one), the one it was started with, kept in `buf`
+ * (`size` bytes). The wrapper reads that environment: a process it names this run's
+ * socket to, not set up yet, is one that will join (strategies/swap.py), even where
+ * another library's constructor took the name out before ours ran. NULL: none. */
+const char *setting(const char *name, char *buf, size_t size)
+{
+	const char *v = getenv(name);
+	if ((!v || !*v) && started_with(name, buf, size))
+		v = buf;
+	return v;
+}
+
+/* At start, from the environment (`setting`): whether the library is to act (1), where
+ * the wrapper listens, and which descriptor holds the command's token. */
 int control_setup(void)
 {
-	const char *path = getenv("VRAMLOCK_SWAP_SOCKET");
-	const char *fd = getenv("VRAMLOCK_TOKEN_FD");
-	const char *prepare = getenv("VRAMLOCK_SWAP_PREPARE");
+	char at_start[3][sizeof sock_path + 1]; /* one more: too long a path stays too long */
+	const char *path = setting("VRAMLOCK_SWAP_SOCKET", at_start[0], sizeof at_start[0]);
+	const char *fd = setting("VRAMLOCK_TOKEN_FD", at_start[1], sizeof at_start[1]);
+	const char *prepare = setting("VRAMLOCK_SWAP_PREPARE", at_start[2], sizeof at_start[2]);
 	struct stat st;
 	if (!path || !*path)
 		return 0;

@@ -47,7 +47,8 @@ void exec_setup(void *(*lookup)(void *, const char *))
 	    strlen(info.dli_fname) < sizeof self_path)
 		memcpy(self_path, info.dli_fname, strlen(info.dli_fname) + 1);
 	for (int i = 0; i < NKEPT; i++) {
-		const char *v = getenv(kept_names[i]);
+		char at_start[sizeof kept[i]];
+		const char *v = setting(kept_names[i], at_start, sizeof at_start);
 		size_t n = strlen(kept_names[i]);
 		if (v && n + strlen(v) + 2 <= sizeof kept[i]) {
 			memcpy(kept[i], kept_names[i], n);

@@ -368,6 +368,7 @@ void exec_setup(void *(*lookup)(void *, const char *));
 
 extern pthread_once_t connect_once;
 int control_setup(void);
+const char *setting(const char *name, char *buf, size_t size);
 void connect_control(void);
 int start_thread(void *(*fn)(void *));
 void join_now(void);
