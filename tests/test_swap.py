@@ -32,7 +32,10 @@ from helpers.serve import call
 from helpers.swap_rig import (
     Rig,
     _driver_here,
+    ask,
     during,
+    let_go,
+    ran_after,
     read_line,
     resumed,
     stopped_stray,
@@ -267,11 +270,7 @@ def test_a_program_execd_without_the_library_gets_it_back(rig: Rig, spawn: Spawn
     }.get(how) or f'python3 -c "{python[how]}"'
     go = rig.tmp / "go"
     script = f"while [ ! -e {go} ]; do sleep 0.02; done; {launch}"
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script),
-        env=rig.env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script)
     wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
     holder = rig.holder(spawn)
     held = read_line(holder)
@@ -279,13 +278,7 @@ def test_a_program_execd_without_the_library_gets_it_back(rig: Rig, spawn: Spawn
     go.touch()  # the program starts now, in the test's turn
     time.sleep(1.0)
     assert rig.launches() == [] and int(rig.phys.read_text()) == 0
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert holder.wait(10) == 0
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    ran_after(rig, job, let_go(holder))
 
 
 def test_a_huge_environment_is_passed_on_from_a_small_stack(rig: Rig, spawn: Spawn) -> None:
@@ -324,11 +317,7 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     env = dict(rig.env, FAKE_CUDA_INIT_MS="300")
     script = (f"while [ ! -e {go} ]; do sleep 0.02; done;"
               f" {rig.fakes.raw_exec} LD_PRELOAD -- {rig.fakes.program} 1")  # fmt: skip
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script, env=env)
     wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
     holder = rig.holder(spawn)
     assert read_line(holder)[0] == "held"
@@ -343,13 +332,7 @@ def test_a_program_that_slips_past_the_library_while_released_is_stopped(
     wait_until(noted)  # who says so too
     time.sleep(0.5)
     assert rig.launches() == [] and state(pid) == "T"
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert holder.wait(10) == 0
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    err = ran_after(rig, job, let_go(holder))
     said = [line for line in err.splitlines() if "began to use CUDA" in line]
     assert len(said) == 1 and f"process {pid} of the command" in said[0], err
     assert "stopped until the command's turn" in said[0]
@@ -390,13 +373,7 @@ def test_a_program_that_slips_past_the_library_on_a_quiet_host_is_stopped(
     pid = stopped_stray(job, program)
     time.sleep(0.5)
     assert rig.launches() == [] and state(pid) == "T"
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert holder.wait(10) == 0
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    err = ran_after(rig, job, let_go(holder))
     said = [line for line in err.splitlines() if "began to use CUDA" in line]
     assert len(said) == 1 and "stopped until the command's turn" in said[0], err
 
@@ -413,11 +390,7 @@ def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
     env = dict(rig.env, SLOW_INIT_MS="300")
     program = str(rig.fakes.linked_program)
     script = f"while [ ! -e {go} ]; do sleep 0.02; done; {program} 1"
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script, env=env)
     wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
     holder = rig.holder(spawn)
     assert read_line(holder)[0] == "held"
@@ -437,13 +410,7 @@ def test_a_program_linked_against_the_driver_waits_its_turn_unstopped(
         assert all(state(pid) != "T" for pid in started())
         time.sleep(0.005)
     assert rig.launches() == []
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert holder.wait(10) == 0
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1])
+    err = ran_after(rig, job, let_go(holder))
     assert "began to use CUDA" not in err, err
 
 
@@ -456,11 +423,7 @@ def test_a_program_still_starting_when_a_member_asks_is_released(rig: Rig, spawn
     # just before the other server's request: that request waited for good).
     env = dict(rig.env, SLOW_INIT_MS="1500")
     program = str(rig.fakes.linked_program)
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", program, "1"),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, program, "1", env=env)
 
     def starting() -> bool:
         for pid in descendants(job.pid):
@@ -474,15 +437,11 @@ def test_a_program_still_starting_when_a_member_asks_is_released(rig: Rig, spawn
     held = read_line(holder)
     assert held[0] == "held"
     time.sleep(2.0)  # its constructors are done: it waits for its turn
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert holder.wait(10) == 0
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
+    left = let_go(holder)
+    err = ran_after(rig, job, left)
     assert "without the swap library" not in err, err
     # It ran nothing before the member's turn, nor in it: all of it came after.
-    assert rig.launches() and min(s for s, _ in rig.launches()) > int(left[1]) > int(held[1])
+    assert left > int(held[1])
 
 
 def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
@@ -496,21 +455,15 @@ def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
     # member's turn.
     env = dict(rig.env, SLOW_INIT_MS="1000", SLOW_INIT_UNSETENV="VRAMLOCK_SWAP_SOCKET")
     program = str(rig.fakes.linked_program)
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", program, "1"),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, program, "1", env=env)
     wait_until(lambda: _starting(job, program))
     holder = rig.holder(spawn)
     held = read_line(holder)
     assert held[0] == "held"
     time.sleep(2.0)  # its constructors are done: it waits for its turn
     left = let_go(holder)
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
+    err = ran_after(rig, job, left)
     assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
-    assert rig.launches() and min(s for s, _ in rig.launches()) > left
 
 
 def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released(
@@ -534,11 +487,7 @@ def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released
         "ctypes.CDLL(None).execve(sys.argv[2].encode(), argv, envp)\n"
         "sys.exit(127)\n"
     )
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "python3", "-c", code, str(go), program),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "python3", "-c", code, str(go), program, env=env)
     assert read_line(job) == ["waiting"]
     holder = rig.holder(spawn)
     held = read_line(holder)
@@ -554,10 +503,8 @@ def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released
     wait_until(stopped_or_ran)
     time.sleep(0.5)
     left = let_go(holder)
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
+    err = ran_after(rig, job, left)
     assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
-    assert rig.launches() and min(s for s, _ in rig.launches()) > left
 
 
 def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_connection_ends(
@@ -573,11 +520,7 @@ def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_c
     env = dict(rig.env, SLOW_INIT_FILL_FDS="300", SWAP_PROG_START_AFTER=str(go),
                SWAP_PROG_CLOSE_SOCKETS="shutdown")  # fmt: skip
     program = str(rig.fakes.linked_program)
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", f"ulimit -n 64 && exec {program} 2"),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", f"ulimit -n 64 && exec {program} 2", env=env)
     assert read_line(job) == ["waiting"]
     time.sleep(0.5)  # its descriptors are back
     go.touch()
@@ -623,11 +566,7 @@ def test_a_spawn_caught_before_its_exec_is_not_stopped(rig: Rig, spawn: Spawn) -
         "pid = os.posix_spawn('/bin/true', ['true'], os.environ, file_actions=wait)\n"
         "assert os.waitpid(pid, 0)[1] == 0\n"
     )
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "python3", "-c", code, str(go), str(fifo)),
-        env=rig.env,
-    )  # fmt: skip
+    job = rig.command(spawn, "python3", "-c", code, str(go), str(fifo))
     assert read_line(job) == ["joined"]
     holder = rig.holder(spawn)
     assert read_line(holder)[0] == "held"
@@ -668,11 +607,7 @@ def test_a_run_told_to_end_while_a_stray_is_stopped_ends_without_its_turn(
     program = str(rig.fakes.program)
     script = (f"while [ ! -e {go} ]; do sleep 0.02; done;"
               f" {rig.fakes.raw_exec} LD_PRELOAD -- {program} 30")  # fmt: skip
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script, env=env)
     wait_until(lambda: [m["state"] for m in who_json(rig.arena)] == ["resident"])
     holder = rig.holder(spawn)
     assert read_line(holder)[0] == "held"
@@ -710,11 +645,8 @@ def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
     script = (f"{prog} 60 & while [ ! -e {go} ]; do sleep 0.02; done;"
               f" env -u FAKE_CUDA_FULL FAKE_CUDA_INIT_MS=300 {rig.fakes.raw_exec} LD_PRELOAD"
               f" -- {prog} 2; touch {stop}; wait")  # fmt: skip
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script),
-        env=dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop)),
-    )  # fmt: skip
+    env = dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop))
+    job = rig.command(spawn, "sh", "-c", script, env=env)
     assert read_line(job) == ["ready"]
     first = rig.holder(spawn)
     assert read_line(first)[0] == "held"
@@ -739,16 +671,6 @@ def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
     assert "could not be restored" in err, err
     assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left]
     assert max(s for s, _ in rig.launches()) > left  # both ran on, in the command's turn
-
-
-def let_go(holder: subprocess.Popen[str]) -> int:
-    """The test's member leaves the token: when (monotonic ns)."""
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert left[:1] == ["leaving"], left
-    assert holder.wait(10) == 0
-    return int(left[1])
 
 
 def refused_and_kept(rig: Rig, spawn: Spawn, before: list[str], env: str, why: str) -> None:
@@ -880,11 +802,8 @@ def test_a_wrapper_killed_while_released_leaves_the_program_blocked(
 def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) -> None:
     stop = rig.tmp / "stop"
     prog = str(rig.fakes.program)
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "sh", "-c", f"{prog} 60 & {prog} 60; wait $!"),
-        env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
-    )  # fmt: skip
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop))
+    job = rig.command(spawn, "sh", "-c", f"{prog} 60 & {prog} 60; wait $!", env=env)
     assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
     out, _ = swap_turns(rig, spawn, job, stop, 3)  # both processes' memory was gone
     assert out.split().count("done") == 2  # each checked every buffer at its end
@@ -1103,12 +1022,9 @@ def test_a_driver_opened_by_path_after_a_cu_lookup_is_hooked(rig: Rig, spawn: Sp
     # libc's cuserid starts as the driver's names do: looked up before the driver can be
     # loaded by name, it must not leave the driver, opened later by its path, unhooked.
     stop, driver = rig.tmp / "stop", rig.fakes.directory / "libcuda.so.1"
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "env", "-u", "LD_LIBRARY_PATH", "SWAP_PROG_CUSERID=1",
-                 f"SWAP_PROG_DRIVER={driver}", str(rig.fakes.program), "60"),
-        env=dict(rig.env, SWAP_PROG_STOP=str(stop)),
-    )  # fmt: skip
+    job = rig.command(spawn, "env", "-u", "LD_LIBRARY_PATH", "SWAP_PROG_CUSERID=1",
+                      f"SWAP_PROG_DRIVER={driver}", str(rig.fakes.program), "60",
+                      env=dict(rig.env, SWAP_PROG_STOP=str(stop)))  # fmt: skip
     assert read_line(job) == ["ready"]
     _, err = swap_turns(rig, spawn, job, stop, 2)
     assert err == ""
@@ -1156,12 +1072,10 @@ def test_a_wrapper_killed_mid_release_leaves_the_program_running_on_its_token(
     # the kernel sends SIGHUP (then SIGCONT): ignored here, as under nohup, so that
     # what is tested is the library's way on, not the programs' end.
     prog, first, second = str(rig.fakes.program), tmp_path / "phys1", tmp_path / "phys2"
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap", "--",
-                 "sh", "-c", f"trap '' HUP; FAKE_CUDA_PHYS={first} {prog} 60 &"
-                 f" FAKE_CUDA_PHYS={second} {prog} 60; wait"),
-        env=rig.env,
-    )  # fmt: skip
+    script = (
+        f"trap '' HUP; FAKE_CUDA_PHYS={first} {prog} 60 & FAKE_CUDA_PHYS={second} {prog} 60; wait"
+    )
+    job = rig.command(spawn, "sh", "-c", script)
     assert read_line(job) == ["ready"] and read_line(job) == ["ready"]
     phys = {p: environ(p).get("FAKE_CUDA_PHYS") for p in descendants(job.pid)}
     programs = [p for p, path in phys.items() if path in (str(first), str(second))]
@@ -1252,13 +1166,9 @@ def test_the_library_s_threads_take_none_of_the_program_s_signals(rig: Rig, spaw
     (program,) = descendants(job.pid)
     wait_until(lambda: rig.launches("register"), timeout=30)  # the preparer runs too
     assert job.stdin is not None
-    job.stdin.write("block\n")
-    job.stdin.flush()
-    assert read_line(job) == ["blocked"]
+    assert ask(job, "block") == ["blocked"]
     os.kill(program, signal.SIGTERM)
-    job.stdin.write("sigwait\n")
-    job.stdin.flush()
-    assert read_line(job) == ["sigterm"]
+    assert ask(job, "sigwait") == ["sigterm"]
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0

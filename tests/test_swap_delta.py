@@ -22,6 +22,7 @@ from helpers.swap_rig import (
     FAKES,
     SWAP_SOURCES,
     Rig,
+    ask,
     read_line,
     resumed,
     swap_copies,
@@ -56,13 +57,9 @@ def poke_between_swaps(rig: Rig, spawn: Spawn, pokes: list[tuple[int, int]],
     assert job.stdin is not None
     turns = [take_turn(rig, spawn)]
     for offset, length in pokes:
-        job.stdin.write(f"poke {offset} {length}\n")
-        job.stdin.flush()
-        assert read_line(job) == ["poked"]
+        assert ask(job, f"poke {offset} {length}") == ["poked"]
     turns.append(take_turn(rig, spawn))
-    job.stdin.write("check\n")
-    job.stdin.flush()
-    assert read_line(job) == ["ok"]  # every byte as the program last wrote it
+    assert ask(job, "check") == ["ok"]  # every byte as the program last wrote it
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0

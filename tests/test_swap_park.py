@@ -26,7 +26,7 @@ from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Fakes, Rig, build_fakes, make_rig, read_line, stopped_stray
+from helpers.swap_rig import Fakes, Rig, build_fakes, let_go, make_rig, read_line, stopped_stray
 
 from vramlock import procfs
 from vramlock.gpu import swap
@@ -98,11 +98,7 @@ def server_and_worker(
     (port,) = free_ports(1)
     env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop), **env)
     script = '"$0" 60 & SWAP_PROG_LISTEN=$1 "$0" 60; wait'
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script, str(rig.fakes.program), str(port), env=env)
     wait_until(lambda: accepts(port))
     wait_until(lambda: len(descendants(job.pid)) == 3)
     _, *programs = descendants(job.pid)
@@ -117,16 +113,6 @@ def round_trip(port: int) -> bytes:
     status, _, body = call(port, "POST", "/work", {})
     assert status == 200, body
     return body
-
-
-def let_go(holder: subprocess.Popen[str]) -> int:
-    """The test's member leaves the token: when (monotonic ns)."""
-    assert holder.stdin is not None
-    holder.stdin.close()
-    left = read_line(holder)
-    assert left[:1] == ["leaving"], left
-    assert holder.wait(10) == 0
-    return int(left[1])
 
 
 @pytest.mark.parametrize("listen", [False, True], ids=["always", "listen"])
@@ -536,11 +522,7 @@ def test_a_process_started_while_parked_waits_for_the_turn(rig: Rig, spawn: Spaw
     go, stop = rig.tmp / "go", rig.tmp / "stop"
     env = dict(rig.env, VRAMLOCK_PARK_AFTER="0.3", SWAP_PROG_STOP=str(stop))
     script = f'SWAP_PROG_LISTEN=$1 "$0" 60 & SWAP_PROG_START_AFTER={go} "$0" 60; wait'
-    job = spawn(
-        vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release", "swap",
-                 "--", "sh", "-c", script, str(rig.fakes.program), str(port)),
-        env=env,
-    )  # fmt: skip
+    job = rig.command(spawn, "sh", "-c", script, str(rig.fakes.program), str(port), env=env)
     wait_until(lambda: accepts(port))
     assert sorted([read_line(job), read_line(job)]) == [["ready"], ["waiting"]]
     listening = f"SWAP_PROG_LISTEN={port}".encode()

@@ -20,7 +20,7 @@ from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Rig, read_line, swap_copies, take_turn
+from helpers.swap_rig import Rig, ask, read_line, swap_copies, take_turn
 
 from vramlock.procfs import descendants
 
@@ -162,9 +162,7 @@ def test_a_release_waits_for_one_step_of_the_copy_ahead_not_for_all_of_it(
     wait_until(lambda: copied_out(rig) > 0, timeout=30)  # the copy ahead has begun
     take_turn(rig, spawn)
     assert job.stdin is not None
-    job.stdin.write("check\n")
-    job.stdin.flush()
-    assert read_line(job) == ["ok"]
+    assert ask(job, "check") == ["ok"]
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
@@ -230,9 +228,7 @@ def test_an_allocation_freed_after_its_copy_was_made_gives_the_copy_back(
     wait_until(lambda: copied_out(rig) == size, timeout=30)  # and copied ahead
     assert host_copies(program, size) == 1
     assert job.stdin is not None
-    job.stdin.write("free\n")
-    job.stdin.flush()
-    assert read_line(job) == ["freed"]
+    assert ask(job, "free") == ["freed"]
     unlocked = rig.launches("unregister")
     assert len(unlocked) == len(rig.launches("register")) == size // (32 << 20)
     assert sum(n for _, n in unlocked) == size
@@ -255,14 +251,10 @@ def test_a_program_that_cannot_be_swapped_any_more_gives_its_copies_back(
     job, program = delta_job(rig, spawn, size)
     wait_until(lambda: copied_out(rig) == size, timeout=30)  # made and copied ahead
     assert job.stdin is not None
-    job.stdin.write("managed\n")
-    job.stdin.flush()
-    assert read_line(job) == ["managed"]
+    assert ask(job, "managed") == ["managed"]
     wait_until(lambda: sum(n for _, n in rig.launches("unregister")) == size, timeout=10)
     assert host_copies(program, size) == 0
-    job.stdin.write("check\n")
-    job.stdin.flush()
-    assert read_line(job) == ["ok"]
+    assert ask(job, "check") == ["ok"]
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
@@ -280,15 +272,11 @@ def test_a_write_during_the_copy_ahead_is_copied_at_the_release(rig: Rig, spawn:
         job, _ = delta_job(rig, spawn, size, env=env, stderr=err)
     assert job.stdin is not None
     wait_until(lambda: copied_out(rig) > 0, timeout=30)  # its first chunk is copied
-    job.stdin.write("poke 100 1\n")  # in that chunk, while the second is being copied
-    job.stdin.flush()
-    assert read_line(job) == ["poked"]
+    assert ask(job, "poke 100 1") == ["poked"]  # in that chunk, while the second is being copied
     assert copied_out(rig) < size  # the copy ahead was still under way
     wait_until(lambda: "made ahead" in err_file.read_text(), timeout=30)
     take_turn(rig, spawn)
-    job.stdin.write("check\n")
-    job.stdin.flush()
-    assert read_line(job) == ["ok"]
+    assert ask(job, "check") == ["ok"]
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
@@ -309,9 +297,7 @@ def released_after_copies_made_ahead(
     wait_until(lambda: "made ahead" in err_file.read_text(), timeout=30)
     before = rig.launches("digest")
     take_turn(rig, spawn)
-    job.stdin.write("check\n")
-    job.stdin.flush()
-    assert read_line(job) == ["ok"]
+    assert ask(job, "check") == ["ok"]
     job.stdin.close()
     assert read_line(job) == ["done"]
     assert job.wait(30) == 0
@@ -354,20 +340,14 @@ def test_a_child_forked_after_the_copies_were_made_does_not_share_them(
     job, program = delta_job(rig, spawn, size)
     wait_until(lambda: copied_out(rig) == size, timeout=30)
     assert job.stdin is not None
-    job.stdin.write("fork\n")
-    job.stdin.flush()
-    words = read_line(job)
+    words = ask(job, "fork")
     assert words[:1] == ["child"]
     child = int(words[1])
     try:
         assert host_copies(program, size) == 1 and host_copies(child, size) == 0
-        job.stdin.write(f"poke {size // 2} 1\n")
-        job.stdin.flush()
-        assert read_line(job) == ["poked"]
+        assert ask(job, f"poke {size // 2} 1") == ["poked"]
         take_turn(rig, spawn)
-        job.stdin.write("check\n")
-        job.stdin.flush()
-        assert read_line(job) == ["ok"]
+        assert ask(job, "check") == ["ok"]
     finally:
         os.kill(child, signal.SIGKILL)
     job.stdin.close()

@@ -156,10 +156,17 @@ class Rig:
         self, spawn: Spawn, *args: str, release: str = "swap", **kw: object
     ) -> subprocess.Popen[str]:
         """``vramlock run --release swap -- swap_prog ARGS``."""
+        return self.command(spawn, str(self.fakes.program), *args, release=release, **kw)
+
+    def command(
+        self, spawn: Spawn, *command: str, release: str = "swap", **kw: object
+    ) -> subprocess.Popen[str]:
+        """``vramlock run --release swap -- COMMAND`` in the rig's arena (its environment
+        unless ``env`` is given)."""
         kw.setdefault("env", self.env)
         return spawn(
             vramlock("run", "--arena", str(self.arena), "--min-hold", "0", "--release", release,
-                     "--", str(self.fakes.program), *args),
+                     "--", *command),
             **kw,
         )  # fmt: skip
 
@@ -197,6 +204,33 @@ def read_line(proc: subprocess.Popen[str]) -> list[str]:
     """The next line of ``proc``'s stdout, split into words."""
     assert proc.stdout is not None
     return proc.stdout.readline().split()
+
+
+def ask(proc: subprocess.Popen[str], line: str) -> list[str]:
+    """Tell ``proc`` one line on its stdin: its answer (the next line of its stdout)."""
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return read_line(proc)
+
+
+def let_go(holder: subprocess.Popen[str]) -> int:
+    """The test's member leaves the token: when (monotonic ns)."""
+    assert holder.stdin is not None
+    holder.stdin.close()
+    left = read_line(holder)
+    assert left[:1] == ["leaving"], left
+    assert holder.wait(10) == 0
+    return int(left[1])
+
+
+def ran_after(rig: Rig, job: subprocess.Popen[str], left: int) -> str:
+    """The command ends well, its program having launched, all of it after ``left``
+    (when the test's member left the token): the run's stderr."""
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert rig.launches() and min(s for s, _ in rig.launches()) > left
+    return err
 
 
 @dataclass
