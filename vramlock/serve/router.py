@@ -487,6 +487,11 @@ class Router:
             r.add_get(path, handler)
             r.add_route("*", path, _only("GET", "HEAD"))
 
+        def only(method: str, path: str, handler: Handler) -> None:
+            """A route for ``method`` alone; its other methods 405, as llama-swap's."""
+            r.add_route(method, path, handler)
+            r.add_route("*", path, _only(method))
+
         r.add_route("OPTIONS", "/{path:.*}", _preflight)
         r.add_get("/", self.to_ui)  # a POST to / is routed by its model: no 405 here
         get("/health", self.health)
@@ -500,15 +505,11 @@ class Router:
         get("/models", self.list_models)
         get("/v1/models/{model:.+}", self.one_model)
         get("/running", self.running)
-        r.add_post("/models/unload", self.unload_all)
-        r.add_route("*", "/models/unload", _only("POST"))
-        r.add_post("/models/unload/{model}", self.unload_one)
-        r.add_route("*", "/models/unload/{model}", _only("POST"))
+        only("POST", "/models/unload", self.unload_all)
+        only("POST", "/models/unload/{model}", self.unload_one)
         get("/unload", self.unload_all_plain)
-        r.add_post("/api/models/unload", self.api_unload_all)
-        r.add_route("*", "/api/models/unload", _only("POST"))
-        r.add_post("/api/models/unload/{model:.+}", self.api_unload_one)
-        r.add_route("*", "/api/models/unload/{model:.+}", _only("POST"))
+        only("POST", "/api/models/unload", self.api_unload_all)
+        only("POST", "/api/models/unload/{model:.+}", self.api_unload_one)
         get("/upstream", self.upstream_list)
         r.add_route("*", "/upstream/{model}", self.upstream)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
@@ -527,10 +528,8 @@ class Router:
         get("/api/performance", self.api_performance)
         get("/api/hardware", self.api_hardware)
         get("/api/captures/{id}", self.api_capture)
-        r.add_post("/api/inflight/{id}/cancel", self.api_cancel)
-        r.add_route("*", "/api/inflight/{id}/cancel", _only("POST"))
-        r.add_put("/api/profiles/active", self.api_active_profile)
-        r.add_route("*", "/api/profiles/active", _only("PUT"))
+        only("POST", "/api/inflight/{id}/cancel", self.api_cancel)
+        only("PUT", "/api/profiles/active", self.api_active_profile)
         for path in BY_QUERY:
             # llama-swap routes a POST /v1/audio/voices by its body, as any POST
             (r.add_get if path == "/v1/audio/voices" else get)(path, self.by_query)
