@@ -120,22 +120,33 @@ static int scratch_for(size_t bytes)
 	return 1;
 }
 
-/* Queues the kernel over `p`, its digests to the scratch at `at` (values). */
-static CUresult launch_digest(struct phys *p, CUfunction fn, size_t at)
+/* Queues the kernel in `ctx` over `len` bytes at `va` (device memory, or host memory
+ * mapped for the device), its digests to the scratch at `at` (values), on the context's
+ * first copy stream (in `stream`). */
+static CUresult launch_over(CUcontext ctx, CUfunction fn, CUdeviceptr va, size_t len, size_t at,
+			    CUstream *stream)
 {
 	CUstream *streams;
 	CUdeviceptr out;
-	CUresult r = streams_of(p->ctx, &streams);
+	CUresult r = streams_of(ctx, &streams);
 	if (!r)
-		r = real_cuCtxSetCurrent(p->ctx);
+		r = real_cuCtxSetCurrent(ctx);
 	if (!r)
 		r = real_cuMemHostGetDevicePointer_v2(&out, scratch + at, 0);
 	if (r)
 		return r;
-	unsigned long long len = p->copy_len;
-	void *params[] = {&p->copy_va, &len, &out, &keys[0], &keys[1], &keys[2], &keys[3]};
+	unsigned long long n = len;
+	void *params[] = {&va, &n, &out, &keys[0], &keys[1], &keys[2], &keys[3]};
+	*stream = streams[0];
 	return real_cuLaunchKernel(fn, (unsigned)segments(len), 1, 1, DIGEST_THREADS, 1, 1, 0,
 				   streams[0], params, NULL);
+}
+
+/* Queues the kernel over `p`, its digests to the scratch at `at` (values). */
+static CUresult launch_digest(struct phys *p, CUfunction fn, size_t at)
+{
+	CUstream stream;
+	return launch_over(p->ctx, fn, p->copy_va, p->copy_len, at, &stream);
 }
 
 /* Which allocations the kernel can digest: `fresh` set (where their digests will be),
@@ -194,28 +205,20 @@ int delta_warm(CUcontext ctx)
  * digest_words gives them. With `mu` held (prepare.c: a host copy made ahead). */
 CUresult delta_digest_host(CUcontext ctx, const void *host, size_t n, uint64_t *out)
 {
-	CUstream *streams;
-	CUdeviceptr in, at;
+	CUstream stream;
+	CUdeviceptr in;
 	CUfunction fn = NULL;
 	size_t values = segments(n) * DIGEST_LANES;
-	CUresult r = streams_of(ctx, &streams);
-	if (!r)
-		r = real_cuCtxSetCurrent(ctx);
+	CUresult r = real_cuCtxSetCurrent(ctx);
 	if (!r && (n % 16 || !draw_keys() || !(fn = kernel_in(ctx)) ||
 		   !scratch_for(values * sizeof *scratch)))
 		r = CUDA_ERROR_NOT_FOUND;
 	if (!r)
 		r = real_cuMemHostGetDevicePointer_v2(&in, (void *)host, 0);
 	if (!r)
-		r = real_cuMemHostGetDevicePointer_v2(&at, scratch, 0);
-	if (r)
-		return r;
-	unsigned long long len = n;
-	void *params[] = {&in, &len, &at, &keys[0], &keys[1], &keys[2], &keys[3]};
-	r = real_cuLaunchKernel(fn, (unsigned)segments(n), 1, 1, DIGEST_THREADS, 1, 1, 0, streams[0],
-				params, NULL);
+		r = launch_over(ctx, fn, in, n, 0, &stream);
 	if (!r)
-		r = real_cuStreamSynchronize(streams[0]);
+		r = real_cuStreamSynchronize(stream);
 	if (!r)
 		memcpy(out, scratch, values * sizeof *out);
 	return r;
