@@ -147,14 +147,14 @@ class Hub:
             except OSError:
                 return  # closed: the run is over
             pid = _peer_pid(conn)
-            image = None if pid is None else _image(pid)
-            if pid is not None and image is not None:
-                with self.lock:
-                    self._connected = {p: i for p, i in self._connected.items() if procfs.living(p)}
-                    self._connected[pid] = image
             if pid is None or pid not in procfs.descendants(os.getpid()):
                 conn.close()  # a stranger: nothing it says counts
                 continue
+            image = _image(pid)
+            if image is not None:
+                with self.lock:
+                    self._connected = {p: i for p, i in self._connected.items() if procfs.living(p)}
+                    self._connected[pid] = image
             self._join(pid, LineChannel(conn))
 
     def _join(self, pid: int, channel: LineChannel) -> None:
