@@ -78,11 +78,14 @@ def strategy(
     stderr: IO[str] | None = None,
     settle: float = 0.0,
     hold: float = 0.0,
+    ask_after: float = 0.0,
 ) -> list[dict[str, float]]:
     """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
-    member arrives and takes the token (*out*), then gives it back (*back*). ``before``
-    is called with the worker's Client before each release (while resident); the first
-    release comes ``settle`` seconds after the worker is ready (idle meanwhile)."""
+    member arrives and takes the token (*out*), holds it ``hold`` seconds, then gives
+    it back (*back*). The worker's request is sent ``ask_after`` seconds into the hold.
+    ``before`` is called with the worker's Client before each release (while
+    resident); the first release comes ``settle`` seconds after the worker is ready
+    (idle meanwhile)."""
     run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release]
     proc = subprocess.Popen(
         [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
@@ -112,8 +115,9 @@ def strategy(
                 left = nvml.processes(0).get(w.pid)
                 # Released: off the GPU (checkpoint), or holding its CUDA context alone.
                 assert left is None if release == "checkpoint" else (left or 0) < GIB, left
+                time.sleep(min(ask_after, hold))
                 w.send("check")  # blocks while released
-                time.sleep(hold)
+                time.sleep(hold - min(ask_after, hold))
                 t2 = time.perf_counter()
                 me.residency.drop()
                 word, value = w.read(120).split()

@@ -65,19 +65,33 @@ def launches(n: int) -> None:
     print(f"launch_us={best:.4f}")
 
 
-def wrapped(release: str, command: list[str], cpus: set[int]) -> str:
-    """``command``'s output, run under ``vramlock run --release RELEASE`` on ``cpus``."""
+# What each column runs under: ``vramlock run --release`` and the command's environment.
+MODES = {
+    "none": ("none", {}),
+    "swap": ("swap", {}),
+    "unprepared": ("swap", {"VRAMLOCK_SWAP_PREPARE": "0"}),  # no host copies made ahead
+}
+
+
+def launch(mode: str, arena: str, command: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``command`` in ``mode`` (MODES)."""
+    release, extra = MODES[mode]
+    return ([sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release,
+             "--", *command], {**os.environ, **extra})  # fmt: skip
+
+
+def wrapped(mode: str, command: list[str], cpus: set[int]) -> str:
+    """``command``'s output, run in ``mode`` (MODES) on ``cpus``."""
     with tempfile.TemporaryDirectory() as arena:
+        line, env = launch(mode, arena, command)
         return subprocess.run(
-            [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release,
-             "--", *command],
-            capture_output=True, text=True, check=True, timeout=600,
+            line, env=env, capture_output=True, text=True, check=True, timeout=600,
             preexec_fn=lambda: os.sched_setaffinity(0, cpus),
         ).stdout  # fmt: skip
 
 
 def step_of(command: list[str], cpus: set[int]) -> Callable[[str], dict[str, float]]:
-    return lambda release: {"ms a step": figure("step_ms", wrapped(release, command, cpus))}
+    return lambda mode: {"ms a step": figure("step_ms", wrapped(mode, command, cpus))}
 
 
 def figure(name: str, out: str) -> float:
@@ -86,22 +100,25 @@ def figure(name: str, out: str) -> float:
     return float(found.group(1))
 
 
-def side_by_side(pairs: int, measure: Callable[[str], dict[str, float]]) -> dict[str, Any]:
-    """``measure(release)`` for none and swap, ``pairs`` times each, alternating."""
-    runs: dict[str, list[dict[str, float]]] = {"none": [], "swap": []}
+def side_by_side(
+    pairs: int, modes: list[str], measure: Callable[[str], dict[str, float]]
+) -> dict[str, Any]:
+    """``measure(mode)`` for each of ``modes`` (the first is the reference), ``pairs``
+    times each, in turn, the order reversed every other time."""
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for i in range(pairs):
-        for release in ("none", "swap") if i % 2 == 0 else ("swap", "none"):
-            runs[release].append(measure(release))
-            print(f"  {release}: {runs[release][-1]}", flush=True)
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            runs[mode].append(measure(mode))
+            print(f"  {mode}: {runs[mode][-1]}", flush=True)
     out: dict[str, Any] = {"runs": runs}
-    for key in runs["none"][0]:
-        none = [r[key] for r in runs["none"]]
-        swap = [r[key] for r in runs["swap"]]
-        out[key] = {
-            "none": statistics.median(none),
-            "swap": statistics.median(swap),
-            "cost": statistics.median(s / n - 1 for s, n in zip(swap, none, strict=True)),
-        }
+    ref = modes[0]
+    for key in runs[ref][0]:
+        base = [r[key] for r in runs[ref]]
+        out[key] = {m: statistics.median(r[key] for r in runs[m]) for m in modes}
+        for m in modes[1:]:
+            got = [r[key] for r in runs[m]]
+            cost = statistics.median(s / n - 1 for s, n in zip(got, base, strict=True))
+            out[key]["cost" if m == "swap" else f"cost {m}"] = cost
     return out
 
 
@@ -114,14 +131,15 @@ def complete(port: int, prompt: str, predict: int) -> dict[str, Any]:
 def llama(args: argparse.Namespace, cpus: set[int]) -> Callable[[str], dict[str, float]]:
     words = "the quick brown fox jumps over the lazy dog " * (args.prompt_tokens // 10)
 
-    def measure(release: str) -> dict[str, float]:
+    def measure(mode: str) -> dict[str, float]:
         port = free_port()
         with tempfile.TemporaryDirectory() as arena:
+            line, env = launch(mode, arena, [
+                args.binary, "-m", args.model, "-ngl", str(args.ngl), "-c", str(args.ctx),
+                "--host", "127.0.0.1", "--port", str(port)])  # fmt: skip
             proc = subprocess.Popen(
-                [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release,
-                 "--", args.binary, "-m", args.model, "-ngl", str(args.ngl), "-c", str(args.ctx),
-                 "--host", "127.0.0.1", "--port", str(port)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                line, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
                 preexec_fn=lambda: os.sched_setaffinity(0, cpus),
             )  # fmt: skip
             try:
@@ -164,6 +182,11 @@ def main() -> int:
     parser.add_argument(
         "--only", help="the workloads to run, by the start of their names: launches,launch-bound"
     )
+    parser.add_argument(
+        "--modes", default="none,swap",
+        help="columns, the first the reference: none, swap, unprepared (swap, nothing made"
+        " ahead: VRAMLOCK_SWAP_PREPARE=0)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child-launches", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,17 +212,23 @@ def main() -> int:
     if args.only:
         chosen = tuple(args.only.split(","))
         work = {name: measure for name, measure in work.items() if name.startswith(chosen)}
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; known: {', '.join(MODES)}")
     results = {}
     for name, measure in work.items():
         print(f"{name}:", flush=True)
-        results[name] = side_by_side(args.pairs, measure)
-    print(f"\n{args.pairs} pairs each, CPUs {args.cpus}; cost: median of the pairs' ratios")
-    print("| workload | figure | none | swap | swap vs none |")
-    print("|---|---|---:|---:|---:|")
+        results[name] = side_by_side(args.pairs, modes, measure)
+    print(f"\n{args.pairs} rounds each, CPUs {args.cpus}; cost: median of the rounds' ratios")
+    costs = [k for m in modes[1:] for k in ["cost" if m == "swap" else f"cost {m}"]]
+    print("| workload | figure | " + " | ".join(modes) + " | "
+          + " | ".join(f"{m} vs {modes[0]}" for m in modes[1:]) + " |")  # fmt: skip
+    print("|---|---|" + "---:|" * (len(modes) + len(costs)))
     for name, result in results.items():
         for key, r in result.items():
             if key != "runs":
-                print(f"| {name} | {key} | {r['none']:.4g} | {r['swap']:.4g} | {r['cost']:+.2%} |")
+                print(f"| {name} | {key} | " + " | ".join(f"{r[m]:.4g}" for m in modes) + " | "
+                      + " | ".join(f"{r[c]:+.2%}" for c in costs) + " |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -30,7 +30,10 @@
    took and where (the kernel reading it, or the CPU: the library's trace).
 5. **parked** (``--park``): each size again with ``VRAMLOCK_PARK_AFTER=0`` and the member
    holding the token PARK_HOLD seconds, so that the released worker's CUDA context leaves
-   the GPU too: *back* then includes bringing the context back.
+   the GPU too. *queued*: the worker's request comes as soon as it is released, so it is
+   parked while queued, and *back* includes bringing its context back. *asked*: the
+   request comes once it is parked, ASK_AFTER seconds into the hold: the context comes
+   back while the member finishes its turn (docs/swap.md).
 
 What the library costs a resident program: bench/interpose.py. Two llama-servers under
 swap, checkpoint, the preset and restart: bench/servers.py. GB/s are 10^9 bytes a
@@ -58,6 +61,7 @@ import gpu_run  # noqa: E402
 from vramlock.gpu import nvml  # noqa: E402
 
 PARK_HOLD = 2.0  # seconds: the park (a checkpoint of the context, ~0.5 s) is done by then
+ASK_AFTER = 1.5  # seconds into the hold: the parked worker's request comes then
 
 
 def traced(err: str) -> tuple[list[int], list[float]]:
@@ -73,7 +77,7 @@ def switch(
     unchanged: float,
     settle: float = 0.0,
     prepare: bool = True,
-    park: bool = False,
+    park: str = "",
 ) -> dict[str, Any]:
     def change(w: Any) -> None:
         if unchanged < 100:
@@ -85,7 +89,8 @@ def switch(
     with tempfile.TemporaryDirectory() as arena, tempfile.TemporaryFile("w+") as err:
         runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat, env=env, before=change,
                                 stderr=err, settle=settle,
-                                hold=PARK_HOLD if park else 0.0)  # fmt: skip
+                                hold=PARK_HOLD if park else 0.0,
+                                ask_after=ASK_AFTER if park == "asked" else 0.0)  # fmt: skip
         err.seek(0)
         trace = err.read()
         copied, digest = traced(trace)
@@ -128,8 +133,8 @@ def main() -> int:
             for s in args.sizes.split(",") for u in args.unchanged.split(",")
             for p in prepares]  # fmt: skip
     if args.park:
-        rows += [switch(float(s), args.repeat, 100.0, args.settle, True, park=True)
-                 for s in args.sizes.split(",")]  # fmt: skip
+        rows += [switch(float(s), args.repeat, 100.0, args.settle, True, park=how)
+                 for s in args.sizes.split(",") for how in ("queued", "asked")]  # fmt: skip
     print(f"\nswitch: medians of {args.repeat} swaps after the first;"
           f" the first {args.settle:g} s after the worker was ready")  # fmt: skip
     print(
@@ -142,7 +147,7 @@ def main() -> int:
         n = r["moved"]
         print(
             f"| {r['gib']:g} | {r['unchanged']:g} % | {'on' if r['prepare'] else 'off'}"
-            f"{', parked' if r['park'] else ''}"
+            f"{', parked, ' + r['park'] if r['park'] else ''}"
             f" | {n / gpu.GIB:.2f}"
             f" | {r['copied'] / gpu.GIB:.2f} | {r['digest_ms']:.1f}"
             f" | {r['out']:.3f} ({gpu.gbps(n, r['out']):.1f},"

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers.budget import FAKE_NVML
 from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
@@ -38,6 +39,7 @@ pytestmark = [
 ]
 
 RUNNING, CHECKPOINTED = "0", "2"
+FAKE_NVML_TOTAL = 80 << 30  # tests/fake_nvml's one GPU
 
 
 @pytest.fixture(scope="session")
@@ -150,6 +152,54 @@ def test_a_released_server_is_parked_and_comes_back_whole(
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert out.split()[-2:] == ["done", "2"]  # every buffer checked at its end
+    assert err == ""
+
+
+def stand_in_nvml(rig: Rig, free: int | None = None) -> dict[str, str]:
+    """The environment that gives the run NVML (tests/fake_nvml), where the GPU has
+    ``free`` bytes free (the test itself "uses" the rest), or all of it."""
+    where = rig.tmp / "nvml"
+    where.mkdir()
+    if free is not None:
+        (where / str(os.getpid())).write_text(str(FAKE_NVML_TOTAL - free))
+    return {"PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(where)}
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
+def test_a_parked_server_asked_for_comes_back_while_the_holder_finishes(
+    rig: Rig, spawn: Spawn, room: bool
+) -> None:
+    """A request to a parked server while the test's member holds the token: with room
+    for it beside 1 GiB (NVML), its context comes back at once, the driver's restore no
+    longer waiting for the token, but the program still runs nothing until the member
+    lets go (the fake driver's log of its launches, and the member's token, are the
+    witnesses); with less, it comes back after, as before."""
+    stop = rig.tmp / "stop"
+    nvml = stand_in_nvml(rig, None if room else (5 << 30) // 4)  # 1.25 GiB: not enough
+    job, program, port = server(rig, spawn, "1", listen=True, SWAP_PROG_STOP=str(stop), **nvml)
+    assert round_trip(port) == b"round 1\n"
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[:1] == ["held"] and int(held[2]) == 0
+    wait_until(lambda: state(rig, program) == CHECKPOINTED, timeout=10)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(round_trip, port)
+        if room:  # (parked again 1 s later, if it were still queued then)
+            wait_until(lambda: len(calls(rig, "unlock", program)) == 1, timeout=10)
+        time.sleep(0.3)
+        assert not answer.done() and not token_free(rig.arena)
+        assert state(rig, program) == (RUNNING if room else CHECKPOINTED)
+        left = let_go(holder)
+        assert answer.result(30) == b"round 2\n"  # its contents, checked by the program
+    (restored,), (unlocked,) = calls(rig, "restore", program), calls(rig, "unlock", program)
+    assert (restored < unlocked < left) if room else (left < restored < unlocked)
+    assert rig.launches("blocked") == []
+    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert min(s for s, _ in rig.launches() if s > int(held[1])) > left
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2:] == ["done", "2"]
     assert err == ""
 
 

@@ -383,6 +383,7 @@ class Scheduler:
         member, sup = self.member, self.sup
         member.wait_polite()
         member.waiting()
+        self.strategy.come_back_early()  # while the holder finishes its turn
         while True:
             try:
                 with sup.queueing():

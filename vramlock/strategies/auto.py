@@ -180,6 +180,9 @@ class AutoStrategy(Strategy):
     def park(self) -> None:
         self.current.park()
 
+    def come_back_early(self) -> None:
+        self.current.come_back_early()
+
     @property
     def holds_processes(self) -> bool:
         return self.current.holds_processes

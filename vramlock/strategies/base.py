@@ -191,6 +191,11 @@ class Strategy:
     def park(self) -> None:
         """Released: take what the release left on the GPU off it too (``park_in``)."""
 
+    def come_back_early(self) -> None:
+        """Queued for the token, which another member holds: bring back now what may come
+        back without the command running on the GPU (``swap``: parked contexts, while its
+        processes stay held), so that less of the restore waits for the token."""
+
     @property
     def holds_processes(self) -> bool:
         """Released, are the command's processes kept off the GPU one by one (``swap``,

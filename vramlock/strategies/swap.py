@@ -50,7 +50,7 @@ from ..errors import Immovable, StrategyError
 from ..gpu import cuda, nvml
 from ..gpu.swap import SwapUnavailable, library_path
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
-from .checkpoint import VramTaken, footprint, short_of
+from .checkpoint import RESTORE_MARGIN, VramTaken, footprint, short_of
 from .checkpoint import usable as checkpoint_usable
 
 ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
@@ -84,6 +84,9 @@ PARK_AFTER = 30.0
 ENV_PARK_AFTER = "VRAMLOCK_PARK_AFTER"
 SHORT_OF_ROOM = 1 << 30
 LOOK_EVERY = 1.0
+# Contexts brought back early (queued) are not parked again before this (seconds), unless
+# the GPU runs short of room, whatever VRAMLOCK_PARK_AFTER says: the token is coming.
+KEEP_EARLY = 30.0
 # A released command runs no GPU work: its lock is taken at once, or not at all.
 PARK_LOCK_TIMEOUT = 5.0
 MAX_SOCKET_PATH = 108  # a unix socket's address, its final NUL included
@@ -390,6 +393,8 @@ class SwapStrategy(Strategy):
         self._parked_used: dict[int, int] = {}  # what they held, per GPU, as NVML saw it
         self._park_after = park_after()
         self._park_refused = self._park_after is None  # never, when told so
+        self._early: threading.Thread | None = None  # contexts coming back before the token
+        self._park_not_before = 0.0  # brought back early: kept a while, queued as it is
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
@@ -461,7 +466,8 @@ class SwapStrategy(Strategy):
         if self._parked or self._released_at is None or self._park_refused:
             return None
         assert self._park_after is not None
-        left = self._released_at + self._park_after - time.monotonic()
+        due = max(self._released_at + self._park_after, self._park_not_before)
+        left = due - time.monotonic()
         if left > 0 and not self._short_of_room():
             return min(left, LOOK_EVERY)
         # Due: the driver is loaded here only now, off the handoff path.
@@ -485,6 +491,9 @@ class SwapStrategy(Strategy):
         """Checkpoint what the released processes still hold on the GPU (their contexts:
         their memory is in host memory already). Refused once, never tried again; a
         process that ended meanwhile refuses nothing: the next look parks the others."""
+        self._early_done()
+        if self._parked:
+            return
         self._mark_parked(True)  # before the driver's first step: see _mark_parked
         try:
             pids = cuda.cuda_pids(self.ctx.child.processes())
@@ -543,6 +552,39 @@ class SwapStrategy(Strategy):
         self._parked, self._parked_used = [], {}
         self._mark_parked(False)
 
+    def come_back_early(self) -> None:
+        """Parked and queued: the contexts come back now, in a thread, while the member
+        holding the token finishes its turn (the driver's restore, ~0.3 s, no longer
+        waits for it), where NVML shows room for them beside SHORT_OF_ROOM (else they
+        would be parked again at once). The processes stay released: the library holds
+        their GPU calls until the token is the command's, as before the park. Without
+        NVML the room is not known: they come back on the token, as before."""
+        if not self._parked or self._early is not None or not self._room_early():
+            return
+        self._early = threading.Thread(target=self._unpark_early, name="vramlock-unpark")
+        self._early.start()
+
+    def _room_early(self) -> bool:
+        try:
+            return nvml.available() and all(
+                nvml.free_bytes(g) >= self._parked_used.get(g, 0) + RESTORE_MARGIN + SHORT_OF_ROOM
+                for g in self._gpus()
+            )
+        except (nvml.NvmlUnavailable, nvml.NvmlError):
+            return False
+
+    def _unpark_early(self) -> None:
+        with contextlib.suppress(VramTaken, StrategyError):  # the token's restore says why
+            self._unpark()
+            # About to run: parked again only if the wait lasts, or room runs short.
+            self._park_not_before = time.monotonic() + KEEP_EARLY
+
+    def _early_done(self) -> None:
+        """Wait for the contexts coming back early (``come_back_early``), if they are."""
+        early, self._early = self._early, None
+        if early is not None:
+            early.join()
+
     def _unverified(self, deadline: float | None) -> str | None:
         """Why the release cannot reach every CUDA process of the command, once that has
         lasted VERIFY_WITHIN: a process caught starting (its exec, the driver mapped before
@@ -560,6 +602,7 @@ class SwapStrategy(Strategy):
         return None
 
     def _restore(self) -> None:
+        self._early_done()
         if self._parked:
             self._unpark()
         self._released_at = None
