@@ -50,6 +50,7 @@ keep = None
 if host_gib:
     size = int(host_gib * (1 << 30))
     keep = mmap.mmap(-1, size)
+    keep.madvise(mmap.MADV_HUGEPAGE)  # as the library maps its host copies
     buf = (ctypes.c_char * size).from_buffer(keep)
     ptr = ctypes.addressof(buf)
     for off in range(0, size, 1 << 21):

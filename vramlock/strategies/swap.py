@@ -603,6 +603,7 @@ class SwapStrategy(Strategy):
 
     def _restore(self) -> None:
         self._early_done()
+        self._park_not_before = 0.0  # the token came: the next release parks as it says
         if self._parked:
             self._unpark()
         self._released_at = None
