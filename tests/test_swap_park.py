@@ -110,6 +110,16 @@ def server_and_worker(
     return job, port, server_pid, worker
 
 
+def locking(rig: Rig, start: int, end: int) -> tuple[int, int]:
+    """The host memory the fake driver saw unlocked, then locked, between ``start`` and
+    ``end`` (monotonic ns): bytes each."""
+
+    def total(what: str) -> int:
+        return sum(n for ns, n in rig.launches(what) if start <= ns <= end)
+
+    return total("unregister"), total("register")
+
+
 def round_trip(port: int) -> bytes:
     """One request of GPU work: the program's answer, after it checked its memory."""
     status, _, body = call(port, "POST", "/work", {})
@@ -143,6 +153,12 @@ def test_a_released_server_is_parked_and_comes_back_whole(
     (restored,), (unlocked,) = calls(rig, "restore", program), calls(rig, "unlock", program)
     assert left < restored < unlocked
     assert state(rig, program) == RUNNING and int(rig.phys.read_text()) > 0
+    # Its host copies were unlocked before the checkpoint (the driver's restore would
+    # lock them again, slowly), and locked again after the unlock, before it ran.
+    first_run = min(s for s, _ in rig.launches() if s > unlocked)
+    unpinned, _ = locking(rig, int(held[1]), locked)
+    assert unpinned > 0 and locking(rig, int(held[1]), restored) == (unpinned, 0)
+    assert locking(rig, unlocked, first_run) == (0, unpinned)
     # Its context was back before its memory: nothing of it waited on the driver (a
     # restore of its memory while it was checkpointed would have, for good).
     assert rig.launches("blocked") == []
@@ -193,6 +209,11 @@ def test_a_parked_server_asked_for_comes_back_while_the_holder_finishes(
         assert answer.result(30) == b"round 2\n"  # its contents, checked by the program
     (restored,), (unlocked,) = calls(rig, "restore", program), calls(rig, "unlock", program)
     assert (restored < unlocked < left) if room else (left < restored < unlocked)
+    # Host copies: unlocked before the park, locked again as soon as it is back.
+    (locked,), (checkpointed,) = calls(rig, "lock", program), calls(rig, "checkpoint", program)
+    unpinned, _ = locking(rig, int(held[1]), locked)
+    assert unpinned > 0 and locking(rig, int(held[1]), checkpointed) == (unpinned, 0)
+    assert locking(rig, unlocked, left if room else 2**63) == (0, unpinned)
     assert rig.launches("blocked") == []
     assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
     assert min(s for s, _ in rig.launches() if s > int(held[1])) > left

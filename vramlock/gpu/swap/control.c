@@ -1,6 +1,7 @@
 /*
  * control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET): `hello <pid>` at
- * cuInit, then a thread of its own answering `release` and `restore`.
+ * cuInit, then a thread of its own answering `release` and `restore` (and `unpin` and
+ * `pin` around a park).
  */
 #include "swap.h"
 
@@ -149,6 +150,20 @@ static void orphaned(void)
 	pthread_mutex_unlock(&mu);
 }
 
+/* `unpin` (about to be parked) and `pin` (back from a park before the turn): the host
+ * copies unlocked and locked again (prepare.c), only while released. */
+static void pin_word(const char *word, char *answer, size_t len)
+{
+	if (!released) {
+		snprintf(answer, len, "failed not released");
+	} else if (!strcmp(word, "unpin")) {
+		snprintf(answer, len, "unpinned %zu", host_unpin_all());
+	} else {
+		host_pin_all();
+		snprintf(answer, len, "pinned");
+	}
+}
+
 static void handle(const char *word)
 {
 	char answer[256] = "";
@@ -158,6 +173,8 @@ static void handle(const char *word)
 		do_release(answer, sizeof answer, 0);
 	else if (!strcmp(word, "restore"))
 		do_restore(answer, sizeof answer);
+	else if (!strcmp(word, "unpin") || !strcmp(word, "pin"))
+		pin_word(word, answer, sizeof answer);
 	/* `resident` asks nothing: the first word only says the gate may stay open. */
 	if (!greeted)
 		gate_joined_locked(!strcmp(word, "resident"));

@@ -87,6 +87,8 @@ CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn
 		n = end - off < n ? end - off : n;
 		CUstream s = streams[(*turn)++ % COPY_STREAMS];
 		char *host = (char *)p->host + off;
+		if (p->pinned < off + n && p->host == p->prep_base)
+			host_pin_to(p, off + n); /* unlocked while parked: locked again here */
 		r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, n, s)
 			: real_cuMemcpyHtoDAsync_v2(p->copy_va + off, host, n, s);
 	}
@@ -364,6 +366,8 @@ void do_restore(char *answer, size_t len)
 		step = "copying back";
 		r = copy_all_back();
 	}
+	if (!r)
+		host_pin_all(); /* what was not copied back, unlocked while parked */
 	drop_temps();
 	if (r) {
 		/* The memory is not all there: the program must not run. Give back what was

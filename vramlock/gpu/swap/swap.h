@@ -253,6 +253,7 @@ struct phys {
 	void *host;                         /* pinned copy, kept from one release to the next */
 	void *prep_base;                    /* host memory of ours (prepare.c), else NULL */
 	size_t prep_len, prep_done;         /* its length, and the bytes locked so far */
+	size_t pinned;                      /* of those, locked now (host_unpin_all undoes it) */
 	int prep_failed;                    /* could not be made ready ahead: the release will */
 	/* Copied ahead (prepare.c): the host copy's first `pre_done` bytes came from the GPU
 	 * while the program was idle, and the first `pre_hashed` are digested (by the kernel
@@ -354,6 +355,9 @@ extern int prepare_wanted; /* VRAMLOCK_SWAP_PREPARE is not 0 (read at start) */
 CUresult prepare_step(struct phys *p);
 CUresult prepare_all(struct phys *p);
 void host_free(struct phys *p);
+size_t host_unpin_all(void);
+CUresult host_pin_to(struct phys *p, size_t end);
+void host_pin_all(void);
 void prepare_start(void);
 void prepare_forget(void);
 /* `mu` for the control thread: it goes before the preparer's next step. */
