@@ -78,17 +78,21 @@ def strategy(
     stderr: IO[str] | None = None,
     settle: float = 0.0,
     hold: float = 0.0,
-    ask_after: float = 0.0,
+    ask_after: float | None = None,
 ) -> list[dict[str, float]]:
     """``swaps`` releases and restores of one worker under ``--release RELEASE``: a
     member arrives and takes the token (*out*), holds it ``hold`` seconds, then gives
-    it back (*back*). The worker's request is sent ``ask_after`` seconds into the hold.
+    it back (*back*). The worker asks for the GPU once its request comes, as the
+    command's demand says (``always``: at once after each release); with ``ask_after``,
+    its request comes that many seconds into the hold, and it says ``want`` then
+    (``--demand child``).
     ``before`` is called with the worker's Client before each release (while
     resident); the first release comes ``settle`` seconds after the worker is ready
     (idle meanwhile)."""
     run = [sys.executable, "-m", "vramlock", "run", "--arena", arena, "--release", release]
+    demand = ["--demand", "child"] if ask_after is not None else []
     proc = subprocess.Popen(
-        [*run, "--min-hold", "0", "--", sys.executable, worker.PATH, "--gib", str(gib)],
+        [*run, "--min-hold", "0", *demand, "--", sys.executable, worker.PATH, "--gib", str(gib)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -115,9 +119,13 @@ def strategy(
                 left = nvml.processes(0).get(w.pid)
                 # Released: off the GPU (checkpoint), or holding its CUDA context alone.
                 assert left is None if release == "checkpoint" else (left or 0) < GIB, left
-                time.sleep(min(ask_after, hold))
+                asks = min(ask_after or 0.0, hold)
+                time.sleep(asks)
+                if ask_after is not None:
+                    w.send("want")
+                    assert w.read(10) == "wanted"
                 w.send("check")  # blocks while released
-                time.sleep(hold - min(ask_after, hold))
+                time.sleep(hold - asks)
                 t2 = time.perf_counter()
                 me.residency.drop()
                 word, value = w.read(120).split()

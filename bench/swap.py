@@ -32,8 +32,9 @@
    holding the token PARK_HOLD seconds, so that the released worker's CUDA context leaves
    the GPU too. *queued*: the worker's request comes as soon as it is released, so it is
    parked while queued, and *back* includes bringing its context back. *asked*: the
-   request comes once it is parked, ASK_AFTER seconds into the hold: the context comes
-   back while the member finishes its turn (docs/swap.md).
+   worker, under ``--demand child``, says it wants the GPU when its request comes, once
+   it is parked, ASK_AFTER seconds into the hold: its context comes back while the
+   member finishes its turn (docs/swap.md).
 
 What the library costs a resident program: bench/interpose.py. Two llama-servers under
 swap, checkpoint, the preset and restart: bench/servers.py. GB/s are 10^9 bytes a
@@ -90,7 +91,7 @@ def switch(
         runs = gpu_run.strategy(gib, arena, "swap", swaps=1 + repeat, env=env, before=change,
                                 stderr=err, settle=settle,
                                 hold=PARK_HOLD if park else 0.0,
-                                ask_after=ASK_AFTER if park == "asked" else 0.0)  # fmt: skip
+                                ask_after=ASK_AFTER if park == "asked" else None)  # fmt: skip
         err.seek(0)
         trace = err.read()
         copied, digest = traced(trace)

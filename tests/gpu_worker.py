@@ -14,7 +14,9 @@ output of a CUDA graph captured at the start, replaying the graph and saying
 ``replayed <checksum of the output>``, ``poke INDEX`` by adding 1 to the float at
 that index of all its data (negative: from the end) and ``touch PERCENT`` by negating
 that share of its tensors (every word of them changes), each saying ``poked`` or
-``touched`` and the new checksum. It exits at end of input.
+``touched`` and the new checksum; ``want`` says ``want`` on vramlock's control channel
+(under ``--demand child``: the command wants the GPU) and ``wanted``. It exits at end of
+input.
 ``--managed-mib`` also takes that much managed (UVM) memory through the driver,
 which makes the process impossible to checkpoint.
 """
@@ -175,6 +177,12 @@ class Client:
         self.proc.wait(60)
 
 
+def say_want() -> None:
+    """``want`` on the control channel vramlock run gave us (VRAMLOCK_CONTROL_FD)."""
+    fd = int(os.environ["VRAMLOCK_CONTROL_FD"])
+    os.write(fd, b"want\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.0)
@@ -211,6 +219,9 @@ def main() -> int:
         elif word == "touch":
             touch(chunks, float(rest[0]))
             print("touched", checksum(chunks), flush=True)
+        elif word == "want":
+            say_want()
+            print("wanted", flush=True)
     return 0
 
 
