@@ -573,8 +573,12 @@ class SwapStrategy(Strategy):
         waits for it), where NVML shows room for them beside SHORT_OF_ROOM (else they
         would be parked again at once). The processes stay released: the library holds
         their GPU calls until the token is the command's, as before the park. Without
-        NVML the room is not known: they come back on the token, as before."""
+        NVML the room is not known: they come back on the token, as before. Nor do they
+        come back early where one of the processes is not held by the library any more
+        (its connection closed while it was parked: an exec, say)."""
         if not self._parked or self._early is not None or not self._room_early():
+            return
+        if self.hub.unverified(self._parked) is not None:
             return
         self._early = threading.Thread(target=self._unpark_early, name="vramlock-unpark")
         self._early.start()
