@@ -184,7 +184,10 @@ def test_cancel_wants_the_api_key(
     try:
         asked = {"model": "m", "stream": True, "hold": True}
         pending = pool.submit(call, port, "POST", "/v1/chat/completions", asked, auth)
-        found = events.until("inflight", upsert)["request"]
+        # Once its answer began: cancelled before, it would be a 502.
+        found = events.until("inflight", lambda d: upsert(d) and d["request"]["resp_bytes"] > 0)[
+            "request"
+        ]
         status, headers, _ = call(port, "POST", f"/api/inflight/{found['id']}/cancel")
         assert (status, headers["WWW-Authenticate"]) == (401, 'Basic realm="vramlock"')
         other = Events(port, auth)
