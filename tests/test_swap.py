@@ -463,7 +463,7 @@ def test_a_program_that_drops_the_socket_while_starting_waits_its_turn(
     time.sleep(2.0)  # its constructors are done: it waits for its turn
     left = let_go(holder)
     err = ran_after(rig, job, left)
-    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert not rig.between(int(held[1]), left), err
 
 
 def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released(
@@ -504,7 +504,7 @@ def test_a_program_started_with_the_socket_named_twice_is_stopped_while_released
     time.sleep(0.5)
     left = let_go(holder)
     err = ran_after(rig, job, left)
-    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert not rig.between(int(held[1]), left), err
 
 
 def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_connection_ends(
@@ -533,7 +533,7 @@ def test_a_process_whose_library_could_not_mark_its_set_up_is_refused_when_its_c
     left = let_go(holder)
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
-    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left], err
+    assert not rig.between(int(held[1]), left), err
     assert int(held[2]) == 0, held  # the command's memory was off the GPU
     assert "uses CUDA without the swap library" in err, err
 
@@ -669,7 +669,7 @@ def test_a_stray_continued_for_a_restore_that_fails_is_stopped_again(
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert "could not be restored" in err, err
-    assert not [s for s, _ in rig.launches() if int(held[1]) <= s <= left]
+    assert not rig.between(int(held[1]), left)
     assert max(s for s, _ in rig.launches()) > left  # both ran on, in the command's turn
 
 

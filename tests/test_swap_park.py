@@ -113,11 +113,9 @@ def server_and_worker(
 def locking(rig: Rig, start: int, end: int) -> tuple[int, int]:
     """The host memory the fake driver saw unlocked, then locked, between ``start`` and
     ``end`` (monotonic ns): bytes each."""
-
-    def total(what: str) -> int:
-        return sum(n for ns, n in rig.launches(what) if start <= ns <= end)
-
-    return total("unregister"), total("register")
+    unlocked, locked = (sum(n for _, n in rig.between(start, end, what))
+                        for what in ("unregister", "register"))  # fmt: skip
+    return unlocked, locked
 
 
 def round_trip(port: int) -> bytes:
@@ -162,7 +160,7 @@ def test_a_released_server_is_parked_and_comes_back_whole(
     # Its context was back before its memory: nothing of it waited on the driver (a
     # restore of its memory while it was checkpointed would have, for good).
     assert rig.launches("blocked") == []
-    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert rig.between(int(held[1]), left) == []
     assert min(s for s, _ in rig.launches() if s > int(held[1])) > unlocked
     stop.touch()
     out, err = job.communicate(timeout=60)
@@ -215,7 +213,7 @@ def test_a_parked_server_asked_for_comes_back_while_the_holder_finishes(
     assert unpinned > 0 and locking(rig, int(held[1]), checkpointed) == (unpinned, 0)
     assert locking(rig, unlocked, left if room else 2**63) == (0, unpinned)
     assert rig.launches("blocked") == []
-    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert rig.between(int(held[1]), left) == []
     assert min(s for s, _ in rig.launches() if s > int(held[1])) > left
     # Its next release parks it as VRAMLOCK_PARK_AFTER says, early or not this time.
     holder = rig.holder(spawn)
@@ -265,7 +263,7 @@ def test_without_the_checkpoint_api_the_context_stays_and_nothing_breaks(
         assert held[:1] == ["held"] and int(held[2]) == 0
         time.sleep(1.5)  # long past the park, due after 0.2 s
         left = let_go(holder)
-        assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+        assert rig.between(int(held[1]), left) == []
     assert round_trip(port) == b"round 4\n"
     stop.touch()
     out, err = job.communicate(timeout=60)
@@ -297,7 +295,7 @@ def test_an_order_to_end_waits_for_the_parked_program_to_come_back(rig: Rig, spa
     (unlocked,) = calls(rig, "unlock", program)
     assert left < unlocked < terminated  # the signal came after its context was back
     assert rig.launches("blocked") == []
-    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert rig.between(int(held[1]), left) == []
     assert err == ""
 
 
@@ -617,7 +615,7 @@ def test_a_process_started_while_parked_waits_for_the_turn(rig: Rig, spawn: Spaw
     left = let_go(holder)
     assert read_line(job) == ["ready"]  # the late one, on the command's turn
     assert round_trip(port) == b"round 2\n"
-    assert [s for s, _ in rig.launches() if int(held[1]) <= s <= left] == []
+    assert rig.between(int(held[1]), left) == []
     assert rig.launches("blocked") == []
     stop.touch()
     out, err = job.communicate(timeout=60)

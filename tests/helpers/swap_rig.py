@@ -152,6 +152,10 @@ class Rig:
                 out.append((int(start), int(end)))
         return out
 
+    def between(self, start: int, end: int, what: str = "launch") -> list[tuple[int, int]]:
+        """``launches(what)`` that began from ``start`` to ``end`` (monotonic ns)."""
+        return [(s, e) for s, e in self.launches(what) if start <= s <= end]
+
     def run(
         self, spawn: Spawn, *args: str, release: str = "swap", **kw: object
     ) -> subprocess.Popen[str]:

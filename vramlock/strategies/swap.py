@@ -496,9 +496,7 @@ class SwapStrategy(Strategy):
         """Checkpoint what the released processes still hold on the GPU (their contexts:
         their memory is in host memory already). Refused once, never tried again; a
         process that ended meanwhile refuses nothing: the next look parks the others."""
-        self._early_done()
-        if self._parked:
-            return
+        self._early_done()  # its last step (pin) may still be under way
         self._mark_parked(True)  # before the driver's first step: see _mark_parked
         try:
             pids = cuda.cuda_pids(self.ctx.child.processes())

@@ -61,6 +61,23 @@ static void populate(char *p, size_t n)
 		((volatile char *)p)[off] = 0;
 }
 
+/* Locks bytes [off, off + n) of `p`'s host copy, one piece (PREP_CHUNK at most), in
+ * `p`'s context: what a release copies into, and the digest kernel reads. */
+static CUresult lock_piece(struct phys *p, size_t off, size_t n)
+{
+	CUresult r = real_cuCtxSetCurrent(p->ctx);
+	return r ? r : real_cuMemHostRegister_v2((char *)p->prep_base + off, n,
+						 CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+}
+
+/* Unlocks every piece of `p`'s host copy that is locked (the context is the caller's). */
+static void unlock_pieces(struct phys *p)
+{
+	for (size_t off = 0; off < p->pinned; off += PREP_CHUNK)
+		real_cuMemHostUnregister((char *)p->prep_base + off);
+	p->pinned = 0;
+}
+
 /* One more chunk of `p`'s host copy: mapped (the first time), touched and locked;
  * once it is whole, it is `p->host`. With `mu` held. */
 CUresult prepare_step(struct phys *p)
@@ -81,11 +98,8 @@ CUresult prepare_step(struct phys *p)
 		p->prep_done = 0;
 	}
 	size_t n = p->size - p->prep_done < PREP_CHUNK ? p->size - p->prep_done : PREP_CHUNK;
-	char *at = (char *)p->prep_base + p->prep_done;
-	populate(at, n);
-	CUresult r = real_cuCtxSetCurrent(p->ctx);
-	if (!r)
-		r = real_cuMemHostRegister_v2(at, n, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+	populate((char *)p->prep_base + p->prep_done, n);
+	CUresult r = lock_piece(p, p->prep_done, n);
 	if (r)
 		return r;
 	p->prep_done += n;
@@ -113,10 +127,8 @@ size_t host_unpin_all(void)
 	for (struct phys *p = physes; p; p = p->next) {
 		if (!p->prep_base || !p->pinned || real_cuCtxSetCurrent(p->ctx))
 			continue;
-		for (size_t off = 0; off < p->pinned; off += PREP_CHUNK)
-			real_cuMemHostUnregister((char *)p->prep_base + off);
 		n += p->pinned;
-		p->pinned = 0;
+		unlock_pieces(p);
 	}
 	real_cuCtxSetCurrent(NULL);
 	return n;
@@ -124,23 +136,17 @@ size_t host_unpin_all(void)
 
 /* `p`'s host copy locked again through byte `end` (whole pieces, as prepare_step
  * locked them). Where that fails, copies from it still work, only slower. With `mu`. */
-CUresult host_pin_to(struct phys *p, size_t end)
+void host_pin_to(struct phys *p, size_t end)
 {
 	CUresult r = CUDA_SUCCESS;
 	end = end < p->prep_done ? end : p->prep_done;
-	if (!p->prep_base || p->pinned >= end)
-		return r;
-	r = real_cuCtxSetCurrent(p->ctx);
-	while (!r && p->pinned < end) {
+	while (p->prep_base && !r && p->pinned < end) {
 		size_t n = p->prep_done - p->pinned < PREP_CHUNK ? p->prep_done - p->pinned : PREP_CHUNK;
-		r = real_cuMemHostRegister_v2((char *)p->prep_base + p->pinned, n,
-					      CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-		if (!r)
+		if (!(r = lock_piece(p, p->pinned, n)))
 			p->pinned += n;
 	}
 	if (r)
 		TRACE("host copy not locked again: %s; copied from unlocked memory", errname(r));
-	return r;
 }
 
 /* Every host copy locked again. With `mu` held. */
@@ -164,14 +170,13 @@ CUresult prepare_all(struct phys *p)
 void host_free(struct phys *p)
 {
 	if (p->prep_base) {
-		for (size_t off = 0; off < p->pinned; off += PREP_CHUNK)
-			real_cuMemHostUnregister((char *)p->prep_base + off);
+		unlock_pieces(p);
 		munmap(p->prep_base, p->prep_len);
 	} else if (p->host) {
 		real_cuMemFreeHost(p->host);
 	}
 	p->host = p->prep_base = NULL;
-	p->prep_len = p->prep_done = p->pinned = 0;
+	p->prep_len = p->prep_done = 0;
 }
 
 /* ---- copies made ahead ----------------------------------------------------------

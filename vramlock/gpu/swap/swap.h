@@ -356,7 +356,7 @@ CUresult prepare_step(struct phys *p);
 CUresult prepare_all(struct phys *p);
 void host_free(struct phys *p);
 size_t host_unpin_all(void);
-CUresult host_pin_to(struct phys *p, size_t end);
+void host_pin_to(struct phys *p, size_t end);
 void host_pin_all(void);
 void prepare_start(void);
 void prepare_forget(void);
