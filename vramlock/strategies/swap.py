@@ -593,9 +593,10 @@ class SwapStrategy(Strategy):
     def _unpark_early(self) -> None:
         # Whatever goes wrong here, the token's restore does it again and says why.
         with contextlib.suppress(VramTaken, StrategyError, ChildExited, ReleaseTimeout, OSError):
-            self._unpark()
-            # About to run: parked again only if the wait lasts, or room runs short.
+            # About to run: parked again only if the wait lasts, or room runs short. Said
+            # before the contexts are back, so that no look in between finds a park due.
             self._park_not_before = time.monotonic() + KEEP_EARLY
+            self._unpark()
             self._tell("pin", "pinned", time.monotonic() + PIN_WITHIN)  # host copies too
 
     def _early_done(self) -> None:
