@@ -80,6 +80,40 @@ def test_contents_survive_swaps_memory_is_gone_and_the_gate_holds(
     assert err == ""  # nothing said on the happy path
 
 
+@pytest.mark.parametrize("lowered", [True, False], ids=["lowered", "kept"])
+def test_a_released_context_s_stack_is_lowered_and_set_back_before_the_program_runs(
+    rig: Rig, spawn: Spawn, lowered: bool
+) -> None:
+    """Most of what a released context keeps is its stack: a release lowers the limit, a
+    restore sets the program's back before it launches again. The witness is the fake
+    driver's log of every change of the limit; the program reads its own after each round
+    (it exits 3 on another value). VRAMLOCK_SWAP_STACK=0 leaves the stack alone."""
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop), SWAP_PROG_STACK="4096")
+    if not lowered:
+        env["VRAMLOCK_SWAP_STACK"] = "0"
+    job = rig.run(spawn, "60", env=env)
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(3):
+        turns.append(take_turn(rig, spawn))
+        wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    stacks = rig.launches("stack")  # (when, bytes)
+
+    def limit_at(ns: int) -> int:
+        return [limit for at, limit in stacks if at <= ns][-1]
+
+    for turn in turns:  # the whole turn, from the member taking the token to letting go
+        assert [limit_at(turn.start), limit_at(turn.end)] == (
+            [16, 16] if lowered else [4096, 4096]
+        ), (turn, stacks)
+    assert {limit_at(start) for start, _ in rig.launches()} == {4096}, stacks
+    assert len(stacks) == (1 + 2 * len(turns) if lowered else 1), stacks
+
+
 def test_a_process_joining_while_released_waits_for_its_turn(rig: Rig, spawn: Spawn) -> None:
     go = rig.tmp / "go"
     env = dict(rig.env, SWAP_PROG_START_AFTER=str(go))

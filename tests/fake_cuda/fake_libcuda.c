@@ -814,6 +814,26 @@ CUresult cuCtxSetCurrent(void *c) { current = c; return OK; }
 CUresult cuCtxGetCurrent(void **c) { *c = current; return OK; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? OK : 201; }
 CUresult cuCtxSynchronize(void) { GATED(!current ? 201 : unsafe_in_capture()); }
+/* The per-thread stack limit (CU_LIMIT_STACK_SIZE, 0) is the one limit kept: 1 KiB at
+ * first, as on a GPU, every change logged as "stack <ns> <bytes>". */
+static size_t stack_limit = 1024;
+CUresult cuCtxGetLimit(size_t *v, int limit)
+{
+	if (!current)
+		return 201;
+	*v = limit == 0 ? stack_limit : 0;
+	return OK;
+}
+CUresult cuCtxSetLimit(int limit, size_t v)
+{
+	if (!current)
+		return 201;
+	if (limit == 0) {
+		stack_limit = v;
+		log_line("stack", now_ns(), (long long)v);
+	}
+	return OK;
+}
 CUresult cuStreamCreate(void **s, unsigned fl) { (void)fl; *s = calloc(1, 1); return current ? OK : NO_CONTEXT; }
 CUresult cuStreamDestroy_v2(void *s) { free(s); return OK; }
 CUresult cuStreamSynchronize(void *s) { (void)s; GATED(unsafe_in_capture()); }
@@ -996,6 +1016,7 @@ static const struct {
 	E(cuModuleGetFunction), E(cuMemHostGetDevicePointer_v2), E(cuInit),
 	E(cuDriverGetVersion), E(cuDeviceGet), E(cuDeviceGetCount), E(cuDevicePrimaryCtxRetain),
 	E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxGetDevice), E(cuCtxSynchronize),
+	E(cuCtxGetLimit), E(cuCtxSetLimit),
 	E(cuStreamCreate), E(cuStreamDestroy_v2), E(cuStreamSynchronize), E(cuStreamIsCapturing), E(cuStreamBeginCapture_v2), E(cuStreamEndCapture),
 	E(cuGetErrorString), E(cuGetErrorName), E(cuGetProcAddress), E(cuGetProcAddress_v2),
 };

@@ -31,6 +31,8 @@
  * closes every socket it has once it is ready (=shutdown: shuts each down first, so that
  * the other end and a thread of its own blocked on it see it end). With SWAP_PROG_IDLE_CHILD=1 it forks a
  * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
+ * With SWAP_PROG_STACK=N it sets its per-thread stack limit to N bytes before it
+ * allocates, and checks after each round that the driver says N (else exits 3).
  *
  * With SWAP_PROG_LISTEN=PORT it is a server, idle between requests as an inference
  * server is: on 127.0.0.1:PORT, GET /health answers 200 without touching the GPU, and
@@ -389,6 +391,11 @@ int main(int argc, char **argv)
 	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
 	CHECK(cuCtxSetCurrent(ctx));
 	CHECK(cuStreamCreate(&stream, 0));
+	const char *stack = getenv("SWAP_PROG_STACK");
+	size_t stack_asked = stack ? strtoull(stack, NULL, 10) : 0;
+	CUresult (*cuCtxGetLimit)(size_t *, int) = get("cuCtxGetLimit", 0);
+	if (stack_asked)
+		CHECK(((CUresult(*)(int, size_t))get("cuCtxSetLimit", 0))(0, stack_asked));
 
 	CUdeviceptr p;
 	CHECK(cuMemAlloc(&p, 6 << 20));
@@ -530,6 +537,11 @@ int main(int argc, char **argv)
 		}
 		rounds++;
 		check((size_t)rounds % nbufs, rounds, rounds % 2);
+		size_t stack_now;
+		if (stack_asked && (cuCtxGetLimit(&stack_now, 0) || stack_now != stack_asked)) {
+			printf("MISMATCH stack: %zu, not %zu\n", stack_now, stack_asked);
+			return 3;
+		}
 		if (conn >= 0) {
 			char body[32];
 			snprintf(body, sizeof body, "round %ld\n", rounds);

@@ -262,14 +262,16 @@ const char *setting(const char *name, char *buf, size_t size)
  * the wrapper listens, and which descriptor holds the command's token. */
 int control_setup(void)
 {
-	char at_start[3][sizeof sock_path + 1]; /* one more: too long a path stays too long */
+	char at_start[4][sizeof sock_path + 1]; /* one more: too long a path stays too long */
 	const char *path = setting("VRAMLOCK_SWAP_SOCKET", at_start[0], sizeof at_start[0]);
 	const char *fd = setting("VRAMLOCK_TOKEN_FD", at_start[1], sizeof at_start[1]);
 	const char *prepare = setting("VRAMLOCK_SWAP_PREPARE", at_start[2], sizeof at_start[2]);
+	const char *stack = setting("VRAMLOCK_SWAP_STACK", at_start[3], sizeof at_start[3]);
 	struct stat st;
 	if (!path || !*path)
 		return 0;
 	prepare_wanted = !prepare || strcmp(prepare, "0");
+	stack_wanted = !stack || strcmp(stack, "0");
 	/* Too long a path stays empty: connect_control then says so. */
 	if (strlen(path) < sizeof sock_path)
 		memcpy(sock_path, path, strlen(path) + 1);

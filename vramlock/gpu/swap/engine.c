@@ -18,10 +18,19 @@ static struct {
 } copy_ctx[MAX_CONTEXTS];
 static size_t ncopy_ctx;
 
+/* The contexts whose stack limit a release lowered, and what it was (below). */
+int stack_wanted = 1;
+static struct {
+	CUcontext ctx;
+	size_t was;
+} lowered[MAX_CONTEXTS];
+static size_t nlowered;
+
 /* In a forked child: the streams are its parent's. */
 void engine_forget(void)
 {
 	ncopy_ctx = 0;
+	nlowered = 0;
 	atomic_store(&captures, 0);
 	delta_forget();
 }
@@ -45,22 +54,29 @@ CUresult streams_of(CUcontext ctx, CUstream **out)
 	return CUDA_SUCCESS;
 }
 
+/* The contexts that own tracked memory, each once, into `seen`: how many. */
+static size_t memory_contexts(CUcontext seen[MAX_CONTEXTS])
+{
+	size_t n = 0;
+	for (struct phys *p = physes; p; p = p->next) {
+		size_t k = 0;
+		while (k < n && seen[k] != p->ctx)
+			k++;
+		if (k == n && n < MAX_CONTEXTS)
+			seen[n++] = p->ctx;
+	}
+	return n;
+}
+
 /* Syncs every context that owns tracked memory, and every stream of ours. */
 CUresult sync_all(int ours_only)
 {
 	CUresult r = CUDA_SUCCESS;
 	if (!ours_only) {
 		CUcontext seen[MAX_CONTEXTS];
-		size_t n = 0;
-		for (struct phys *p = physes; p && !r; p = p->next) {
-			size_t k = 0;
-			while (k < n && seen[k] != p->ctx)
-				k++;
-			if (k < n)
-				continue;
-			if (n < MAX_CONTEXTS)
-				seen[n++] = p->ctx;
-			r = real_cuCtxSetCurrent(p->ctx);
+		size_t n = memory_contexts(seen);
+		for (size_t i = 0; i < n && !r; i++) {
+			r = real_cuCtxSetCurrent(seen[i]);
 			if (!r)
 				r = real_cuCtxSynchronize();
 		}
@@ -235,6 +251,47 @@ static CUresult undo_release(void)
 	return r;
 }
 
+/* ---- the stack: most of what a released context keeps ----------------------------
+ * Once its memory is out, most of what a context still holds is local memory: the
+ * per-thread stack, sized for every thread the GPU can run at once (some 260 MiB on an
+ * H100 at the default 1 KiB a thread). A release lowers each context's stack limit to its
+ * least, and a restore sets back what it was before the program runs again (the program
+ * sees and sets its own: hooks.c gates cuCtxGetLimit and cuCtxSetLimit). A context the
+ * driver will not lower keeps its stack: nothing else depends on it. Off with
+ * VRAMLOCK_SWAP_STACK=0. */
+
+#define CU_LIMIT_STACK_SIZE 0
+#define STACK_LEAST 16
+
+static void stack_lower(void)
+{
+	CUcontext seen[MAX_CONTEXTS];
+	size_t n = stack_wanted && real_cuCtxGetLimit && real_cuCtxSetLimit ? memory_contexts(seen)
+									     : 0;
+	for (size_t i = 0; i < n; i++) {
+		size_t was;
+		if (real_cuCtxSetCurrent(seen[i]) || real_cuCtxGetLimit(&was, CU_LIMIT_STACK_SIZE) ||
+		    was <= STACK_LEAST || real_cuCtxSetLimit(CU_LIMIT_STACK_SIZE, STACK_LEAST))
+			continue;
+		lowered[nlowered].ctx = seen[i];
+		lowered[nlowered++].was = was;
+	}
+}
+
+/* Each lowered stack as it was; one that cannot be is left lowered for the next try. */
+static CUresult stack_back(void)
+{
+	while (nlowered) {
+		CUresult r = real_cuCtxSetCurrent(lowered[nlowered - 1].ctx);
+		if (!r)
+			r = real_cuCtxSetLimit(CU_LIMIT_STACK_SIZE, lowered[nlowered - 1].was);
+		if (r)
+			return r;
+		nlowered--;
+	}
+	return CUDA_SUCCESS;
+}
+
 double now_ms(void)
 {
 	struct timespec ts;
@@ -338,9 +395,11 @@ void do_release(char *answer, size_t len, int stay_closed)
 		return;
 	}
 	released = 1;
+	double t2 = now_ms();
+	stack_lower();
 	real_cuCtxSetCurrent(NULL);
-	TRACE("released %zu bytes, copied %zu: copy %.1f ms, release %.1f ms", bytes, copied_out,
-	      t1 - t0, now_ms() - t1);
+	TRACE("released %zu bytes, copied %zu: copy %.1f ms, release %.1f ms, stack %.1f ms",
+	      bytes, copied_out, t1 - t0, t2 - t1, now_ms() - t2);
 	snprintf(answer, len, "released");
 }
 
@@ -352,8 +411,12 @@ void do_restore(char *answer, size_t len)
 		return;
 	}
 	double t0 = now_ms();
-	const char *step = "creating and mapping";
-	CUresult r = take_back();
+	const char *step = "setting the stack limit back";
+	CUresult r = stack_back();
+	if (!r) {
+		step = "creating and mapping";
+		r = take_back();
+	}
 	if (!r) {
 		step = "finding the allocations";
 		r = find_copy_places();

@@ -175,6 +175,9 @@ DRIVER(DEFINE_DRIVER)
 	X(cuModuleLoadFatBinary, (void **m, const void *fatbin), (m, fatbin))            \
 	X(cuLibraryLoadData, (P_LIBLOAD(const void *code)), (A_LIBLOAD))                 \
 	X(cuLibraryLoadFromFile, (P_LIBLOAD(const char *code)), (A_LIBLOAD))             \
+	/* A release lowers the stack limit (engine.c): the program's own waits for it. */ \
+	X(cuCtxGetLimit, (size_t * v, int limit), (v, limit))                          \
+	X(cuCtxSetLimit, (int limit, size_t v), (limit, v))                            \
 	X(cuPointerGetAttribute, (void *data, int attr, CUdeviceptr p), (data, attr, p)) \
 	X(cuPointerGetAttributes, (unsigned n, int *attrs, void **data, CUdeviceptr p),  \
 	  (n, attrs, data, p))

@@ -188,6 +188,8 @@ DRIVER(DECLARE_DRIVER)
 
 /* Hooked (hooks.c's GATED): the library's own calls of these go to the driver direct. */
 extern CUresult (*real_cuModuleLoadData)(void **, const void *);
+extern CUresult (*real_cuCtxGetLimit)(size_t *, int);
+extern CUresult (*real_cuCtxSetLimit)(int, size_t);
 extern CUresult (*real_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
 				       unsigned, unsigned, unsigned, CUstream, void **, void **);
 
@@ -323,6 +325,7 @@ void table_forget(void);
 /* Streams capturing a CUDA graph now (a capture starts at the gate only). */
 extern atomic_int captures;
 
+extern int stack_wanted; /* VRAMLOCK_SWAP_STACK is not 0 (read at start) */
 void do_release(char *answer, size_t len, int stay_closed);
 void engine_forget(void);
 void do_restore(char *answer, size_t len);
