@@ -843,11 +843,16 @@ def test_every_cuda_process_of_the_command_is_swapped(rig: Rig, spawn: Spawn) ->
     assert out.split().count("done") == 2  # each checked every buffer at its end
 
 
+@pytest.mark.parametrize(
+    "short", ["FAKE_CUDA_FULL", "FAKE_CUDA_STACK_FULL"], ids=["memory", "stack"]
+)
 def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
-    rig: Rig, spawn: Spawn
+    rig: Rig, spawn: Spawn, short: str
 ) -> None:
+    """Whether the memory or the context's stack (set back before the program runs) finds
+    no room."""
     full, stop = rig.tmp / "full", rig.tmp / "stop"
-    env = dict(rig.env, FAKE_CUDA_FULL=str(full), SWAP_PROG_STOP=str(stop))
+    env = {**rig.env, short: str(full), "SWAP_PROG_STOP": str(stop), "SWAP_PROG_STACK": "4096"}
     job = rig.run(spawn, "60", env=env)
     assert read_line(job) == ["ready"]
     turn = take_turn(rig, spawn)
@@ -865,6 +870,8 @@ def test_a_restore_without_memory_gives_the_gpu_back_and_queues_again(
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
     assert "could not be restored" in err and "queueing again" in err
+    step = "creating and mapping" if short == "FAKE_CUDA_FULL" else "setting the stack limit back"
+    assert f"could not be restored ({step}: out of memory)" in err, err
     assert not during(rig.launches(), [turn, second, third])
 
 

@@ -12,7 +12,8 @@
  * program holds none. With FAKE_CUDA_ALIASES set, cuGetProcAddress hands out
  * cuLaunchKernel under an address no exported name has; while the file named by
  * FAKE_CUDA_FULL exists, cuMemCreate finds no memory, and while the file named by
- * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none. While a stream captures a graph,
+ * FAKE_CUDA_HOST_FULL exists, cuMemHostAlloc finds none; while the file named by
+ * FAKE_CUDA_STACK_FULL exists, the stack limit cannot be raised. While a stream captures a graph,
  * a call of any thread that would synchronize or pin (cuCtxSynchronize, cuStreamSynchronize,
  * cuMemHostRegister, cuModuleLoadData) fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
  * invalidates the capture, whose end then fails, as on a GPU.
@@ -826,8 +827,11 @@ CUresult cuCtxGetLimit(size_t *v, int limit)
 }
 CUresult cuCtxSetLimit(int limit, size_t v)
 {
+	const char *full = getenv("FAKE_CUDA_STACK_FULL");
 	if (!current)
 		return 201;
+	if (limit == 0 && v > stack_limit && full && !access(full, F_OK))
+		return OOM; /* a larger stack is GPU memory */
 	if (limit == 0) {
 		stack_limit = v;
 		log_line("stack", now_ns(), (long long)v);

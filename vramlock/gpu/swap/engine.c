@@ -111,8 +111,8 @@ CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn
 	return r;
 }
 
-/* Every allocation, whole, back from host memory. */
-static CUresult copy_all_back(void)
+/* Every allocation, whole, queued back from host memory (sync_all(1) waits for it). */
+static CUresult queue_all_back(void)
 {
 	size_t turn = 0;
 	for (struct phys *p = physes; p; p = p->next) {
@@ -120,7 +120,13 @@ static CUresult copy_all_back(void)
 		if (r)
 			return r;
 	}
-	return sync_all(1);
+	return CUDA_SUCCESS;
+}
+
+static CUresult copy_all_back(void)
+{
+	CUresult r = queue_all_back();
+	return r ? r : sync_all(1);
 }
 
 /* Where to copy each physical allocation from (or to): a mapping of it, or a
@@ -411,12 +417,8 @@ void do_restore(char *answer, size_t len)
 		return;
 	}
 	double t0 = now_ms();
-	const char *step = "setting the stack limit back";
-	CUresult r = stack_back();
-	if (!r) {
-		step = "creating and mapping";
-		r = take_back();
-	}
+	const char *step = "creating and mapping";
+	CUresult r = take_back();
 	if (!r) {
 		step = "finding the allocations";
 		r = find_copy_places();
@@ -427,10 +429,20 @@ void do_restore(char *answer, size_t len)
 	}
 	if (!r) {
 		step = "copying back";
-		r = copy_all_back();
+		r = queue_all_back();
+	}
+	if (!r) {
+		step = "setting the stack limit back"; /* while the copies run */
+		r = stack_back();
+	}
+	if (!r) {
+		step = "copying back";
+		r = sync_all(1);
 	}
 	if (!r)
 		host_pin_all(); /* what was not copied back, unlocked while parked */
+	else
+		sync_all(1); /* no copy of ours left running on what is given back below */
 	drop_temps();
 	if (r) {
 		/* The memory is not all there: the program must not run. Give back what was
