@@ -11,7 +11,9 @@ server 1's first release served (the first alternation), beside the later ones' 
 Server 0's first release served server 1's warm request, which is not shown there: it may
 hold server 1's start too (its model's load), as server 1 may have taken the token first
 and loaded before server 0, or not (the JSON has it, as ``warm_s``). *Released keeps* is
-what NVML shows the server just released holding, after each request (a GPU only).
+what NVML shows the server just released holding, after each request (a GPU only), and
+after ``--pause`` idle seconds, if given, before the next request goes to it (long enough
+under ``VRAMLOCK_PARK_AFTER=0`` for it to park: a cold parked return).
 
 By default it runs the CPU llama-server that ``tools/llama_server.py`` builds and caches,
 with the tiny model ``tools/tiny_gguf.py`` writes (``--binary`` and ``--model`` name
@@ -109,6 +111,7 @@ def run_mode(
     trace: bool,
     settle: float = 0.0,
     keep: str | None = None,
+    pause: float = 0.0,
 ) -> dict[str, Any]:
     procs = []
     ports = []
@@ -170,6 +173,7 @@ def run_mode(
                 latency.append(time.perf_counter() - t0)
                 prefill.append(float(timings["prompt_ms"]) / 1000)
                 cached.append(int(timings.get("cache_n", 0)))
+                time.sleep(pause)  # the one just released is asked next: idle that long
                 other = held_by(procs[1 - i].pid)  # the one just released, as NVML sees it
                 if other is not None:
                     kept.append(other)
@@ -243,6 +247,9 @@ def main() -> int:
     parser.add_argument(
         "--settle", type=float, default=0.0, help="idle seconds after each warm request"
     )
+    parser.add_argument(
+        "--pause", type=float, default=0.0, help="idle seconds after each alternation"
+    )
     args = parser.parse_args()
     binary = args.binary or llama_server.cached_binary()
     if binary is None:
@@ -274,6 +281,7 @@ def main() -> int:
             args.trace,
             args.settle,
             args.keep_logs,
+            args.pause,
         )
         kept = r["kept"]
         shown = f"{min(kept) >> 20}-{max(kept) >> 20}" if kept else "-"
