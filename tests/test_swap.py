@@ -41,6 +41,7 @@ from helpers.swap_rig import (
     stopped_stray,
     swap_turns,
     take_turn,
+    turns_then_stop,
 )
 
 from vramlock.arena import records
@@ -94,13 +95,7 @@ def test_a_released_context_s_stack_is_lowered_and_set_back_before_the_program_r
         env["VRAMLOCK_SWAP_STACK"] = "0"
     job = rig.run(spawn, "60", env=env)
     assert read_line(job) == ["ready"]
-    turns = []
-    for _ in range(3):
-        turns.append(take_turn(rig, spawn))
-        wait_until(resumed(rig, len(rig.launches())))
-    stop.touch()
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
+    turns, _, _ = turns_then_stop(rig, spawn, job, stop, 3)
     stacks = rig.launches("stack")  # (when, bytes)
 
     def limit_at(ns: int) -> int:

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock
-from helpers.processes import Spawn, wait_until
+from helpers.processes import Spawn
 from helpers.swap_rig import (
     FAKES,
     SWAP_SOURCES,
     Rig,
     ask,
     read_line,
-    resumed,
     swap_copies,
     take_turn,
+    turns_then_stop,
 )
 
 from vramlock.gpu import swap
@@ -114,13 +114,7 @@ def test_the_digest_runs_with_the_program_stopped_and_before_the_turn(
     stop = rig.tmp / "stop"
     job = rig.run(spawn, "60", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
     assert read_line(job) == ["ready"]
-    turns = []
-    for _ in range(3):
-        turns.append(take_turn(rig, spawn))
-        wait_until(resumed(rig, len(rig.launches())))
-    stop.touch()
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
+    turns, _, _ = turns_then_stop(rig, spawn, job, stop, 3)
     digests = rig.launches("digest")
     assert len(digests) >= 3 * 2  # each release, each of the program's allocations
     assert not overlapping(rig.launches(), digests)

@@ -270,13 +270,12 @@ def resumed(rig: Rig, seen: int) -> Callable[[], bool]:
     return lambda: len(rig.launches()) > seen + 20
 
 
-def swap_turns(
+def turns_then_stop(
     rig: Rig, spawn: Spawn, job: subprocess.Popen[str], stop: Path, rounds: int
-) -> tuple[str, str]:
+) -> tuple[list[Turn], str, str]:
     """``rounds`` turns of the test's member while ``job`` runs (each time the program
-    launches again in between), then ``stop`` ends the program: its stdout and stderr.
-    Checked here: it exited 0, and no physical memory was held and no launch ran during a
-    turn (the fake driver's own witnesses)."""
+    launches again in between), then ``stop`` ends the program, which must exit 0: the
+    turns, its stdout and its stderr."""
     turns = []
     for _ in range(rounds):
         turns.append(take_turn(rig, spawn))
@@ -284,6 +283,15 @@ def swap_turns(
     stop.touch()
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, (out, err)
+    return turns, out, err
+
+
+def swap_turns(
+    rig: Rig, spawn: Spawn, job: subprocess.Popen[str], stop: Path, rounds: int
+) -> tuple[str, str]:
+    """``turns_then_stop``: its stdout and stderr. Checked here too: no physical memory was
+    held and no launch ran during a turn (the fake driver's own witnesses)."""
+    turns, out, err = turns_then_stop(rig, spawn, job, stop, rounds)
     assert all(t.phys == (0, 0) for t in turns), turns
     assert not during(rig.launches(), turns)
     return out, err

@@ -21,14 +21,15 @@ checkpoint that is not supported does; after a failure it stays resident and
 tries again. ``restore`` / ``restored`` bring it back; a process that finds no
 memory for its restore answers ``failed``, and the member releases them all
 again, gives the token back and queues again. The CUDA context itself (a few
-hundred MiB per process) stays on the GPU, until the member is *parked*: released
-for ``PARK_AFTER`` seconds, or at once when its GPU has less than ``SHORT_OF_ROOM``
-free, the driver checkpoints what its processes still hold there (their contexts,
-their memory already in host memory), where the driver can; the next restore brings
-the contexts back first, then the memory. Around a park, ``unpin`` / ``unpinned`` has
-each process unlock its host copies first (the driver's restore would lock them again,
-slowly), and ``pin`` / ``pinned`` lock them again where the contexts come back before
-the token (``come_back_early``); a restore locks whatever is still unlocked.
+hundred MiB per process, its stack lowered by the library) stays on the GPU, until
+the member is *parked*: released for ``PARK_AFTER`` seconds, or at once when its GPU
+has less than ``SHORT_OF_ROOM`` free, the driver checkpoints what its processes still
+hold there (their contexts, their memory already in host memory), where the driver
+can; the next restore brings the contexts back first, then the memory. Around a park,
+``unpin`` / ``unpinned`` has each process unlock its host copies first (the driver's
+restore would lock them again, slowly), and ``pin`` / ``pinned`` lock them again where
+the contexts come back before the token (``come_back_early``); a restore locks
+whatever is still unlocked.
 """
 
 from __future__ import annotations
