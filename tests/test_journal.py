@@ -177,12 +177,14 @@ def _write_file(arena: Path, name: str, uid: int, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
-def test_a_line_for_another_uid_is_untrusted(arena: Path) -> None:
+def test_a_line_for_another_uid_is_untrusted_and_its_files_owners(arena: Path) -> None:
     me = os.geteuid()
-    _write_file(arena, f"{me}{journal.SUFFIX}", me)
-    _write_file(arena, f"{me + 1}{journal.SUFFIX}", me + 1)  # our file, claiming another uid
+    _write_file(arena, f"{me}{journal.SUFFIX}", me + 1)  # our file, claiming another uid
+    with (arena / journal.JOURNAL / f"{me}{journal.SUFFIX}").open("a") as f:
+        f.write(_lines_of(me, 43))
+    _write_file(arena, f"{me + 1}{journal.SUFFIX}", me + 1)  # ours: not the named uid's
     events = _read(arena)
-    assert sorted((e.uid, e.trusted) for e in events) == [(me, True), (me + 1, False)]
+    assert sorted((e.pid, e.uid, e.trusted) for e in events) == [(42, me, False), (43, me, True)]
 
 
 def test_a_group_writable_file_is_untrusted(arena: Path) -> None:
@@ -270,3 +272,80 @@ def test_a_measured_release_journals_the_bytes_it_moved(budget_room: Budgeted) -
                 if e.event == "moved"]  # fmt: skip
 
     wait_until(lambda: moved() == [("first", "signal", 1 << 30)])
+
+
+def test_a_rotation_that_cannot_rename_still_keeps_the_cap(arena: Path) -> None:
+    """The older file's name is taken by something the writer cannot replace (in a team
+    arena, another user's file in the sticky ``journal/``; here a directory): the file
+    starts again instead of growing past the cap."""
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    me = f"{os.geteuid()}{journal.SUFFIX}"
+    (jdir / (me + ".1")).mkdir()
+    record = Record(pid=1 << 22, name="w" * 40, command=[], strategy="none",
+                    state="released", since=0.0, starttime=1 << 40)  # fmt: skip
+    line = len(journal._line(time.time(), time.monotonic(), record, "none", "moved", None, 999))
+    cap, each = 40 * line, 1000
+    done = subprocess.run([sys.executable, "-c", WRITER, str(arena), str(cap), str(each)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # A batch (at most 51 lines here: the writer flushes every 50) may cross the cap.
+    assert (jdir / me).stat().st_size < cap + 51 * (line + 8)
+    assert (jdir / (me + ".1")).is_dir()
+    assert done.stderr == ""
+
+
+def _lines_of(uid: int, pid: int) -> str:
+    line = {"time": 1.0, "mono": 1.0, "pid": pid, "uid": uid, "name": "n", "event": "want"}
+    return json.dumps(line) + "\n"
+
+
+def test_only_canonical_names_of_their_owner_are_read(arena: Path) -> None:
+    me = os.geteuid()
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    (jdir / f"{me}{journal.SUFFIX}").write_text(_lines_of(me, 1))
+    (jdir / f"{me}{journal.OLDER}").write_text(_lines_of(me, 2))
+    for pid, name in enumerate([f"0{me}.jsonl", f"00{me}.jsonl", f"{me}.jsonl.2",
+                                f"{me}.jsonl.1.1", f"{me + 1}.jsonl", f"{me + 1}.jsonl.1",
+                                "99999999999999999999.jsonl"], start=10):  # fmt: skip
+        (jdir / name).write_text(_lines_of(me, pid))
+    assert sorted(e.pid for e in _read(arena)) == [1, 2]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of other uids)")
+def test_the_total_read_is_bounded(arena: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many users' journals (24 here): what is read stops at ``READ_TOTAL`` bytes, the
+    newest files first."""
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    text = _lines_of(0, 1)  # the uid is the file's owner's below
+    for n in range(24):
+        uid = 60000 + n
+        path = jdir / f"{uid}{journal.SUFFIX}"
+        path.write_text(text.replace('"uid": 0', f'"uid": {uid}') * 100)
+        os.chown(path, uid, uid)
+        os.utime(path, (1000.0 + n, 1000.0 + n))
+    size = (jdir / "60000.jsonl").stat().st_size
+    monkeypatch.setattr(journal, "READ_TOTAL", 5 * size, raising=False)
+    events = _read(arena)
+    assert len(events) == 500
+    assert {e.uid for e in events} == set(range(60019, 60024))  # the five newest
+    assert all(e.trusted for e in events)
+
+
+def test_non_finite_and_unknown_values_are_dropped_line_by_line(arena: Path) -> None:
+    me = os.geteuid()
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    good = {"time": 5.0, "mono": 5.0, "pid": 7, "uid": me, "name": "n", "event": "want"}
+    bad: list[dict[str, object]] = [
+        {"time": -1e400}, {"mono": 1e400}, {"time": 1e400}, {"mono": -1e400},
+        {"time": -5.0}, {"event": "\x1b[2Jgone"}, {"state": "\x1b[2J"},
+    ]  # fmt: skip
+    raw = [json.dumps(good)] + [json.dumps({**good, **b}).replace("Infinity", "1e400")
+                                for b in bad]  # fmt: skip
+    raw.append('{"time": NaN, "mono": 5, "pid": 7, "uid": 0, "name": "n", "event": "want"}')
+    (jdir / f"{me}{journal.SUFFIX}").write_text("\n".join(raw) + "\n")
+    events = _read(arena)
+    assert [(e.pid, e.time, e.mono, e.event) for e in events] == [(7, 5.0, 5.0, "want")]

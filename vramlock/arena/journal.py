@@ -1,11 +1,18 @@
 """The arena's journal: what happened, one JSON line per event, for ``vramlock stats``.
 
-Each user appends to a file of their own, ``journal/UID.jsonl`` in the arena, so a line
-is believed only when the file's owner is the uid the line claims (and nobody else may
-write the file): anybody could otherwise speak for somebody else. A file over
-``MAX_BYTES`` becomes ``UID.jsonl.1`` (the older one goes), renamed by whichever writer
-finds it over the cap, under an flock of that file so that two writers never rotate
-twice.
+Each user appends to a file of their own, ``journal/UID.jsonl`` in the arena. A line is
+about a member of the file's owner, whatever uid, pid or name it claims: the member is
+(owner, pid, start time), so one user's lines never add to another user's member, and
+a line that claims another uid, or comes from a file others may write, is unverified.
+Only canonical names are read (``UID.jsonl`` and ``UID.jsonl.1``, the uid in decimal
+without leading zeros, the file owned by that uid), newest first, at most
+``READ_TOTAL`` bytes in all: whatever anybody plants, a read stays bounded.
+
+A file over ``MAX_BYTES`` becomes ``UID.jsonl.1`` (the older one goes), renamed by
+whichever writer finds it over the cap, under an flock of that file so that two writers
+never rotate twice. Where that name is not ours to replace (another user's file in the
+sticky ``journal/`` of a team arena, a directory), the file is emptied in place
+instead: the cap holds either way.
 
 Writing is off the handoff path: a member's state change makes its line and queues it,
 and a daemon thread writes the queue a little later, in ``O_APPEND`` writes of whole
@@ -24,19 +31,24 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ..errors import LockError
 from . import lockfd
 from .directory import JOURNAL as JOURNAL  # journal.JOURNAL, as tests name it
 from .directory import Arena, open_subdir
-from .records import Record
+from .records import Record, State
 
 SUFFIX = ".jsonl"
 OLDER = SUFFIX + ".1"
 # One file's cap; with the older one, a user's journal takes at most twice this.
 MAX_BYTES = 8 << 20
+# What one read takes in all, newest files first (two users' whole journals): planted
+# files cannot make ``vramlock stats`` or the page read without end.
+READ_TOTAL = 32 << 20
+# At most this many files are looked at (a directory of thousands is cut, newest kept).
+READ_FILES = 256
 # A line is at most this long. Lines are appended by ``writev``, up to ``_IOV_MAX`` at a
 # time: with O_APPEND, POSIX allows no other change to the file between a write's finding
 # the end and its writing there, so two writers' lines never interleave, and a batch costs
@@ -141,7 +153,13 @@ class _Sink:
         lockfd.lock(fd, exclusive=True)
         try:
             if lockfd.still_linked(jdir, self.name, fd) and os.fstat(fd).st_size >= MAX_BYTES:
-                os.rename(self.name, self.name + ".1", src_dir_fd=jdir, dst_dir_fd=jdir)
+                with contextlib.suppress(OSError):
+                    os.rename(self.name, self.name + ".1", src_dir_fd=jdir, dst_dir_fd=jdir)
+                # Still ours under that name: the older name is not ours to replace
+                # (EPERM in a sticky directory, a directory there, a link to this very
+                # file). Emptied instead: appends (O_APPEND) go on from the new end.
+                if lockfd.still_linked(jdir, self.name, fd):
+                    os.ftruncate(fd, 0)
         finally:
             lockfd.unlock(fd)
 
@@ -327,9 +345,9 @@ def flush() -> None:
 
 
 class Event(NamedTuple):
-    """One journal line. ``trusted``: its file is its claimed uid's, writable by nobody
-    else; an untrusted line may speak for somebody it is not. (A tuple: a journal of
-    100,000 lines is read in well under a second.)"""
+    """One journal line. ``uid``: the owner of its file, whose member it is about, whatever
+    uid the line claims. ``trusted``: the line claims that uid and its file is writable by
+    nobody else. (A tuple: a journal of 100,000 lines is read in well under a second.)"""
 
     time: float  # Unix time
     mono: float  # CLOCK_MONOTONIC seconds, comparable between processes of one boot
@@ -351,10 +369,18 @@ def _reject_constant(name: str) -> float:
 _DECODE = json.JSONDecoder(parse_constant=_reject_constant).decode
 _NUMBERS = (int, float)
 _LARGEST = 1 << 63
+# Times (Unix and monotonic seconds) are finite and in [0, _LATEST] (the year 33658):
+# ``1e400`` decodes as infinity, and differences of such numbers would be too.
+_LATEST = 1e12
+_STATES = frozenset(s.value for s in State)
 
 
 def _count(v: Any) -> bool:
     return type(v) is int and 0 <= v < _LARGEST
+
+
+def _when(v: Any) -> bool:
+    return type(v) in _NUMBERS and 0 <= v <= _LATEST  # False for NaN
 
 
 def _event(data: Any, file_uid: int, file_trusted: bool) -> Event | None:
@@ -366,20 +392,20 @@ def _event(data: Any, file_uid: int, file_trusted: bool) -> Event | None:
     except (TypeError, KeyError, AttributeError):
         return None
     if not (
-        type(t) in _NUMBERS
-        and type(mono) in _NUMBERS
+        _when(t)
+        and _when(mono)
         and _count(pid)
         and _count(uid)
         and _count(start)
         and (size is None or _count(size))
         and type(name) is str
-        and type(event) is str
+        and event in EVENTS
         and type(strategy) is str
-        and (got_state is None or type(got_state) is str)
+        and (got_state is None or got_state in _STATES)
     ):
         return None
     trusted = file_trusted and uid == file_uid
-    return Event(t, mono, pid, start, uid, name, event, strategy, got_state, size, trusted)
+    return Event(t, mono, pid, start, file_uid, name, event, strategy, got_state, size, trusted)
 
 
 def parse(line: str, file_uid: int, file_trusted: bool) -> Event | None:
@@ -403,45 +429,68 @@ def _decoded(lines: list[str]) -> list[Any] | None:
 _WHEN = operator.itemgetter(0, 1)  # (time, mono)
 
 
-def _journal_files(jdir: int) -> list[str]:
+def owner_of(name: str) -> int | None:
+    """The uid a journal file's name is of, or None when it is not a canonical name:
+    ``UID.jsonl`` or ``UID.jsonl.1``, the uid in decimal without leading zeros."""
+    stem = name[: -len(OLDER)] if name.endswith(OLDER) else name[: -len(SUFFIX)]
+    if not (name.endswith((SUFFIX, OLDER)) and stem.isascii() and stem.isdigit()):
+        return None
+    uid = int(stem)
+    return uid if str(uid) == stem and uid < 1 << 32 else None
+
+
+def _journal_files(jdir: int) -> list[tuple[str, os.stat_result]]:
+    """The files to read: canonical names, each a regular file of the uid it names, the
+    newest ``READ_FILES`` of them, newest first."""
     try:
         names = os.listdir(jdir)
     except OSError:
         return []
     found = []
     for name in names:
-        stem = name[: -len(OLDER)] if name.endswith(OLDER) else name[: -len(SUFFIX)]
-        if name.endswith((SUFFIX, OLDER)) and stem.isascii() and stem.isdigit():
-            found.append(name)
-    return sorted(found, key=lambda n: n.endswith(SUFFIX))  # older files first
+        uid = owner_of(name)
+        if uid is None:
+            continue
+        try:
+            st = os.stat(name, dir_fd=jdir, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            found.append((name, st))
+    found.sort(key=lambda f: (-f[1].st_mtime_ns, f[0]))
+    return found[:READ_FILES]
 
 
-def _lines(jdir: int, name: str) -> Iterator[Event]:
+def _read_file(jdir: int, name: str, seen: os.stat_result, limit: int) -> tuple[bytes, bool]:
+    """Up to ``limit`` bytes of ``name``, if it is still the file ``seen`` was; whether
+    nobody else may write it."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=jdir)
     except OSError:
-        return
+        return b"", False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return
+        if (st.st_dev, st.st_ino, st.st_uid) != (seen.st_dev, seen.st_ino, seen.st_uid):
+            return b"", False  # replaced since it was listed
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(2 * MAX_BYTES)  # a file somebody grew past any cap is cut
+            return f.read(limit), not _writable_by_others(st)
     except OSError:
-        return
+        return b"", False
     finally:
         os.close(fd)
-    trusted = not _writable_by_others(st)
+
+
+def _events(data: bytes, uid: int, trusted: bool) -> list[Event]:
     # Only newlines end lines (str.splitlines would also split at U+2028 and friends).
     # What follows the last newline is a line cut by the size limit (writes are whole lines).
     whole = data[: data.rfind(b"\n") + 1]
     lines = [raw for raw in whole.decode(errors="replace").split("\n") if raw.strip()]
     values = _decoded(lines)
     if values is None:  # a bad line somewhere: each on its own
-        found = [parse(raw, st.st_uid, trusted) for raw in lines]
+        found = [parse(raw, uid, trusted) for raw in lines]
     else:
-        found = [_event(v, st.st_uid, trusted) for v in values]
-    yield from (e for e in found if e is not None)
+        found = [_event(v, uid, trusted) for v in values]
+    return [e for e in found if e is not None]
 
 
 def signature(arena: Arena) -> tuple[tuple[str, int, int], ...]:
@@ -452,26 +501,32 @@ def signature(arena: Arena) -> tuple[tuple[str, int, int], ...]:
     except OSError:
         return ()
     try:
-        found = []
-        for name in _journal_files(jdir):
-            with contextlib.suppress(OSError):
-                st = os.stat(name, dir_fd=jdir, follow_symlinks=False)
-                found.append((name, st.st_size, st.st_mtime_ns))
-        return tuple(found)
+        return tuple((n, st.st_size, st.st_mtime_ns) for n, st in _journal_files(jdir))
     finally:
         os.close(jdir)
 
 
 def read(arena: Arena, since: float | None = None) -> list[Event]:
-    """Every event of the arena's journal (from Unix time ``since``), oldest first."""
+    """Every event of the arena's journal (from Unix time ``since``), oldest first: of
+    the newest files, ``READ_TOTAL`` bytes in all, each file's first ``2 * MAX_BYTES``
+    (a file somebody grew past any cap is cut)."""
     try:
         jdir = os.open(JOURNAL, _DIR_FLAGS, dir_fd=arena.dirfd)
     except OSError:
         return []  # none yet, or none we may read
+    found: list[tuple[str, list[Event]]] = []
     try:
-        events: Iterable[Event] = [e for n in _journal_files(jdir) for e in _lines(jdir, n)]
+        left = READ_TOTAL
+        for name, seen in _journal_files(jdir):
+            if left <= 0:
+                break
+            data, trusted = _read_file(jdir, name, seen, min(left, 2 * MAX_BYTES))
+            left -= len(data)
+            found.append((name, _events(data, seen.st_uid, trusted)))
     finally:
         os.close(jdir)
+    found.sort(key=lambda f: f[0].endswith(SUFFIX))  # older files first: lines of one time
+    events = [e for _, some in found for e in some]  # stay in the order they were written
     if since is not None:
         events = [e for e in events if e.time >= since]
     return sorted(events, key=_WHEN)
