@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,72 @@ def test_plot_without_matplotlib_says_what_to_install(arena: Path, tmp_path: Pat
     out = subprocess.run(plot, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     assert out.stderr == "vramlock: --plot needs matplotlib: pip install 'vramlock[plot]'\n"
+
+
+def test_a_line_counts_only_for_the_member_of_its_file() -> None:
+    """Another user's lines naming our member's pid and start time are a member of their
+    own (the other user's), never merged into ours."""
+    mine = [ev(0, 1, "acquire"), ev(1, 1, "exit")]
+    other = os.geteuid() + 1
+    lies = (ev(0.5, 1, "acquire"), ev(0.6, 1, "release-start"), ev(0.7, 1, "release-end"))
+    forged = [e._replace(uid=other) for e in (*lies, ev(0.8, 1, "exit"))]
+    report = compute(sorted([*mine, *forged]), now=T0 + 2)
+    assert [(m.uid, m.releases) for m in report.members] == [(os.geteuid(), 0), (other, 1)]
+    assert report.members[0].resident == pytest.approx(1.0)
+
+
+def test_a_living_process_of_another_uid_is_not_the_member(tmp_path: Path) -> None:
+    """Lines naming a living process of another uid: untrusted, and not taken as alive
+    (its turn is not counted up to now)."""
+    me = os.getpid()
+    start = procfs_start(me)
+    line = ev(0, me, "acquire")._replace(start=start, uid=os.geteuid() + 1)
+    report = compute([line, ev(1, me, "want")._replace(start=start, uid=os.geteuid() + 1)],
+                     now=T0 + 100)  # fmt: skip
+    (member,) = report.members
+    assert member.trusted is False
+    assert member.resident == pytest.approx(1.0)  # to its last line, not to now
+
+
+def procfs_start(pid: int) -> int:
+    from vramlock import procfs
+
+    start = procfs.starttime(pid)
+    assert start is not None
+    return start
+
+
+BAD_LINES = [
+    '{"time": -1e400, "mono": 5, "pid": 7, "uid": UID, "name": "a", "event": "acquire"}',
+    '{"time": 9, "mono": 1e400, "pid": 7, "uid": UID, "name": "a", "event": "exit"}',
+    '{"time": 1e400, "mono": 1e400, "pid": 8, "uid": UID, "name": "b", "event": "acquire"}',
+    '{"time": NaN, "mono": 5, "pid": 8, "uid": UID, "name": "b", "event": "acquire"}',
+]
+
+
+def test_stats_and_the_page_never_fail_on_a_bad_line(arena: Path) -> None:
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    now = time.time()
+    good = [json.dumps({**_fields(e), "trusted": None, "time": now - 10 + e.time - T0})
+            for e in (ev(0, 1, "acquire"), ev(2, 1, "exit"))]  # fmt: skip
+    uid = str(os.geteuid())
+    lines = [good[0], *(b.replace("UID", uid) for b in BAD_LINES), good[1]]
+    (jdir / f"{uid}{journal.SUFFIX}").write_text("\n".join(lines) + "\n")
+    out = subprocess.run(vramlock("stats", "--arena", str(arena), "--json"),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (out.returncode, out.stderr) == (0, "")
+    data = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(c))
+    assert [(m["pid"], m["resident_seconds"]) for m in data["members"]] == [(1, 2.0)]
+    text = subprocess.run(vramlock("stats", "--arena", str(arena)),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (text.returncode, text.stderr) == (0, "")
+    from vramlock.ui import Watch
+
+    opened = Arena.open(str(arena))
+    try:
+        state = Watch(opened, None).state()
+    finally:
+        opened.close()
+    json.dumps(state, allow_nan=False)
+    assert [e["pid"] for e in state["journal"]] == [1, 1]

@@ -1,7 +1,11 @@
 """What the journal says about an arena: who held the GPU and for how long, who waited,
 what each switch cost, and whether anybody thrashes.
 
-One pass over the events, oldest first. A member is one process (pid and start time).
+One pass over the events, oldest first. A member is one process of one user (uid, pid
+and start time): a line counts only for a member of its file's owner (``Event.uid``), so
+one user's lines, whatever pid they name, never add to another user's member. A member
+whose pid and start time name a living process of another user is not that process: its
+lines are unverified, and its turns end at its last line.
 It holds the GPU from ``acquire`` (or ``restore-start``, which takes the token and
 restores at once) to ``release-end``, ``gave-up`` or ``exit``; it waits from ``want``
 to the next of those. A process that ended without saying so (SIGKILL) held the GPU
@@ -163,16 +167,16 @@ class _Pass:
 
     def __init__(self, start: float) -> None:
         self.start = start
-        self.members: dict[tuple[int, int], MemberStats] = {}
-        self.order: list[tuple[int, int]] = []
-        self.index: dict[tuple[int, int], int] = {}  # a member's place in ``order``
+        self.members: dict[tuple[int, int, int], MemberStats] = {}
+        self.order: list[tuple[int, int, int]] = []
+        self.index: dict[tuple[int, int, int], int] = {}  # a member's place in ``order``
         self.segments: list[Segment] = []
         self.by_strategy: dict[str, list[float]] = {}
         self.switches: list[Switch] = []
         self.untrusted = 0
 
     def member(self, e: Event) -> MemberStats:
-        key = (e.pid, e.start)
+        key = (e.uid, e.pid, e.start)
         m = self.members.get(key)
         if m is None:
             m = self.members[key] = MemberStats(e.pid, e.start, e.name, e.uid)
@@ -184,7 +188,7 @@ class _Pass:
         """Record a stretch, clipped to the window; its length in seconds."""
         begin = max(since.time, self.start)
         if until > begin:
-            self.segments.append(Segment(self.index[(m.pid, m.start)], kind, begin, until))
+            self.segments.append(Segment(self.index[(m.uid, m.pid, m.start)], kind, begin, until))
         return max(0.0, until - begin)
 
     def end_hold(self, m: MemberStats, at: float) -> None:
@@ -264,7 +268,7 @@ class _Pass:
         ]
         for key in self.order:
             m = self.members[key]
-            alive = bool(m.start) and not m.gone and procfs.alive(m.pid, m.start)
+            alive = bool(m.start) and not m.gone and _alive(m)
             at = end if alive else (m.last.time if m.last is not None else end)
             if not alive and not m.gone:
                 m.state = "gone"
@@ -276,6 +280,26 @@ class _Pass:
         places = {self.index[k]: i for i, k in enumerate(keep)}
         self.segments = [Segment(places[s.member], s.kind, s.start, s.end) for s in self.segments]
         return [self.members[k] for k in keep]
+
+
+def _effective_uid(pid: int) -> int | None:
+    """The process's effective uid, as its journal file's name and owner are (its /proc
+    directory is root's when it is not dumpable)."""
+    for line in procfs.text(pid, "status", 16384).splitlines():
+        if line.startswith("Uid:") and len(line.split()) > 2:
+            return int(line.split()[2])
+    return None
+
+
+def _alive(m: MemberStats) -> bool:
+    """Whether the member's process lives: its pid and start time name a living process
+    of its uid (one of another uid's is not it, and marks the member unverified)."""
+    if not procfs.alive(m.pid, m.start):
+        return False
+    if _effective_uid(m.pid) in (m.uid, None):  # None: it ended since
+        return procfs.alive(m.pid, m.start)
+    m.trusted = False
+    return False
 
 
 def _shown(m: MemberStats) -> bool:
