@@ -139,3 +139,37 @@ def test_an_unwritable_textfile_is_a_usage_error(arena: Path, tmp_path: Path) ->
     assert done.stderr == (
         f"vramlock: --prometheus: cannot write {str(target)!r}: No such file or directory\n"
     )
+
+
+def test_prometheus_dash_is_standard_output(arena: Path, tmp_path: Path) -> None:
+    done = subprocess.run(vramlock("stats", "--arena", str(arena), "--prometheus", "-"),
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "vramlock_waiters" in _families(done.stdout)
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_prometheus_writes_only_a_regular_file(arena: Path, tmp_path: Path, kind: str) -> None:
+    """A link (``/dev/stdout`` is one) is never replaced by a plain file, nor is anything
+    else that is not a regular file."""
+    (tmp_path / "out").mkdir()
+    target, real = tmp_path / "out" / "metrics.prom", tmp_path / "out" / "real"
+    real.write_text("kept\n")
+    if kind == "symlink":
+        target.symlink_to(real)
+    elif kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    done = subprocess.run(vramlock("stats", "--arena", str(arena), "--prometheus", str(target)),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    what = {"symlink": "a symbolic link", "fifo": "a FIFO", "directory": "a directory"}[kind]
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"vramlock: --prometheus: {str(target)!r} is {what}, not a regular file"
+        " (name a file, or - for standard output)\n"
+    )
+    assert target.is_symlink() if kind == "symlink" else not target.is_file()
+    assert real.read_text() == "kept\n"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["metrics.prom", "real"]

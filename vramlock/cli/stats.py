@@ -99,11 +99,17 @@ def _plot(report: Report, path: str) -> None:
 
 
 def _metrics(opened: Arena, gpu: int | None, path: str) -> None:
-    """``--prometheus PATH``; ``gpu``: NVML's GPU, the arena's where known, else None (every)."""
-    from ..observe.prometheus import metrics, write_textfile
+    """``--prometheus PATH`` (``-``: standard output); ``gpu``: NVML's GPU, the arena's
+    where known, else None (every)."""
+    from ..observe.prometheus import NotRegular, metrics, write_textfile
 
+    if path == "-":
+        sys.stdout.write(metrics(opened, gpu))
+        return
     try:
         write_textfile(path, metrics(opened, gpu))
+    except NotRegular as err:
+        raise UsageError(f"--prometheus: {err} (name a file, or - for standard output)") from None
     except OSError as err:
         raise UsageError(f"--prometheus: cannot write {path!r}: {err.strerror or err}") from None
 

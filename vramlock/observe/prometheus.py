@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -195,15 +196,51 @@ def metrics(arena: Arena, gpu: int | None) -> str:
     return text(arena_families(arena, gpu))
 
 
+class NotRegular(ValueError):
+    """The path names something other than a regular file: a link (``/dev/stdout`` is
+    one), a directory, a FIFO, a device or a socket, which a textfile never replaces."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"{path!r} is {what}, not a regular file")
+        self.path = path
+        self.what = what
+
+
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_regular(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return  # made here
+    for test, what in _KINDS:
+        if test(mode):
+            raise NotRegular(path, what)
+    if not stat.S_ISREG(mode):
+        raise NotRegular(path, "not a file")
+
+
 def write_textfile(path: str, text: str) -> None:
     """Replace ``path`` atomically (a new file in its directory, renamed over it): the
-    collector never reads half a file. OSError when it cannot be written."""
+    collector never reads half a file. Only a regular file (or none) is replaced:
+    NotRegular for anything else, checked before and again just before the rename;
+    OSError when it cannot be written."""
+    _check_regular(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        _check_regular(path)
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
