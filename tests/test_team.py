@@ -16,11 +16,13 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import portalocker
 import pytest
 from helpers import ROOT
 from helpers.commands import vramlock
+from helpers.processes import Spawn
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None,
@@ -49,6 +51,13 @@ class Team:
 
     def py(self, uid: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
         return self.run(uid, [self.python, "-c", textwrap.dedent(script), *args])
+
+    def spawn(self, spawn: Spawn, uid: int, script: str, *args: str) -> subprocess.Popen[str]:
+        """``script`` as user ``uid``, running (stdin and stdout piped), reaped by ``spawn``."""
+        user = pwd.getpwuid(uid)
+        return spawn(["setpriv", f"--reuid={uid}", f"--regid={user.pw_gid}", "--init-groups",
+                      "--", self.python, "-c", textwrap.dedent(script), *args],
+                     stdin=subprocess.PIPE, env=self.env, cwd="/")  # fmt: skip
 
 
 def _find_python(team: Team, uid: int) -> bool:
@@ -186,8 +195,8 @@ def test_a_member_cannot_tamper_with_what_others_rely_on(team: Team, arena: Path
     shown = subprocess.run(vramlock("stats", "--arena", str(arena), "--json"),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     data = json.loads(shown.stdout)
-    forged = [m for m in data["members"] if m["pid"] == 1]
-    assert [(m["uid"], m["trusted"]) for m in forged] == [(team.bob, False)]
+    forged = [m for m in data["members"] if m["pid"] == 1]  # alice's, claiming bob's uid
+    assert [(m["uid"], m["trusted"]) for m in forged] == [(team.alice, False)]
     assert data["untrusted_events"] == 1
 
 
@@ -217,3 +226,160 @@ def test_team_usage_errors(team: Team, args: list[str], message: str) -> None:
                           timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert done.stderr == f"vramlock: {message}\n"
+
+
+HOLD = """
+import os, sys, vramlock
+from vramlock import procfs
+from vramlock.arena import journal
+with vramlock.resident(sys.argv[1], name=sys.argv[2], timeout=30):
+    journal.flush()
+    print(os.getpid(), procfs.starttime(os.getpid()), flush=True)
+    sys.stdin.readline()
+"""
+
+FORGE = """
+import json, os, sys, time
+arena, pid, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+now, mono = time.time(), time.monotonic()
+lines = []
+for i in range(50):  # 50 handoffs over the last 83 minutes, said to be bob's process
+    at = 5000 - i * 100
+    for event, late in (("acquire", 0), ("release-start", 90), ("release-end", 91)):
+        lines.append({"time": now - at + late, "mono": max(0.0, mono - at + late), "pid": pid,
+                      "start": start, "uid": os.geteuid(), "name": "bob", "event": event})
+with open(f"{arena}/journal/{os.geteuid()}.jsonl", "a") as f:
+    f.write("".join(json.dumps(line) + "\\n" for line in lines))
+"""
+
+
+def _stats(arena: Path) -> dict[str, Any]:
+    shown = subprocess.run(vramlock("stats", "--arena", str(arena), "--json"),
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    return data
+
+
+def test_lines_naming_another_members_process_are_not_its(
+    team: Team, arena: Path, spawn: Spawn
+) -> None:
+    """Alice writes, in her own file, lines naming bob's living process (its pid, start
+    time and name): bob's row stays his, and hers is unverified."""
+    bob = team.spawn(spawn, team.bob, HOLD, str(arena), "bob")
+    assert bob.stdout is not None
+    pid, start = map(int, bob.stdout.readline().split())
+    done = team.py(team.alice, FORGE, str(arena), str(pid), str(start))
+    assert done.returncode == 0, done.stderr
+    members = _stats(arena)["members"]
+    bobs = [m for m in members if m["uid"] == team.bob]
+    assert [(m["pid"], m["handoffs"], m["trusted"]) for m in bobs] == [(pid, 0, True)]
+    assert bobs[0]["resident_seconds"] < 60
+    forged = [m for m in members if m["uid"] == team.alice]
+    assert [(m["pid"], m["handoffs"], m["trusted"]) for m in forged] == [(pid, 50, False)]
+    # Its turns end at its last line: bob's living process does not make them last.
+    assert forged[0]["resident_seconds"] == pytest.approx(50 * 91, abs=1)
+    assert bob.stdin is not None
+    bob.stdin.close()
+    assert bob.wait(60) == 0
+
+
+WRITE = """
+import os, sys
+from vramlock.arena import journal
+from vramlock.arena.directory import Arena
+from vramlock.arena.records import Record
+journal.MAX_BYTES = int(sys.argv[2])
+arena = Arena.open(sys.argv[1])
+record = Record(pid=os.getpid(), name="w" * 40, command=[], strategy="none",
+                state="released", since=0.0)
+for i in range(1000):
+    journal.note(arena, record, "moved", size=i)
+    if i % 50 == 0:
+        journal.flush()
+journal.flush()
+"""
+
+
+def test_a_planted_older_file_does_not_unbound_a_journal(team: Team, arena: Path) -> None:
+    """Alice makes ``<bob>.jsonl.1`` in the sticky ``journal/``, which bob cannot then
+    replace: his journal still keeps to its cap (lowered here)."""
+    plant = arena / "journal" / f"{team.bob}.jsonl.1"
+    done = team.run(team.alice, ["touch", str(plant)])
+    assert done.returncode == 0, done.stderr
+    cap = 20_000
+    done = team.py(team.bob, WRITE, str(arena), str(cap))
+    assert (done.returncode, done.stderr) == (0, "")
+    mine = arena / "journal" / f"{team.bob}.jsonl"
+    line = len(mine.read_bytes().splitlines()[-1]) + 1
+    assert mine.stat().st_size < cap + 51 * line  # a batch (51 lines) may cross it
+    assert plant.stat().st_uid == team.alice and plant.stat().st_size == 0
+    assert _stats(arena)["events"] < 2 * cap // line
+
+
+STRANGER = """
+import fcntl, os, sys
+path = sys.argv[1]
+os.mkdir(path, 0o755)
+fd = os.open(os.path.join(path, "token.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+print("opened", flush=True)
+sys.stdin.readline()  # the directory is root's now, or not
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_directory_another_user_made_is_refused(team: Team, spawn: Spawn) -> None:
+    """Mallory made the directory and keeps its token.lock open: making it a team arena
+    would let her hold the token through that descriptor, so it is refused."""
+    shared = team.top / f"shared-{os.urandom(3).hex()}"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    path = shared / "arena"
+    mallory = team.spawn(spawn, team.mallory, STRANGER, str(path))
+    assert mallory.stdout is not None and mallory.stdout.readline() == "opened\n"
+    done = subprocess.run(vramlock("arena", "--arena", str(path), "--group", team.group),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr == (
+        f"vramlock: arena {path}: already exists and is neither an empty directory of"
+        f" root's nor a team arena of {team.group}: other users may hold its files open (a"
+        " descriptor outlives a chown); remove it, or name a new directory\n"
+    )
+    assert path.stat().st_uid == team.mallory  # left as it was
+    assert mallory.stdin is not None
+    mallory.stdin.close()
+    assert mallory.wait(60) == 0
+
+
+def test_a_team_arena_is_made_again_as_it_is(team: Team, arena: Path) -> None:
+    before = {p.name: p.stat().st_ino for p in arena.iterdir()}
+    done = subprocess.run(vramlock("arena", "--arena", str(arena), "--group", team.group),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, f"{arena}\n"), done.stderr
+    assert {p.name: p.stat().st_ino for p in arena.iterdir()} == before
+    assert _mode(arena) == (0, team.gid, 0o750)
+
+
+@pytest.mark.parametrize("case", ["another group's", "a plain arena", "root's empty"])
+def test_what_an_existing_directory_becomes(team: Team, case: str) -> None:
+    path = team.top / os.urandom(4).hex()
+    if case == "another group's":
+        made = subprocess.run(vramlock("arena", "--arena", str(path), "--group", "root"),
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+    else:
+        path.mkdir(mode=0o755)
+        if case == "a plain arena":  # root's, but its token.lock anybody could open
+            plain = subprocess.run(vramlock("arena", "--arena", str(path)),
+                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert plain.returncode == 0, plain.stderr
+    done = subprocess.run(vramlock("arena", "--arena", str(path), "--group", team.group),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    if case == "root's empty":
+        assert (done.returncode, done.stderr) == (0, "")
+        assert _mode(path / "token.lock") == (0, team.gid, 0o640)
+    else:
+        assert done.returncode == 125
+        assert "already exists and is neither" in done.stderr
