@@ -313,25 +313,47 @@ def test_only_canonical_names_of_their_owner_are_read(arena: Path) -> None:
     assert sorted(e.pid for e in _read(arena)) == [1, 2]
 
 
+def _journal_of(jdir: Path, uid: int, lines: int, name: str = "") -> int:
+    """A journal file of ``uid`` (pids 10000, 10001, ... in order: lines of one size),
+    owned by it; one line's size."""
+    text = "".join(_lines_of(uid, pid) for pid in range(10000, 10000 + lines))
+    path = jdir / (name or f"{uid}{journal.SUFFIX}")
+    path.write_text(text)
+    os.chown(path, uid, uid)
+    return len(text) // lines
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of other uids)")
 def test_the_total_read_is_bounded(arena: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many users' journals (24 here): what is read stops at ``READ_TOTAL`` bytes, the
-    newest files first."""
+    """Many users' journals (24 here): what is read stops at ``READ_TOTAL`` bytes,
+    shared among them, the newest lines of each."""
     jdir = arena / journal.JOURNAL
     jdir.mkdir()
-    text = _lines_of(0, 1)  # the uid is the file's owner's below
-    for n in range(24):
-        uid = 60000 + n
-        path = jdir / f"{uid}{journal.SUFFIX}"
-        path.write_text(text.replace('"uid": 0', f'"uid": {uid}') * 100)
-        os.chown(path, uid, uid)
-        os.utime(path, (1000.0 + n, 1000.0 + n))
-    size = (jdir / "60000.jsonl").stat().st_size
-    monkeypatch.setattr(journal, "READ_TOTAL", 5 * size, raising=False)
+    for uid in range(60000, 60024):
+        line = _journal_of(jdir, uid, 100)
+    monkeypatch.setattr(journal, "READ_TOTAL", 24 * 5 * line, raising=False)
     events = _read(arena)
-    assert len(events) == 500
-    assert {e.uid for e in events} == set(range(60019, 60024))  # the five newest
+    assert len(events) == 24 * 5
+    assert sorted((e.uid, e.pid) for e in events) == [
+        (uid, pid) for uid in range(60000, 60024) for pid in range(10095, 10100)
+    ]
     assert all(e.trusted for e in events)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of other uids)")
+def test_one_users_big_journal_leaves_the_others_read(
+    arena: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    line = _journal_of(jdir, 60000, 30)
+    _journal_of(jdir, 60001, 1000)
+    _journal_of(jdir, 60001, 1000, name=f"60001{journal.OLDER}")
+    monkeypatch.setattr(journal, "READ_TOTAL", 100 * line, raising=False)
+    events = _read(arena)
+    assert sorted(e.pid for e in events if e.uid == 60000) == list(range(10000, 10030))
+    # What is left (70 lines) goes to the big one: its current file's newest lines.
+    assert sorted(e.pid for e in events if e.uid == 60001) == list(range(10930, 11000))
 
 
 def test_non_finite_and_unknown_values_are_dropped_line_by_line(arena: Path) -> None:

@@ -5,8 +5,9 @@ about a member of the file's owner, whatever uid, pid or name it claims: the mem
 (owner, pid, start time), so one user's lines never add to another user's member, and
 a line that claims another uid, or comes from a file others may write, is unverified.
 Only canonical names are read (``UID.jsonl`` and ``UID.jsonl.1``, the uid in decimal
-without leading zeros, the file owned by that uid), newest first, at most
-``READ_TOTAL`` bytes in all: whatever anybody plants, a read stays bounded.
+without leading zeros, the file owned by that uid), each file's newest lines, at most
+``READ_TOTAL`` bytes in all, shared fairly among the users: whatever anybody plants, a
+read stays bounded, and nobody's files crowd out the others'.
 
 A file over ``MAX_BYTES`` becomes ``UID.jsonl.1`` (the older one goes), renamed by
 whichever writer finds it over the cap, under an flock of that file so that two writers
@@ -44,10 +45,10 @@ SUFFIX = ".jsonl"
 OLDER = SUFFIX + ".1"
 # One file's cap; with the older one, a user's journal takes at most twice this.
 MAX_BYTES = 8 << 20
-# What one read takes in all, newest files first (two users' whole journals): planted
-# files cannot make ``vramlock stats`` or the page read without end.
+# What one read takes in all (two users' whole journals), shared among the users:
+# planted files cannot make ``vramlock stats`` or the page read without end.
 READ_TOTAL = 32 << 20
-# At most this many files are looked at (a directory of thousands is cut, newest kept).
+# At most this many files are read (a directory of thousands is cut, the newest kept).
 READ_FILES = 256
 # A line is at most this long. Lines are appended by ``writev``, up to ``_IOV_MAX`` at a
 # time: with O_APPEND, POSIX allows no other change to the file between a write's finding
@@ -462,8 +463,8 @@ def _journal_files(jdir: int) -> list[tuple[str, os.stat_result]]:
 
 
 def _read_file(jdir: int, name: str, seen: os.stat_result, limit: int) -> tuple[bytes, bool]:
-    """Up to ``limit`` bytes of ``name``, if it is still the file ``seen`` was; whether
-    nobody else may write it."""
+    """The last ``limit`` bytes of ``name`` (whole lines: a line cut at the start is
+    dropped), if it is still the file ``seen`` was; whether nobody else may write it."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=jdir)
     except OSError:
@@ -472,12 +473,39 @@ def _read_file(jdir: int, name: str, seen: os.stat_result, limit: int) -> tuple[
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_uid) != (seen.st_dev, seen.st_ino, seen.st_uid):
             return b"", False  # replaced since it was listed
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit), not _writable_by_others(st)
+        start = max(0, st.st_size - limit)
+        # From the byte before: a newline there, and the first line is whole.
+        data = os.pread(fd, limit + (start > 0), start - (start > 0)) if limit > 0 else b""
     except OSError:
         return b"", False
     finally:
         os.close(fd)
+    if start > 0:
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    return data, not _writable_by_others(st)
+
+
+def _plan(files: list[tuple[str, os.stat_result]]) -> list[tuple[str, os.stat_result, int]]:
+    """How much of each file to read: ``READ_TOTAL`` shared fairly among the users (the
+    smallest journals first, what one does not need left to the others), a user's
+    current file before its older one, at most ``2 * MAX_BYTES`` of any. Nobody's files,
+    however big or new, leave the others' unread."""
+    by_uid: dict[int, list[tuple[str, os.stat_result]]] = {}
+    for name, st in files:
+        by_uid.setdefault(st.st_uid, []).append((name, st))
+
+    def size(of: list[tuple[str, os.stat_result]]) -> int:
+        return sum(min(st.st_size, 2 * MAX_BYTES) for _, st in of)
+
+    users = sorted(by_uid.values(), key=size)
+    left, plan = READ_TOTAL, []
+    for i, of in enumerate(users):
+        share = left // (len(users) - i)
+        for name, st in sorted(of, key=lambda f: f[0].endswith(OLDER)):
+            take = min(st.st_size, 2 * MAX_BYTES, share)
+            plan.append((name, st, take))
+            share, left = share - take, left - take
+    return plan
 
 
 def _events(data: bytes, uid: int, trusted: bool) -> list[Event]:
@@ -508,20 +536,15 @@ def signature(arena: Arena) -> tuple[tuple[str, int, int], ...]:
 
 def read(arena: Arena, since: float | None = None) -> list[Event]:
     """Every event of the arena's journal (from Unix time ``since``), oldest first: of
-    the newest files, ``READ_TOTAL`` bytes in all, each file's first ``2 * MAX_BYTES``
-    (a file somebody grew past any cap is cut)."""
+    each file, its newest lines, ``READ_TOTAL`` bytes in all (see ``_plan``)."""
     try:
         jdir = os.open(JOURNAL, _DIR_FLAGS, dir_fd=arena.dirfd)
     except OSError:
         return []  # none yet, or none we may read
     found: list[tuple[str, list[Event]]] = []
     try:
-        left = READ_TOTAL
-        for name, seen in _journal_files(jdir):
-            if left <= 0:
-                break
-            data, trusted = _read_file(jdir, name, seen, min(left, 2 * MAX_BYTES))
-            left -= len(data)
+        for name, seen, take in _plan(_journal_files(jdir)):
+            data, trusted = _read_file(jdir, name, seen, take)
             found.append((name, _events(data, seen.st_uid, trusted)))
     finally:
         os.close(jdir)
