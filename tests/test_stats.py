@@ -262,3 +262,27 @@ def test_stats_and_the_page_never_fail_on_a_bad_line(arena: Path) -> None:
         opened.close()
     json.dumps(state, allow_nan=False)
     assert [e["pid"] for e in state["journal"]] == [1, 1]
+
+
+def test_a_table_of_several_users_says_whose_each_member_is(arena: Path) -> None:
+    jdir = arena / journal.JOURNAL
+    jdir.mkdir()
+    me, other = os.geteuid(), 4_000_000_000  # a uid nobody has: shown as a number
+    for uid, pid in ((me, 1), (other, 2)):
+        line = {**_fields(ev(0, pid, "acquire")), "uid": uid, "trusted": None}
+        path = jdir / f"{uid}{journal.SUFFIX}"
+        path.write_text(json.dumps(line) + "\n")
+        if uid != me:
+            if me != 0:
+                pytest.skip("needs root (a file of another uid)")
+            os.chown(path, uid, 0)
+    text = subprocess.run(vramlock("stats", "--arena", str(arena)),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    table = text.stdout.splitlines()[2:5]
+    assert table[0].split()[:3] == ["NAME", "PID", "USER"]
+    import pwd
+
+    assert sorted(r.split()[:3] for r in table[1:]) == [
+        ["m1", "1", pwd.getpwuid(me).pw_name], ["m2", "2", str(other)]
+    ]  # fmt: skip

@@ -50,6 +50,16 @@ def _row(m: dict[str, Any]) -> list[str]:
     ]
 
 
+def _user(uid: int) -> str:
+    """The user's name, else the uid: a member is one user's (its journal file's owner)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def _text(path: str, report: Report, width: int) -> str:
     from ..arena.roster import printable
     from ..observe.stats import timeline
@@ -63,7 +73,11 @@ def _text(path: str, report: Report, width: int) -> str:
     if not report.members:
         return "\n".join([*lines, "no events"])
     rows = [list(_HEADER), *(_row(m) for m in data["members"])]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+    if len({m["uid"] for m in data["members"]}) > 1:  # a team arena: whose each member is
+        for row, user in zip(rows, ["USER", *(_user(m["uid"]) for m in data["members"])],
+                             strict=True):  # fmt: skip
+            row.insert(2, user)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     names = max(len(printable(m.name, 16)) for m in report.members)
     lines.append(f"timeline (# resident, . waiting), {_seconds(data['seconds'])}:")
