@@ -4,23 +4,28 @@ the DevTools protocol; skipped where there is no browser."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.browser import Browser, needs_browser
-from helpers.commands import vramlock
-from helpers.net import accepts, free_port
+from helpers.commands import vramlock, who_json
+from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
 
 aiohttp = pytest.importorskip("aiohttp", reason="the serve extra")
+
+TOKEN = "test-token-0123456789abcdef0123456789"
 
 FIRST = textwrap.dedent(
     """
@@ -64,14 +69,31 @@ def _say(proc: subprocess.Popen[str]) -> None:
     proc.stdin.flush()
 
 
+def _ui(spawn: Spawn, arena: Path, listen: str) -> tuple[subprocess.Popen[str], str]:
+    """``vramlock ui`` of ``arena`` with the token TOKEN, once it listens: (process, the
+    address it printed)."""
+    ui = spawn(vramlock("ui", "--arena", str(arena), "--listen", listen),
+               env={**os.environ, "VRAMLOCK_UI_TOKEN": TOKEN})  # fmt: skip
+    assert ui.stderr is not None
+    line = ui.stderr.readline()
+    assert line.startswith(f"vramlock: showing {arena} at http://"), line
+    return ui, line.split(" at ", 1)[1].strip()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
 @needs_browser
 def test_the_page_shows_every_member_and_a_swap(arena: Path, spawn: Spawn, short_tmp: Path) -> None:
-    port = free_port()
-    ui = spawn(vramlock("ui", "--arena", str(arena), "--listen", f"127.0.0.1:{port}"))
-    wait_until(lambda: accepts(port), 30)
+    ui, url = _ui(spawn, arena, f"127.0.0.1:{free_port()}")
     first = _started(spawn, FIRST, arena)
     second = spawn([sys.executable, "-c", SECOND, str(arena)], stdin=subprocess.PIPE)
-    browser = Browser(spawn, f"http://127.0.0.1:{port}/", short_tmp)
+    browser = Browser(spawn, url, short_tmp)
     wait_until(lambda: browser.members() == [["first", "resident"], ["second", "waiting"]], 60)
     assert browser.evaluate("document.getElementById('arena').textContent") == str(arena)
 
@@ -95,23 +117,22 @@ def test_the_page_shows_every_member_and_a_swap(arena: Path, spawn: Spawn, short
 
 def test_the_state_endpoint_needs_no_browser(arena: Path, spawn: Spawn) -> None:
     port = free_port()
-    spawn(vramlock("ui", "--arena", str(arena), "--listen", f"127.0.0.1:{port}"))
-    wait_until(lambda: accepts(port), 30)
+    _ui(spawn, arena, f"127.0.0.1:{port}")
     first = _started(spawn, FIRST, arena)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=10) as r:
-        data = json.load(r)
+    status, body = _get(f"http://127.0.0.1:{port}/api/state?token={TOKEN}")
+    assert status == 200
+    data = json.loads(body)
     assert data["arena"] == str(arena)
     assert [(m["name"], m["state"]) for m in data["members"]] == [("first", "resident")]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
-        html = r.read().decode()
+    status, html = _get(f"http://127.0.0.1:{port}/?token={TOKEN}")
+    assert status == 200
     assert "<script>" in html and "http://" not in html.replace("http://www.w3.org", "")
     first.kill()
 
 
 def test_an_address_in_use_is_refused(arena: Path, spawn: Spawn) -> None:
     port = free_port()
-    spawn(vramlock("ui", "--arena", str(arena), "--listen", f"127.0.0.1:{port}"))
-    wait_until(lambda: accepts(port), 30)
+    _ui(spawn, arena, f"127.0.0.1:{port}")
     again = subprocess.run(vramlock("ui", "--arena", str(arena), "--listen", f"127.0.0.1:{port}"),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert again.returncode == 125
@@ -147,3 +168,67 @@ def test_several_arenas_are_one_page_s_data() -> None:
     assert (both["timeline"]["start"], both["timeline"]["end"]) == (95.0, 101.0)
     assert [s["name"] for s in both["switches"]] == ["y", "x"]  # newest first
     assert [e["name"] for e in both["journal"]] == ["y", "x"]
+
+
+ONCE = textwrap.dedent(
+    """
+    import sys
+    import vramlock
+    with vramlock.resident(sys.argv[1], name=sys.argv[2]):
+        pass
+    """
+)
+
+
+def _listed(arena: Path, name: str) -> bool:
+    return name in {m["name"] for m in who_json(arena)}
+
+
+@needs_browser
+def test_the_page_reads_at_a_glance(arena: Path, spawn: Spawn, short_tmp: Path) -> None:
+    """One labelled timeline row per live member, the gone ones folded into one; every
+    table with its header; one handoff said so."""
+    for name in ("early-1", "early-2", "early-3"):  # members that came and went
+        done = subprocess.run([sys.executable, "-c", ONCE, str(arena), name], timeout=60)
+        assert done.returncode == 0
+    first = _started(spawn, FIRST, arena)
+    for name in ("second", "third"):  # in this order
+        spawn([sys.executable, "-c", SECOND.replace('"second"', "sys.argv[2]"), str(arena), name],
+              stdin=subprocess.PIPE)  # fmt: skip
+        wait_until(partial(_listed, arena, name), 60)
+    _, url = _ui(spawn, arena, str(free_port()))
+    browser = Browser(spawn, url, short_tmp)
+
+    def lanes() -> list[list[str]]:
+        found = browser.evaluate(
+            "JSON.stringify([...document.querySelectorAll('#timeline .lane')]"
+            ".map(e => [e.dataset.name, e.querySelector('.label').textContent]))"
+        )
+        return json.loads(found) if found else []
+
+    wait_until(lambda: len(browser.members()) == 3, 60)
+    wait_until(lambda: len(lanes()) == 4, 60)
+    assert lanes() == [["first", "first"], ["second", "second"], ["third", "third"],
+                       ["gone", "3 gone"]]  # fmt: skip
+
+    # Each live row's bars are its own: the resident's holds, the others wait.
+    def bars(name: str) -> set[str]:
+        return set(json.loads(browser.evaluate(
+            f"JSON.stringify([...document.querySelectorAll('.lane[data-name={name}] rect')]"
+            ".map(r => r.getAttribute('class')))"
+        )))  # fmt: skip
+
+    assert "resident" in bars("first")
+    assert bars("second") == bars("third") == {"waiting"}
+    headers = json.loads(browser.evaluate(
+        "JSON.stringify([...document.querySelectorAll('table')]"
+        ".map(t => [...t.querySelectorAll('thead th')].map(th => th.textContent)))"
+    ))  # fmt: skip
+    assert len(headers) == 3 and all(headers), headers
+    assert ["ended", "took", "strategy", "member"] in headers
+    said = str(browser.evaluate("document.getElementById('summary').textContent"))
+    assert " 0 handoffs" in said and "2 waiting" in said, said
+
+    _say(first)  # it yields to a waiter: one handoff
+    summary = "document.getElementById('summary').textContent"
+    wait_until(lambda: " 1 handoff," in str(browser.evaluate(summary)), 60)

@@ -81,7 +81,10 @@ class Watch:
             "timeline": {
                 "start": report.start,
                 "end": report.end,
-                "members": [m.name for m in report.members],
+                # Live or gone (an exit said, or the process no longer there): the page
+                # gives each live member a row and folds the gone ones into one.
+                "members": [{"name": m.name, "pid": m.pid, "live": m.state != "gone"}
+                            for m in report.members],
                 "segments": [s._asdict() for s in report.segments],
             },
             "switches": [s._asdict() for s in reversed(report.switches[-RECENT:])],
@@ -102,7 +105,7 @@ def merge(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     together (the latter two by time), the timeline's rows one after another."""
     if len(states) == 1:
         return states[0]
-    rows: list[str] = []
+    rows: list[dict[str, Any]] = []
     segments: list[dict[str, Any]] = []
     for s in states:
         t = s["timeline"]
