@@ -130,6 +130,49 @@ def test_the_state_endpoint_needs_no_browser(arena: Path, spawn: Spawn) -> None:
     first.kill()
 
 
+def test_the_page_and_its_state_want_the_printed_token(arena: Path, spawn: Spawn) -> None:
+    """A team arena's page is not for every local user: only who has the address printed
+    (on the terminal of whoever started it) gets the page or its data."""
+    port = free_port()
+    _, url = _ui(spawn, arena, str(port))
+    assert url == f"http://127.0.0.1:{port}/?token={TOKEN}"
+    for path in ("/", "/api/state", "/api/state?token=wrong", f"/api/state?token={TOKEN}x"):
+        status, body = _get(f"http://127.0.0.1:{port}{path}")
+        assert status == 403 and "open the address vramlock ui printed" in body, (path, body)
+        assert str(arena) not in body
+    assert _get(f"http://127.0.0.1:{port}/api/state?token={TOKEN}")[0] == 200
+
+
+def test_a_fresh_token_each_start_without_the_variable(arena: Path, spawn: Spawn) -> None:
+    urls = []
+    for _ in range(2):
+        env = {k: v for k, v in os.environ.items() if k != "VRAMLOCK_UI_TOKEN"}
+        ui = spawn(vramlock("ui", "--arena", str(arena), "--listen", str(free_port())), env=env)
+        assert ui.stderr is not None
+        urls.append(ui.stderr.readline().strip().split(" at ", 1)[1])
+        ui.terminate()
+        assert ui.wait(30) == 0
+    tokens = [u.split("?token=", 1)[1] for u in urls]
+    assert tokens[0] != tokens[1] and all(len(t) >= 32 for t in tokens)
+
+
+def test_a_listen_beyond_loopback_is_said(arena: Path, spawn: Spawn) -> None:
+    port = free_port()
+    ui = spawn(vramlock("ui", "--arena", str(arena), "--listen", f"0.0.0.0:{port}"),
+               env={**os.environ, "VRAMLOCK_UI_TOKEN": TOKEN})  # fmt: skip
+    assert ui.stderr is not None
+    said = ui.stderr.readline()
+    assert said == (
+        f"vramlock: --listen 0.0.0.0:{port} is not loopback: whoever can reach it and has"
+        " the address below sees the arena's members, their commands and its journal"
+        " (over plain HTTP)\n"
+    )
+    assert (
+        ui.stderr.readline()
+        == f"vramlock: showing {arena} at http://127.0.0.1:{port}/?token={TOKEN}\n"
+    )
+
+
 def test_an_address_in_use_is_refused(arena: Path, spawn: Spawn) -> None:
     port = free_port()
     _ui(spawn, arena, f"127.0.0.1:{port}")
