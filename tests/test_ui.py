@@ -275,3 +275,29 @@ def test_the_page_reads_at_a_glance(arena: Path, spawn: Spawn, short_tmp: Path) 
     _say(first)  # it yields to a waiter: one handoff
     summary = "document.getElementById('summary').textContent"
     wait_until(lambda: " 1 handoff," in str(browser.evaluate(summary)), 60)
+
+
+@needs_browser
+def test_serve_s_page_under_api_keys(
+    arena: Path, spawn: Spawn, tmp_path: Path, short_tmp: Path
+) -> None:
+    """Opened with the key as Basic auth's password (how a browser is asked for it), the
+    page's own polls carry it too: it shows the models, one request said so."""
+    from helpers.serve import call, echo_model, start, write_config
+
+    path = write_config(tmp_path, f"apiKeys:\n  - {TOKEN}\nmodels:\n{echo_model('a')}")
+    _, port = start(spawn, path, arena)
+    status, _, _ = call(port, "GET", "/ui/api/state")
+    assert status == 401  # the key is asked for
+    browser = Browser(spawn, f"http://me:{TOKEN}@127.0.0.1:{port}/ui/", short_tmp)
+
+    def models() -> str:
+        return str(browser.evaluate("document.getElementById('models').textContent") or "")
+
+    wait_until(lambda: "0 requests" in models(), 60)
+    status, _, _ = call(port, "POST", "/v1/completions", {"model": "a", "prompt": "x"},
+                        headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    assert status == 200
+    wait_until(lambda: "1 request" in models() and "1 requests" not in models(), 60)
+    summary = browser.evaluate("document.getElementById('summary').textContent")
+    assert "not answering" not in summary and "error" not in summary
