@@ -201,7 +201,7 @@ def serve(watch: Watch, listen: str, warn: Callable[[str], None]) -> int:
     try:
         import aiohttp  # noqa: F401
     except ImportError:
-        raise VramlockError("vramlock ui needs aiohttp: pip install 'vramlock[serve]'") from None
+        raise VramlockError("vramlock ui needs aiohttp: pip install aiohttp") from None
     from ..net.address import parse
 
     host, port = parse(listen, "--listen")
