@@ -633,3 +633,16 @@ def test_ui_without_its_extra_says_what_to_install(errcli: ErrCli, err_arena: Pa
     out = errcli("ui", "--arena", str(err_arena), python_code=code)
     expect_error(out, OWN_FAILURE, "vramlock ui needs aiohttp: pip install aiohttp")
     assert out.stderr.count("\n") == 1
+
+
+def test_the_gpu_tests_say_first_that_there_is_no_gpu(tmp_path: Path) -> None:
+    from helpers import gpu
+
+    assert gpu._gpu_ready(tmp_path) == "there is none here (no /dev/nvidia*)"
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").touch()
+    assert gpu._gpu_ready(tmp_path) != "there is none here (no /dev/nvidia*)"
+    if not Path("/dev/nvidia0").exists():  # this machine: the mark says so
+        assert (
+            gpu.gpu.kwargs["reason"] == "needs an NVIDIA GPU: there is none here (no /dev/nvidia*)"
+        )
