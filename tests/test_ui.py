@@ -196,7 +196,8 @@ def test_several_arenas_are_one_page_s_data() -> None:
         seg = {"member": 0, "kind": "resident", "start": now - 5, "end": now}
         return {"arena": arena, "now": now, "gpu": None, "budget": None, "waiters": 1,
                 "members": [{"name": member}], "handoffs": 2,
-                "timeline": {"start": now - 5, "end": now, "members": [member], "segments": [seg]},
+                "timeline": {"start": now - 5, "end": now, "segments": [seg],
+                             "members": [{"name": member, "pid": 1, "live": True}]},
                 "switches": [{"time": now, "name": member}],
                 "journal": [{"time": now, "name": member}]}  # fmt: skip
 
@@ -206,7 +207,7 @@ def test_several_arenas_are_one_page_s_data() -> None:
     assert both["arena"] == "/a, /b" and both["now"] == 101.0
     assert [m["name"] for m in both["members"]] == ["x", "y"]
     assert (both["waiters"], both["handoffs"]) == (2, 4)
-    assert both["timeline"]["members"] == ["x", "y"]
+    assert [m["name"] for m in both["timeline"]["members"]] == ["x", "y"]
     assert [s["member"] for s in both["timeline"]["segments"]] == [0, 1]
     assert (both["timeline"]["start"], both["timeline"]["end"]) == (95.0, 101.0)
     assert [s["name"] for s in both["switches"]] == ["y", "x"]  # newest first
