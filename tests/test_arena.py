@@ -112,7 +112,7 @@ def test_a_directory_that_is_not_an_arena_is_refused(
     marker = tmp_path / "ran"
     before = sorted(os.listdir(tmp_path))
     out = errcli(*_arena_commands(tmp_path, marker)[which])
-    expect_error(out, OWN_FAILURE, str(tmp_path), "is not an arena", "vramlock arena --arena")
+    expect_error(out, OWN_FAILURE, str(tmp_path), "is not an arena", "mkdir -m 700")
     assert sorted(os.listdir(tmp_path)) == before  # no token.lock, no members/
     assert not marker.exists()
 

@@ -594,3 +594,55 @@ def test_completion_is_left_to_typer() -> None:
     from vramlock.cli import fast
 
     assert fast.parse(["who"], {"_VRAMLOCK_COMPLETE": "bash_complete"}) is None
+
+
+# -- a new user's first hour -----------------------------------------------------------------
+
+
+def test_a_missing_arena_says_how_to_make_one(errcli: ErrCli, tmp_path: Path) -> None:
+    path = tmp_path / "my arena"
+    out = errcli("who", "--arena", str(path))
+    expect_error(out, OWN_FAILURE, f"arena {path}: does not exist (an arena is a directory"
+                 f" you make: mkdir -m 700 '{path}')")  # fmt: skip
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("command", ["who", "stats"])
+def test_a_system_directory_is_never_offered_as_an_arena(errcli: ErrCli, command: str) -> None:
+    out = errcli(command, "--arena", "/etc")
+    line = expect_error(out, OWN_FAILURE, "arena /etc: is not an arena")
+    assert "vramlock arena --arena /etc" not in line and "--arena /etc" not in line
+    assert "mkdir -m 700" in line
+
+
+def test_the_parent_of_an_arena_names_it(errcli: ErrCli, tmp_path: Path) -> None:
+    """A path with its last part left off: the arena below is named."""
+    parent = tmp_path / "team"
+    (parent / "gpu0").mkdir(parents=True, mode=0o700)
+    (parent / "gpu0" / "token.lock").touch()
+    (parent / "notes.txt").touch()
+    parent.chmod(0o700)
+    out = errcli("who", "--arena", str(parent))
+    expect_error(out, OWN_FAILURE, f"arena {parent}: is not an arena", f"--arena {parent}/gpu0?")
+
+
+def test_ui_without_its_extra_says_what_to_install(errcli: ErrCli, err_arena: Path) -> None:
+    # aiohttp made unimportable, as where the serve extra is not installed; vramlock is not
+    # on the package index, so the hint names what is.
+    code = "import sys; sys.modules['aiohttp'] = None; from vramlock.cli import main; main()"
+    out = errcli("ui", "--arena", str(err_arena), python_code=code)
+    expect_error(out, OWN_FAILURE, "vramlock ui needs aiohttp: pip install aiohttp")
+    assert out.stderr.count("\n") == 1
+
+
+def test_the_gpu_tests_say_first_that_there_is_no_gpu(tmp_path: Path) -> None:
+    from helpers import gpu
+
+    assert gpu._gpu_ready(tmp_path) == "there is none here (no /dev/nvidia*)"
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").touch()
+    assert gpu._gpu_ready(tmp_path) != "there is none here (no /dev/nvidia*)"
+    if not Path("/dev/nvidia0").exists():  # this machine: the mark says so
+        assert (
+            gpu.gpu.kwargs["reason"] == "needs an NVIDIA GPU: there is none here (no /dev/nvidia*)"
+        )

@@ -177,7 +177,8 @@ def test_the_page_shows_every_model_and_a_swap(
     _complete(port, "a")
     wait_until(lambda: browser.members() == [["a", "resident"]], 60)
     wait_until(lambda: models() == [["a", "resident"], ["b", "released"]], 60)
-    assert "1 requests" in browser.evaluate("document.getElementById('models').textContent")
+    shown = browser.evaluate("document.getElementById('models').textContent")
+    assert "1 request" in shown and "1 requests" not in shown
 
     _complete(port, "b")  # a swap: a released for b
     wait_until(lambda: models() == [["a", "released"], ["b", "resident"]], 60)

@@ -181,7 +181,7 @@ def test_stats_of_a_missing_arena(tmp_path: Path) -> None:
     out = subprocess.run(vramlock("stats", "--arena", str(tmp_path / "nope")),
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 125
-    assert out.stderr == f"vramlock: arena {tmp_path / 'nope'}: does not exist\n"
+    assert out.stderr.startswith(f"vramlock: arena {tmp_path / 'nope'}: does not exist (")
 
 
 def test_plot_without_matplotlib_says_what_to_install(arena: Path, tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_plot_without_matplotlib_says_what_to_install(arena: Path, tmp_path: Pat
     plot = vramlock("stats", "--arena", str(arena), "--plot", str(tmp_path / "a.svg"))
     out = subprocess.run(plot, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
-    assert out.stderr == "vramlock: --plot needs matplotlib: pip install 'vramlock[plot]'\n"
+    assert out.stderr == "vramlock: --plot needs matplotlib: pip install matplotlib\n"
 
 
 def test_a_line_counts_only_for_the_member_of_its_file() -> None:

@@ -694,3 +694,26 @@ def test_who_without_nvml_says_so_in_json(arena: Path) -> None:
     if importlib.util.find_spec("pynvml") is not None:
         pytest.skip("pynvml is installed here")
     assert json.loads(out)["gpus"] is None
+
+
+def test_the_shell_recipe_is_a_waiter_then_resident(arena: Path, spawn: Spawn) -> None:
+    """``flock -s want.lock flock -x token.lock CMD``: the outer flock holds want.lock for
+    the whole run, the inner one queues for the token, then holds it. One row: waiting
+    while the inner one is blocked, resident once it has the token."""
+    token = arena / "token.lock"
+    held = os.open(token, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the test's own holder
+    shell = spawn(["flock", "-s", str(arena / "want.lock"),
+                   "flock", "-x", str(token), "sh", "-c", "echo in; exec sleep 60"])  # fmt: skip
+    st = token.stat()
+
+    def blocked() -> bool:  # the witness: the kernel's queue for the token
+        entries = procfs.parse_proc_locks(procfs.read_proc_locks(), st.st_dev, st.st_ino)
+        return any(e.blocked for e in entries)
+
+    wait_until(blocked, 30)
+    rows = [(r["state"], r["name"]) for r in who_json(arena) if r["pid"] != os.getpid()]
+    assert rows == [("waiting", "flock")]
+    os.close(held)
+    assert shell.stdout is not None and shell.stdout.readline() == "in\n"
+    assert [(r["state"], r["name"]) for r in who_json(arena)] == [("resident", "flock")]

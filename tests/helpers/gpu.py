@@ -29,8 +29,12 @@ TRAINER = str(ROOT / "tests" / "gpu_trainer.py")
 GIB = 1 << 30
 
 
-def _gpu_ready() -> str | None:
-    """Why the GPU tests cannot run here, or None when they can."""
+def _gpu_ready(root: Path = Path("/")) -> str | None:
+    """Why the GPU tests cannot run here, or None when they can: no GPU first (a machine
+    without one needs no torch), then what is missing to drive it."""
+    devices = [*(root / "dev").glob("nvidia[0-9]*"), *(root / "proc/driver/nvidia/gpus").glob("*")]
+    if not devices:
+        return "there is none here (no /dev/nvidia*)"
     for mod in ("torch", "pynvml"):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not installed"

@@ -109,7 +109,10 @@ def _open_dir(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
         if err.errno == errno.ENOENT:
-            raise ArenaError(path, "does not exist") from None
+            from shlex import quote
+
+            why = f"does not exist (an arena is a directory you make: mkdir -m 700 {quote(path)})"
+            raise ArenaError(path, why) from None
         if err.errno == errno.ENOTDIR:
             # O_NOFOLLOW|O_DIRECTORY on a symlink to a directory also says ENOTDIR.
             if os.path.islink(path):
@@ -149,11 +152,29 @@ def _check_arena(fd: int, path: str) -> None:
     if names and _ARENA_NAMES.isdisjoint(names):
         from shlex import quote
 
+        # Never offered as an arena itself: a directory of other files (/etc, a home) is
+        # more likely a slip than a wish. The parent of an arena names its arena.
+        below = _arena_below(fd, sorted(names))
+        hint = (
+            f"--arena {quote(os.path.join(path, below))}?"
+            if below is not None
+            else "an arena is a directory of its own: mkdir -m 700 a new one"
+        )
         raise ArenaError(
             path,
-            "is not an arena (it holds other files, and no token.lock): a mistyped path?"
-            f" To make it one: vramlock arena --arena {quote(path)}",
+            f"is not an arena (it holds other files, and no token.lock): a mistyped path? {hint}",
         )
+
+
+def _arena_below(fd: int, names: list[str], most: int = 64) -> str | None:
+    """The first of (up to ``most`` of) ``names`` that is a directory holding a token.lock."""
+    for name in names[:most]:
+        try:
+            os.stat(os.path.join(name, TOKEN), dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        return name
+    return None
 
 
 def _ensure_private_dir(path: str) -> None:

@@ -321,6 +321,17 @@ def budget_view(arena: Arena) -> BudgetView | None:
     return BudgetView(budget=budget, held=min(held, budget.units))
 
 
+def _ancestors(pids: list[int]) -> set[int]:
+    """The parents, grandparents, ... of ``pids`` (up to, not including, init)."""
+    out: set[int] = set()
+    for pid in pids:
+        parent = procfs.ppid(pid)
+        while parent is not None and parent > 1 and parent not in out:
+            out.add(parent)
+            parent = procfs.ppid(parent)
+    return out
+
+
 def snapshot(arena: Arena) -> list[Row]:
     """Residents first, then waiters in queue order, then the rest."""
     listing = procfs.read_proc_locks()
@@ -342,7 +353,10 @@ def snapshot(arena: Arena) -> list[Row]:
         if not e.blocked and token_key is not None:
             kernel += [(p, "resident", note) for p, note in _resident_pids(e.pid, *token_key)]
     kernel += [(e.pid, "waiting", None) for e in token if e.blocked]
-    kernel += [(e.pid, "waiting", None) for e in want if not e.write]
+    # A want.lock holder above a token locker is that locker's shell recipe (``flock -s
+    # want.lock flock -x token.lock CMD``): one waiter, shown by the token's state alone.
+    recipes = _ancestors([e.pid for e in token])
+    kernel += [(e.pid, "waiting", None) for e in want if not e.write and e.pid not in recipes]
 
     records: dict[int, tuple[Record, bool]] = {}
     dirfd = arena.members_dir(create=False)

@@ -94,7 +94,7 @@ def _plot(report: Report, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'vramlock[plot]'") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(10, 1 + 0.4 * max(1, len(report.members))))
     for s in report.segments:
         color = "tab:green" if s.kind == "resident" else "tab:orange"

@@ -12,6 +12,10 @@ or written in the arena: watching is never activity. Needs the ``serve`` extra
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -30,6 +34,14 @@ if TYPE_CHECKING:
     from aiohttp import web
 
 DEFAULT_LISTEN = "127.0.0.1:8090"
+# A fixed secret for the page's address (a bookmark that outlives a restart); unset: a
+# fresh one each start.
+TOKEN_VARIABLE = "VRAMLOCK_UI_TOKEN"
+EXPOSED = (
+    "whoever can reach it and has the address below sees the arena's members, their"
+    " commands and its journal (over plain HTTP)"
+)
+FORBIDDEN = "vramlock ui: open the address vramlock ui printed, its ?token= included\n"
 # The timeline's window, and how many journal lines and switches the page lists.
 WINDOW = 600.0
 RECENT = 15
@@ -81,7 +93,10 @@ class Watch:
             "timeline": {
                 "start": report.start,
                 "end": report.end,
-                "members": [m.name for m in report.members],
+                # Live or gone (an exit said, or the process no longer there): the page
+                # gives each live member a row and folds the gone ones into one.
+                "members": [{"name": m.name, "pid": m.pid, "live": m.state != "gone"}
+                            for m in report.members],
                 "segments": [s._asdict() for s in report.segments],
             },
             "switches": [s._asdict() for s in reversed(report.switches[-RECENT:])],
@@ -102,7 +117,7 @@ def merge(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     together (the latter two by time), the timeline's rows one after another."""
     if len(states) == 1:
         return states[0]
-    rows: list[str] = []
+    rows: list[dict[str, Any]] = []
     segments: list[dict[str, Any]] = []
     for s in states:
         t = s["timeline"]
@@ -147,13 +162,46 @@ def app(state: Callable[[], Awaitable[dict[str, Any]]]) -> web.Application:
     return application
 
 
+def token() -> str:
+    """The secret the page's address carries: $VRAMLOCK_UI_TOKEN, else a fresh one."""
+    return os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(32)
+
+
+def _token_wanted(secret: str) -> Any:
+    """A middleware that answers 403 to a request whose ``?token=`` is not ``secret``:
+    the page and its data are for whoever has the printed address, not for every local
+    user (loopback is every user of the host, and a team arena's data is its group's)."""
+    from aiohttp import web
+
+    wanted = secret.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.query.get("token", "").encode()
+        if hmac.compare_digest(given, wanted):
+            return await handler(request)  # type: ignore[no-any-return]
+        return web.Response(status=403, text=FORBIDDEN)
+
+    return check
+
+
+def loopback(host: str) -> bool:
+    """Does ``host`` (as ``--listen`` gives it) reach this host's users only?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, or a wildcard's empty host
+
+
 def serve(watch: Watch, listen: str, warn: Callable[[str], None]) -> int:
     """Serve the page until SIGTERM, SIGINT or SIGHUP; 0 then. UsageError for a bad
     ``listen``, AddressError when it cannot be listened on."""
     try:
         import aiohttp  # noqa: F401
     except ImportError:
-        raise VramlockError("vramlock ui needs aiohttp: pip install 'vramlock[serve]'") from None
+        raise VramlockError("vramlock ui needs aiohttp: pip install aiohttp") from None
     from ..net.address import parse
 
     host, port = parse(listen, "--listen")
@@ -163,15 +211,22 @@ def serve(watch: Watch, listen: str, warn: Callable[[str], None]) -> int:
 async def _main(
     watch: Watch, listen: str, host: str, port: int, warn: Callable[[str], None]
 ) -> int:
+    from urllib.parse import quote
 
     from aiohttp import web
 
-    from ..net.address import show
+    from ..net.address import connect_host, show
 
-    runner = web.AppRunner(app(lambda: asyncio.to_thread(watch.state)), access_log=None)
+    secret = token()
+    application = app(lambda: asyncio.to_thread(watch.state))
+    application.middlewares.append(_token_wanted(secret))
+    runner = web.AppRunner(application, access_log=None)
     await runner.setup()
     stop = await bind_until_signalled(runner, host, port, listen)
-    warn(f"showing {watch.arena.path} at http://{show((host, port))}/")
+    if not loopback(host):
+        warn(f"--listen {listen} is not loopback: {EXPOSED}")
+    where = show((connect_host(host), port))
+    warn(f"showing {watch.arena.path} at http://{where}/?token={quote(secret, safe='')}")
     try:
         await stop.wait()
     finally:
