@@ -143,10 +143,11 @@ def test_readme_full_example(tmp_path: Path) -> None:
     assert llama.filters.model == "qwen:qwq"  # useModelName
     assert config.log_level == "info"
     # ${PORT}: startPort, then the next one, in the file's order
-    assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10001"]
-    assert unlisted.upstream == "127.0.0.1:10001"
-    assert docker.upstream == "127.0.0.1:10002"
-    assert "10002:8080" in docker.command
+    # ${PORT} in the models' sorted IDs, as llama-swap: docker-llama before qwen-unlisted
+    assert unlisted.unlisted and unlisted.command[:3] == ["llama-server", "--port", "10002"]
+    assert unlisted.upstream == "127.0.0.1:10002"
+    assert docker.upstream == "127.0.0.1:10001"
+    assert "10001:8080" in docker.command
     assert docker.command[-1] == "/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
     # one warning per key that means nothing here, each with its line and why
     assert config.routing.groups[0].members == ("llama", "qwen-unlisted")
@@ -160,32 +161,39 @@ def test_macros_env_model_macros_and_model_id(
 ) -> None:
     monkeypatch.setenv("SERVE_TEST_HOME", "/home/u")
     config = read(tmp_path, MACROS)
-    assert config.models["model1"].upstream == "127.0.0.1:5800"
+    assert config.models["model1"].upstream == "127.0.0.1:5801"  # gpt-oss < model1
     oss = config.models["gpt-oss"]
-    assert oss.command == ["/path/to/llama-server", "--port", "5801", "--model",
+    # The model's default_ctx is seen inside the global default_args too, as llama-swap.
+    assert oss.command == ["/path/to/llama-server", "--port", "5800", "--model",
                            "/home/u/models/gpt-oss.gguf", "--ctx-size", "16384", "--ctx-size",
-                           "4096", "--alias", "gpt-oss"]  # fmt: skip
+                           "16384", "--alias", "gpt-oss"]  # fmt: skip
     assert (oss.title, oss.description) == ("gpt-oss 120B", "A thinking model")
 
 
-def test_no_proxy_is_llama_swap_s_default_even_without_port_in_cmd(tmp_path: Path) -> None:
-    config = read(tmp_path, """\
-        models:
-          fixed:
-            cmd: some-upstream-server
-          next:
-            cmd: srv --port ${PORT}
-        """)  # fmt: skip
-    fixed, after = config.models.values()
-    # http://localhost:${PORT}: the port is taken whether cmd says it or not
-    assert (fixed.upstream, fixed.command) == ("127.0.0.1:5800", ["some-upstream-server"])
-    assert after.upstream == "127.0.0.1:5801"
+def test_no_proxy_and_no_port_in_cmd_is_refused_as_llama_swap_refuses_it(tmp_path: Path) -> None:
+    """The default proxy is http://localhost:${PORT}, and ${PORT} is given only to a
+    model whose cmd uses it: the server would be looked for where it does not listen."""
+    with pytest.raises(ConfigError) as err:
+        read(tmp_path, "models:\n  next:\n    cmd: srv --port ${PORT}\n"
+                       "  fixed:\n    cmd: some-upstream-server\n")  # fmt: skip
+    assert str(err.value) == (
+        f"{tmp_path / 'config.yaml'}:4: model 'fixed': the default proxy"
+        " http://localhost:${PORT} uses ${PORT}, but cmd does not: ${PORT} is given to a"
+        " model whose cmd uses it"
+    )
 
 
 def test_an_environment_value_is_not_expanded_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SERVE_TEST_ODD", "${PORT}-${env.HOME}-${nope}")
+    with pytest.raises(ConfigError, match=r"\$\{nope\} is not a defined macro"):
+        # llama-swap's verdict: its macros are expanded in what the environment gave.
+        read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT} ${env.SERVE_TEST_ODD}\n")
+    monkeypatch.setenv("SERVE_TEST_ODD", "${env.HOME}")
+    with pytest.raises(ConfigError, match=r"\$\{env.HOME\}: not expanded"):
+        read(tmp_path, "models:\n  a:\n    cmd: srv ${PORT} ${env.SERVE_TEST_ODD}\n")
+    monkeypatch.setenv("SERVE_TEST_ODD", "--odd")
     config = read(tmp_path, """\
         macros:
           odd: "${env.SERVE_TEST_ODD}"
@@ -195,7 +203,7 @@ def test_an_environment_value_is_not_expanded_again(
             env: ["ODD=${env.SERVE_TEST_ODD}"]
         """)  # fmt: skip
     a = config.models["a"]
-    odd = "${PORT}-${env.HOME}-${nope}"
+    odd = "--odd"
     assert a.command == ["srv", "--port", "5800", "--odd", odd, "--macro", odd]
     assert a.env == {"ODD": odd}
 
@@ -435,9 +443,8 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
     [
         ("models:\n  a:\n    cmd: [srv\n", 4, "not valid YAML"),
         ("models:\n  a:\n    proxy: http://127.0.0.1:1\n", 2, "model 'a': no cmd"),
-        ("- a\n- b\n", 1, "the file must be a mapping with a models: key"),
-        ("macros: {}\n", 1, "no models: key"),
-        ("models:\n  a:\n    cmd: srv ${nope}\n", 3, "${nope} is not a defined macro"),
+        ("- a\n- b\n", 1, "the file must be a mapping (models:, macros:, ...)"),
+        ("models:\n  a:\n    cmd: srv ${PORT} ${nope}\n", 3, "${nope} is not a defined macro"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    proxy: https://h:1\n", 4,
          "proxy must be an http://HOST:PORT URL"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    ttl: soon\n", 4, "ttl must be a number"),
@@ -455,14 +462,14 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
         ("healthCheckTimeout: .inf\nmodels: {}\n", 1, "healthCheckTimeout must be a number"),
         ("macros:\n" + "".join(f"  m{i}: ${{m{i - 1}}}${{m{i - 1}}}\n" for i in range(1, 40))
          .replace("${m0}${m0}", "xx") + "models:\n  a:\n    cmd: srv ${m39}\n",
-         22, "macro m21: its macros expand to more than 1 MiB"),
+         43, "model 'a': its macros expand to more than 1 MiB"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    gpu: one\n", 4,
          "model 'a': gpu: expected a GPU number"),
         ('models:\n  a:\n    cmd: srv ${PORT}\n    checkEndpoint: "/health\\r\\nX-A: b"\n', 4,
          "checkEndpoint must be /PATH (no spaces or control characters)"),
-        ('models:\n  a:\n    cmd: srv\n    proxy: "http://127.0.0.1:9/v1\\r\\nX-A: b"\n', 4,
+        ('models:\n  a:\n    cmd: srv ${PORT}\n    proxy: "http://127.0.0.1:9/v1\\r\\nX-A: b"\n', 4,
          "model 'a': proxy must be an http://HOST:PORT URL, without spaces or control"),
-        ('models:\n  a:\n    cmd: srv\n    proxy: "http://127.0.0.1:9/a b"\n', 4,
+        ('models:\n  a:\n    cmd: srv ${PORT}\n    proxy: "http://127.0.0.1:9/a b"\n', 4,
          "model 'a': proxy must be an http://HOST:PORT URL, without spaces or control"),
         ('peers:\n  p:\n    proxy: "http://h/v1\\r\\nX-A: b"\n    models: [x]\n' + ONE_MODEL, 3,
          "peer 'p': proxy must be an http(s)://HOST[:PORT] URL, without spaces or control"),
@@ -478,12 +485,12 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          "logTimeFormat must be one of ansic, unixdate,"),
         ("peers:\n  p:\n    models: [x]\nmodels:\n  a:\n    cmd: srv ${PORT}\n", 2,
          "peer 'p': proxy is required"),
-        ("peers:\n  p:\n    proxy: ftp://h\n    models: [x]\nmodels:\n  a:\n    cmd: srv\n", 3,
+        ("peers:\n  p:\n    proxy: ftp://h\n    models: [x]\n" + ONE_MODEL, 3,
          "peer 'p': proxy must be an http(s)://HOST[:PORT] URL"),
-        ("peers:\n  p:\n    proxy: http://h\n    models: []\nmodels:\n  a:\n    cmd: srv\n", 2,
+        ("peers:\n  p:\n    proxy: http://h\n    models: []\n" + ONE_MODEL, 2,
          "peer 'p': models must not be empty"),
-        ("peers:\n  p:\n    proxy: http://h\n    models: [x]\nmodels:\n  p/x:\n    cmd: srv\n",
-         4, "peer 'p': p/x is already a local model's name or alias"),
+        ("peers:\n  p:\n    proxy: http://h\n    models: [x]\nmodels:\n  p/x:\n"
+         "    cmd: srv ${PORT}\n", 4, "peer 'p': p/x is already a local model's name or alias"),
         ("models:\n  a:\n    cmd: srv ${PORT}\n    sendLoadingState: yes please\n", 4,
          "model 'a': sendLoadingState must be true or false"),
         ("selectors:\n  s: {strategy: best, targets: [a]}\n" + ONE_MODEL, 2,
@@ -506,9 +513,9 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
          " either: for models resident together, use a group with swap: false"),
         ("profiles:\n  p: a\n" + ONE_MODEL, 2,
          "profiles.p: a profile is a mapping of description and pins"),
-        ("models:\n  a:\n    cmd: srv\n    aliases:\n      - name: x\n", 5,
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    aliases:\n      - name: x\n", 5,
          "model 'a': aliases[0]: an alias object needs an id"),
-        ("models:\n  a:\n    cmd: srv\n    aliases:\n      - [x]\n", 5,
+        ("models:\n  a:\n    cmd: srv ${PORT}\n    aliases:\n      - [x]\n", 5,
          "model 'a': aliases[0] must be a name or a mapping with an id"),
         ("captureBuffer: 5MB\n" + ONE_MODEL, 1, "captureBuffer must be a whole number"),
         ("metricsMaxInMemory: 1.5\n" + ONE_MODEL, 1, "metricsMaxInMemory must be a whole number"),
@@ -518,7 +525,7 @@ def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: 
         ("performance:\n  disabled: no thanks\n" + ONE_MODEL, 2,
          "performance.disabled must be true or false"),
     ],
-    ids=["yaml", "no-cmd", "not-mapping", "no-models", "macro", "https", "ttl",
+    ids=["yaml", "no-cmd", "not-mapping", "macro", "https", "ttl",
          "duration", "vram", "alias-clash", "twice", "env", "env-macro", "quote", "cmd-nul",
          "env-nul", "ttl-inf", "health-inf", "macros-double", "gpu", "check-crlf",
          "proxy-crlf", "proxy-space", "peer-proxy-crlf", "api-key",

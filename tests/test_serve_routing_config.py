@@ -258,8 +258,8 @@ def test_cmd_stop_errors(tmp_path: Path, model: str, line: int, message: str) ->
 
 @pytest.mark.parametrize(
     ("model", "line", "where"),
-    [("    cmd: srv ${PID}\n", 3, "cmd"),
-     ("    cmd: srv\n    env: ['A=${kill}']\n", 4, "env")],
+    [("    cmd: srv ${PORT} ${PID}\n", 3, "cmd"),
+     ("    cmd: srv ${PORT}\n    env: ['A=${kill}']\n", 4, "env")],
     ids=["cmd", "env-by-macro"],
 )  # fmt: skip
 def test_pid_is_for_cmd_stop_only(tmp_path: Path, model: str, line: int, where: str) -> None:
@@ -272,7 +272,7 @@ def test_pid_is_for_cmd_stop_only(tmp_path: Path, model: str, line: int, where: 
 
 def test_a_macro_may_hold_pid_for_cmd_stop(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("macros: {kill: 'kill ${PID}'}\nmodels:\n  a:\n    cmd: srv\n"
+    path.write_text("macros: {kill: 'kill ${PID}'}\nmodels:\n  a:\n    cmd: srv ${PORT}\n"
                     "    cmdStop: ${kill}\n")  # fmt: skip
     model = load(str(path), parse_duration).models["a"]
     assert model.stop_command == 'kill "$VRAMLOCK_CHILD_PID"'

@@ -18,14 +18,7 @@ handshake are bounded together by their sum: the HTTP client times them as one).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import yaml
-
-    from .config import _Reader
 
 DEFAULT_CONNECT = 30.0
 UNUSED = {
@@ -52,23 +45,3 @@ class Timeouts:
 
 
 PEER_DEFAULTS = Timeouts(DEFAULT_CONNECT, 60.0, 10.0)
-
-
-def read_timeouts(reader: _Reader, node: yaml.Node, where: str, peer: bool = False) -> Timeouts:
-    """A model's (``peer``: a peer's) ``timeouts:`` mapping (``where``: whose, for
-    messages)."""
-    what = f"{where}: timeouts"
-    entries = {name: (key, value) for name, key, value in reader.pairs(node, what)}
-    fields = [("connect", "connect"), ("responseHeader", "header")]
-    if peer:
-        fields.append(("tlsHandshake", "tls"))
-    unused = PEER_UNUSED if peer else UNUSED
-    reader.check_keys(entries, frozenset(n for n, _ in fields), dict(unused), f"{what}: ")
-    given = {field: reader.number(entries[name][1], f"{what}: {name}", 0) or None
-             for name, field in fields if name in entries}  # fmt: skip
-    return dataclasses.replace(PEER_DEFAULTS if peer else Timeouts(), **given)
-
-
-def read_unload_timeout(reader: _Reader, node: yaml.Node, what: str) -> float | None:
-    """``unloadTimeout``: seconds, 0 for none given here."""
-    return reader.number(node, what, 0) or None
