@@ -146,7 +146,7 @@ def test_which_addresses_are_listened_on_before_the_command_line(
 def test_the_configuration_once(errcli: ErrCli, tmp_path: Path, twice: bool) -> None:
     path = str(config(tmp_path, GOOD))
     args = [path, "--config", path] if twice else []
-    expect_error(errcli("serve", *args), 2, "give the configuration file once: CONFIG or --config")
+    expect_error(errcli("serve", *args), 2, "give the configuration once: CONFIG or --config FILE")
 
 
 def test_serve_without_its_extra_says_what_to_install(errcli: ErrCli, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from .params import (
     BudgetOpt,
     CommandArg,
     ConfigArg,
+    ConfigDirOpt,
     ConfigOpt,
     ConflictOpt,
     DemandOpt,
@@ -172,9 +173,10 @@ def serve(
     config_option: ConfigOpt = None,
     listen: ServeListenOpt = "127.0.0.1:8080",
     watch_config: WatchConfigOpt = False,
+    config_dir: ConfigDirOpt = None,
 ) -> None:
     """Serve every model of CONFIG at one address; each model is a member of the arena."""
-    raise typer.Exit(serve_command.serve(config, config_option, listen, watch_config))
+    raise typer.Exit(serve_command.serve(config, config_option, listen, watch_config, config_dir))
 
 
 @app.command()

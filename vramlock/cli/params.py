@@ -243,6 +243,16 @@ ConfigOpt = Annotated[
         show_default=False,
     ),
 ]
+ConfigDirOpt = Annotated[
+    MaybeText,
+    typer.Option(
+        "--config-dir",
+        metavar="DIR",
+        help="Merge DIR's *.yaml and *.yml files (sorted) into the configuration, as"
+        " llama-swap's -config-dir: with CONFIG, or alone.",
+        show_default=False,
+    ),
+]
 ServeListenOpt = Annotated[
     str,
     typer.Option(

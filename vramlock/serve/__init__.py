@@ -29,16 +29,18 @@ SHUTDOWN_GRACE = 2.0
 
 
 def serve(
-    path: str,
+    path: str | None,
     listen: str,
     *,
     duration: Duration,
     warn: Callable[[str], None],
     watch: bool = False,
+    config_dir: str | None = None,
 ) -> int:
     """Run until SIGTERM, SIGINT or SIGHUP; 0 then. ConfigError (exit 2) for a bad file,
     UsageError for a bad ``listen``, AddressError when it cannot be listened on.
-    ``watch``: the file is read again whenever it changes (``watch``)."""
+    ``watch``: the file is read again whenever it changes (``watch``); ``config_dir``:
+    its files merged in (``config.merge``)."""
     from importlib.util import find_spec
 
     for module in ("aiohttp", "yaml"):
@@ -60,7 +62,7 @@ def serve(
             raise AddressError("--listen", listen, err.strerror or str(err)) from None
     try:
         where = Where(socks, None if every else host, port)
-        return _logged(path, where, duration, warn, watch)
+        return _logged(path, config_dir, where, duration, warn, watch)
     finally:
         for sock in socks:
             sock.close()
@@ -75,13 +77,18 @@ class Where(NamedTuple):
 
 
 def _logged(
-    path: str, where: Where, duration: Duration, warn: Callable[[str], None], watch: bool
+    path: str | None,
+    config_dir: str | None,
+    where: Where,
+    duration: Duration,
+    warn: Callable[[str], None],
+    watch: bool,
 ) -> int:
     from .config import load
     from .drain import Drain
     from .logs import Logs, Out
 
-    config = load(path, duration)
+    config = load(path, duration, config_dir)
     drain = Drain()
     logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2), drain.hold)
     reload = (lambda again: load(again, duration)) if watch else None

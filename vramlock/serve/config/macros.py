@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .reader import MAX_VALUES, MERGE, NULL, Reader
+from .reader import MAX_VALUES, MERGE, NULL, ConfigError, Reader
 
 STR = "tag:yaml.org,2002:str"
 _TAGS = {bool: "tag:yaml.org,2002:bool", int: "tag:yaml.org,2002:int",
@@ -73,6 +73,26 @@ def expand_file(
     return ports
 
 
+def parse(reader: Reader, text: str, path: str | None = None) -> yaml.MappingNode:
+    """The file's top-level mapping. Where it is no valid YAML but holds ``${env.``,
+    the variables are put in its text first, as llama-swap does (``apiKeys:
+    [${env.KEY}]`` is YAML only once expanded); else they are put in its values."""
+    try:
+        return reader.root(text, path)
+    except ConfigError:
+        if "${env." not in text:
+            raise
+    mark = yaml.Mark(path or reader.path, 0, 0, 0, None, None)  # type: ignore[arg-type]
+    at = yaml.ScalarNode(STR, "", mark, mark)
+    expanded = _ENV.sub(lambda m: _escaped(_variable(reader, at, m.group(1))), text)
+    return reader.root(expanded, path)
+
+
+def _escaped(value: str) -> str:
+    """A value put in YAML text, escaped for a double-quoted string (llama-swap's)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def declare(reader: Reader, node: yaml.Node, where: str) -> Macros:
     """A ``macros:`` mapping: names of letters, digits, ``_`` and ``-`` (not reserved),
     values that are strings, numbers or true/false, none naming itself."""
@@ -106,7 +126,8 @@ def _model(
             scope.append(macro)
         else:
             scope[at] = macro  # in its place: global macros that use it see it
-    if "proxy" not in fields or fields["proxy"][1].tag == NULL:
+    given = "proxy" in fields and fields["proxy"][1].tag != NULL
+    if not given:
         marks = key.start_mark, key.end_mark
         fields["proxy"] = (
             yaml.ScalarNode(STR, "proxy", *marks),
@@ -122,7 +143,7 @@ def _model(
     cmd, proxy = (_scalar(out, f) for f in ("cmd", "proxy"))
     uses_port = "${PORT}" in cmd
     if "${PORT}" in proxy and not uses_port:
-        said = "proxy" if proxy != DEFAULT_PROXY else f"the default proxy {DEFAULT_PROXY}"
+        said = "proxy" if given else f"the default proxy {DEFAULT_PROXY}"
         raise reader.fail(out["proxy"][1], f"{where}: {said} uses ${{PORT}}, but cmd does"
                                           " not: ${PORT} is given to a model whose cmd"
                                           " uses it")  # fmt: skip
@@ -131,6 +152,9 @@ def _model(
     for field, (_, value) in out.items():
         if field != "macros":
             _check(reader, value, f"{where}: {field}", pid=field == "cmdStop")
+    by_id = _by_id_node(reader, out, where)
+    for key, _ in by_id.value if by_id is not None else ():
+        _check(reader, key, f"{where}: filters.setParamsByID", pid=False)
     pairs = list(out.values())
     return yaml.MappingNode(
         node.tag, pairs, node.start_mark, node.end_mark, node.flow_style
@@ -155,8 +179,9 @@ class _Expander:
         self, fields: dict[str, tuple[yaml.Node, yaml.Node]]
     ) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         out = {n: (k, v if n == "macros" else self.field(v)) for n, (k, v) in fields.items()}
-        if "filters" in out and isinstance(out["filters"][1], yaml.MappingNode):
-            self._by_id(out["filters"][1])
+        by_id = _by_id_node(self.reader, out, self.where)
+        if by_id is not None:
+            self._by_id(by_id)
         return out
 
     def field(self, node: yaml.Node) -> yaml.Node:
@@ -201,12 +226,10 @@ class _Expander:
             raise self.reader.fail(node, f"{self.where}: its macros expand to more than {limit}")
         return value.replace(slug, text)
 
-    def _by_id(self, filters: yaml.MappingNode) -> None:
+    def _by_id(self, by_id: yaml.MappingNode) -> None:
         """setParamsByID's keys, expanded (llama-swap's: no other key is)."""
-        found = self.reader.entries(filters, f"{self.where}: filters").get("setParamsByID")
-        if found is None or not isinstance(found[1], yaml.MappingNode):
-            return
-        by_id, seen, pairs = found[1], dict[str, str](), []
+        seen: dict[str, str] = {}
+        pairs = []
         for name, key, value in self.reader.pairs(by_id, f"{self.where}: setParamsByID"):
             text = name
             for slug, _, replacement in self.macros:
@@ -220,9 +243,21 @@ class _Expander:
         by_id.value = pairs
 
 
+def _by_id_node(
+    reader: Reader, fields: dict[str, tuple[yaml.Node, yaml.Node]], where: str
+) -> yaml.MappingNode | None:
+    """A model's filters.setParamsByID mapping, if it has one."""
+    filters = fields["filters"][1] if "filters" in fields else None
+    if not isinstance(filters, yaml.MappingNode):
+        return None
+    found = reader.entries(filters, f"{where}: filters").get("setParamsByID")
+    return found[1] if found is not None and isinstance(found[1], yaml.MappingNode) else None
+
+
 def _check(reader: Reader, node: yaml.Node, where: str, *, pid: bool) -> None:
-    """Refuse what is left of the form ``${NAME}``: an unknown macro (or ``${PID}``
-    outside cmdStop). setParamsByID's keys are checked too; no other key is."""
+    """Refuse what is left of the form ``${NAME}`` in the values of ``node``: an
+    unknown macro (or ``${PID}`` outside cmdStop). Keys are not expanded, nor checked
+    (but setParamsByID's: ``_model``)."""
     stack = [node]
     while stack:
         item = stack.pop()
@@ -239,7 +274,6 @@ def _check(reader: Reader, node: yaml.Node, where: str, *, pid: bool) -> None:
             stack.extend(item.value)
         elif isinstance(item, yaml.MappingNode):
             stack.extend(v for _, v in item.value)
-            stack.extend(k for k, _ in item.value if k.tag == STR and MACRO.search(k.value))
 
 
 def _environment(reader: Reader, root: yaml.Node) -> None:

@@ -16,6 +16,7 @@ import os
 
 import yaml
 
+from .macros import parse
 from .reader import NULL, ConfigError, Reader, read_config_text
 
 IDENTITY = frozenset(
@@ -47,7 +48,7 @@ def merged_root(reader: Reader, path: str | None, directory: str) -> yaml.Mappin
     """The sources' top-level mappings, merged into one (its nodes keep their files)."""
     merged: yaml.MappingNode | None = None
     for source in sources(path, directory):
-        root = reader.root(read_config_text(source), source)
+        root = parse(reader, read_config_text(source), source)
         if not root.value:
             continue  # empty, or comments only
         if merged is None:

@@ -11,7 +11,7 @@ import yaml
 from ..logs import TIME_FORMATS, TO_STDOUT
 from ..routing import Routing
 from . import routing
-from .macros import expand_file
+from .macros import expand_file, parse
 from .merge import merged_root
 from .models import Model, find, read_models
 from .peers import Peer, read_peers
@@ -91,7 +91,7 @@ def load(path: str | None, duration: Duration, config_dir: str | None = None) ->
     shown = path if path is not None else str(config_dir)
     reader = Reader(shown, duration)
     if config_dir is None:
-        root = reader.root(read_config_text(shown))
+        root = parse(reader, read_config_text(shown))
     else:
         root = merged_root(reader, path, config_dir)
     ports = expand_file(reader, root, TOP_KEYS | frozenset(IGNORED_TOP), DEFAULT_START_PORT)
@@ -112,9 +112,10 @@ def load(path: str | None, duration: Duration, config_dir: str | None = None) ->
     unload = None
     if "unloadTimeout" in top:
         unload = read_unload_timeout(reader, top["unloadTimeout"][1], "unloadTimeout")
+    rules = routing.read(reader, top, set(models))
     return Config(path=shown, models=models, health_timeout=health, warnings=reader.warnings,
-                  routing=routing.read(reader, top, set(models)), unload_timeout=unload,
-                  **_access(reader, top, models), **_newer(reader, top, models))  # fmt: skip
+                  routing=rules, unload_timeout=unload, **_access(reader, top, models),
+                  **_newer(reader, top, models, rules))  # fmt: skip
 
 
 def _access(reader: Reader, top: Top, models: dict[str, Model]) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def _preload(reader: Reader, node: yaml.Node, models: dict[str, Model]) -> tuple
     return tuple(out)
 
 
-def _newer(reader: Reader, top: Top, models: dict[str, Model]) -> dict[str, Any]:
+def _newer(reader: Reader, top: Top, models: dict[str, Model], rules: Routing) -> dict[str, Any]:
     """The Config fields of logToStdout, logTimeFormat, upstream, peers, selectors,
     profiles, metricsMaxInMemory, captureBuffer and performance."""
     out: dict[str, Any] = {"log_to_stdout": DEFAULT_TO_STDOUT}
@@ -191,7 +192,7 @@ def _newer(reader: Reader, top: Top, models: dict[str, Model]) -> dict[str, Any]
     out["peers"] = peers
     names = Names(models, peers)
     if "selectors" in top:
-        out["selectors"] = read_selectors(reader, top["selectors"][1], names)
+        out["selectors"] = read_selectors(reader, top["selectors"][1], names, rules)
     if "profiles" in top:
         known = names.local | set(names.full) | set(names.bare) | set(out.get("selectors", {}))
         out["profiles"] = read_profiles(reader, top["profiles"][1], known)
