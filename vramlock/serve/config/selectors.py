@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from ..routing import Routing
 from .models import Model, find
 from .peers import Peer
 from .reader import Reader
@@ -61,9 +62,12 @@ class Names:
         return self.full.get(name) or self.bare.get(name)
 
 
-def read_selectors(reader: Reader, node: yaml.Node, names: Names) -> dict[str, Selector]:
+def read_selectors(
+    reader: Reader, node: yaml.Node, names: Names, rules: Routing
+) -> dict[str, Selector]:
     """``selectors``: each a new name (no model, alias or PEER/MODEL has it), its
-    strategy, its targets (known names; local models for warm; no selectors)."""
+    strategy, its targets (known names; local models for warm; no selectors; for
+    spillover, local models that the routing rules let be resident together)."""
     selectors = {n for n, _, _ in reader.pairs(node, "selectors")}
     out: dict[str, Selector] = {}
     for name, key, value in reader.pairs(node, "selectors"):
@@ -82,6 +86,10 @@ def read_selectors(reader: Reader, node: yaml.Node, names: Names) -> dict[str, S
         targets = _targets(reader, tnode, where, strategy, names, selectors)
         if targets is None:
             continue
+        if strategy == "spillover":
+            _together(
+                reader, tnode, where, [t for t in targets if find(names.models, t)], names, rules
+            )
         spill = 1
         if "settings" in f:
             settings = reader.entries(f["settings"][1], where)
@@ -121,6 +129,26 @@ def _targets(
         reader.warn(node, f"{where}: none of its targets is a model: left out")
         return None
     return tuple(targets)
+
+
+def _together(
+    reader: Reader, node: yaml.Node, where: str, local: list[str], names: Names, rules: Routing
+) -> None:
+    """Spillover's local targets must be resident together by the rules, as llama-swap
+    checks it: one set of the matrix holds them all, or one group that does not swap.
+    Without rules (``engine`` None) the arena decides: nothing to check."""
+    models = {m.name for t in local if (m := find(names.models, t)) is not None}
+    if len(models) < 2 or rules.engine is None:
+        return
+    if rules.engine == "matrix":
+        if not any(models <= combo for _, combos in rules.sets for combo in combos):
+            raise reader.fail(node, f"{where}.targets must all appear together in one"
+                                    " expanded matrix set")  # fmt: skip
+        return
+    group = next((g for g in rules.groups if models <= set(g.members)), None)
+    if group is None or group.swap:
+        raise reader.fail(node, f"{where}: spillover targets must share a group with"
+                                " swap: false")  # fmt: skip
 
 
 def read_profiles(reader: Reader, node: yaml.Node, known: set[str]) -> dict[str, Profile]:
