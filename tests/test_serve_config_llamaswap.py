@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
-from helpers.llamaswap import PROXY, Case, m, named, no, ok, verdict
+from helpers.llamaswap import CHECK, PROXY, Case, m, named, no, ok, verdict
 
 from vramlock.cli import parse_duration
 from vramlock.serve.config import Config, load
@@ -371,7 +371,7 @@ ENV = [
         ONE + "    cmd: server\n" + PROXY + '    checkEndpoint: "http://${env.TEST_HOST}/health"\n',
         "checkEndpoint must be /PATH",
         env=E,
-        diverges="checkEndpoint is a path: serve checks the model where its proxy is",
+        diverges=CHECK,
     ),
     ok(
         "env-in-global-macro",

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
-from helpers.llamaswap import Case, m, named, no, ok, verdict
+from helpers.llamaswap import ARENA, EXAMPLE, Case, m, named, no, ok, verdict
 
 from vramlock.cli import parse_duration
 from vramlock.serve.config import Config, ConfigError, load
@@ -242,8 +242,7 @@ SELECTORS = [
         SEL_BASE + "selectors:\n  public:\n    strategy: pin\n    targets: [missing]\n",
         lambda c: c.selectors,
         {},
-        diverges="llama-swap's own example configuration has selector targets and profile"
-        " pins of no model: serve loads it, leaving them out with a warning",
+        diverges=EXAMPLE,
     ),
     no(
         "selector-chaining",
@@ -299,8 +298,7 @@ SELECTORS = [
         SEL_BASE + "selectors:\n  public:\n    strategy: spillover\n    targets: [a, b]\n",
         lambda c: c.selectors["public"].targets,
         ("a", "b"),
-        diverges="without routing rules serve lets the arena decide which models are"
-        " resident together (llama-swap swaps them all): spillover targets may be",
+        diverges=ARENA,
     ),
     no(
         "selector-spillover-matrix",
@@ -326,8 +324,7 @@ SELECTORS = [
         SEL_BASE + "profiles:\n  p:\n    pins:\n      a: missing\n",
         lambda c: c.profiles["p"].pins,
         {"a": None},
-        diverges="llama-swap's own example configuration has selector targets and profile"
-        " pins of no model: serve loads it, leaving them out with a warning",
+        diverges=EXAMPLE,
     ),
     ok(
         "profile-pins",

@@ -16,6 +16,23 @@ from . import ROOT
 
 PROXY = "    proxy: http://localhost:8080\n"
 
+# Why serve's verdict differs, where it does (each also in docs/serve.md).
+CHECK = "checkEndpoint is a path: serve checks the model where its proxy is"
+EXAMPLE = (
+    "llama-swap's own example configuration names models it does not define (selector"
+    " targets, profile pins, fifo priorities): serve loads it, leaving those out with a"
+    " warning"
+)
+ARENA = (
+    "without routing rules serve lets the arena decide which models are resident"
+    " together (llama-swap swaps them all)"
+)
+STORE = (
+    "serve keeps its activity in memory: store is ignored with a warning, and its path"
+    " is neither written nor checked"
+)
+UI = "serve's /ui has no settings of its own: ui is ignored with a warning"
+
 
 @dataclass(frozen=True)
 class Case:

@@ -147,10 +147,15 @@ def _model(entry: _Entry, global_ttl: float) -> Model:
 
 
 def words(text: str) -> list[str]:
-    """Comment lines dropped, line continuations joined, split as a shell would (quotes,
-    no expansion). ValueError: an unclosed quote."""
-    lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.strip().startswith("#")]
-    return shlex.split(" ".join(lines))
+    """Comment lines dropped (a line continued by ``\\`` ends there), then split as a
+    shell would (quotes, no expansion), as llama-swap splits ``cmd``. ValueError: an
+    unclosed quote."""
+    lines = []
+    for line in text.splitlines():
+        bare = line.strip()
+        if not bare.startswith("#"):
+            lines.append(bare[:-1] if bare.endswith("\\") else line)
+    return shlex.split("\n".join(lines))
 
 
 def plain_url(url: str) -> bool:

@@ -151,8 +151,11 @@ def _together(
                                 " swap: false")  # fmt: skip
 
 
-def read_profiles(reader: Reader, node: yaml.Node, known: set[str]) -> dict[str, Profile]:
-    """``profiles``: each a mapping of description and pins (name: target, or null)."""
+def read_profiles(
+    reader: Reader, node: yaml.Node, known: set[str], reserved: set[str]
+) -> dict[str, Profile]:
+    """``profiles``: each a mapping of description and pins (name: target, or null);
+    a pin may not be named as a peer's PEER/MODEL (``reserved``)."""
     out: dict[str, Profile] = {}
     for name, key, value in reader.pairs(node, "profiles"):
         where = f"profiles.{name}"
@@ -172,6 +175,8 @@ def read_profiles(reader: Reader, node: yaml.Node, known: set[str]) -> dict[str,
         for pin, pkey, target in reader.pairs(pnode, f"{where}.pins") if "pins" in f else []:
             if not pin.strip():
                 raise reader.fail(pkey, f"{where}.pins: a pin's name cannot be blank ({pin!r})")
+            if pin in reserved:
+                raise reader.fail(pkey, f"{where}.pins: {pin!r} is a peer's model")
             text = None if reader.value(target) is None else reader.text(target, where)
             if text and text not in known:
                 # Divergence: llama-swap refuses; its own example pins such names. The

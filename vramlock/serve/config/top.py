@@ -195,7 +195,7 @@ def _newer(reader: Reader, top: Top, models: dict[str, Model], rules: Routing) -
         out["selectors"] = read_selectors(reader, top["selectors"][1], names, rules)
     if "profiles" in top:
         known = names.local | set(names.full) | set(names.bare) | set(out.get("selectors", {}))
-        out["profiles"] = read_profiles(reader, top["profiles"][1], known)
+        out["profiles"] = read_profiles(reader, top["profiles"][1], known, set(names.full))
     out.update(_observed(reader, top))
     return out
 
