@@ -201,6 +201,59 @@ MODELS = [
 
 SELECTORS = [
     ok(
+        "selector-of-a-peer-model",
+        "peers:\n  remote:\n    proxy: http://example.com\n"
+        "    models: [remote-model]\nselectors:\n  remote-model:\n    strategy: spillover\n"
+        "    targets: [remote/remote-model]\n",
+        lambda c: c.selectors["remote-model"].targets,
+        ("remote/remote-model",),
+    ),
+    ok(
+        "spillover-in-a-group-that-keeps",
+        "models:\n  a:\n    cmd: echo ${PORT}\n  b:\n"
+        "    cmd: echo ${PORT}\ngroups:\n  pool:\n    swap: false\n    members: [a, b]\n"
+        "selectors:\n  public:\n    strategy: spillover\n    targets: [a, b]\n"
+        "    settings:\n      spillover: 4\n",
+        lambda c: c.selectors["public"].spillover,
+        4,
+    ),
+    ok(
+        "spillover-in-a-large-matrix",
+        "models:\n  target:\n    cmd: echo ${PORT}\n"
+        + "".join(
+            f"  model-{d}-{c}:\n    cmd: echo ${{PORT}}\n" for d in range(4) for c in range(11)
+        )
+        + 'matrix:\n  sets:\n    large: "target & '
+        + " & ".join("(" + " | ".join(f"model-{d}-{c}" for c in range(11)) + ")" for d in range(4))
+        + '"\nselectors:\n  public:\n    strategy: spillover\n    targets: [target, model-0-0]\n',
+        lambda c: c.selectors["public"].targets,
+        ("target", "model-0-0"),
+    ),
+    ok(
+        "spillover-of-remote-targets",
+        "peers:\n  remote:\n    proxy: http://example.com\n"
+        "    models: [a, b]\nselectors:\n  public:\n    strategy: spillover\n"
+        "    targets: [remote/a, remote/b]\n",
+        lambda c: c.selectors["public"].targets,
+        ("remote/a", "remote/b"),
+    ),
+    ok(
+        "spillover-local-and-remote",
+        "models:\n  local:\n    cmd: echo ${PORT}\npeers:\n"
+        "  remote:\n    proxy: http://example.com\n    models: [remote-model]\nselectors:\n"
+        "  public:\n    strategy: spillover\n    targets: [local, remote/remote-model]\n",
+        lambda c: c.selectors["public"].targets,
+        ("local", "remote/remote-model"),
+    ),
+    ok(
+        "profile-pins-a-selector",
+        "models:\n  a:\n    cmd: echo ${PORT}\nselectors:\n"
+        "  public:\n    strategy: pin\n    targets: [a]\nprofiles:\n  coding:\n    pins:\n"
+        "      llm-code: public\n",
+        lambda c: c.profiles["coding"].pins,
+        {"llm-code": "public"},
+    ),
+    ok(
         "selector-defaults-and-fields",
         "models:\n  a:\n    cmd: echo ${PORT}\n  b:\n"
         "    cmd: echo ${PORT}\ngroups:\n  balanced:\n    swap: false\n    members: [a, b]\n"
@@ -535,4 +588,4 @@ def test_a_merge_error_names_the_file_and_line_it_comes_from(tmp_path: Path) -> 
 
 def test_the_count() -> None:
     """How many of llama-swap's cases are here, and how many differ (each named)."""
-    assert named([*CASES, *MERGED]) == (73, 3)
+    assert named([*CASES, *MERGED]) == (79, 3)

@@ -11,8 +11,9 @@ import yaml
 from ..routing import Routing
 from .reader import ConfigError, Reader
 
-# What one set's expression may expand to: combinations multiply.
-MAX_COMBINATIONS = 4096
+# What one set's expression may expand to: combinations multiply. llama-swap's own
+# tests have a set of 11**4 (four models, each one of eleven, with a fifth).
+MAX_COMBINATIONS = 1 << 15
 
 _VAR = re.compile(r"[A-Za-z0-9.-]{1,32}")
 _TOKEN = re.compile(r"\s*(?:(?P<op>[&|()])|\+(?P<ref>[\w.-]+)|(?P<name>[\w.-]+)|(?P<bad>\S))")
