@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
-from helpers.llamaswap import ARENA, EXAMPLE, Case, m, named, no, ok, verdict
+from helpers.llamaswap import ARENA, COMPAT, EXAMPLE, Case, m, named, no, ok, verdict
 
 from vramlock.cli import parse_duration
 from vramlock.serve.config import Config, ConfigError, load
@@ -197,6 +197,116 @@ MODELS = [
         "a/b/c is also peer 'a'",
     ),
     ok("peer-timeouts-default", PEER, lambda c: c.peers["openrouter"].timeouts.header, 60.0),
+    *(
+        ok(
+            f"comfyui-limit-{given}",
+            "models:\n  comfyui_auto:\n    cmd: comfyui --port ${PORT}\n"
+            + (f"    concurrencyLimit: {given}\n" if given else "")
+            + "  regular:\n    cmd: regular --port ${PORT}\n    concurrencyLimit: 10\n",
+            lambda c: (m(c, "comfyui_auto").concurrency, m(c, "regular").concurrency),
+            (want, 10),
+        )
+        for given, want in [(0, 50), (10, 50), (50, 50), (60, 60)]
+    ),
+    ok(
+        "model-compat",
+        "models:\n  enabled:\n    cmd: enabled --port ${PORT}\n    compat:\n"
+        "      ignoreWebsockets: true\n  default:\n    cmd: default --port ${PORT}\n",
+        lambda c: sum("compat ignored" in w for w in c.warnings),
+        1,
+        diverges=COMPAT,
+    ),
+    ok(
+        "set-params-by-id-aliases",
+        "models:\n  model1:\n    cmd: path/to/cmd --port ${PORT}\n"
+        '    filters:\n      setParamsByID:\n        "${MODEL_ID}:high":\n'
+        '          reasoning_effort: high\n        "${MODEL_ID}:low":\n'
+        "          reasoning_effort: low\n",
+        lambda c: (m(c, "model1").aliases, c.find("model1:low").name),
+        (("model1:high", "model1:low"), "model1"),
+    ),
+    no(
+        "set-params-by-id-alias-of-two",
+        "models:\n  model1:\n    cmd: c --port ${PORT}\n"
+        '    filters:\n      setParamsByID:\n        "shared-alias":\n          e: high\n'
+        "  model2:\n    cmd: c --port ${PORT}\n    filters:\n      setParamsByID:\n"
+        '        "shared-alias":\n          e: low\n',
+        "alias 'shared-alias' is taken",
+    ),
+    ok(
+        "filters-with-set-params",
+        "models:\n  model1:\n    cmd: path/to/cmd --port ${PORT}\n"
+        '    filters:\n      stripParams: "top_k"\n      setParams:\n        temperature: 0.7\n'
+        '        top_p: 0.9\n        stop:\n          - "<|end|>"\n          - "<|stop|>"\n',
+        lambda c: (m(c, "model1").filters.strip, m(c, "model1").filters.set),
+        (("top_k",), {"temperature": 0.7, "top_p": 0.9, "stop": ["<|end|>", "<|stop|>"]}),
+    ),
+    ok(
+        "capabilities-all",
+        CAPS + "      in: [text, audio, image]\n      out: [text, audio, image]\n"
+        "      tools: true\n      context: 32000\n",
+        lambda c: m(c, "model1").capabilities,
+        {
+            "in": ["text", "audio", "image"],
+            "out": ["text", "audio", "image"],
+            "tools": True,
+            "context": 32000,
+        },
+    ),
+    ok(
+        "capabilities-partial",
+        CAPS + "      tools: true\n      context: 8192\n",
+        lambda c: m(c, "model1").capabilities,
+        {"tools": True, "context": 8192},
+    ),
+    ok(
+        "capabilities-none",
+        "models:\n  model1:\n    cmd: c --port ${PORT}\n",
+        lambda c: m(c, "model1").capabilities,
+        {},
+    ),
+    ok(
+        "capabilities-context-from-macro",
+        "macros:\n  default_ctx: 98304\n"
+        + CAPS
+        + "      in: [text, image]\n      out: [text]\n      tools: true\n"
+        "      context: ${default_ctx}\n",
+        lambda c: m(c, "model1").capabilities,
+        {"in": ["text", "image"], "out": ["text"], "tools": True, "context": 98304},
+    ),
+    ok(
+        "capabilities-context-from-model-macro",
+        "macros:\n  default_ctx: 4096\n"
+        "models:\n  model1:\n    cmd: c --port ${PORT}\n    macros:\n      default_ctx: 65536\n"
+        "    capabilities:\n      context: ${default_ctx}\n",
+        lambda c: m(c, "model1").capabilities["context"],
+        65536,
+    ),
+    ok(
+        "capabilities-tools-from-macro",
+        "macros:\n  has_tools: true\n" + CAPS + "      tools: ${has_tools}\n",
+        lambda c: m(c, "model1").capabilities["tools"],
+        True,
+    ),
+    ok(
+        "capabilities-reranker-from-macro",
+        "macros:\n  is_reranker: true\n" + CAPS + "      reranker: ${is_reranker}\n",
+        lambda c: m(c, "model1").capabilities["reranker"],
+        True,
+    ),
+    ok(
+        "capabilities-quoted-macros-typed",
+        "macros:\n  default_ctx: 32768\n  has_tools: true\n"
+        + CAPS
+        + '      context: "${default_ctx}"\n      tools: "${has_tools}"\n',
+        lambda c: m(c, "model1").capabilities,
+        {"context": 32768, "tools": True},
+    ),
+    no(
+        "capabilities-unknown-macro",
+        CAPS + "      context: ${undefined_macro}\n",
+        "capabilities: ${undefined_macro} is not a defined macro",
+    ),
 ]
 
 SELECTORS = [
@@ -588,4 +698,4 @@ def test_a_merge_error_names_the_file_and_line_it_comes_from(tmp_path: Path) -> 
 
 def test_the_count() -> None:
     """How many of llama-swap's cases are here, and how many differ (each named)."""
-    assert named([*CASES, *MERGED]) == (79, 3)
+    assert named([*CASES, *MERGED]) == (96, 4)

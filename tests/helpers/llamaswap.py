@@ -32,6 +32,10 @@ STORE = (
     " is neither written nor checked"
 )
 UI = "serve's /ui has no settings of its own: ui is ignored with a warning"
+COMPAT = (
+    "a websocket through /upstream is a connection like any other: compat is ignored"
+    " with a warning"
+)
 
 
 @dataclass(frozen=True)
