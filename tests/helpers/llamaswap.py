@@ -31,10 +31,8 @@ STORE = (
     "serve keeps its activity in memory: store is ignored with a warning, and its path"
     " is neither written nor checked"
 )
-UI = "serve's /ui has no settings of its own: ui is ignored with a warning"
 COMPAT = (
-    "a websocket through /upstream is a connection like any other: compat is ignored"
-    " with a warning"
+    "a websocket through /upstream is a connection like any other: compat is ignored with a warning"
 )
 
 

@@ -30,7 +30,7 @@ vramlock's own keys, per model: ``release``, ``preset``, ``min_hold``, ``yield_w
 ``vram``, ``gpu``, ``arena`` (``vramlock run``'s options of those names; absent: what
 ``run`` picks).
 
-Keys that mean nothing under vramlock (``ui``, ``compat``, ...) are ignored with a
+Keys that mean nothing under vramlock (``store``, ``compat``) are ignored with a
 warning that says why; an unknown key is ignored with a warning. Anything else wrong is a
 ConfigError: ``FILE:LINE: what is wrong`` (exit status 2).
 """

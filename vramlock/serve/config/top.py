@@ -35,17 +35,19 @@ MIN_EVERY = 5.0
 # upstream.ignorePaths when it is absent or empty (llama-swap's): static files.
 DEFAULT_IGNORE_PATHS = (r".*\.(js|json|css|png|gif|jpg|jpeg|ico|txt)$",)
 
+# The request headers that name a client's session in the activity (llama-swap's
+# ui.activity.session_id, which /api/events tells the page as its uiConfig).
+DEFAULT_SESSION_HEADERS = ("X-Session-ID", "X-Litellm-Session-Id")
+
 # llama-swap's keys that have no meaning here, and why.
-_NO_UI = "serve's /ui, /metrics and /logs have no settings of their own"
 IGNORED_TOP = {
-    "ui": _NO_UI,
     "store": "serve keeps its activity in memory (the last metricsMaxInMemory requests)",
 }
 TOP_KEYS = frozenset(
     {"models", "macros", "startPort", "healthCheckTimeout", "globalTTL", "hooks", "apiKeys",
      "includeAliasesInList", "logLevel", "routing", "groups", "matrix", "unloadTimeout",
      "logToStdout", "logTimeFormat", "sendLoadingState", "upstream", "peers", "profiles",
-     "selectors", "metricsMaxInMemory", "captureBuffer", "performance"}
+     "selectors", "metricsMaxInMemory", "captureBuffer", "performance", "ui"}
 )  # fmt: skip
 
 Top = dict[str, tuple[yaml.Node, yaml.Node]]
@@ -72,6 +74,7 @@ class Config:
     activity_kept: int = DEFAULT_KEEP  # metricsMaxInMemory: requests kept for /api/metrics
     capture_mb: int = DEFAULT_CAPTURE_MB  # captureBuffer: MB of captures (0: none)
     performance_every: float | None = DEFAULT_EVERY  # performance.every (None: disabled)
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS  # ui.activity.session_id
 
     def find(self, name: str) -> Model | None:
         """The model ``name`` names, directly or as an alias."""
@@ -197,7 +200,26 @@ def _newer(reader: Reader, top: Top, models: dict[str, Model], rules: Routing) -
         known = names.local | set(names.full) | set(names.bare) | set(out.get("selectors", {}))
         out["profiles"] = read_profiles(reader, top["profiles"][1], known, set(names.full))
     out.update(_observed(reader, top))
+    if "ui" in top:
+        out["session_headers"] = _session_headers(reader, top["ui"][1])
     return out
+
+
+def _session_headers(reader: Reader, node: yaml.Node) -> tuple[str, ...]:
+    """``ui.activity.session_id``: header names, trimmed, the empty and the repeated
+    (in any case) left out, as llama-swap reads them."""
+    ui = reader.entries(node, "ui")
+    reader.check_keys(ui, frozenset({"activity"}), {}, "ui: ")
+    activity = reader.entries(ui["activity"][1], "ui.activity") if "activity" in ui else {}
+    reader.check_keys(activity, frozenset({"session_id"}), {}, "ui.activity: ")
+    if "session_id" not in activity:
+        return DEFAULT_SESSION_HEADERS
+    names = reader.strings(activity["session_id"][1], "ui.activity.session_id")
+    found: dict[str, str] = {}
+    for name in (n.strip() for n in names):
+        if name and name.lower() not in found:
+            found[name.lower()] = name
+    return tuple(found.values())
 
 
 def _ignore_paths(reader: Reader, top: Top) -> tuple[re.Pattern[str], ...]:
