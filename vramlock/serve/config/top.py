@@ -110,7 +110,7 @@ def load(path: str | None, duration: Duration, config_dir: str | None = None) ->
     models: dict[str, Model] = {}
     if "models" in top:
         models = read_models(reader, top["models"][1], ports, global_ttl, loading)
-    if not models:
+    if not models and "peers" not in top:
         reader.warn(top["models"][0] if "models" in top else root, "no models (models:)")
     unload = None
     if "unloadTimeout" in top:
