@@ -31,6 +31,9 @@
  * closes every socket it has once it is ready (=shutdown: shuts each down first, so that
  * the other end and a thread of its own blocked on it see it end). With SWAP_PROG_IDLE_CHILD=1 it forks a
  * child once it is ready that never uses CUDA (as a worker pool's), ended with it.
+ * With SWAP_PROG_SETUID=ID it drops to that user and group id (as root) after it loaded
+ * the driver, before cuInit; with SWAP_PROG_FILL_FDS=1 it opens descriptors until it has
+ * none left (EMFILE) before cuInit, and closes them after it.
  * With SWAP_PROG_STACK=N it sets its per-thread stack limit to N bytes before it
  * allocates, and checks after each round that the driver says N (else exits 3).
  *
@@ -46,6 +49,9 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -385,9 +391,22 @@ int main(int argc, char **argv)
 	cuMemcpyDtoH_ptds = get("cuMemcpyDtoH", 2);
 
 	void *stream;
+	const char *uid = getenv("SWAP_PROG_SETUID");
+	if (uid && (setgroups(0, NULL) || setgid((gid_t)atoi(uid)) || setuid((uid_t)atoi(uid))))
+		return 4;
+	static int filled[4096];
+	int nfilled = 0;
+	if (getenv("SWAP_PROG_FILL_FDS")) {
+		while (nfilled < 4096 && (filled[nfilled] = open("/dev/null", O_RDONLY)) >= 0)
+			nfilled++;
+		if (nfilled == 4096 || errno != EMFILE)
+			return 4;
+	}
 	if (getenv("SWAP_PROG_CLEARENV"))
 		clearenv();
 	CHECK(cuInit(0));
+	while (nfilled > 0) /* the driver's memory needs some */
+		close(filled[--nfilled]);
 	CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
 	CHECK(cuCtxSetCurrent(ctx));
 	CHECK(cuStreamCreate(&stream, 0));
