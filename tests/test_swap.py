@@ -975,10 +975,12 @@ def test_no_release_while_a_cuda_graph_is_being_captured(rig: Rig, spawn: Spawn)
 def test_the_hub_stops_listening_when_the_run_ends(tmp_path: Path) -> None:
     path = str(tmp_path / "control")
     hub = Hub(path, str(tmp_path / "lib.so"))
+    assert hub.abstract  # and its abstract socket
     hub.close()
-    assert not hub._thread.is_alive()  # not left blocked in accept()
-    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):
-        sock.connect(path)
+    assert not any(t.is_alive() for t in hub._threads)  # not left blocked in accept()
+    for address in (path, f"\0{hub.abstract}"):
+        with socket.socket(socket.AF_UNIX) as sock, pytest.raises(ConnectionRefusedError):
+            sock.connect(address)
 
 
 def test_a_library_path_ld_preload_cannot_carry_fails_before_the_command(

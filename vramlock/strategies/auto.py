@@ -34,7 +34,7 @@ from .http import Preset
 from .none import NoneStrategy
 from .presets import PRESETS
 from .signal import SignalStrategy
-from .swap import SwapStrategy
+from .swap import ENV_UNREACHED, SwapStrategy
 from .swap import usable as swap_usable
 
 # In order of preference, each list: the first that fits is taken.
@@ -44,9 +44,9 @@ FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), Che
 # the control protocol.
 HELLO_GRACE = 1.0
 
+KEEPS = "somebody is waiting for the GPU, but this command keeps it until it exits"
 CANNOT_RELEASE = (
-    "somebody is waiting for the GPU, but this command keeps it until it exits:"
-    " --release auto found no way to release it (it does not speak the control"
+    f"{KEEPS}: --release auto found no way to release it (it does not speak the control"
     " protocol, and is no CUDA program that can be swapped or checkpointed); see"
     " --release restart, stop or exec"
 )
@@ -86,6 +86,7 @@ class AutoStrategy(Strategy):
         prepared = cls.first(command).prepare(command, env, scratch)
         if swaps(command):
             prepared = SwapStrategy.prepare(prepared, env, scratch)
+            env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
         return prepared
 
     # -- what the runner sees: the chosen strategy's facts -------------------------------
@@ -131,11 +132,18 @@ class AutoStrategy(Strategy):
         if self._told or time.monotonic() - self._started < HELLO_GRACE or not wanted():
             return None
         found = self._found()
+        # Said once: with the cause where swap was out of reach of a process.
+        cause = SwapStrategy.unreached(self.ctx)
         if found is not None:
             self.current = found(self.ctx, self.settings)
-            return None
+            return None if cause is None else f"{cause}: --release auto uses {found.name}"
         self._told = True
-        return CANNOT_RELEASE
+        if cause is None:
+            return CANNOT_RELEASE
+        return (
+            f"{KEEPS}: {cause}, so it cannot be swapped, and --release auto found no other"
+            " way to release it; see --release restart, stop or exec"
+        )
 
     def _found(self) -> type[Strategy] | None:
         """The first of FOR_A_WAITER, not refused, that finds work in the command."""

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import select
 import shutil
 import socket
@@ -58,6 +60,13 @@ from .checkpoint import RESTORE_MARGIN, VramTaken, footprint, short_of
 from .checkpoint import usable as checkpoint_usable
 
 ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
+# The hub's abstract socket, for a process that cannot reach the path: another user's
+# (a privilege drop), another mount namespace's (a private /tmp). "vramlock-swap/<our
+# pid>/<our start time>/<random>": the library checks that we are who listens there.
+ENV_ABSTRACT = "VRAMLOCK_SWAP_ABSTRACT"
+# What a process that reaches neither does: "run" without swap (auto), or "exit" before
+# its GPU work (--release swap).
+ENV_UNREACHED = "VRAMLOCK_SWAP_UNREACHED"
 # A process that connected says hello at once; one told to release as it joins has
 # nothing to copy yet.
 HELLO_WITHIN = 2.0
@@ -69,6 +78,9 @@ CLOSED = "it closed its connection to vramlock"
 # The name of the mapping the library keeps while its process has not joined (swap.h).
 UNJOINED = "vramlock-swap-unjoined"
 SET_UP = "vramlock-swap-set-up"  # the library's mapping once it has set up (gate.c)
+# The library's mapping in a process that could reach neither socket and runs without
+# swap: "vramlock-swap-unreached:<errno>" (gate.c).
+UNREACHED = re.compile(r"vramlock-swap-unreached:(\d+)")
 # How long a process that cannot be verified may take to become one that can (it was
 # caught starting) before the release is refused.
 VERIFY_WITHIN = 0.5
@@ -143,16 +155,23 @@ class Hub:
         # Each process that connected, with the program it ran then (``_image``): it had
         # set up, whether or not its mark shows.
         self._connected: dict[int, tuple[int, ...]] = {}
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(path)
-        self._sock.listen(64)
-        self._thread = threading.Thread(target=self._serve, name="vramlock-swap", daemon=True)
-        self._thread.start()
+        self._socks = [_listening(path)]
+        self.abstract = _abstract_name()
+        with contextlib.suppress(OSError):  # taken (by chance, or by malice): the path only
+            self._socks.append(_listening(f"\0{self.abstract}"))
+        if len(self._socks) == 1:
+            self.abstract = ""
+        self._threads = [
+            threading.Thread(target=self._serve, args=(s,), name="vramlock-swap", daemon=True)
+            for s in self._socks
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, sock: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return  # closed: the run is over
             pid = _peer_pid(conn)
@@ -209,6 +228,12 @@ class Hub:
                 return (
                     f"process {pid} of the command cannot be verified: its memory map cannot"
                     " be read (a setuid or non-dumpable program)"
+                )
+            cause = None if paths is None else unreached(paths)
+            if cause is not None:
+                return (
+                    f"process {pid} of the command could not reach vramlock run ({cause})"
+                    " and runs without swap"
                 )
             if paths is not None and cuda.driver_in(paths):
                 if self.library in paths and (
@@ -269,8 +294,8 @@ class Hub:
         and runs their constructors before the library's), or a child that shares its
         parent's memory until it execs (vfork, posix_spawn), calls nothing on the GPU
         that does not pass the library first. Its environment at start tells."""
-        if self.library not in paths:
-            return False
+        if self.library not in paths or unreached(paths) is not None:
+            return False  # (one that could not reach us runs on its own)
         if any(UNJOINED in p for p in paths):
             return True
         return procfs.environ(pid).get(ENV_SOCKET) == self.path
@@ -299,12 +324,13 @@ class Hub:
     def close(self) -> None:
         # shutdown wakes the accepting thread (close alone would leave it blocked on
         # a socket that still takes connections).
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._thread.join(1.0)
-        self._sock.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(1.0)
+        for sock in self._socks:
+            sock.close()
         self.reset()
 
 
@@ -352,6 +378,35 @@ def _image(pid: int) -> tuple[int, ...] | None:
     if start is None or layout is None or not any(layout[1:]):
         return None
     return (start, *layout[1:])
+
+
+def _listening(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _abstract_name() -> str:
+    """A name for the hub's abstract socket that says who listens there (the library
+    checks it against the kernel's word), and that nobody can guess to take first."""
+    start = procfs.starttime(os.getpid())
+    return f"vramlock-swap/{os.getpid()}/{start}/{secrets.token_hex(16)}"
+
+
+def unreached(paths: set[str]) -> str | None:
+    """Why the process that has ``paths`` mapped could not reach the hub and runs without
+    swap (the library's mapping says so), or None."""
+    for path in paths:
+        found = UNREACHED.search(path)
+        if found:
+            code = int(found.group(1))
+            return os.strerror(code) if code else "no reason given"
+    return None
 
 
 def _peer_pid(conn: socket.socket) -> int | None:
@@ -410,6 +465,19 @@ class SwapStrategy(Strategy):
         return hub is not None and hub.joined() and hub.unverified(ctx.child.processes()) is None
 
     @classmethod
+    def unreached(cls, ctx: Context) -> str | None:
+        """Which process of the command could not reach this run's hub, and why, where
+        one could not (it runs without swap); None where none did. (For ``auto``.)"""
+        if hub_of(ctx) is None:
+            return None
+        for pid in ctx.child.processes():
+            paths = procfs.mapped(pid)
+            cause = None if paths is None else unreached(paths)
+            if cause is not None:
+                return f"process {pid} of the command could not reach vramlock run ({cause})"
+        return None
+
+    @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
         why = usable()
         if why is not None:
@@ -426,6 +494,9 @@ class SwapStrategy(Strategy):
         scratch.callback(_HUBS.pop, path, None)
         scratch.callback(hub.close)
         env[ENV_SOCKET] = path
+        if hub.abstract:
+            env[ENV_ABSTRACT] = hub.abstract
+        env[ENV_UNREACHED] = "exit"  # auto says "run"
         # Ours first: its dlsym must see the program's lookups before anybody's.
         theirs = env.get("LD_PRELOAD", "").strip()
         env["LD_PRELOAD"] = f"{library}:{theirs}" if theirs else library
@@ -436,13 +507,17 @@ class SwapStrategy(Strategy):
         if why is not None:
             raise Refused(f"{why}; it was left running")
         bad = self._tell("release", "released", deadline)
-        if not bad:
+        # A process that could not reach us while the others released runs on its own.
+        late = None if bad else self.unreached(self.ctx)
+        if not bad and late is None:
             self._failures = 0
             self._released_at = time.monotonic()
             return
         # Whoever released comes back: one process cannot be swapped, so none is.
         if self._tell("restore", "restored", None):
             raise StrategyError("the command could be neither swapped out nor restored")
+        if late is not None:
+            raise Refused(f"{late} and runs without swap; it was left running")
         pid, word, why = bad[0]
         if word == "refused":
             raise Refused(

@@ -1,7 +1,9 @@
 /*
- * control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET): `hello <pid>` at
- * cuInit, then a thread of its own answering `release` and `restore` (and `unpin` and
- * `pin` around a park).
+ * control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET, else its abstract
+ * socket VRAMLOCK_SWAP_ABSTRACT): `hello <pid>` at cuInit, then a thread of its own
+ * answering `release` and `restore` (and `unpin` and `pin` around a park). Where
+ * neither can be reached, VRAMLOCK_SWAP_UNREACHED says what the process does: `run`
+ * without swap (auto), or `exit` before its GPU work (--release swap).
  */
 #include "swap.h"
 
@@ -20,6 +22,17 @@ static unsigned long long wrapper_start;
 static int greeted; /* the wrapper said where we stand */
 static pthread_cond_t greet_cv = PTHREAD_COND_INITIALIZER;
 pthread_once_t connect_once = PTHREAD_ONCE_INIT;
+/* The wrapper's abstract socket's name (no NUL before it here), and the process that
+ * must be listening there: its pid and start time, from the name itself. */
+static char abstract_name[sizeof sock_path - 1];
+static int abstract_pid;
+static unsigned long long abstract_start;
+static int unreached_runs; /* VRAMLOCK_SWAP_UNREACHED=run */
+/* A socket made at set-up, kept for the connection: a program that used up its
+ * descriptors before cuInit still reaches the wrapper. Its inode tells whether the
+ * descriptor is still ours (the program may have closed it, its number reused). */
+static int reserve_fd = -1;
+static ino_t reserve_ino;
 
 static int send_line(const char *line)
 {
@@ -258,20 +271,58 @@ const char *setting(const char *name, char *buf, size_t size)
 	return v;
 }
 
+static void make_reserve(void)
+{
+	struct stat st;
+	reserve_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (reserve_fd >= 0 && fstat(reserve_fd, &st)) {
+		close(reserve_fd);
+		reserve_fd = -1;
+	}
+	if (reserve_fd >= 0)
+		reserve_ino = st.st_ino;
+}
+
+/* A socket to connect: the reserve while it is still ours, else a new one. */
+static int take_socket(void)
+{
+	struct stat st;
+	int fd = reserve_fd;
+	reserve_fd = -1;
+	if (fd >= 0 && !fstat(fd, &st) && S_ISSOCK(st.st_mode) && st.st_ino == reserve_ino)
+		return fd;
+	return socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+}
+
+/* VRAMLOCK_SWAP_ABSTRACT, "vramlock-swap/<pid>/<start time>/<random>": kept where
+ * it is whole. */
+static void abstract_setup(const char *name)
+{
+	if (!name || strlen(name) >= sizeof abstract_name ||
+	    sscanf(name, "vramlock-swap/%d/%llu/", &abstract_pid, &abstract_start) != 2)
+		return;
+	memcpy(abstract_name, name, strlen(name) + 1);
+}
+
 /* At start, from the environment (`setting`): whether the library is to act (1), where
  * the wrapper listens, and which descriptor holds the command's token. */
 int control_setup(void)
 {
-	char at_start[4][sizeof sock_path + 1]; /* one more: too long a path stays too long */
+	char at_start[6][sizeof sock_path + 1]; /* one more: too long a path stays too long */
 	const char *path = setting("VRAMLOCK_SWAP_SOCKET", at_start[0], sizeof at_start[0]);
 	const char *fd = setting("VRAMLOCK_TOKEN_FD", at_start[1], sizeof at_start[1]);
 	const char *prepare = setting("VRAMLOCK_SWAP_PREPARE", at_start[2], sizeof at_start[2]);
 	const char *stack = setting("VRAMLOCK_SWAP_STACK", at_start[3], sizeof at_start[3]);
+	const char *name = setting("VRAMLOCK_SWAP_ABSTRACT", at_start[4], sizeof at_start[4]);
+	const char *unreached = setting("VRAMLOCK_SWAP_UNREACHED", at_start[5], sizeof at_start[5]);
 	struct stat st;
 	if (!path || !*path)
 		return 0;
 	prepare_wanted = !prepare || strcmp(prepare, "0");
 	stack_wanted = !stack || strcmp(stack, "0");
+	unreached_runs = unreached && !strcmp(unreached, "run");
+	abstract_setup(name);
+	make_reserve();
 	/* Too long a path stays empty: connect_control then says so. */
 	if (strlen(path) < sizeof sock_path)
 		memcpy(sock_path, path, strlen(path) + 1);
@@ -305,41 +356,114 @@ int start_thread(void *(*fn)(void *))
 	return e;
 }
 
-/* Connects to the wrapper and waits for its first word. Whatever goes wrong, the
- * process cannot know that its command holds the token: the gate stays closed. */
-void connect_control(void)
+/* Connects `fd` to the wrapper's socket at `path`: 0, or an errno. */
+static int connect_path(int fd)
 {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
-	const char *why = NULL;
-	char hello[64];
-
-	control_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (!sock_path[0])
-		why = "the socket path is too long";
-	else if (control_fd < 0)
-		why = strerror(errno);
-	if (!why) {
-		memcpy(addr.sun_path, sock_path, sizeof addr.sun_path);
-		if (connect(control_fd, (struct sockaddr *)&addr, sizeof addr))
-			why = strerror(errno);
-	}
+		return ENAMETOOLONG;
+	memcpy(addr.sun_path, sock_path, sizeof addr.sun_path);
+	return connect(fd, (struct sockaddr *)&addr, sizeof addr) ? errno : 0;
+}
+
+/* Connects `fd` to the wrapper's abstract socket (no file: neither this process's
+ * user nor its mount namespace matter), and checks that the kernel's peer there is the
+ * wrapper the name says: that pid, started then. 0, or why not in `why`. */
+static int connect_abstract(int fd, char *why, size_t len)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	size_t n = strlen(abstract_name);
 	struct ucred cred;
 	socklen_t clen = sizeof cred;
+	unsigned long long start;
 	char state;
-	if (!why && !getsockopt(control_fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) &&
-	    !proc_stat(cred.pid, &state, &wrapper_start))
-		wrapper_pid = cred.pid;
-	snprintf(hello, sizeof hello, "hello %d", (int)getpid());
-	if (!why && send_line(hello))
-		why = strerror(errno);
-	if (!why && start_thread(control_thread))
-		why = "cannot start the control thread";
-	pthread_mutex_lock(&mu);
-	if (why) {
-		say("cannot reach vramlock run at %s (%s): GPU calls stay blocked", sock_path, why);
-		atomic_store(&closed, 1);
-		greeted = 1;
+	if (!n) {
+		snprintf(why, len, "none was named");
+		return -1;
 	}
+	memcpy(addr.sun_path + 1, abstract_name, n); /* sun_path[0] stays NUL: abstract */
+	socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+	if (connect(fd, (struct sockaddr *)&addr, alen)) {
+		snprintf(why, len, "%s", strerror(errno));
+		return -1;
+	}
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) || cred.pid != abstract_pid ||
+	    proc_stat(cred.pid, &state, &start) || start != abstract_start) {
+		snprintf(why, len, "the process listening there is not vramlock run");
+		return -1;
+	}
+	return 0;
+}
+
+/* The wrapper cannot be reached (`err`, in words `why`): under auto the process runs
+ * without swap once its command holds the token (at once where it cannot tell: the
+ * wrapper stops a process that runs on the GPU while its command is released); under
+ * --release swap it ends before its GPU work. Never a GPU call blocked for good. */
+static void unreached(int err, const char *why)
+{
+	if (!unreached_runs) {
+		say("cannot reach vramlock run (%s): --release swap cannot release this process,"
+		    " so it ends before its GPU work (--release auto would run it without swap)",
+		    why);
+		_exit(UNREACHED_STATUS);
+	}
+	TRACE("cannot reach vramlock run (%s): this process runs without swap", why);
+	while (token_held() == 0) {
+		struct timespec tick = {0, 20000000};
+		nanosleep(&tick, NULL);
+	}
+	pthread_mutex_lock(&mu);
+	gate_unreached(err);
+	greeted = 1;
+	pthread_mutex_unlock(&mu);
+}
+
+/* Connects to the wrapper, at its socket's path, else at its abstract socket, and
+ * waits for its first word; where neither can be reached, `unreached`. */
+void connect_control(void)
+{
+	char why[256], abstract_why[128] = "", hello[64];
+	int err = 0;
+
+	control_fd = take_socket();
+	if (control_fd < 0)
+		err = errno;
+	else if ((err = connect_path(control_fd))) {
+		close(control_fd); /* a failed connect leaves a socket unusable */
+		control_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (control_fd < 0)
+			snprintf(abstract_why, sizeof abstract_why, "%s", strerror(errno));
+		else if (connect_abstract(control_fd, abstract_why, sizeof abstract_why))
+			close(control_fd), control_fd = -1;
+	}
+	if (control_fd >= 0) {
+		struct ucred cred;
+		socklen_t clen = sizeof cred;
+		char state;
+		if (!getsockopt(control_fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) &&
+		    !proc_stat(cred.pid, &state, &wrapper_start))
+			wrapper_pid = cred.pid;
+	}
+	if (control_fd < 0) {
+		if (err == ENAMETOOLONG)
+			snprintf(why, sizeof why, "the socket path is too long");
+		else
+			snprintf(why, sizeof why, "%s: %s", sock_path, strerror(err));
+		if (abstract_why[0])
+			snprintf(why + strlen(why), sizeof why - strlen(why),
+				 "; its abstract socket: %s", abstract_why);
+		unreached(err, why);
+		return;
+	}
+	snprintf(hello, sizeof hello, "hello %d", (int)getpid());
+	if ((err = send_line(hello) ? errno : 0) || (err = start_thread(control_thread))) {
+		snprintf(why, sizeof why, "%s", strerror(err));
+		close(control_fd);
+		control_fd = -1;
+		unreached(err, why);
+		return;
+	}
+	pthread_mutex_lock(&mu);
 	while (!greeted)
 		pthread_cond_wait(&greet_cv, &mu);
 	pthread_mutex_unlock(&mu);
@@ -371,6 +495,10 @@ void after_fork_child(void)
 	if (control_fd >= 0)
 		close(control_fd);
 	control_fd = -1;
+	if (reserve_fd >= 0) { /* the parent's, the same socket: this process needs its own */
+		close(reserve_fd);
+		make_reserve();
+	}
 	pthread_cond_init(&greet_cv, NULL);
 	connect_once = (pthread_once_t)PTHREAD_ONCE_INIT;
 	greeted = 0;

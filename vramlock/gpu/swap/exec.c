@@ -19,9 +19,10 @@ extern char **environ;
 
 #define PRELOAD "LD_PRELOAD="
 /* The variables that reach the wrapper, "NAME=value" as at start (empty: not set). */
-#define NKEPT 4
-static const char *const kept_names[NKEPT] = {"VRAMLOCK_SWAP_SOCKET", "VRAMLOCK_TOKEN_FD",
-					      "VRAMLOCK_SWAP_PREPARE", "VRAMLOCK_SWAP_STACK"};
+#define NKEPT 6
+static const char *const kept_names[NKEPT] = {
+	"VRAMLOCK_SWAP_SOCKET",	 "VRAMLOCK_TOKEN_FD",	    "VRAMLOCK_SWAP_PREPARE",
+	"VRAMLOCK_SWAP_STACK",	 "VRAMLOCK_SWAP_ABSTRACT", "VRAMLOCK_SWAP_UNREACHED"};
 static char kept[NKEPT][320];
 static char self_path[4096]; /* this library, as the dynamic linker loaded it */
 

@@ -93,6 +93,20 @@ void gate_joined_locked(int resident)
 		gate_open_locked();
 }
 
+/* With `mu`: the process could not reach the wrapper (`err` says why) and runs without
+ * swap, its calls straight to the driver from now on. Its mapping tells the wrapper so,
+ * and why, where nothing else can: the wrapper reads /proc/PID/maps whatever this
+ * process's user, mount namespace or descriptors. */
+void gate_unreached(int err)
+{
+	char name[64];
+	snprintf(name, sizeof name, "%s:%d", UNREACHED, err);
+	named_mapping(name);
+	active = 0;
+	gate_joined_locked(1);
+	gate_open_locked(); /* a driver that cannot be swapped runs unswapped as well */
+}
+
 /* The driver cannot be swapped: GPU calls stay blocked for good. */
 void gate_break(void)
 {

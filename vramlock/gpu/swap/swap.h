@@ -34,6 +34,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -217,7 +218,13 @@ void gate_open_locked(void);
 /* The name of gate_set_up's mapping: the library has set up in this image (kept until
  * exec; a process without it may still be running other libraries' constructors). */
 #define SET_UP "vramlock-swap-set-up"
+/* The name of gate_unreached's mapping, ":<errno>" after it: the process could not reach
+ * the wrapper and runs without swap (kept until exec; a forked child keeps it too). */
+#define UNREACHED "vramlock-swap-unreached"
+/* The exit status of a process that cannot reach the wrapper under --release swap. */
+#define UNREACHED_STATUS 1
 void gate_set_up(void);
+void gate_unreached(int err);
 void gate_unjoined(void);
 void gate_joined_locked(int resident);
 void gate_break(void);
