@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.processes import Spawn
-from helpers.swap_rig import Rig, read_line, swap_turns
+from helpers.processes import Spawn, wait_until
+from helpers.swap_rig import Rig, let_go, read_line, swap_turns
 
 from vramlock.gpu import swap
 
@@ -147,3 +147,44 @@ def test_swap_ends_a_process_it_cannot_reach_before_its_gpu_work(rig: Rig, spawn
     assert "cannot reach vramlock run (" in line and "No such file or directory" in line
     assert "--release swap cannot release this process, so it ends before its GPU work" in line
     assert "Traceback" not in err
+
+
+def test_a_process_that_cannot_reach_its_run_while_released_waits_for_the_turn(
+    rig: Rig, spawn: Spawn
+) -> None:
+    # The command's first program joined and is swapped out under auto while the test's
+    # member holds the token; then a second one starts that can reach no socket. It
+    # waits for the command's turn, runs without swap then, and the next member waits
+    # for the command to end: the release by swap is refused, naming it.
+    stop, start, trace = rig.tmp / "stop", rig.tmp / "start", rig.tmp / "trace"
+    second = " ".join(own_tmp("-n")).replace(OWN_TMP, f"'{OWN_TMP}'")
+    text = (
+        f'"$1" 60 & SWAP_PROG_START_AFTER={start} VRAMLOCK_SWAP_DEBUG=1'
+        f' {second} "$1" 2 2>{trace}; wait'
+    )
+    job = rig.command(spawn, "sh", "-c", text, "sh", str(rig.fakes.program),
+                      release="auto", env=dict(rig.env, SWAP_PROG_STOP=str(stop)))  # fmt: skip
+    assert sorted([read_line(job), read_line(job)]) == [["ready"], ["waiting"]]
+    holder = rig.holder(spawn)
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[2]) == 0  # swapped out
+    start.touch()
+    wait_until(lambda: "cannot reach vramlock run" in trace.read_text())
+    time.sleep(0.3)  # its chance to run in the member's turn
+    left = let_go(holder)
+    assert not rig.between(int(held[1]), left)  # nothing ran in the turn
+    assert read_line(job) == ["ready"]  # the second, on the command's turn
+    assert min(s for s, _ in rig.launches() if s > int(held[1])) > left
+    holder = rig.holder(spawn)  # the command keeps the GPU until it ends
+    assert read_line(job)[0] == "done"  # the second's 2 s
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > max(e for _, e in rig.launches())
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "could not reach vramlock run (No such file or directory)" in lines[0]
+    assert lines[0].endswith("holding the GPU until it exits")
+    assert holder.stdin is not None
+    holder.stdin.close()
