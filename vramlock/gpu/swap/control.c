@@ -271,10 +271,18 @@ const char *setting(const char *name, char *buf, size_t size)
 	return v;
 }
 
+/* Out of the low numbers a program or a shell may expect to be free. */
+#define RESERVE_FROM 100
+
 static void make_reserve(void)
 {
 	struct stat st;
 	reserve_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	int high = reserve_fd < 0 ? -1 : fcntl(reserve_fd, F_DUPFD_CLOEXEC, RESERVE_FROM);
+	if (high >= 0) {
+		close(reserve_fd);
+		reserve_fd = high;
+	}
 	if (reserve_fd >= 0 && fstat(reserve_fd, &st)) {
 		close(reserve_fd);
 		reserve_fd = -1;
