@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import Spawn, wait_until
-from helpers.swap_rig import Rig, let_go, read_line, swap_turns
+from helpers.swap_rig import Rig, during, let_go, read_line, swap_turns, take_turn
 
 from vramlock.gpu import swap
 
@@ -189,3 +189,24 @@ def test_a_process_that_cannot_reach_its_run_while_released_waits_for_the_turn(
     assert lines[0].endswith("holding the GPU until it exits")
     assert holder.stdin is not None
     holder.stdin.close()
+
+
+def test_auto_releases_a_process_it_cannot_reach_its_next_way(rig: Rig, spawn: Spawn) -> None:
+    # The driver can checkpoint: the next way after swap finds work in the command.
+    states = rig.tmp / "checkpoint"
+    states.mkdir()
+    rig.env.update(LD_LIBRARY_PATH=str(rig.fakes.checkpoint_directory),
+                   FAKE_CUDA_CKPT_DIR=str(states))  # fmt: skip
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop))
+    job = rig.command(spawn, *own_tmp("-n"), str(rig.fakes.program), "60", release="auto", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    assert not during(rig.launches(), [turn])  # (the fake checkpoint keeps its bytes)
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"
+    (line,) = err.splitlines()
+    assert "could not reach vramlock run (No such file or directory)" in line
+    assert line.endswith("--release auto uses checkpoint")
