@@ -9,6 +9,10 @@ this run, and answers ``resident``, or ``release`` when the command is released 
 that moment, so a process that starts while another member holds the token never
 touches the GPU. A release is refused while a process of the command has the driver
 loaded without being a connected peer, or cannot be seen (its memory map unreadable).
+The hub listens on an abstract socket too (``VRAMLOCK_SWAP_ABSTRACT``), for a process
+that cannot reach the path (another user after a privilege drop, a private /tmp); one
+that reaches neither runs without swap under ``auto`` (``VRAMLOCK_SWAP_UNREACHED``) and
+says so in a mapping of its own (``UNREACHED``), or exits under ``--release swap``.
 
 A release says ``release`` to every process and waits for each to answer:
 
