@@ -20,6 +20,7 @@ import os
 import signal
 import stat
 import struct
+import sys
 import threading
 import time
 from types import FrameType
@@ -196,9 +197,12 @@ def _flags(exclusive: bool, blocking: bool) -> LockFlags:
 
 def _flock(fd: int, *, exclusive: bool, blocking: bool) -> bool:
     """The one flock call: True when granted, False when held (only when not blocking)."""
+    return _flock_as(fd, _locker(), _flags(exclusive, blocking), blocking)
+
+
+def _flock_as(fd: int, locker: FlockLocker, flags: LockFlags, blocking: bool) -> bool:
     from portalocker.exceptions import LockException
 
-    locker, flags = _locker(), _flags(exclusive, blocking)
     while True:
         try:
             locker.lock(fd, flags)
@@ -244,63 +248,57 @@ class _Deadline(Exception):
     pass
 
 
-_waiting = threading.Event()  # set only while a timed flock is in progress
+class _Alarm:
+    """What the SIGALRM handler reads: plain attributes, each set in one step (a
+    threading.Event's lock, taken when the alarm fell, was never given back: a hang)."""
+
+    armed = False  # only between arming the timer and the flock's return
+    handling: BaseException | None = None  # the exception being handled as the wait began
+
+
+# After its first alarm the timer fires again every millisecond until the wait ends:
+# an alarm that fell just before the flock entered the kernel, or where the handler
+# must not raise, is followed by one that cuts the wait.
+_REFIRE = 0.001
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
-    # PEP 475 retries an interrupted flock unless the handler raises, so it
-    # raises - but only inside the wait, never in the cleanup around it.
-    if _waiting.is_set():
+    # PEP 475 retries an interrupted flock unless the handler raises, so it raises -
+    # but only inside the wait, and never where an exception is being handled (an
+    # except or finally block, in the lock layer or the enum module, or the caller's
+    # way out, such as vramlock run's SIGTERM): raised there, it would take that
+    # exception's place.
+    if _Alarm.armed and sys.exc_info()[1] is _Alarm.handling:
         raise _Deadline
-
-
-def _other_than_deadline(late: BaseException) -> BaseException | None:
-    """The exception that was leaving the wait when the alarm's was raised, if any."""
-    seen: BaseException | None = late.__context__
-    while seen is not None and isinstance(seen, _Deadline):
-        seen = seen.__context__
-    return seen
-
-
-def _lock_with_alarm(fd: int, exclusive: bool, timeout: float) -> bool:
-    """``_timed_lock``; where the alarm fell due as another signal's handler broke the
-    wait (the caller's way out, such as vramlock run's SIGTERM), that exception stands,
-    not the alarm's, wherever in the way out the alarm's was raised."""
-    try:
-        return _timed_lock(fd, exclusive, timeout)
-    except _Deadline as late:
-        broke = _other_than_deadline(late)
-        if broke is not None:
-            raise broke from None
-        return try_lock(fd, exclusive=exclusive)  # the alarm, raised on its own way out
 
 
 def _timed_lock(fd: int, exclusive: bool, timeout: float) -> bool:
     # A blocking flock cut by SIGALRM is how flock(1) -w works: the waiter keeps
-    # its place in the kernel's queue, which polling would lose.
+    # its place in the kernel's queue, which polling would lose. The lock layer is
+    # imported and the flags made before the alarm is armed: an import the alarm
+    # cut would stay half done.
+    locker, flags = _locker(), _flags(exclusive, blocking=True)
+    old_delay, old_interval = signal.getitimer(signal.ITIMER_REAL)
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-6))
+    _Alarm.handling = sys.exc_info()[1]
     try:
-        _waiting.set()
         try:
-            lock(fd, exclusive=exclusive)
-            _waiting.clear()
+            _Alarm.armed = True
+            signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-6), _REFIRE)
+            _flock_as(fd, locker, flags, blocking=True)
+            _Alarm.armed = False
             return True
-        except _Deadline as late:
-            _waiting.clear()
-            broke = _other_than_deadline(late)
-            if broke is not None:
-                raise broke from None  # see _lock_with_alarm
-            # The alarm may have fired just after the kernel granted the lock; a
+        except _Deadline:
+            _Alarm.armed = False
+            # The alarm may have fallen just after the kernel granted the lock; a
             # non-blocking retry on the same description settles it either way.
             return try_lock(fd, exclusive=exclusive)
-        except BaseException:
-            _waiting.clear()  # before an alarm due now can raise on top of it
-            raise
+        finally:
+            _Alarm.armed = False
     finally:
-        _waiting.clear()
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
+        _Alarm.handling = None
         if old_delay:
             signal.setitimer(signal.ITIMER_REAL, old_delay, old_interval)
 
@@ -323,7 +321,7 @@ def lock_within(fd: int, *, exclusive: bool, timeout: float | None) -> bool:
     if timeout <= 0:
         return try_lock(fd, exclusive=exclusive)
     if threading.current_thread() is threading.main_thread():
-        return _lock_with_alarm(fd, exclusive, timeout)
+        return _timed_lock(fd, exclusive, timeout)
     end = time.monotonic() + timeout
     pause = 0.0005
     while not try_lock(fd, exclusive=exclusive):
