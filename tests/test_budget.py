@@ -481,12 +481,15 @@ def test_a_lying_record_never_puts_two_members_on_one_unit(room: Budgeted) -> No
     assert room.over() == []
 
 
+@pytest.mark.parametrize("writer", ["other user", "same user"])
 def test_a_forged_record_claiming_held_units_does_not_decide_whom_a_waiter_asks(
-    room: Budgeted, spawn: Spawn
+    room: Budgeted, spawn: Spawn, writer: str
 ) -> None:
-    """A record that is not its writer's to write (another user's, in a sticky members/)
-    claims the resident's units for a living process inside a minimum hold that never
-    ends: the waiter must ask the units' real holder anyway (as one without a record)."""
+    """A record claims the resident's units for a living process that holds none of
+    them, inside a minimum hold that never ends: written by another user (in a sticky
+    members/), or by the same user, whose records are trusted. The waiter must ask the
+    units' real holder anyway (as one without a record): a record's claim to a unit is
+    probed, and this one's fails (the same user's made the waiter wait for ever)."""
     from vramlock import procfs
     from vramlock.arena.records import Record, record_name
 
@@ -495,7 +498,8 @@ def test_a_forged_record_claiming_held_units_does_not_decide_whom_a_waiter_asks(
     decoy = spawn(["sleep", "60"])
     forged = Record(pid=decoy.pid, name="forged", command=["sleep"], strategy="test",
                     state="resident", since=1.0, starttime=procfs.starttime(decoy.pid) or 0,
-                    uid=os.geteuid() + 1, units=list(range(12)), hold_until=1e10)  # fmt: skip
+                    uid=os.geteuid() + (writer == "other user"), units=list(range(12)),
+                    hold_until=1e10)  # fmt: skip
     (room.arena / "members" / record_name(forged.pid, forged.starttime)).write_bytes(forged.dump())
     waiter = room.member("w", 4)
     resident.wait_for("release")

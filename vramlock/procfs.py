@@ -251,9 +251,10 @@ def parse_proc_locks(listing: str, dev: int, ino: int) -> list[LockEntry]:
     return out
 
 
-def byte_locks_held(listing: str, dev: int, ino: int) -> int:
-    """How many bytes of one inode granted OFD byte-range locks cover (a budget's units
-    taken: each resident holds its own bytes, so none is counted twice)."""
+def byte_locks_held(listing: str, dev: int, ino: int, below: int) -> int:
+    """How many bytes under ``below`` of one inode granted OFD byte-range locks cover (a
+    budget's units taken: each resident holds its own bytes, so none is counted twice;
+    its claim bytes lie far above)."""
     want = (os.major(dev), os.minor(dev), ino)
     total = 0
     for line in listing.splitlines():
@@ -266,8 +267,8 @@ def byte_locks_held(listing: str, dev: int, ino: int) -> int:
             start, end = int(f[5]), int(f[6])
         except ValueError:
             continue
-        if key == want:
-            total += end - start + 1
+        if key == want and start < below:
+            total += min(end, below - 1) - start + 1
     return total
 
 

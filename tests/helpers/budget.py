@@ -13,7 +13,7 @@ from pathlib import Path
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
 from helpers.worker import events
-from vramlock.arena.budget import UNIT, read_budget
+from vramlock.arena.budget import CLAIMS, UNIT, read_budget
 from vramlock.arena.directory import Arena
 
 DEADLINE = 20.0
@@ -30,7 +30,7 @@ MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
     from vramlock.arena.directory import Arena
-    from vramlock.arena.budget import UNIT, read_budget
+    from vramlock.arena.budget import CLAIMS, UNIT, read_budget
     from vramlock.arena.units import Units
     from vramlock.arena.records import Record, RecordWriter
     path, name, need, witness, log, mode = sys.argv[1:7]
@@ -191,7 +191,8 @@ class Budgeted:
 
 
 def _bytes_locked(path: Path) -> int:
-    """Bytes of ``path`` under OFD locks, by /proc/locks."""
+    """Bytes of ``path`` under OFD locks below the claim bytes (units, on capacity.lock),
+    by /proc/locks."""
     st = os.stat(path)
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     total = 0
@@ -200,7 +201,8 @@ def _bytes_locked(path: Path) -> int:
             fields = line.split()
             if "->" not in fields and "OFDLCK" in fields and inode in fields:
                 start, end = fields[-2:]
-                total += int(end) - int(start) + 1
+                if int(start) < CLAIMS:
+                    total += min(int(end), CLAIMS - 1) - int(start) + 1
     return total
 
 

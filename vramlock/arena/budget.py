@@ -4,7 +4,7 @@ An arena with a ``budget`` file has three more files (docs/protocol.md, "The bud
 
 - ``budget``: ``unit BYTES`` and ``units N``, written only by the arena's owner;
 - ``capacity.lock``: byte i is unit i; a budget resident holds an open-file-description
-  (OFD) write lock on each byte of its units;
+  (OFD) write lock on each byte of its units, and on each unit's claim byte (``claim_byte``);
 - ``queue.lock``: flock(LOCK_EX) held by the budget waiter at the head of the line.
 
 A budget resident holds ``token.lock`` shared plus its units, so an exclusive holder
@@ -33,6 +33,22 @@ QUEUE = "queue.lock"
 
 UNIT = 256 << 20  # 256 MiB: 564 units on a 141 GB card, a rounding a footprint can afford
 MAX_UNITS = 4096  # 1 TiB of 256 MiB units; a byte offset each in capacity.lock
+
+# A resident's claim to a unit, a lock a record's reader can probe: with each unit, a
+# budget resident write-locks one more byte of capacity.lock, at an offset that names
+# both its pid (the one its record is filed under) and the unit. A record's claim to a
+# unit whose claim byte nobody holds is false, whoever wrote it.
+CLAIMS = 1 << 40
+_MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+
+
+def claim_byte(pid: int, unit: int) -> int:
+    """The byte of capacity.lock that says ``pid`` holds ``unit``."""
+    if not (0 < pid < _MAX_PID and 0 <= unit < MAX_UNITS):
+        raise ValueError(f"no claim byte for pid {pid}, unit {unit}")
+    return CLAIMS + pid * MAX_UNITS + unit
+
+
 _MAX_FILE = 4096
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY

@@ -317,7 +317,7 @@ def budget_view(arena: Arena) -> BudgetView | None:
         st = os.stat(CAPACITY, dir_fd=arena.dirfd, follow_symlinks=False)
     except OSError:
         return BudgetView(budget=budget, held=0)
-    held = procfs.byte_locks_held(procfs.read_proc_locks(), st.st_dev, st.st_ino)
+    held = procfs.byte_locks_held(procfs.read_proc_locks(), st.st_dev, st.st_ino, budget.units)
     return BudgetView(budget=budget, held=min(held, budget.units))
 
 

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 from ..errors import ArenaError, UsageError
 from . import lockfd
-from .budget import BUDGET, CAPACITY, QUEUE, UNIT, Budget, read_budget, show_size
+from .budget import (
+    BUDGET,
+    CAPACITY,
+    QUEUE,
+    UNIT,
+    Budget,
+    claim_byte,
+    read_budget,
+    show_size,
+)
 from .directory import TOKEN, WANT, Arena
 from .footprint import DECLARED, Footprint, after_residency
 from .records import Record, read_live
@@ -204,6 +213,7 @@ class Units(Residency, Sized):
         self.resident = False
         self.busy = False
         self._asked: set[int] = set()
+        self.pid = os.getpid()  # whose claims our units' claim bytes are: our record's pid
         fds: list[int] = []
         try:
             for name in (TOKEN, WANT, WANT, WANT, QUEUE):
@@ -348,6 +358,8 @@ class Units(Residency, Sized):
                 break
             if unit not in self.units and lockfd.try_lock_bytes(self.capacity, unit, write=True):
                 self.units.append(unit)
+                # The claim: what makes our record's word on this unit believed.
+                lockfd.try_lock_bytes(self.capacity, claim_byte(self.pid, unit), write=True)
         return len(self.units) >= need
 
     def _candidates(self) -> tuple[list[Candidate], int]:
@@ -375,7 +387,7 @@ class Units(Residency, Sized):
         free = self.budget.units - len(self.units) - len(held)
         out: list[Candidate] = []
         for rec in records:
-            units = [u for u in rec.units if u in held]
+            units = [u for u in rec.units if u in held and self._claimed(rec.pid, u)]
             if units:
                 out.append(
                     Candidate(
@@ -389,6 +401,14 @@ class Units(Residency, Sized):
                 held -= set(units)
         out += [Candidate(units=[u], busy=True, used=0.0, known=False) for u in sorted(held)]
         return out, free
+
+    def _claimed(self, pid: int, unit: int) -> bool:
+        """Does ``pid`` hold its claim byte for ``unit``? A record's word is not enough:
+        anybody who may write in members/ could claim units for a living process."""
+        try:
+            return lockfd.bytes_locked_elsewhere(self.capacity, claim_byte(pid, unit), write=True)
+        except ValueError:
+            return False
 
     def _ask(self, units: set[int]) -> None:
         """Hold read locks on want.lock at exactly ``units`` (the kernel never refuses a
