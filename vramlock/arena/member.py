@@ -226,6 +226,10 @@ class Member:
         waiter (no barging)."""
         self.residency.wait_polite(max_delay)
 
+    def taken_elsewhere(self) -> bool:
+        """Released: does somebody else hold the token now (did a waiter take it)?"""
+        return self.residency.taken_elsewhere()
+
     # -- resident --------------------------------------------------------------------------
 
     def wanted(self) -> bool:

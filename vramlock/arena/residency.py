@@ -99,6 +99,11 @@ class Residency(ABC):
     def wait_polite(self, max_delay: float = REQUEUE_DELAY_MAX) -> None:
         """After stepping aside, wait until queueing again cannot barge past a waiter."""
 
+    def taken_elsewhere(self) -> bool:
+        """Released: does somebody else hold what we released now? (Where it cannot be
+        told, as for budget units, True: a release is never taken for unanswered.)"""
+        return True
+
     @property
     @abstractmethod
     def held(self) -> bool:
@@ -198,6 +203,9 @@ class WholeGpu(Residency):
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
+    def taken_elsewhere(self) -> bool:
+        return self.token.held_elsewhere()
+
     @property
     def held(self) -> bool:
         return self.token.held
@@ -271,6 +279,9 @@ class EveryGpu(Residency):
         end = time.monotonic() + max_delay
         for part in self._parts:
             part.wait_polite(max(0.0, end - time.monotonic()))
+
+    def taken_elsewhere(self) -> bool:
+        return any(p.taken_elsewhere() for p in self._parts)
 
     @property
     def held(self) -> bool:

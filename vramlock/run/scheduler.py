@@ -25,6 +25,7 @@ from . import demand as demands
 from .options import RunOptions
 from .strays import Strays
 from .supervision import Supervision, Woken
+from .unanswered import Unanswered
 
 if TYPE_CHECKING:
     from .proxy import Proxy
@@ -91,6 +92,7 @@ class Scheduler:
         self._lost_run = 0.0  # how long the run a release ended had lasted
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
+        self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
                              lambda note: self.member.describe(note=note))  # fmt: skip
@@ -136,7 +138,7 @@ class Scheduler:
             self.member.state is State.RESIDENT
             and self.strategy.releases
             and time.monotonic() >= self._retry_at
-            and (self._outgrown or self.member.should_release() or self._told_to_end())
+            and (self._outgrown or self.unanswered.wanted(self.member) or self._told_to_end())
         ):
             self._wanted_since = None
             return False
@@ -259,7 +261,8 @@ class Scheduler:
             return []
         due = [self.meter.due()] if self.meter is not None else []
         if self.strategy.releases:
-            hold_left = self.member.resident_since + self.member.min_hold - now
+            held = self.member.resident_since + self.member.min_hold
+            hold_left = max(held, self.unanswered.until) - now
             due.append(interval if hold_left <= 0 else min(interval, hold_left))
             if self._retry_at > now:
                 due.append(self._retry_at - now)
@@ -311,6 +314,7 @@ class Scheduler:
             self.meter.sample()  # the peak, with the memory as it is before it goes
         member.releasing()
         self.demand.releasing()
+        self.unanswered.releasing()
         y = self.opts.yield_within
         started = time.monotonic()
         deadline = None if y is None else started + y
@@ -382,6 +386,8 @@ class Scheduler:
         """
         member, sup = self.member, self.sup
         member.wait_polite()
+        # Nobody took the token, and want.lock is still held: that want is not for it.
+        self.unanswered.judge(taken=member.taken_elsewhere(), wanted=member.wanted())
         member.waiting()
         self.strategy.come_back_early()  # while the holder finishes its turn
         while True:
@@ -436,4 +442,5 @@ class Scheduler:
                 member.set_min_hold(max(self.opts.min_hold, LOST_RUN_FACTOR * self._lost_run))
         self.strays.resume()
         self._resident_again()
+        self.unanswered.restored()
         return None
