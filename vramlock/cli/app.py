@@ -51,6 +51,7 @@ from .params import (
     ReadyUrlOpt,
     ReadyWithinOpt,
     ReleaseOpt,
+    ReleaseWithinOpt,
     SecondsOpt,
     ServeListenOpt,
     SinceOpt,
@@ -120,6 +121,7 @@ def run(
     on_restore_url: OnRestoreUrlOpt = None,
     min_hold: MinHoldOpt = "100ms",
     yield_within: YieldWithinOpt = None,
+    release_within: ReleaseWithinOpt = None,
     vram: VramOpt = None,
 ) -> None:
     """Run COMMAND while it holds the GPU; release it whenever someone else waits."""

@@ -49,7 +49,8 @@ _QUEUE = (
 # run's other options: a value each, None when not given.
 _RUN_TEXT = (
     "name", "listen", "upstream", "idle", "ready_within", "ready_url", "on_release",
-    "on_restore", "preset", "on_release_url", "on_restore_url", "yield_within", "vram",
+    "on_restore", "preset", "on_release_url", "on_restore_url", "yield_within", "release_within",
+    "vram",
 )  # fmt: skip
 TABLE: dict[str, tuple[Opt, ...]] = {
     "run": (

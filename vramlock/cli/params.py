@@ -174,6 +174,14 @@ YieldWithinOpt = Annotated[
         "SECONDS", "If a graceful release takes longer, end the command (restarted on its turn)."
     ),
 ]
+ReleaseWithinOpt = Annotated[
+    MaybeText,
+    _text(
+        "SECONDS",
+        "A release that a process of the command does not answer within this is refused;"
+        " the command stays resident (swap; default 120 s).",
+    ),
+]
 VramOpt = Annotated[
     MaybeText,
     _text(

@@ -21,6 +21,7 @@ from ..command.process import exit_code
 from ..errors import ControlError, Immovable, StrategyError
 from ..strategies.base import Strategy
 from ..strategies.none import NoneStrategy
+from ..strategies.swap import NoAnswer
 from . import demand as demands
 from .options import RunOptions
 from .strays import Strays
@@ -93,6 +94,7 @@ class Scheduler:
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
+        self._refusal: str | None = None  # why the last release was refused, for who
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
                              lambda note: self.member.describe(note=note))  # fmt: skip
@@ -347,10 +349,13 @@ class Scheduler:
             self._resident_again()
             return None
         except StrategyError as err:
-            self.sup.warn(f"release failed: {err}; staying resident", once=True)
+            said = "refused" if isinstance(err, NoAnswer) else "failed"
+            self.sup.warn(f"release {said}: {err}; staying resident", once=True)
+            self._refused(f"release {said}: {err.brief if isinstance(err, NoAnswer) else err}")
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
+        self._refused(None)
         if self.strategy.killed:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
@@ -360,6 +365,12 @@ class Scheduler:
         journal.moved(member.arenas, member.records.record, self.meter.peak if self.meter else None)
         self._resize()
         return None
+
+    def _refused(self, why: str | None) -> None:
+        """Say in the record (who) why the last release was refused; None: it was not."""
+        if why != self._refusal:
+            self._refusal = why
+            self.member.describe(note=why)
 
     def _park(self) -> None:
         """Released: what the release left on the GPU leaves it too, where it can."""

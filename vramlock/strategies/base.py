@@ -39,6 +39,7 @@ class StrategyOptions:
     on_release_url: str | None = None  # http without a preset: POSTed to release
     on_restore_url: str | None = None  # http without a preset: POSTed to restore
     upstream: str | None = None  # the server's address, when given (--upstream)
+    release_within: float | None = None  # a release not answered by then is refused
 
 
 @dataclass(kw_only=True)

@@ -88,6 +88,12 @@ UNREACHED = re.compile(r"vramlock-swap-unreached:(\d+)")
 # How long a process that cannot be verified may take to become one that can (it was
 # caught starting) before the release is refused.
 VERIFY_WITHIN = 0.5
+# How long a release waits for every process's answer (--release-within) before it is
+# refused, the processes that released restored: the slowest release measured, a first
+# one of 60 GiB (its host copies pinned as it goes), took 43 s on an H100, 0.72 s a GiB;
+# a whole 141 GB H200 at that pace takes about 100 s.
+RELEASE_WITHIN = 120.0
+UNANSWERED = "unanswered"
 # Releases that failed in a row (each a second apart) before swap is given up as
 # refused: the member then releases another way, or holds the GPU until it exits.
 GIVE_UP_AFTER = 3
@@ -117,6 +123,16 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 class Refused(Immovable):
     """A process of the command cannot be swapped; every process was left running."""
+
+
+class NoAnswer(StrategyError):
+    """A process of the command did not answer a release in time, or is stopped: the
+    release is refused, every process left running (those that released, restored).
+    ``brief``: the reason in a few words, for who's note."""
+
+    def __init__(self, message: str, brief: str) -> None:
+        super().__init__(message)
+        self.brief = brief
 
 
 class NotRestored(VramTaken):
@@ -317,6 +333,12 @@ class Hub:
             self.peers = live
             return list(live)
 
+    def stopped(self) -> list[int]:
+        """The connected processes that are stopped (SIGSTOP, a debugger): they cannot
+        answer until continued."""
+        with self.lock:
+            return [p.pid for p in self.peers if procfs.state(p.pid) in ("T", "t")]
+
     def reset(self) -> None:
         """The command was ended: what joins next is a fresh start, resident."""
         with self.lock:
@@ -510,18 +532,34 @@ class SwapStrategy(Strategy):
         why = self._unverified(deadline)
         if why is not None:
             raise Refused(f"{why}; it was left running")
-        bad = self._tell("release", "released", deadline)
+        stopped = self.hub.stopped()
+        if stopped:
+            raise NoAnswer(
+                f"process {stopped[0]} of the command is stopped and cannot release its memory",
+                f"process {stopped[0]} is stopped",
+            )
+        within = self.settings.release_within or RELEASE_WITHIN
+        bad = self._tell("release", "released", deadline, time.monotonic() + within)
         # A process that could not reach us while the others released runs on its own.
         late = None if bad else self.unreached(self.ctx)
         if not bad and late is None:
             self._failures = 0
             self._released_at = time.monotonic()
             return
-        # Whoever released comes back: one process cannot be swapped, so none is.
-        if self._tell("restore", "restored", None):
+        # Whoever released comes back: one process cannot be swapped, so none is. One
+        # that did not answer is told too, and not waited for: it answers when it can.
+        deaf = [pid for pid, word, _ in bad if word == UNANSWERED]
+        back = self._tell("restore", "restored", None, time.monotonic() + within)
+        if [pid for pid, _, _ in back if pid not in deaf]:
             raise StrategyError("the command could be neither swapped out nor restored")
         if late is not None:
             raise Refused(f"{late} and runs without swap; it was left running")
+        if deaf:
+            raise NoAnswer(
+                f"process {deaf[0]} of the command did not answer the release within"
+                f" {within:g} s (--release-within)",
+                f"process {deaf[0]} did not answer in {within:g} s",
+            )
         pid, word, why = bad[0]
         if word == "refused":
             raise Refused(
@@ -716,13 +754,15 @@ class SwapStrategy(Strategy):
         pid, _, why = bad[0]
         raise NotRestored(pid, why)
 
-    def _tell(self, word: str, answer: str, deadline: float | None) -> list[tuple[int, str, str]]:
+    def _tell(
+        self, word: str, answer: str, deadline: float | None, answer_by: float | None = None
+    ) -> list[tuple[int, str, str]]:
         """Say ``word`` to every process and wait for them all: (pid, first word, the
-        rest) of each that did not answer ``answer``."""
+        rest) of each that did not answer ``answer`` (UNANSWERED: not by ``answer_by``)."""
         peers = self.hub.tell(word, released=word != "restore")
         return [
             (pid, words[0], " ".join(words[1:]) or "no reason given")
-            for pid, words in self._answers(peers, deadline).items()
+            for pid, words in self._answers(peers, deadline, answer_by).items()
             if words[0] != answer
         ]
 
@@ -731,10 +771,13 @@ class SwapStrategy(Strategy):
             self.hub.reset()
         super().restore()
 
-    def _answers(self, peers: list[Peer], deadline: float | None) -> dict[int, list[str]]:
+    def _answers(
+        self, peers: list[Peer], deadline: float | None, answer_by: float | None = None
+    ) -> dict[int, list[str]]:
         """Each live process's answer (its words), by pid. A process that closed its
         connection without answering has none once it is gone (it exited); one that lives
-        on a while later closed it itself, and can no longer be asked: refused."""
+        on a while later closed it itself, and can no longer be asked: refused. One that
+        has not answered by ``answer_by``: UNANSWERED."""
         answers: dict[int, list[str]] = {}
         waiting = {p.channel.fileno(): p for p in peers}
         closing: dict[int, float] = {}  # pid: until when it may still be exiting
@@ -744,6 +787,10 @@ class SwapStrategy(Strategy):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise ReleaseTimeout
+            if answer_by is not None and time.monotonic() >= answer_by:
+                answers.update((p.pid, [UNANSWERED]) for p in waiting.values())
+                answers.update((pid, ["refused", *CLOSED.split()]) for pid in closing)
+                return answers
             step = 0.05 if left is None else min(0.05, left)
             ready, _, _ = select.select(list(waiting), [], [], step)
             for fd in ready:
