@@ -12,13 +12,12 @@ import select
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, queued, wait_until
-from helpers.swap_rig import Rig, let_go, read_line
+from helpers.swap_rig import DEAF_PEER, Rig, let_go, read_line
 
 from vramlock import procfs
 
@@ -68,27 +67,13 @@ def test_a_stopped_cuda_process_makes_the_release_refused(rig: Rig, spawn: Spawn
     ]
 
 
-# A process of the command that joins the swap hub as the library would (hello, and the
-# hub's answer), then never reads or answers again.
-DEAF = textwrap.dedent(
-    """
-    import os, socket, sys, time
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(os.environ["VRAMLOCK_SWAP_SOCKET"])
-    s.sendall(f"hello {os.getpid()}\\n".encode())
-    print(s.recv(100).decode().strip(), flush=True)
-    time.sleep(100)
-    """
-)
-
-
 def test_a_process_that_said_hello_and_then_nothing_makes_the_release_refused(
     rig: Rig, spawn: Spawn
 ) -> None:
     """The release waited for ever for its answer; now --release-within bounds it."""
     job = spawn(
         vramlock("run", "--arena", str(rig.arena), "--name", "job", "--release", "swap",
-                 "--release-within", "0.5", "--", sys.executable, "-c", DEAF),
+                 "--release-within", "0.5", "--", sys.executable, "-c", DEAF_PEER),
         env=rig.env, graceful=True,
     )  # fmt: skip
     assert read_line(job) == ["resident"]

@@ -46,6 +46,20 @@ HOLDER = textwrap.dedent(
 )
 
 
+# A process of the command that joins the swap hub as the library would (hello, and the
+# hub's answer, printed), then never reads or answers again.
+DEAF_PEER = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(os.environ["VRAMLOCK_SWAP_SOCKET"])
+    s.sendall(f"hello {os.getpid()}\\n".encode())
+    print(s.recv(100).decode().strip(), flush=True)
+    time.sleep(100)
+    """
+)
+
+
 # A user's own preload library: it wraps nanosleep through dlsym(RTLD_NEXT), which
 # loops for ever if the swap library's dlsym answers RTLD_NEXT for itself.
 USER_PRELOAD = textwrap.dedent(
