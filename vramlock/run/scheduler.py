@@ -20,8 +20,8 @@ from ..command.context import ChildExited, Interrupted, ReleaseTimeout
 from ..command.process import exit_code
 from ..errors import ControlError, Immovable, StrategyError
 from ..strategies.base import Strategy
+from ..strategies.deadline import NoAnswer
 from ..strategies.none import NoneStrategy
-from ..strategies.swap import NoAnswer
 from . import demand as demands
 from .options import RunOptions
 from .strays import Strays

@@ -59,6 +59,7 @@ from ..command.control import LineChannel
 from ..errors import Immovable, StrategyError
 from ..gpu import cuda, nvml
 from ..gpu.swap import SwapUnavailable, library_path
+from . import deadline as deadlines
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
 from .checkpoint import RESTORE_MARGIN, VramTaken, footprint, short_of
 from .checkpoint import usable as checkpoint_usable
@@ -88,12 +89,6 @@ UNREACHED = re.compile(r"vramlock-swap-unreached:(\d+)")
 # How long a process that cannot be verified may take to become one that can (it was
 # caught starting) before the release is refused.
 VERIFY_WITHIN = 0.5
-# How long a release waits for every process's answer (--release-within) before it is
-# refused, the processes that released restored: the slowest release measured, a first
-# one of 60 GiB (its host copies pinned as it goes), took 43 s on an H100, 0.72 s a GiB;
-# a whole 141 GB H200 at that pace takes about 100 s.
-RELEASE_WITHIN = 120.0
-UNANSWERED = "unanswered"
 # Releases that failed in a row (each a second apart) before swap is given up as
 # refused: the member then releases another way, or holds the GPU until it exits.
 GIVE_UP_AFTER = 3
@@ -123,16 +118,6 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 class Refused(Immovable):
     """A process of the command cannot be swapped; every process was left running."""
-
-
-class NoAnswer(StrategyError):
-    """A process of the command did not answer a release in time, or is stopped: the
-    release is refused, every process left running (those that released, restored).
-    ``brief``: the reason in a few words, for who's note."""
-
-    def __init__(self, message: str, brief: str) -> None:
-        super().__init__(message)
-        self.brief = brief
 
 
 class NotRestored(VramTaken):
@@ -532,13 +517,9 @@ class SwapStrategy(Strategy):
         why = self._unverified(deadline)
         if why is not None:
             raise Refused(f"{why}; it was left running")
-        stopped = self.hub.stopped()
-        if stopped:
-            raise NoAnswer(
-                f"process {stopped[0]} of the command is stopped and cannot release its memory",
-                f"process {stopped[0]} is stopped",
-            )
-        within = self.settings.release_within or RELEASE_WITHIN
+        for pid in self.hub.stopped():
+            raise deadlines.stopped(pid)
+        within = self.settings.release_within or deadlines.RELEASE_WITHIN
         bad = self._tell("release", "released", deadline, time.monotonic() + within)
         # A process that could not reach us while the others released runs on its own.
         late = None if bad else self.unreached(self.ctx)
@@ -548,18 +529,14 @@ class SwapStrategy(Strategy):
             return
         # Whoever released comes back: one process cannot be swapped, so none is. One
         # that did not answer is told too, and not waited for: it answers when it can.
-        deaf = [pid for pid, word, _ in bad if word == UNANSWERED]
+        deaf = [pid for pid, word, _ in bad if word == deadlines.UNANSWERED]
         back = self._tell("restore", "restored", None, time.monotonic() + within)
         if [pid for pid, _, _ in back if pid not in deaf]:
             raise StrategyError("the command could be neither swapped out nor restored")
         if late is not None:
             raise Refused(f"{late} and runs without swap; it was left running")
         if deaf:
-            raise NoAnswer(
-                f"process {deaf[0]} of the command did not answer the release within"
-                f" {within:g} s (--release-within)",
-                f"process {deaf[0]} did not answer in {within:g} s",
-            )
+            raise deadlines.unanswered(deaf[0], within)
         pid, word, why = bad[0]
         if word == "refused":
             raise Refused(
@@ -788,7 +765,7 @@ class SwapStrategy(Strategy):
             if left is not None and left <= 0:
                 raise ReleaseTimeout
             if answer_by is not None and time.monotonic() >= answer_by:
-                answers.update((p.pid, [UNANSWERED]) for p in waiting.values())
+                answers.update((p.pid, [deadlines.UNANSWERED]) for p in waiting.values())
                 answers.update((pid, ["refused", *CLOSED.split()]) for pid in closing)
                 return answers
             step = 0.05 if left is None else min(0.05, left)
