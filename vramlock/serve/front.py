@@ -6,8 +6,8 @@ naming its model on a kept-alive HTTP/1.1 connection, is parsed here from the by
 routed as the router routes it, and its answer relayed by its framing. A connection's
 first request that is anything else (another method or route, a large, chunked or
 multipart body, ``Expect``, ``Upgrade``, ``Connection: close``, or an application with
-middlewares, such as the API keys' check) hands the connection, with what it has sent,
-to aiohttp for good.
+middlewares of its own) hands the connection, with what it has sent, to aiohttp for
+good. The API keys are checked here as aiohttp's middleware checks them (``doors``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .body import boundary
+from .doors import CHALLENGE, REFUSED
 from .errors import BUSY, RETRY_AFTER, error_doc, wants_text
 from .inflight import uncancel
 from .upstream import Response
@@ -34,8 +35,8 @@ _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
      "upgrade", "host", "content-length"}
 )  # fmt: skip
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large",
-            429: "Too Many Requests", 502: "Bad Gateway"}  # fmt: skip
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            413: "Payload Too Large", 429: "Too Many Requests", 502: "Bad Gateway"}  # fmt: skip
 
 
 class Head:
@@ -150,9 +151,19 @@ class Front(asyncio.Protocol):
             return  # the rest of the body is on its way
         body = bytes(self.buffer[end + 4 : whole])
         del self.buffer[:whole]
+        if not self.router.keys.admits("POST", head.target.partition("?")[0], head.headers):
+            self.refuse(401, REFUSED, headers=(CHALLENGE,))
+            # the next request from the loop, not from here: many sent at once would
+            # recurse
+            asyncio.get_running_loop().call_soon(self._go_on)
+            return
         chosen = self.router.express(self, head, body)
         if chosen is not None:
             self.run(self.router.fast(self, head, body, chosen))
+
+    def _go_on(self) -> None:
+        if self.task is None and self.express is None:
+            self.ended()
 
     def run(self, request: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """The task that takes the rest of a request, ``request``."""

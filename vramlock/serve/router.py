@@ -12,9 +12,6 @@ models is served grouped by model instead of swapping on every request.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hmac
 import json
 import re
 import time
@@ -30,8 +27,10 @@ from aiohttp.typedefs import Handler, Middleware
 from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
+from . import doors
 from .activity import Activity, Query, rfc3339
 from .config import COMFYUI_MODEL, Config
+from .doors import Keys
 from .errors import busy_response, negotiated
 from .errors import error_response as _error
 from .events import Events, model_status
@@ -80,9 +79,6 @@ BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
 STRIPPED = ("/v", "/audioapi")
 # The request key of the selector whose name a request used (for its activity).
 SELECTOR = "vramlock.selector"
-# What llama-swap answers without an API key: its health checks and the root's redirect
-# (and every CORS preflight).
-_OPEN = frozenset({"/health", "/wol-health", "/"})
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -352,41 +348,6 @@ async def _counted(request: web.Request, first: bytes = b"") -> AsyncIterator[by
         yield chunk
 
 
-def _key(request: web.Request) -> str | None:
-    """The API key a request carries, as llama-swap reads it: Authorization's Basic
-    password, else its Bearer token, else x-api-key."""
-    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "basic":
-        try:
-            _, colon, password = base64.b64decode(credentials, validate=True).partition(b":")
-        except (ValueError, binascii.Error):
-            colon = b""
-        if colon and password:
-            return password.decode("utf-8", "replace")
-    if scheme.lower() == "bearer" and credentials:
-        return credentials
-    return request.headers.get("x-api-key")
-
-
-def _auth(keys: tuple[str, ...]) -> Middleware:
-    """Every route but /health wants one of ``keys``: 401 without it."""
-    wanted = [k.encode() for k in keys]
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = _key(request)
-        ok = given is not None and any(
-            hmac.compare_digest(given.encode(), k) for k in wanted
-        )  # fmt: skip
-        if ok or request.path in _OPEN or request.method == "OPTIONS":
-            return await handler(request)
-        refused = _error(401, "unauthorized: invalid or missing API key")
-        refused.headers["WWW-Authenticate"] = 'Basic realm="vramlock"'
-        return refused
-
-    return check
-
-
 async def _relay(src: Any, dst: Any) -> None:
     """Pass a websocket's (``src``'s) messages on to another (``dst``) until either
     closes (aiohttp's client and server websockets, which share these methods)."""
@@ -415,22 +376,6 @@ def _only(*methods: str) -> Handler:
         return out
 
     return refuse
-
-
-async def _preflight(request: web.Request) -> web.Response:
-    """A CORS preflight (any OPTIONS), answered as llama-swap answers it: any origin."""
-    asked = request.headers.get("Access-Control-Request-Headers", "")
-    names = [h.strip() for h in asked.split(",")]
-    # only header names made of token characters are echoed back
-    names = [h for h in names if h and all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in h)]
-    headers = {
-        "Access-Control-Allow-Origin": "*",
-        "Access-Control-Allow-Methods": "GET, POST, PUT, PATCH, DELETE, OPTIONS",
-        "Access-Control-Allow-Headers": ", ".join(names) if asked
-        else "Content-Type, Authorization, Accept, X-Requested-With",
-        "Access-Control-Max-Age": "86400",
-    }  # fmt: skip
-    return web.Response(status=204, headers=headers)
 
 
 def _bare(path: str, prefix: str) -> str:
@@ -475,8 +420,9 @@ class Router:
         self._plain_for: Config | None = None  # the config _plain was found for
         self._plain_value = True
         middlewares: list[Middleware] = [negotiated]  # front.py hands such clients over
-        if config.api_keys:
-            middlewares.append(_auth(config.api_keys))
+        self.keys = Keys(config.api_keys)  # front.py asks it as this middleware does
+        self._doors = doors.middleware(self.keys)
+        middlewares.append(self._doors)
         self._counting = counting(self.requests)  # front.py counts its own the same way
         middlewares.append(self._counting)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
@@ -492,7 +438,6 @@ class Router:
             r.add_route(method, path, handler)
             r.add_route("*", path, _only(method))
 
-        r.add_route("OPTIONS", "/{path:.*}", _preflight)
         r.add_get("/", self.to_ui)  # a POST to / is routed by its model: no 405 here
         get("/health", self.health)
         get("/wol-health", self.health)
@@ -607,7 +552,8 @@ class Router:
 
     def fast_path(self, path: str) -> bool:
         """Would a POST to ``path`` reach ``by_model``, through no middleware but the
-        count of requests (which ``fast`` keeps the same way)?"""
+        keys' check and the count of requests (which front.py and ``fast`` do the same
+        way)?"""
         if self._not_fast is None:
             # Found once: the application's routes and middlewares are frozen once it
             # serves.
@@ -618,7 +564,7 @@ class Router:
                 if any(route.method in ("POST", "*") for route in resource):
                     prefixes.append(resource.canonical.split("{")[0])
             self._not_fast = tuple(prefixes)
-            mine = (self._counting, negotiated)
+            mine = (self._counting, negotiated, self._doors)
             self._others = any(m not in mine for m in self.app.middlewares)
         return self._plain and not self._others and not path.startswith(self._not_fast)
 
@@ -1422,7 +1368,9 @@ class Router:
         return data
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self._listed()})
+        out = web.json_response({"object": "list", "data": self._listed()})
+        doors.allow_origin(request, out)
+        return out
 
     async def one_model(self, request: web.Request) -> web.Response:
         """OpenAI's GET /v1/models/ID: the entry /v1/models lists as ID (a peer's model
@@ -1437,9 +1385,9 @@ class Router:
         return web.json_response(self._entry(found, None if name == found.model.name else name))
 
     async def upstream_list(self, request: web.Request) -> web.Response:
-        """The models whose servers /upstream/MODEL/PATH reaches, with that path."""
-        data = [{"id": name, "upstream": f"/upstream/{name}/"} for name in self.wrappers]
-        return web.json_response({"object": "list", "data": data})
+        """To the page, as llama-swap's /upstream (which leads to its page's models;
+        this page shows them on its one page). Open without a key, as llama-swap's."""
+        raise web.HTTPFound("/ui/")
 
     async def running(self, request: web.Request) -> web.Response:
         states = {name: w.state().value for name, w in self.wrappers.items()}
