@@ -212,7 +212,7 @@ def _recorded(
 ) -> dict[str, Any]:  # fmt: skip
     """The entry of one request whose answer came in ``chunks``."""
     activity = Activity(capture_bytes=0)
-    flights = Flights(activity, activity.keep_bytes)
+    flights = Flights(activity.record, activity.keep_bytes)
     flight = flights.start("m", "POST", path, [], None, b"{}")
     headers = [("Content-Type", kind)] + ([("Content-Encoding", encoding)] if encoding else [])
     flight.head(status, headers)

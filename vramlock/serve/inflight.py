@@ -19,10 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .activity import Activity
+from typing import Any
 
 # What a request's client is answered once it is cancelled before any of its answer.
 CANCELLED = "request cancelled"
@@ -179,11 +176,12 @@ class Flight:
 class Flights:
     """The requests in progress. ``tell``, while set (somebody follows ``/api/events``),
     gets each change in llama-swap's shape: ``{"operation": "upsert", "request": ENTRY}``
-    or ``{"operation": "remove", "id": ID}``; ``activity`` gets each request that ended."""
+    or ``{"operation": "remove", "id": ID}``; ``record`` gets each POST that ended, with its
+    status (the activity's record)."""
 
-    def __init__(self, activity: Activity, keep: Callable[[], int]) -> None:
+    def __init__(self, record: Callable[[Flight, int], None], keep: Callable[[], int]) -> None:
         self.now: dict[str, Flight] = {}
-        self.activity = activity
+        self.record = record
         self.keep = keep  # how much of an answer's body to keep (a capture's most)
         self.tell: Callable[[dict[str, Any]], None] | None = None
         self._last = 0
@@ -217,7 +215,7 @@ class Flights:
         if self.tell is not None:
             self.tell({"operation": "remove", "id": flight.id})
         if flight.method == "POST":
-            self.activity.record(flight, int(status) if status.isdigit() else 0)
+            self.record(flight, int(status) if status.isdigit() else 0)
 
     def cancel(self, id: str) -> bool:
         """Cancel request ``id``; whether it is in progress."""

@@ -408,7 +408,7 @@ class Router:
         self._others = False  # a middleware other than the count of requests
         self.requests = Requests()
         self.activity = Activity(config.activity_kept, config.capture_mb << 20, self._priority)
-        self.flights = Flights(self.activity, self.activity.keep_bytes)
+        self.flights = Flights(self.activity.record, self.activity.keep_bytes)
         self.hardware = Hardware(__version__)
         every = config.performance_every
         self.performance = None if every is None else Performance(every)
