@@ -64,6 +64,9 @@ def test_each_type_is_sent_at_connect(spawn: Spawn, tmp_path: Path, arena: Path)
             {"id": "remote/y", "name": "", "description": "", "state": "", "unlisted": False,
              "peerID": "remote"},
         ])  # fmt: skip
+        # the page's settings, llama-swap's defaults
+        session = ["X-Session-ID", "X-Litellm-Session-Id"]
+        assert events.next() == ("uiConfig", {"activity": {"session_id": session}})
         assert events.next() == ("profileChanged", {"active": None})
         assert events.next() == ("inflight", {"operation": "snapshot", "requests": []})
     finally:

@@ -7,6 +7,7 @@ Every event is ``event:message`` with one ``data:`` line, a JSON envelope
   (``LLAMA_STATES``), then each peer's models; at connect, then whenever it changes;
 - ``logData``: ``{"source": "proxy"|"upstream", "data": TEXT}``, serve's own log and
   the models' output: their histories at connect, then each chunk as it comes;
+- ``uiConfig``: the page's settings (``UI_CONFIG``), at connect;
 - ``profileChanged``: ``{"active": NAME or null}``, at connect and when it changes;
 - ``inflight``: the requests in progress (``inflight``): a snapshot at connect
   (``{"operation": "snapshot", "requests": [ENTRY...]}``), then each change
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from .logs import Logs, Ring
 
 POLL = 0.25
+# uiConfig: the page's settings, llama-swap's defaults (its config's ``ui`` section):
+# the request headers whose value names a session in its activity view.
+UI_CONFIG: dict[str, Any] = {"activity": {"session_id": ["X-Session-ID", "X-Litellm-Session-Id"]}}
 # A follower with more changes than this still to be sent gets a snapshot instead.
 BEHIND = 1000
 
@@ -151,8 +155,9 @@ class Events:
         logs: Logs | None,
         flights: Flights,
         activity: Activity,
+        ui: Callable[[], dict[str, Any]] = lambda: dict(UI_CONFIG),
     ) -> None:
-        self.models, self.active, self.logs = models, active, logs
+        self.models, self.active, self.logs, self.ui = models, active, logs, ui
         self.flights, self.activity = flights, activity
         self._clients: set[_Client] = set()
         self._last: dict[str, str] = {}
@@ -227,60 +232,81 @@ class Events:
         if request.method == "HEAD":
             await out.prepare(request)
             return out
-
-        async def send(kind: str, data: str) -> None:
-            envelope = _json({"type": kind, "data": data})
-            await out.write(f"event:message\ndata:{envelope}\n\n".encode())
-
         # Followed before their histories are read: nothing falls between.
         rings: dict[str, Ring] = {}
         if self.logs is not None:
             rings = {"proxy": self.logs.proxy, "upstream": self.logs.upstream}
-        queues = {source: ring.follow() for source, ring in rings.items()}
-        text = {source: codecs.getincrementaldecoder("utf-8")("replace") for source in rings}
-        client = self._follow()
-        waits: dict[asyncio.Future[Any], str | None] = {}
+        one = _Stream(out, rings, self._follow())
         try:
             await out.prepare(request)
-            for source, ring in rings.items():
-                said = text[source].decode(ring.history())
-                await send("logData", _json({"source": source, "data": said}))
-            for kind in ("modelStatus", "profileChanged"):
-                if kind in self._last:
-                    await send(kind, self._last[kind])
-            # Where things stand now; the changes told before it are in it.
-            snapshot = _json(self.flights.snapshot())
-            client.changes = [c for c in client.changes if c[0] != "inflight"]
-            await send("inflight", snapshot)
-            waits = {asyncio.ensure_future(q.get()): source for source, q in queues.items()}
-            waits[asyncio.ensure_future(client.woken.wait())] = None
-            while not client.ended:
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    following = waits.pop(task)
-                    if following is None:  # a model's state, the profile, or the end
-                        client.woken.clear()
-                        pending, client.pending = client.pending, {}
-                        changes, client.changes = client.changes, []
-                        for kind, data in [*pending.items(), *changes]:
-                            await send(kind, data)
-                        waits[asyncio.ensure_future(client.woken.wait())] = None
-                        continue
-                    chunk = task.result()
-                    if chunk is None:  # the log ended: serve is ending
-                        client.end()
-                        break
-                    said = text[following].decode(chunk)
-                    if said:
-                        await send("logData", _json({"source": following, "data": said}))
-                    waits[asyncio.ensure_future(queues[following].get())] = following
+            await self._begin(one)
+            await one.follow()
             await out.write_eof()
         except OSError:
             pass  # the client went away
         finally:
-            for task in waits:
-                task.cancel()
-            for source, q in queues.items():
-                rings[source].unfollow(q)
-            self._unfollow(client)
+            one.close()
+            self._unfollow(one.client)
         return out
+
+    async def _begin(self, one: _Stream) -> None:
+        """What a follower is told first, in llama-swap's order: the logs' histories,
+        the models, the page's settings, the active profile, the requests in progress."""
+        for source, ring in one.rings.items():
+            said = one.text[source].decode(ring.history())
+            await one.send("logData", _json({"source": source, "data": said}))
+        if "modelStatus" in self._last:
+            await one.send("modelStatus", self._last["modelStatus"])
+        await one.send("uiConfig", _json(self.ui()))
+        if "profileChanged" in self._last:
+            await one.send("profileChanged", self._last["profileChanged"])
+        # Where things stand now; the changes told before it are in it.
+        snapshot = _json(self.flights.snapshot())
+        one.client.changes = [c for c in one.client.changes if c[0] != "inflight"]
+        await one.send("inflight", snapshot)
+
+
+class _Stream:
+    """One follower's stream: its response, the logs it follows and what it waits on."""
+
+    def __init__(self, out: web.StreamResponse, rings: dict[str, Ring], client: _Client) -> None:
+        self.out, self.rings, self.client = out, rings, client
+        self.queues = {source: ring.follow() for source, ring in rings.items()}
+        self.text = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in rings}
+        self.waits: dict[asyncio.Future[Any], str | None] = {}
+
+    async def send(self, kind: str, data: str) -> None:
+        envelope = _json({"type": kind, "data": data})
+        await self.out.write(f"event:message\ndata:{envelope}\n\n".encode())
+
+    async def follow(self) -> None:
+        """What changes, as it comes, until the client or serve ends."""
+        client, waits = self.client, self.waits
+        waits.update({asyncio.ensure_future(q.get()): s for s, q in self.queues.items()})
+        waits[asyncio.ensure_future(client.woken.wait())] = None
+        while not client.ended:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                following = waits.pop(task)
+                if following is None:  # a model's state, the profile, or the end
+                    client.woken.clear()
+                    pending, client.pending = client.pending, {}
+                    changes, client.changes = client.changes, []
+                    for kind, data in [*pending.items(), *changes]:
+                        await self.send(kind, data)
+                    waits[asyncio.ensure_future(client.woken.wait())] = None
+                    continue
+                chunk = task.result()
+                if chunk is None:  # the log ended: serve is ending
+                    client.end()
+                    break
+                said = self.text[following].decode(chunk)
+                if said:
+                    await self.send("logData", _json({"source": following, "data": said}))
+                waits[asyncio.ensure_future(self.queues[following].get())] = following
+
+    def close(self) -> None:
+        for task in self.waits:
+            task.cancel()
+        for source, q in self.queues.items():
+            self.rings[source].unfollow(q)
