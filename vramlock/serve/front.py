@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .body import boundary
 from .doors import CHALLENGE, REFUSED
@@ -24,9 +24,9 @@ from .inflight import uncancel
 from .upstream import Response
 
 if TYPE_CHECKING:
-    from .inflight import Flight
+    from .doors import Keys
+    from .inflight import Flight, Flights
     from .members import Wrapper
-    from .router import Express, Router
 
 HEAD_MAX = 16 * 1024
 # Larger bodies go to aiohttp, which holds them once as they come.
@@ -37,6 +37,30 @@ _HOP = frozenset(
 )  # fmt: skip
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
             413: "Payload Too Large", 429: "Too Many Requests", 502: "Bad Gateway"}  # fmt: skip
+
+
+class Underway(Protocol):
+    """A request started from the data callback, with no task (the router's Express)."""
+
+    def cancel(self) -> None: ...
+
+    def waiter(self) -> asyncio.Future[None]: ...
+
+
+class Taker(Protocol):
+    """What takes the requests parsed here (the router)."""
+
+    fronts: set[Front]
+    keys: Keys
+    flights: Flights
+
+    def fast_path(self, path: str) -> bool: ...
+
+    def express(self, front: Front, head: Head, body: bytes) -> Any: ...
+
+    def fast(
+        self, front: Front, head: Head, body: bytes, chosen: Any = None
+    ) -> Coroutine[Any, Any, None]: ...
 
 
 class Head:
@@ -91,13 +115,13 @@ def parse_head(head: bytes, taken: Callable[[str], bool]) -> Head | None:
 class Front(asyncio.Protocol):
     """One client's connection to serve, while its requests are the common kind."""
 
-    def __init__(self, router: Router, handoff: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(self, router: Taker, handoff: Callable[[], asyncio.Protocol]) -> None:
         self.router = router
         self.handoff = handoff
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.task: asyncio.Task[None] | None = None
-        self.express: Express | None = None  # a request under way with no task
+        self.express: Underway | None = None  # a request under way with no task
         self.flight: Flight | None = None  # the request in progress, whose answer is kept
         self.peer: Any = None  # the client's address
         self._writable: asyncio.Future[None] | None = None
