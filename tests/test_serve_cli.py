@@ -428,15 +428,17 @@ def test_llama_swap_s_other_routes(spawn: Spawn, tmp_path: Path, arena: Path) ->
     port = serve_on(spawn, config(tmp_path, text), arena)
     status, entry = ask(port, "GET", "/v1/models/org/big")
     assert (status, entry["id"], entry["state"]) == (200, "org/big", "released")
-    assert entry["meta"] == {"llamaswap": {"port": 5801, "type": "model"}, "n_ctx": 8}
-    assert entry["capabilities"] == {"context": 8}
+    assert entry["meta"] == {"llamaswap": {"port": 5801, "type": "model",
+                                           "aliases": ["big", "large"]}, "n_ctx": 8}  # fmt: skip
+    assert (entry["context_length"], entry["status"]) == (8, {"value": "unloaded"})
+    assert "capabilities" not in entry  # a context length alone: no flag to show
     listed = ask(port, "GET", "/v1/models")[1]["data"]
     assert [(e["id"], e["meta"]["llamaswap"]["type"], e.get("name")) for e in listed] == [
-        ("m", "model", None), ("org/big", "model", None), ("big", "alias", None),
-        ("large", "alias", "Large")]  # fmt: skip
-    assert listed[1]["aliases"] == ["big", "large"]  # an unlisted alias is not told
+        ("big", "alias", None), ("large", "alias", "Large"), ("m", "model", None),
+        ("org/big", "model", None)]  # sorted by id, as llama-swap's  # fmt: skip
+    assert listed[3]["aliases"] == ["big", "large"]  # an unlisted alias is not told
     # an id is retrieved as it is listed: an alias as an alias
-    assert ask(port, "GET", "/v1/models/large") == (200, listed[3])
+    assert ask(port, "GET", "/v1/models/large") == (200, listed[1])
     status, entry = ask(port, "GET", "/v1/models/hidden")
     assert (status, entry["id"]) == (200, "hidden")
     assert entry["meta"]["llamaswap"]["modelID"] == "org/big"

@@ -41,7 +41,7 @@ def model_of(port: int, name: str) -> str:
 
 def resident(port: int) -> list[str]:
     running = call_json(port, "GET", "/running")["running"]
-    return sorted(r["model"] for r in running if r["state"] == "resident")
+    return sorted(r["model"] for r in running if r["state"] == "ready")
 
 
 def rewrite(path: Path, text: str) -> None:

@@ -53,7 +53,7 @@ def ask(port: int, model: str, **extra: object) -> str:
 
 def resident(port: int) -> set[str]:
     running = call_json(port, "GET", "/running")["running"]
-    return {r["model"] for r in running if r["state"] == "resident"}
+    return {r["model"] for r in running if r["state"] == "ready"}
 
 
 def test_pin_and_warm_pick_their_targets(spawn: Spawn, tmp_path: Path, arena: Path) -> None:

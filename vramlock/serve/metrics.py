@@ -1,5 +1,5 @@
-"""serve's ``/metrics`` and ``/ui``: its arenas as ``vramlock stats --prometheus`` and
-``vramlock ui`` show them, and its requests by model and status.
+"""serve's ``/metrics``: its arenas as ``vramlock stats --prometheus`` shows them, and
+its requests by model and status (``/ui``, .api.page, shows the same).
 
 Neither is activity: they read the arenas (the kernel's lock state, the records, the
 journal) and serve's counters, and never reach a model's wrapper. A scrape starts no
@@ -20,11 +20,9 @@ from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.directory import parse_gpus
 from ..observe.prometheus import Family, arena_families, text
-from .errors import error_response
 from .passing import briefly
 
 if TYPE_CHECKING:
-    from .logs import Logs
     from .members import Wrapper
 
 # The request key that ``Router._forward`` sets to the model's name: only those
@@ -36,8 +34,6 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
            300.0)  # fmt: skip
 # The status of a request whose client went away before it was answered.
 GONE = "gone"
-# The page shows serve's last this many log lines.
-LINES = 30
 
 
 @dataclass
@@ -116,7 +112,7 @@ def counting(requests: Requests) -> Middleware:
     return count
 
 
-def _places(wrappers: Iterable[Wrapper]) -> dict[tuple[str | None, str | None], Wrapper]:
+def places(wrappers: Iterable[Wrapper]) -> dict[tuple[str | None, str | None], Wrapper]:
     """One wrapper per arena (and GPU) that serve's models live in."""
     found: dict[tuple[str | None, str | None], Wrapper] = {}
     for w in wrappers:
@@ -124,7 +120,7 @@ def _places(wrappers: Iterable[Wrapper]) -> dict[tuple[str | None, str | None], 
     return found
 
 
-def _gpu(w: Wrapper) -> int | None:
+def gpu_of(w: Wrapper) -> int | None:
     gpus = parse_gpus(w.model.gpu) if w.model.gpu is not None else ()
     return min(gpus) if gpus else None
 
@@ -133,9 +129,9 @@ def exposition(wrappers: Iterable[Wrapper], requests: Requests) -> str:
     """The text format of serve's arenas (each sample labelled with its arena) and of
     its requests. Blocking (it reads the arenas): run it in a worker thread."""
     found: list[Family] = []
-    for w in _places(wrappers).values():
+    for w in places(wrappers).values():
         with contextlib.closing(w.arena()) as opened:
-            found += arena_families(opened, _gpu(w))
+            found += arena_families(opened, gpu_of(w))
     return text([*found, *requests.families()])
 
 
@@ -143,50 +139,3 @@ async def metrics(wrappers: dict[str, Wrapper], requests: Requests) -> web.Respo
     body = await briefly(lambda: exposition(list(wrappers.values()), requests))
     return web.Response(text=body, content_type="text/plain", charset="utf-8",
                         headers={"Cache-Control": "no-store"})  # fmt: skip
-
-
-def ui_app(
-    wrappers: dict[str, Wrapper], requests: Requests, logs: Logs | None = None
-) -> web.Application:
-    """``vramlock ui``'s page, of serve's arenas, with each model's state and requests,
-    and serve's last ``LINES`` log lines. The models' states are read as /v1/models reads
-    them (no wrapper is started)."""
-    from ..ui import Watch, app, merge
-
-    watches = []
-    for w in _places(wrappers.values()).values():
-        watches.append(Watch(w.arena(), _gpu(w)))
-
-    async def state() -> dict[str, Any]:
-        models = [{"name": name, "state": w.state().value, **requests.of(name)}
-                  for name, w in wrappers.items()]  # fmt: skip
-        shown = await briefly(lambda: merge([watch.state() for watch in watches]))
-        recent = {} if logs is None else {"lines": logs.proxy.lines(LINES)}
-        return {**shown, "models": models, **recent}
-
-    async def close(application: web.Application) -> None:
-        for watch in watches:
-            watch.arena.close()
-
-    application = app(state)
-    application.on_cleanup.append(close)
-    application.middlewares.append(_json_errors)
-    return application
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The page's errors (a path it has not, a method) as serve's others: JSON."""
-    try:
-        return await handler(request)
-    except web.HTTPException as err:
-        if err.status < 400:
-            raise
-        why = "no such route" if err.status == 404 else err.reason.lower()
-        allowed = ", ".join(m.strip() for m in err.headers.get("Allow", "").split(",") if m)
-        if err.status == 405 and allowed:  # as serve's other routes say it
-            why = f"{why}; allowed: {allowed}"
-        out = error_response(err.status, f"{request.method} {request.path}: {why}")
-        if allowed:
-            out.headers["Allow"] = allowed
-        return out

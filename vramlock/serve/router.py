@@ -22,13 +22,14 @@ from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
+from aiohttp.typedefs import Middleware
 
 from .. import __version__
 from ..arena.records import HOLDING, State
 from . import body as bodies
 from . import doors
-from .activity import Activity, Query, rfc3339
+from .activity import Activity
+from .api import get, info, models, only, page, refuse_others
 from .config import COMFYUI_MODEL, Config
 from .doors import Keys
 from .errors import busy_response, negotiated
@@ -40,8 +41,8 @@ from .inflight import CANCELLED, Flight, Flights, uncancel
 from .loading import Loading, wanted
 from .logs import Logs, add_routes
 from .members import Wrapper, states
-from .metrics import GONE, MODEL, Requests, counting, metrics, ui_app
-from .peers import Peers, entries, resolve, upstream_peer
+from .metrics import GONE, MODEL, Requests, counting
+from .peers import Peers, resolve, upstream_peer
 from .selectors import Refused, Resolver
 from .upstream import Body, Peek, Pool, Response, Stream, UpstreamTimeout
 
@@ -361,23 +362,6 @@ async def _relay(src: Any, dst: Any) -> None:
     await dst.close()
 
 
-def _only(*methods: str) -> Handler:
-    """A route's other methods: 405 with Allow (as llama-swap's routes answer them). A
-    prefix's handler also gets the paths under it that nothing took: for ``methods``
-    those are 404."""
-    allowed = ", ".join(methods)
-
-    async def refuse(request: web.Request) -> web.StreamResponse:
-        if request.method in methods:
-            return _error(404, f"{request.method} {request.path}: no such route")
-        out = _error(405, f"{request.method} {request.path}: method not allowed;"
-                          f" allowed: {allowed}")  # fmt: skip
-        out.headers["Allow"] = allowed
-        return out
-
-    return refuse
-
-
 def _bare(path: str, prefix: str) -> str:
     """The path a model's server is asked for (``path``, after the proxy's ``prefix``),
     without its query: what inflight and activity show."""
@@ -426,65 +410,41 @@ class Router:
         self._counting = counting(self.requests)  # front.py counts its own the same way
         middlewares.append(self._counting)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
-        r = self.app.router
+        self._routes(logs)
+        self.app.on_startup.append(self._begin)
+        self.app.on_shutdown.append(self._end_streams)
+        self.app.on_cleanup.append(self._close)
 
-        def get(path: str, handler: Handler) -> None:
-            """A GET route (and HEAD); its other methods 405, as llama-swap's."""
-            r.add_get(path, handler)
-            r.add_route("*", path, _only("GET", "HEAD"))
-
-        def only(method: str, path: str, handler: Handler) -> None:
-            """A route for ``method`` alone; its other methods 405, as llama-swap's."""
-            r.add_route(method, path, handler)
-            r.add_route("*", path, _only(method))
-
-        r.add_get("/", self.to_ui)  # a POST to / is routed by its model: no 405 here
-        get("/health", self.health)
-        get("/wol-health", self.health)
-        # Watching (the exposition, the page) is never activity: see .metrics.
-        get("/metrics", self.metrics)
-        get("/ui", self.to_ui)
-        self.app.add_subapp("/ui/", ui_app(wrappers, self.requests, logs))
-        r.add_route("*", "/ui/{path:.*}", _only("GET", "HEAD"))  # what the page has not
-        get("/v1/models", self.list_models)
-        get("/models", self.list_models)
-        get("/v1/models/{model:.+}", self.one_model)
-        get("/running", self.running)
-        only("POST", "/models/unload", self.unload_all)
-        only("POST", "/models/unload/{model}", self.unload_one)
-        get("/unload", self.unload_all_plain)
-        only("POST", "/api/models/unload", self.api_unload_all)
-        only("POST", "/api/models/unload/{model:.+}", self.api_unload_one)
-        get("/upstream", self.upstream_list)
+    def _routes(self, logs: Logs | None) -> None:
+        """llama-swap's routes: the API's modules register theirs; a model's are here."""
+        app, r = self.app, self.app.router
+        page.register(app, self, logs)
+        models.register(app, self)
+        only(app, "POST", "/models/unload", self.unload_all)
+        only(app, "POST", "/models/unload/{model}", self.unload_one)
+        get(app, "/unload", self.unload_all_plain)
+        only(app, "POST", "/api/models/unload", self.api_unload_all)
+        only(app, "POST", "/api/models/unload/{model:.+}", self.api_unload_one)
         r.add_route("*", "/upstream/{model}", self.upstream)
         r.add_route("*", "/upstream/{model}/{path:.*}", self.upstream)
         r.add_route("*", "/comfyui", self.to_comfyui)
         r.add_route("*", "/comfyui/{path:.*}", self.comfyui)
         if logs is not None:
             add_routes(r, logs, self._name)
-            r.add_route("*", "/logs", _only("GET", "HEAD"))
-            r.add_route("*", "/logs/stream", _only("GET", "HEAD"))
-            r.add_route("*", "/logs/stream/{which:.+}", _only("GET", "HEAD"))
-        get("/api/profiles", self.api_profiles)
-        get("/api/events", self.events.stream)
-        get("/api/version", self.api_version)
-        get("/api/metrics/activity", self.api_activity)
-        get("/api/metrics/stats", self.api_stats)
-        get("/api/performance", self.api_performance)
-        get("/api/hardware", self.api_hardware)
-        get("/api/captures/{id}", self.api_capture)
-        only("POST", "/api/inflight/{id}/cancel", self.api_cancel)
-        only("PUT", "/api/profiles/active", self.api_active_profile)
+            r.add_route("*", "/logs", refuse_others("GET", "HEAD"))
+            r.add_route("*", "/logs/stream", refuse_others("GET", "HEAD"))
+            r.add_route("*", "/logs/stream/{which:.+}", refuse_others("GET", "HEAD"))
+        info.register(app, self)
         for path in BY_QUERY:
             # llama-swap routes a POST /v1/audio/voices by its body, as any POST
-            (r.add_get if path == "/v1/audio/voices" else get)(path, self.by_query)
+            if path == "/v1/audio/voices":
+                r.add_get(path, self.by_query)
+            else:
+                get(app, path, self.by_query)
         for prefix in STRIPPED:
             r.add_post(prefix + "/{path:.*}", self.stripped)
         self._by_model = r.add_post("/{path:.*}", self.by_model).resource
         r.add_route("*", "/{path:.*}", self.no_route)
-        self.app.on_startup.append(self._begin)
-        self.app.on_shutdown.append(self._end_streams)
-        self.app.on_cleanup.append(self._close)
 
     async def _begin(self, app: web.Application) -> None:
         if self.performance is not None:
@@ -815,84 +775,6 @@ class Router:
             return await self._forward(request, found, found.model.prefix + path, b"")
         finally:
             done()
-
-    async def api_profiles(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/profiles: the active profile (or null) and every one."""
-        return web.json_response(self.resolver.profiles())
-
-    async def api_active_profile(self, request: web.Request) -> web.Response:
-        """llama-swap's PUT /api/profiles/active, {"name": NAME or null}."""
-        try:
-            doc = json.loads(await request.read())
-        except (ValueError, RecursionError):
-            doc = None
-        if not isinstance(doc, dict):
-            return _error(400, "invalid profile request")
-        if "name" not in doc:
-            return _error(400, "profile name is required")
-        name = doc["name"]
-        if name is not None and not isinstance(name, str):
-            return _error(400, "profile name must be a string or null")
-        try:
-            self.resolver.set_active(name or None)
-        except KeyError:
-            return _error(404, f"profile {name!r} not found")
-        self.events.check()  # told to /api/events before it is answered
-        return web.json_response({"active": self.resolver.active})
-
-    async def api_version(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/version: vramlock's version; no commit or build date is
-        recorded in the package."""
-        return web.json_response({"version": __version__, "commit": "", "build_date": ""})
-
-    # -- llama-swap's activity, requests in progress, hardware -----------------------
-
-    async def api_activity(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/metrics/activity: a page of the recorded requests."""
-        try:
-            query = Query(request.query)
-        except ValueError as err:
-            return _error(400, str(err))
-        return web.json_response(self.activity.page(query))
-
-    async def api_stats(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/metrics/stats[?model=NAME]: totals and histograms."""
-        return web.json_response(self.activity.stats(request.query.get("model", "").strip()))
-
-    async def api_capture(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/captures/ID: a recorded request and its answer."""
-        raw = request.match_info["id"]
-        if not _ID.fullmatch(raw):
-            return _error(400, "invalid capture ID")
-        found = self.activity.capture(int(raw))
-        if found is None:
-            return _error(404, "capture not found")
-        return web.json_response(found)
-
-    async def api_cancel(self, request: web.Request) -> web.Response:
-        """llama-swap's POST /api/inflight/ID/cancel: the request ends (see .inflight)."""
-        if not self.flights.cancel(request.match_info["id"]):
-            return _error(404, "inflight request not found")
-        return web.json_response({"msg": "ok"})
-
-    async def api_performance(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/performance[?after=RFC3339]: the samples kept (after)."""
-        if self.performance is None:
-            return _error(503, "performance monitoring is disabled", enabled=False)
-        after = None
-        raw = request.query.get("after", "")
-        if raw:
-            after = rfc3339(raw)
-            if after is None:
-                return _error(400, "invalid 'after' timestamp, use RFC3339 format")
-        return web.json_response(self.performance.current(after))
-
-    async def api_hardware(self, request: web.Request) -> web.Response:
-        """llama-swap's GET /api/hardware: the machine, described on the first request."""
-        found = await self.hardware.get()
-        if found is None:
-            return _error(503, "hardware detection unavailable")
-        return web.json_response(found)
 
     def choose(
         self, body: bytes | bytearray, name: str | None = None
@@ -1325,75 +1207,3 @@ class Router:
         return _error(404, f"{request.method} {request.path}: no such route")
 
     # -- what is there -------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="OK")
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return await metrics(self.wrappers, self.requests)
-
-    async def to_ui(self, request: web.Request) -> web.Response:
-        raise web.HTTPFound("/ui/")
-
-    def _entry(self, w: Wrapper, alias: str | None = None) -> dict[str, Any]:
-        """A model's /v1/models entry (or its alias's, for includeAliasesInList), with
-        llama-swap's meta.llamaswap (metadata and type) and capabilities."""
-        m = w.model
-        entry: dict[str, Any] = {"id": alias or m.name, "object": "model", "owned_by": "vramlock"}
-        title = m.alias_names.get(alias, m.title) if alias else m.title
-        if title is not None:
-            entry["name"] = title
-        if m.description is not None:
-            entry["description"] = m.description
-        entry["aliases"] = m.listed_aliases()
-        entry["state"] = w.state().value
-        kind = {"type": "alias", "modelID": m.name} if alias else {"type": "model"}
-        entry["meta"] = {"llamaswap": {**m.metadata, **kind}}
-        if m.capabilities:
-            entry["capabilities"] = m.capabilities
-            if isinstance(m.capabilities.get("context"), int):
-                entry["meta"]["n_ctx"] = m.capabilities["context"]
-        return entry
-
-    def _listed(self) -> list[dict[str, Any]]:
-        """/v1/models's entries: models (and aliases), peers' models, selectors."""
-        data = []
-        for w in self.wrappers.values():
-            if not w.model.unlisted:
-                data.append(self._entry(w))
-                if self.config.aliases_listed:
-                    data += [self._entry(w, alias) for alias in w.model.listed_aliases()]
-        data += entries(self.config)
-        data += self.resolver.entries({*self.config.known(), *(d["id"] for d in data)})
-        return data
-
-    async def list_models(self, request: web.Request) -> web.Response:
-        out = web.json_response({"object": "list", "data": self._listed()})
-        doors.allow_origin(request, out)
-        return out
-
-    async def one_model(self, request: web.Request) -> web.Response:
-        """OpenAI's GET /v1/models/ID: the entry /v1/models lists as ID (a peer's model
-        and a selector too); else an unlisted model's or alias's."""
-        name = request.match_info["model"]
-        listed = next((e for e in self._listed() if e["id"] == name), None)
-        if listed is not None:
-            return web.json_response(listed)
-        found = self._wrapper(name)
-        if isinstance(found, web.Response):
-            return found
-        return web.json_response(self._entry(found, None if name == found.model.name else name))
-
-    async def upstream_list(self, request: web.Request) -> web.Response:
-        """To the page, as llama-swap's /upstream (which leads to its page's models;
-        this page shows them on its one page). Open without a key, as llama-swap's."""
-        raise web.HTTPFound("/ui/")
-
-    async def running(self, request: web.Request) -> web.Response:
-        states = {name: w.state().value for name, w in self.wrappers.items()}
-        running = [
-            {"model": name, "state": state, "proxy": f"http://{self.wrappers[name].model.upstream}"}
-            for name, state in states.items()
-            if state in HOLDING
-        ]
-        return web.json_response({"running": running})
