@@ -29,7 +29,7 @@ from helpers.net import answers_health, free_port, free_ports
 from helpers.processes import Spawn, wait_until, waiting_holder
 
 from vramlock import procfs
-from vramlock.serve.router import GROUP_WAIT
+from vramlock.serve.turns import GROUP_WAIT
 
 pytest.importorskip("aiohttp")
 

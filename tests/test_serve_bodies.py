@@ -194,7 +194,7 @@ def test_a_form_without_a_model_field_first_is_refused_400(
 
 
 def test_a_streamed_body_over_the_limit_is_cut_413(serve: tuple[int, int]) -> None:
-    from vramlock.serve.router import MAX_BODY
+    from vramlock.serve.reading import MAX_BODY
 
     port, _ = serve
     message = f"the request body is over {MAX_BODY >> 20} MiB"

@@ -596,7 +596,7 @@ def test_use_model_name_and_filters_reach_the_server(
 
 
 def test_a_body_over_the_limit_is_refused_413(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    from vramlock.serve.router import MAX_BODY
+    from vramlock.serve.reading import MAX_BODY
 
     port = serve_on(spawn, config(tmp_path, GOOD), arena)
     message = f"the request body is over {MAX_BODY >> 20} MiB"

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from vramlock.serve import router
-from vramlock.serve.router import Turns
+from vramlock.serve import turns
+from vramlock.serve.turns import Turns
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,7 +53,7 @@ def test_a_client_s_next_request_keeps_its_model_s_turn_over_a_waiting_one() -> 
 
 
 def test_clients_that_never_pause_take_bounded_turns(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router, "GROUP_WAIT", 0.2)
+    monkeypatch.setattr(turns, "GROUP_WAIT", 0.2)
 
     async def main() -> list[str]:
         turns, order = Turns(), list[str]()

@@ -9,14 +9,12 @@ model, keeps none resident, and does not count as a request for a ttl.
 from __future__ import annotations
 
 import contextlib
-import time
 from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from ..arena.directory import parse_gpus
 from ..observe.prometheus import Family, arena_families, text
@@ -25,9 +23,6 @@ from .passing import briefly
 if TYPE_CHECKING:
     from .members import Wrapper
 
-# The request key that ``Router._forward`` sets to the model's name: only those
-# requests are counted (a scrape, /v1/models, a 404 for no model are not a model's).
-MODEL = "vramlock.model"
 # A request's seconds, from a resident model's milliseconds to a long generation that
 # waited for a swap first.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -91,25 +86,6 @@ class Requests:
             Family("vramlock_serve_request_seconds", "histogram",
                    "How long serve's requests took, by model and status.", hist),
         ]  # fmt: skip
-
-
-def counting(requests: Requests) -> Middleware:
-    """Each request that names a model (``MODEL``), counted once it is answered."""
-
-    @web.middleware
-    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
-        began = time.monotonic()
-        status = GONE
-        try:
-            out = await handler(request)
-            status = str(out.status)
-            return out
-        finally:
-            model = request.get(MODEL)
-            if model is not None:
-                requests.add(model, status, time.monotonic() - began)
-
-    return count
 
 
 def places(wrappers: Iterable[Wrapper]) -> dict[tuple[str | None, str | None], Wrapper]:
