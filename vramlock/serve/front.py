@@ -175,7 +175,8 @@ class Front(asyncio.Protocol):
             return  # the rest of the body is on its way
         body = bytes(self.buffer[end + 4 : whole])
         del self.buffer[:whole]
-        if not self.router.keys.admits("POST", head.target.partition("?")[0], head.headers):
+        keys = self.router.keys
+        if keys.keys and not keys.admits("POST", head.target.partition("?")[0], head.headers):
             self.refuse(401, REFUSED, headers=(CHALLENGE,))
             # the next request from the loop, not from here: many sent at once would
             # recurse
