@@ -1,8 +1,8 @@
 """``vramlock serve``'s requests in progress, as llama-swap's: listed in /api/events'
 ``inflight`` and ended by ``POST /api/inflight/ID/cancel``.
 
-Each test runs twice: through front.py (no API keys: the common request is taken from
-the bytes) and through aiohttp (API keys: the middleware's path). The models are
+Each test runs twice: through front.py (the common request is taken from the bytes)
+and through aiohttp (API keys, and ``Connection: close``, which front.py hands over). The models are
 tests/echo_server.py; one asked to ``hold`` says ``NAME saw its client go`` (in serve's
 upstream log) once its connection is closed: the witness that a cancelled request
 really ended at the model's server, not just at serve.
@@ -11,14 +11,16 @@ really ended at the model's server, not just at serve.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.net import free_port
 from helpers.processes import Spawn
-from helpers.serve import Events, call, call_json, echo_model, start, write_config
+from helpers.serve import ECHO, Events, call, call_json, echo_model, start, write_config
 
 pytest.importorskip("aiohttp")
 
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.timeout(90)
 
 KEY = {"Authorization": "Bearer sk-1"}
 PATHS = pytest.mark.parametrize("keys", [False, True], ids=["front", "aiohttp"])
+# A model's load, in seconds, that a request waits for.
+LOAD = 8.0
 
 
 @pytest.fixture
@@ -40,7 +44,7 @@ def serve(spawn: Spawn, tmp_path: Path, arena: Path, keys: bool) -> tuple[int, d
     text = ("apiKeys: [sk-1]\n" if keys else "") + "models:\n"
     _, port = start(spawn, write_config(tmp_path, text + echo_model("m", "release: restart")),
                     arena)  # fmt: skip
-    auth = KEY if keys else {}
+    auth = {**KEY, "Connection": "close"} if keys else {}
     call_json(port, "POST", "/v1/chat/completions", {"model": "m"}, headers=auth)
     return port, auth
 
@@ -199,3 +203,39 @@ def test_cancel_wants_the_api_key(
         assert pending.result(30)[0] == 200
     finally:
         events.close()
+
+
+@PATHS
+def test_a_request_queued_for_a_loading_model_cancelled_answers_at_once(
+    spawn: Spawn, tmp_path: Path, arena: Path, pool: ThreadPoolExecutor, keys: bool
+) -> None:
+    """A request waiting for its model to load, cancelled: answered at once (not once the
+    model is up), and never sent to the model. The witness is the model's own output,
+    written to a file of the test's."""
+    said = tmp_path / "slow.out"
+    port_of_model = free_port()
+    cmd = f"{sys.executable} {ECHO} {port_of_model} slow {LOAD}"
+    text = ("apiKeys: [sk-1]\n" if keys else "") + (
+        f"models:\n  slow:\n    cmd: sh -c 'exec {cmd} >>{said} 2>&1'\n"
+        f"    proxy: http://127.0.0.1:{port_of_model}\n    release: restart\n")  # fmt: skip
+    _, port = start(spawn, write_config(tmp_path, text), arena)
+    auth = {**KEY, "Connection": "close"} if keys else {}
+    events = Events(port, auth)
+    try:
+        asked = {"model": "slow", "n": 1}
+        pending = pool.submit(call, port, "POST", "/v1/chat/completions", asked, auth)
+        _cancel_when_listed(events, port, auth, began=False)
+        status, _, body = pending.result(LOAD / 2)
+        assert (status, json.loads(body)["error"]["message"]) == (502, "request cancelled")
+        assert "slow listening" not in _read(said)  # answered before the model was up
+        # once the model is up, another request reaches it; the cancelled one never did
+        assert call_json(port, "POST", "/v1/completions", {"model": "slow"}, headers=auth)[
+            "id"] == "slow"  # fmt: skip
+        assert "slow got POST /v1/completions" in _read(said)
+        assert "slow got POST /v1/chat/completions" not in _read(said)
+    finally:
+        events.close()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

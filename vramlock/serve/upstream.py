@@ -9,6 +9,9 @@ framing (``Content-Length``, chunked, or to the end of the connection) as it arr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -205,7 +208,10 @@ class Pool:
                 "no response head", "timeouts.responseHeader", self.header
             ) from None
         except BaseException:
-            writer.close()  # cancelled (the client went away): the answer is nobody's
+            # Cancelled (the client went away, or POST /api/inflight/ID/cancel): the
+            # answer is nobody's. Reset, not closed: a wrapper that holds the request
+            # for a model still loading sees it and never passes it on.
+            reset(writer)
             raise
         code, reason, headers, length, keep = parse_response(head[:-4], method)
         chunked = length is None and keep
@@ -422,3 +428,12 @@ async def _send(writer: asyncio.StreamWriter, body: Body) -> None:
     for i in range(0, len(view), _CHUNK):
         writer.write(view[i : i + _CHUNK])
         await writer.drain()
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``'s connection with a reset (RST), not an orderly end."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

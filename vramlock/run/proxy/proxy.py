@@ -336,6 +336,11 @@ class Proxy:
             for c in waiting:
                 c.parked = False
         held = [c for c in waiting if c.upstream is None]
+        # A held client whose connection was reset meanwhile (serve cancelled its
+        # request) could take no answer: its request is not passed on.
+        for conn in [c for c in held if _reset(c.client)]:
+            held.remove(conn)
+            self._relay.drop(conn)
         for conn in waiting:
             if conn.upstream is not None:
                 self._relay.rearm(conn)
@@ -363,3 +368,11 @@ class Proxy:
         )
         for conn in waiting:
             self._relay.drop(conn)
+
+
+def _reset(client: socket.socket) -> bool:
+    """Was ``client``'s connection reset (its pending error, which this takes)?"""
+    try:
+        return client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+    except OSError:
+        return True
