@@ -11,6 +11,7 @@ really ended at the model's server, not just at serve.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -239,3 +240,30 @@ def test_a_request_queued_for_a_loading_model_cancelled_answers_at_once(
 
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+@PATHS
+def test_a_request_waiting_for_a_load_when_serve_ends_gets_a_json_error(
+    spawn: Spawn, tmp_path: Path, arena: Path, pool: ThreadPoolExecutor, keys: bool
+) -> None:
+    """serve interrupted while a request waits for its model to load: the client is
+    answered (a JSON 503 saying why), not left with an empty reply."""
+    port_of_model = free_port()
+    cmd = f"{sys.executable} {ECHO} {port_of_model} slow 60"
+    text = ("apiKeys: [sk-1]\n" if keys else "") + (
+        f"models:\n  slow:\n    cmd: {cmd}\n    proxy: http://127.0.0.1:{port_of_model}\n"
+        "    release: restart\n")  # fmt: skip
+    proc, port = start(spawn, write_config(tmp_path, text), arena)
+    auth = {**KEY, "Connection": "close"} if keys else {}
+    events = Events(port, auth)
+    try:
+        pending = pool.submit(call, port, "POST", "/v1/chat/completions", {"model": "slow"},
+                              auth)  # fmt: skip
+        events.until("inflight", upsert)
+    finally:
+        events.close()
+    proc.send_signal(signal.SIGINT)
+    status, headers, body = pending.result(30)
+    assert (status, headers["Content-Type"]) == (503, "application/json; charset=utf-8")
+    assert json.loads(body)["error"]["message"] == "serve is ending: the request was not answered"
+    assert proc.wait(30) == 0

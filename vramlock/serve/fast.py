@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from .exchange import Chosen, Exchange, Refusal
 from .front import Front, Head
-from .inflight import CANCELLED, Flight, uncancel
+from .inflight import Flight, uncancel
 from .members import Wrapper
 from .metrics import GONE
 from .turns import Turns
@@ -118,7 +118,7 @@ class Express:
         self.peek.cancel()  # the wrapper's connection closed: its server's request ends
         self.w.info(f"{self.shown} cancelled")
         try:
-            status = self.front.refuse(502, CANCELLED)
+            status = self.front.refuse(*self.flight.refusal())
         except OSError:
             self._end(GONE)
             self.front.lost()
@@ -200,7 +200,7 @@ class FastPath:
                                                                   sent, w.exited))  # fmt: skip
 
         async def cancelled() -> int:
-            return front.refuse(502, CANCELLED)
+            return front.refuse(*flight.refusal())
 
         try:
             await self.exchange.take(w, flight, f"POST {bare}", send, int, front.busy, cancelled)
@@ -245,7 +245,7 @@ class FastPath:
                 uncancel()
                 pair[1].close()  # the wrapper's connection: its server's request ends
                 w.info(f"{x.shown} cancelled")
-                answered = x.front.refuse(502, CANCELLED)
+                answered = x.front.refuse(*flight.refusal())
             status = str(answered)
         finally:
             x.front.flight = None

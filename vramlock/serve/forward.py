@@ -15,7 +15,7 @@ from .errors import busy_response
 from .errors import error_response as _error
 from .exchange import Exchange
 from .fast import HOP, WHOLE
-from .inflight import CANCELLED, Flight, uncancel
+from .inflight import Flight, uncancel
 from .loading import Loading
 from .members import Wrapper
 from .reading import MAX_BODY, TooLarge, counted, too_large
@@ -87,9 +87,10 @@ class Forwarder:
             return await self._pass(request, w, path, body, flight, loading)
 
         async def cancelled() -> web.StreamResponse:
+            status, why = flight.refusal()
             if loading is not None and loading.out.prepared:
-                return await loading.fail(CANCELLED)
-            return _error(502, CANCELLED)
+                return await loading.fail(why)
+            return _error(status, why)
 
         def settle(out: web.StreamResponse) -> None:
             answer = out.body if isinstance(out, web.Response) else None

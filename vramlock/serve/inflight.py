@@ -23,6 +23,8 @@ from typing import Any
 
 # What a request's client is answered once it is cancelled before any of its answer.
 CANCELLED = "request cancelled"
+# ... and once serve ends before its answer began (after a grace: .router).
+ENDING = "serve is ending: the request was not answered"
 # The headers llama-swap redacts where it shows them (lower case), and what it says instead.
 SENSITIVE = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"})
 REDACTED = "[REDACTED]"
@@ -79,7 +81,7 @@ class Flight:
     __slots__ = (
         "began", "body", "cancelled", "held", "id", "keep", "method", "model", "on_cancel",
         "parts", "path", "peer", "req_headers", "resp_bytes", "resp_headers", "said", "selector",
-        "status", "task", "trimmed", "wall",
+        "status", "task", "trimmed", "wall", "why",
     )  # fmt: skip
 
     def __init__(
@@ -108,6 +110,11 @@ class Flight:
         self.task: asyncio.Task[Any] | None = None  # the task that serves it, to cancel
         self.on_cancel: Callable[[], None] | None = None  # where it has no task
         self.cancelled = False
+        self.why: str | None = None  # why it was ended, where not by a cancel (ENDING)
+
+    def refusal(self) -> tuple[int, str]:
+        """What its client is answered once it was ended before any of its answer."""
+        return (502, CANCELLED) if self.why is None else (503, self.why)
 
     def head(self, status: int, headers: Headers) -> None:
         """The answer's head was sent."""
@@ -224,6 +231,14 @@ class Flights:
             return False
         flight.cancel()
         return True
+
+    def interrupt(self) -> None:
+        """serve is ending: every request whose answer has not begun ends, its client
+        told why (``ENDING``)."""
+        for flight in list(self.now.values()):
+            if flight.resp_headers is None:
+                flight.why = ENDING
+                flight.cancel()
 
     def snapshot(self) -> dict[str, Any]:
         """Every request in progress, oldest first."""

@@ -48,6 +48,8 @@ from .selectors import Refused, Resolver
 from .turns import GROUP_WAIT as GROUP_WAIT
 from .upstream import Stream
 
+# Once serve ends, a request that was told why has this long to say it.
+ANSWER_GRACE = 1.0
 # llama-swap's GET routes whose request names its model as ?model=NAME.
 BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
 # Prefixes that llama-swap strips before a POST is routed by its model: /v/ (clients that
@@ -222,15 +224,26 @@ class Router:
         return self.common.fast(front, head, body, chosen)
 
     async def close_fronts(self, grace: float) -> None:
-        """Let the requests in progress on front.py's connections end, for ``grace`` at
-        most, then cut what is left."""
-        tasks: list[asyncio.Future[None]] = [f.task for f in self.fronts if f.task is not None]
-        tasks += [f.express.waiter() for f in self.fronts if f.express is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace)
+        """Let the requests in progress end, for ``grace`` at most; then those whose
+        answer has not begun are answered why (``Flights.interrupt``), and what is left
+        on front.py's connections is cut. aiohttp's are its runner's to end."""
+        if await self._settled(grace):
+            return
+        self.flights.interrupt()
+        await self._settled(ANSWER_GRACE)
         for front in list(self.fronts):
             if front.transport is not None:
                 front.transport.abort()
+
+    async def _settled(self, within: float) -> bool:
+        """Have the requests in progress (front.py's and aiohttp's) ended ``within``?"""
+        tasks: set[asyncio.Future[Any]] = {f.task for f in self.fronts if f.task is not None}
+        tasks |= {f.express.waiter() for f in self.fronts if f.express is not None}
+        tasks |= {f.task for f in self.flights.now.values() if f.task is not None}
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=within)
+        return not pending
 
     def _wrapper(self, name: str) -> Wrapper | web.Response:
         model = self.config.find(name)
