@@ -19,7 +19,7 @@ from .inflight import Flight, uncancel
 from .loading import Loading
 from .members import Wrapper
 from .reading import MAX_BODY, TooLarge, counted, too_large
-from .upstream import Body, Stream, UpstreamTimeout
+from .upstream import Body, Response, Stream, UpstreamTimeout
 
 # The request key of the selector whose name a request used (for its activity).
 SELECTOR = "vramlock.selector"
@@ -137,44 +137,51 @@ class Forwarder:
                 return await loading.relay(request, up, flight.took)
             finally:
                 await up.body.aclose()
-        headers = [(k, v) for k, v in up.headers if k.lower() not in HOP]
         try:
-            if up.length is not None and up.length <= WHOLE:
-                try:
-                    whole = b"".join([chunk async for chunk in up.body])
-                except OSError as err:
-                    return _error(502, f"model {w.model.name}: its server did not answer: {err}")
-                flight.answered(up.status, headers, whole)
-                return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
-            out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-            if up.length is not None:
-                out.content_length = up.length
-            try:
-                await out.prepare(request)
-                flight.head(up.status, headers)
-                self.exchange.flights.started(flight)
-                async for chunk in up.body:
-                    await out.write(chunk)
-                    flight.took(chunk)
-                await out.write_eof()
-            except OSError:
-                # Cut in the middle: cut the client's connection too, so that it sees the
-                # answer end early rather than wait for the rest.
-                if request.transport is not None:
-                    request.transport.abort()
-            except asyncio.CancelledError:
-                if not (flight.cancelled and out.prepared):
-                    raise
-                # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it
-                # stands, as llama-swap's; one of announced length cannot, and is cut.
-                uncancel()
-                self._ended_early(request, out, up.length is None)
-                w.info(f"{request.method} {request.path} cancelled")
-            return out
+            return await self._answer(request, w, up, flight)
         finally:
             # Also when the client went away (cancelled): the connection to the wrapper
             # is closed at once, not left looking like a request awaiting its answer.
             await up.body.aclose()
+
+    async def _answer(
+        self, request: web.Request, w: Wrapper, up: Response, flight: Flight
+    ) -> web.StreamResponse:
+        """``up`` passed on: whole (in one write) up to ``WHOLE`` bytes of known length,
+        else as it comes."""
+        headers = [(k, v) for k, v in up.headers if k.lower() not in HOP]
+        if up.length is not None and up.length <= WHOLE:
+            try:
+                whole = b"".join([chunk async for chunk in up.body])
+            except OSError as err:
+                return _error(502, f"model {w.model.name}: its server did not answer: {err}")
+            flight.answered(up.status, headers, whole)
+            return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
+        out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        if up.length is not None:
+            out.content_length = up.length
+        try:
+            await out.prepare(request)
+            flight.head(up.status, headers)
+            self.exchange.flights.started(flight)
+            async for chunk in up.body:
+                await out.write(chunk)
+                flight.took(chunk)
+            await out.write_eof()
+        except OSError:
+            # Cut in the middle: cut the client's connection too, so that it sees the
+            # answer end early rather than wait for the rest.
+            if request.transport is not None:
+                request.transport.abort()
+        except asyncio.CancelledError:
+            if not (flight.cancelled and out.prepared):
+                raise
+            # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it
+            # stands, as llama-swap's; one of announced length cannot, and is cut.
+            uncancel()
+            self._ended_early(request, out, up.length is None)
+            w.info(f"{request.method} {request.path} cancelled")
+        return out
 
     @staticmethod
     def _ended_early(request: web.Request, out: web.StreamResponse, chunked: bool) -> None:
