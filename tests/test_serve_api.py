@@ -37,7 +37,7 @@ models:
 
 
 def test_each_type_is_sent_at_connect(spawn: Spawn, tmp_path: Path, arena: Path) -> None:
-    text = CONFIG + echo_model(
+    text = "ui: {activity: {session_id: [X-Mine]}}\n" + CONFIG + echo_model(
         "m", "release: restart", "name: Model M", "description: the first",
         "aliases: [mm, m2]", "capabilities: {in: [text, image], out: [text], tools: true,"
         " context: 8192}") + echo_model("a", "release: restart", "unlisted: true")  # fmt: skip
@@ -64,9 +64,8 @@ def test_each_type_is_sent_at_connect(spawn: Spawn, tmp_path: Path, arena: Path)
             {"id": "remote/y", "name": "", "description": "", "state": "", "unlisted": False,
              "peerID": "remote"},
         ])  # fmt: skip
-        # the page's settings, llama-swap's defaults
-        session = ["X-Session-ID", "X-Litellm-Session-Id"]
-        assert events.next() == ("uiConfig", {"activity": {"session_id": session}})
+        # the page's settings: the config's ui (its session headers)
+        assert events.next() == ("uiConfig", {"activity": {"session_id": ["X-Mine"]}})
         assert events.next() == ("profileChanged", {"active": None})
         assert events.next() == ("inflight", {"operation": "snapshot", "requests": []})
     finally:

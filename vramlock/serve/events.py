@@ -7,7 +7,8 @@ Every event is ``event:message`` with one ``data:`` line, a JSON envelope
   (``LLAMA_STATES``), then each peer's models; at connect, then whenever it changes;
 - ``logData``: ``{"source": "proxy"|"upstream", "data": TEXT}``, serve's own log and
   the models' output: their histories at connect, then each chunk as it comes;
-- ``uiConfig``: the page's settings (``UI_CONFIG``), at connect;
+- ``uiConfig``: the page's settings (the config's ``ui``: the request headers whose
+  value names a session in the activity view), at connect;
 - ``profileChanged``: ``{"active": NAME or null}``, at connect and when it changes;
 - ``inflight``: the requests in progress (``inflight``): a snapshot at connect
   (``{"operation": "snapshot", "requests": [ENTRY...]}``), then each change
@@ -42,9 +43,6 @@ if TYPE_CHECKING:
     from .logs import Logs, Ring
 
 POLL = 0.25
-# uiConfig: the page's settings, llama-swap's defaults (its config's ``ui`` section):
-# the request headers whose value names a session in its activity view.
-UI_CONFIG: dict[str, Any] = {"activity": {"session_id": ["X-Session-ID", "X-Litellm-Session-Id"]}}
 # A follower with more changes than this still to be sent gets a snapshot instead.
 BEHIND = 1000
 
@@ -155,7 +153,7 @@ class Events:
         logs: Logs | None,
         flights: Flights,
         activity: Activity,
-        ui: Callable[[], dict[str, Any]] = lambda: dict(UI_CONFIG),
+        ui: Callable[[], dict[str, Any]],
     ) -> None:
         self.models, self.active, self.logs, self.ui = models, active, logs, ui
         self.flights, self.activity = flights, activity

@@ -71,7 +71,7 @@ class Router:
         self.peers = Peers()
         self.resolver = Resolver(config, self._state_of)
         self.events = Events(self._model_status, self._active_profile, logs, self.flights,
-                             self.activity)  # fmt: skip
+                             self.activity, self._ui)  # fmt: skip
         self._plain_for: Config | None = None  # the config _plain was found for
         self._plain_value = True
         middlewares: list[Middleware] = [negotiated]  # front.py hands such clients over
@@ -153,6 +153,10 @@ class Router:
     def _model_status(self) -> list[dict[str, Any]]:
         """/api/events' modelStatus: the models in their states, the peers' models."""
         return model_status(self.config, states(self.wrappers.values()))
+
+    def _ui(self) -> dict[str, Any]:
+        """/api/events' uiConfig: the config's ``ui``, as llama-swap tells it."""
+        return {"activity": {"session_id": list(self.config.session_headers)}}
 
     def _active_profile(self) -> str | None:
         return self.resolver.active  # the resolver is another after a reload
