@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..arena.directory import parse_gpus
-from ..observe.prometheus import Family, arena_families, text
+from ..observe.prometheus import Family, arena_families
+from ..observe.registry import Registry
 from .passing import briefly
 
 if TYPE_CHECKING:
@@ -101,17 +102,24 @@ def gpu_of(w: Wrapper) -> int | None:
     return min(gpus) if gpus else None
 
 
-def exposition(wrappers: Iterable[Wrapper], requests: Requests) -> str:
-    """The text format of serve's arenas (each sample labelled with its arena) and of
-    its requests. Blocking (it reads the arenas): run it in a worker thread."""
-    found: list[Family] = []
-    for w in places(wrappers).values():
-        with contextlib.closing(w.arena()) as opened:
-            found += arena_families(opened, gpu_of(w))
-    return text([*found, *requests.families()])
+def registry(wrappers: dict[str, Wrapper], requests: Requests) -> Registry:
+    """serve's exposition: its arenas (each sample labelled with its arena), then its
+    requests."""
+
+    def arenas() -> list[Family]:
+        found: list[Family] = []
+        for w in places(list(wrappers.values())).values():
+            with contextlib.closing(w.arena()) as opened:
+                found += arena_families(opened, gpu_of(w))
+        return found
+
+    out = Registry()
+    out.add(arenas)
+    out.add(requests.families)
+    return out
 
 
-async def metrics(wrappers: dict[str, Wrapper], requests: Requests) -> web.Response:
-    body = await briefly(lambda: exposition(list(wrappers.values()), requests))
+async def metrics(registry: Registry) -> web.Response:
+    body = await briefly(registry.text)
     return web.Response(text=body, content_type="text/plain", charset="utf-8",
                         headers={"Cache-Control": "no-store"})  # fmt: skip

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from ..errors import error_response
-from ..metrics import Requests, gpu_of, metrics, places
+from ..metrics import Requests, gpu_of, metrics, places, registry
 from ..passing import briefly
 from . import Serving, get, refuse_others
 
@@ -85,8 +85,10 @@ def register(app: web.Application, s: Serving, logs: Logs | None) -> None:
     get(app, "/health", health)
     get(app, "/wol-health", health)
 
+    exposed = registry(s.wrappers, s.requests)
+
     async def exposition(request: web.Request) -> web.Response:
-        return await metrics(s.wrappers, s.requests)
+        return await metrics(exposed)
 
     get(app, "/metrics", exposition)
     get(app, "/ui", to_ui)
