@@ -5,6 +5,7 @@ pool of connections to its wrapper, the answer passed on as it comes."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -15,7 +16,7 @@ from .errors import busy_response
 from .errors import error_response as _error
 from .exchange import Exchange
 from .fast import HOP, WHOLE
-from .inflight import Flight, uncancel
+from .inflight import Flight, Flights, uncancel
 from .loading import Loading
 from .members import Wrapper
 from .reading import MAX_BODY, TooLarge, counted, too_large
@@ -138,59 +139,12 @@ class Forwarder:
             finally:
                 await up.body.aclose()
         try:
-            return await self._answer(request, w, up, flight)
+            return await answer(request, up, f"model {w.model.name}", flight,
+                                self.exchange.flights, w.info)  # fmt: skip
         finally:
             # Also when the client went away (cancelled): the connection to the wrapper
             # is closed at once, not left looking like a request awaiting its answer.
             await up.body.aclose()
-
-    async def _answer(
-        self, request: web.Request, w: Wrapper, up: Response, flight: Flight
-    ) -> web.StreamResponse:
-        """``up`` passed on: whole (in one write) up to ``WHOLE`` bytes of known length,
-        else as it comes."""
-        headers = [(k, v) for k, v in up.headers if k.lower() not in HOP]
-        if up.length is not None and up.length <= WHOLE:
-            try:
-                whole = b"".join([chunk async for chunk in up.body])
-            except OSError as err:
-                return _error(502, f"model {w.model.name}: its server did not answer: {err}")
-            flight.answered(up.status, headers, whole)
-            return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
-        out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-        if up.length is not None:
-            out.content_length = up.length
-        try:
-            await out.prepare(request)
-            flight.head(up.status, headers)
-            self.exchange.flights.started(flight)
-            async for chunk in up.body:
-                await out.write(chunk)
-                flight.took(chunk)
-            await out.write_eof()
-        except OSError:
-            # Cut in the middle: cut the client's connection too, so that it sees the
-            # answer end early rather than wait for the rest.
-            if request.transport is not None:
-                request.transport.abort()
-        except asyncio.CancelledError:
-            if not (flight.cancelled and out.prepared):
-                raise
-            # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it
-            # stands, as llama-swap's; one of announced length cannot, and is cut.
-            uncancel()
-            self._ended_early(request, out, up.length is None)
-            w.info(f"{request.method} {request.path} cancelled")
-        return out
-
-    @staticmethod
-    def _ended_early(request: web.Request, out: web.StreamResponse, chunked: bool) -> None:
-        """A cancelled answer's end: its last chunk where it is chunked, else the client's
-        connection cut."""
-        if chunked and "chunked" in out.headers.get("Transfer-Encoding", ""):
-            return  # aiohttp writes the last chunk once the handler returns it
-        if request.transport is not None:
-            request.transport.abort()
 
     async def websocket(self, request: web.Request, w: Wrapper, path: str) -> web.StreamResponse:
         """A websocket through /upstream: taken here, and its messages relayed both ways
@@ -225,3 +179,63 @@ class Forwarder:
                     relay.cancel()
                 await out.close()
         return out
+
+
+async def answer(
+    request: web.Request,
+    up: Response,
+    who: str,
+    flight: Flight | None = None,
+    flights: Flights | None = None,
+    info: Callable[[str], None] | None = None,
+) -> web.StreamResponse:
+    """``up`` (from ``who``: a model, a peer) passed on to ``request``'s client: whole
+    (in one write) up to ``WHOLE`` bytes of known length, else as it comes; kept in
+    ``flight`` (its start told to ``flights``) where there is one. A cancelled flight's
+    answer ends where it stands (``info`` says so)."""
+    headers = [(k, v) for k, v in up.headers if k.lower() not in HOP]
+    if up.length is not None and up.length <= WHOLE:
+        try:
+            whole = b"".join([chunk async for chunk in up.body])
+        except OSError as err:
+            return _error(502, f"{who}: its server did not answer: {err}")
+        if flight is not None:
+            flight.answered(up.status, headers, whole)
+        return web.Response(status=up.status, reason=up.reason, headers=headers, body=whole)
+    out = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+    if up.length is not None:
+        out.content_length = up.length
+    try:
+        await out.prepare(request)
+        if flight is not None and flights is not None:
+            flight.head(up.status, headers)
+            flights.started(flight)
+        async for chunk in up.body:
+            await out.write(chunk)
+            if flight is not None:
+                flight.took(chunk)
+        await out.write_eof()
+    except OSError:
+        # Cut in the middle: cut the client's connection too, so that it sees the
+        # answer end early rather than wait for the rest.
+        if request.transport is not None:
+            request.transport.abort()
+    except asyncio.CancelledError:
+        if flight is None or not (flight.cancelled and out.prepared):
+            raise
+        # Cancelled (POST /api/inflight/ID/cancel): the answer ends where it stands,
+        # as llama-swap's; one of announced length cannot, and is cut.
+        uncancel()
+        _ended_early(request, out, up.length is None)
+        if info is not None:
+            info(f"{request.method} {request.path} cancelled")
+    return out
+
+
+def _ended_early(request: web.Request, out: web.StreamResponse, chunked: bool) -> None:
+    """A cancelled answer's end: its last chunk where it is chunked, else the client's
+    connection cut."""
+    if chunked and "chunked" in out.headers.get("Transfer-Encoding", ""):
+        return  # aiohttp writes the last chunk once the handler returns it
+    if request.transport is not None:
+        request.transport.abort()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,8 @@ from aiohttp import web
 
 from .config import Config, Peer
 from .errors import error_response as _error
+from .forward import answer
+from .upstream import Response
 
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the client library sets itself.
 _HOP = frozenset(
@@ -116,18 +119,19 @@ class Peers:
         except (aiohttp.ClientError, OSError) as err:
             return _error(502, f"peer {peer.name}: proxy error: {err}")
         async with up:
-            kept = [(k, v) for k, v in up.headers.items() if k.lower() not in _HOP]
-            out = web.StreamResponse(status=up.status, reason=up.reason, headers=kept)
+            kept = list(up.headers.items())
             if up.content_type == "text/event-stream":
-                out.headers["X-Accel-Buffering"] = "no"
-            if up.content_length is not None:
-                out.content_length = up.content_length
-            await out.prepare(request)
-            try:
-                async for chunk in up.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-            except (aiohttp.ClientError, OSError):
-                if request.transport is not None:
-                    request.transport.abort()  # cut: the client sees it end early
-        return out
+                kept.append(("X-Accel-Buffering", "no"))
+            length = up.content_length
+            passed = Response(up.status, up.reason or "", kept, length, _chunks(up))
+            return await answer(request, passed, f"peer {peer.name}")
+
+
+async def _chunks(up: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
+    """A peer's answer as it comes; its connection's failure an OSError, as a local
+    model's (``forward.answer`` cuts the client's connection then)."""
+    try:
+        async for chunk in up.content.iter_any():
+            yield chunk
+    except aiohttp.ClientError as err:
+        raise ConnectionResetError(str(err)) from err
