@@ -87,7 +87,7 @@ def verdict(case: Case, load: Callable[[Path], Any], tmp_path: Path,
 def named(cases: list[Any]) -> tuple[int, int]:
     """(cases, cases that diverge), each divergence's reason checked to be in
     docs/serve.md, under "Where serve differs from llama-swap"."""
-    page = " ".join((ROOT / "docs" / "serve.md").read_text().split())
+    page = " ".join((ROOT / "docs/serve.md").read_text().split())
     part = page[page.index("Where serve differs from llama-swap") :]
     reasons = [p.values[0].diverges for p in cases if p.values[0].diverges]
     for reason in reasons:
