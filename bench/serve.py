@@ -160,6 +160,43 @@ def startup(binary: str, work: Path, rounds: int) -> dict[str, Any]:
     }
 
 
+def switch_config(work: Path, server: list[str], ports: list[int], release: str) -> Path:
+    """serve's configuration for the switch: the two servers, preloaded."""
+    lines = ["healthCheckTimeout: 60", "models:"]
+    for name, port in zip(NAMES[:2], ports, strict=True):
+        lines += [f"  {name}:", f"    cmd: {' '.join(server)} --host 127.0.0.1 --port {port}",
+                  f"    proxy: http://127.0.0.1:{port}", f"    release: {release}",
+                  "    min_hold: 0"]  # fmt: skip
+    lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES[:2])}]"]
+    config = work / "switch.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
+def alternate(
+    targets: dict[str, list[int]], n: int, prompt_tokens: int
+) -> dict[tuple[str, str], list[float]]:
+    """Each path's servers warmed, then ``n`` rounds of a pair of requests through each path
+    in turn: the seconds of each, by path and by when it came."""
+    words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
+    prompts = [f"Server {i}: {words}" for i in range(2)]
+    for ports in targets.values():  # warm: each has its prompt in its slot once
+        for i in range(2):
+            complete(ports[i], NAMES[i], prompts[i])
+    # Rounds of a pair each, serve's and run's in turn: a pair's first request comes
+    # after the other path's pair (a pause), its second right after the first.
+    seconds: dict[tuple[str, str], list[float]] = {
+        (what, when): [] for what in targets for when in WHEN
+    }
+    for _ in range(n):
+        for what, ports in targets.items():
+            for i, when in enumerate(WHEN):
+                t = time.perf_counter()
+                complete(ports[i], NAMES[i], prompts[i])
+                seconds[what, when].append(time.perf_counter() - t)
+    return seconds
+
+
 def switch(
     server: list[str], work: Path, n: int, prompt_tokens: int, release: str
 ) -> dict[str, Any]:
@@ -176,14 +213,7 @@ def switch(
     ups = free_ports(7)  # serve's two servers, run's two, serve, run's two wrappers
     serve_port, run_ports = ups[4], ups[5:]
     flags = ["--release", release, "--min-hold", "0"]
-    lines = ["healthCheckTimeout: 60", "models:"]
-    for name, port in zip(NAMES[:2], ups[:2], strict=True):
-        lines += [f"  {name}:", f"    cmd: {' '.join(server)} --host 127.0.0.1 --port {port}",
-                  f"    proxy: http://127.0.0.1:{port}", f"    release: {release}",
-                  "    min_hold: 0"]  # fmt: skip
-    lines += ["hooks:", "  on_startup:", f"    preload: [{', '.join(NAMES[:2])}]"]
-    config = work / "switch.yaml"
-    config.write_text("\n".join(lines) + "\n")
+    config = switch_config(work, server, ups[:2], release)
     procs = []
     logs = open(work / "switch.log", "w")  # noqa: SIM115 (closed below)
     try:
@@ -203,23 +233,8 @@ def switch(
                 if time.monotonic() > end:
                     raise SystemExit(f"nothing listens on {port}: {work / 'switch.log'}")
                 time.sleep(0.01)
-        words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
-        prompts = [f"Server {i}: {words}" for i in range(2)]
         targets = {"serve": [serve_port, serve_port], "run proxy": run_ports}
-        for ports in targets.values():  # warm: each has its prompt in its slot once
-            for i in range(2):
-                complete(ports[i], NAMES[i], prompts[i])
-        # Rounds of a pair each, serve's and run's in turn: a pair's first request comes
-        # after the other path's pair (a pause), its second right after the first.
-        seconds: dict[tuple[str, str], list[float]] = {
-            (what, when): [] for what in targets for when in WHEN
-        }
-        for _ in range(n):
-            for what, ports in targets.items():
-                for i, when in enumerate(WHEN):
-                    t = time.perf_counter()
-                    complete(ports[i], NAMES[i], prompts[i])
-                    seconds[what, when].append(time.perf_counter() - t)
+        seconds = alternate(targets, n, prompt_tokens)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
