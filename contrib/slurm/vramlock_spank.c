@@ -1,0 +1,123 @@
+/*
+ * vramlock's SPANK plugin: every task of a Slurm job that was given a GPU (or a shard of
+ * one) runs as a member of that GPU's arena, under `vramlock run`, without a change to
+ * the job's script. The task's program is started by the launcher (slurm-task, next to
+ * this file) in its place, which execs `vramlock run --arena ARENA -- PROGRAM ARGS...`.
+ *
+ * Only the task's argv[0] changes, just before slurmstepd execs it, and after it has
+ * set the task up: the site's TaskProlog, TMPDIR, limits and CUDA_VISIBLE_DEVICES stay
+ * as Slurm makes them, and squeue and sacct show the job's own command.
+ *
+ * plugstack.conf:
+ *   required /usr/local/lib/vramlock/vramlock_spank.so launcher=/usr/local/lib/vramlock/slurm-task
+ *       arenas=/run/vramlock/slurm vramlock=/usr/local/bin/vramlock
+ *
+ * A job opts out with `--vramlock=off` (sbatch, srun, salloc): its tasks then say so on
+ * their stderr, once each, and run as they would without the plugin.
+ *
+ * Build: cc -std=c11 -O2 -Wall -Wextra -fPIC -shared -o vramlock_spank.so vramlock_spank.c
+ * (the headers are Debian's libslurm-dev).
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <slurm/spank.h>
+
+SPANK_PLUGIN(vramlock, 1);
+
+static int opted_out;
+
+static int take_option(int val, const char *optarg, int remote)
+{
+	(void)val;
+	(void)remote;
+	if (optarg && strcmp(optarg, "off") == 0)
+		opted_out = 1;
+	else if (optarg && strcmp(optarg, "on") == 0)
+		opted_out = 0;
+	else {
+		slurm_error("--vramlock: %s: say on or off", optarg ? optarg : "");
+		return -1;
+	}
+	return 0;
+}
+
+struct spank_option spank_options[] = {
+	{"vramlock", "on|off",
+	 "off: this job's GPU work does not take turns with other jobs through "
+	 "vramlock (default on)",
+	 1, 0, take_option},
+	SPANK_OPTIONS_TABLE_END,
+};
+
+/* The value of "NAME=value" among the plugin's arguments, or NULL. */
+static const char *argument(int ac, char **av, const char *name)
+{
+	size_t n = strlen(name);
+	for (int i = 0; i < ac; i++)
+		if (strncmp(av[i], name, n) == 0 && av[i][n] == '=')
+			return av[i] + n + 1;
+	return NULL;
+}
+
+static int job_env(spank_t sp, const char *name, char *buf, int size)
+{
+	return spank_getenv(sp, name, buf, size) == ESPANK_SUCCESS && buf[0];
+}
+
+/* The arena of the job's first GPU: ARENAS/gpuN, N Slurm's index of it on the node. */
+static int arena_of(spank_t sp, const char *arenas, char *out, size_t size)
+{
+	char gpus[256];
+	if (!job_env(sp, "SLURM_JOB_GPUS", gpus, sizeof gpus))
+		return 0;
+	gpus[strcspn(gpus, ",")] = '\0';
+	for (const char *c = gpus; *c; c++)
+		if (*c < '0' || *c > '9')
+			return 0;
+	return snprintf(out, size, "%s/gpu%s", arenas, gpus) < (int)size;
+}
+
+int slurm_spank_task_init(spank_t sp, int ac, char **av)
+{
+	const char *launcher = argument(ac, av, "launcher");
+	const char *arenas = argument(ac, av, "arenas");
+	const char *vramlock = argument(ac, av, "vramlock");
+	char arena[4096], job[64], member[64];
+	int argc = 0;
+	char **argv = NULL;
+
+	if (!spank_remote(sp))
+		return 0;
+	if (!launcher || !arenas || !vramlock) {
+		slurm_error("vramlock: plugstack.conf must give launcher=, arenas= and vramlock=");
+		return -1;
+	}
+	if (!arena_of(sp, arenas, arena, sizeof arena))
+		return 0; /* no GPU: nothing to share */
+	if (!job_env(sp, "SLURM_JOB_ID", job, sizeof job))
+		return 0;
+	/* A step started inside a job whose batch step is a member already (srun in a
+	 * batch script): that member holds the GPU for it; a second one would wait for it. */
+	if (job_env(sp, "VRAMLOCK_SLURM_JOB", member, sizeof member) && strcmp(member, job) == 0)
+		return 0;
+	if (opted_out) {
+		fprintf(stderr, "vramlock: job %s opted out (--vramlock=off): its GPU work does "
+			"not take turns with other jobs on %s\n", job, arena);
+		return 0;
+	}
+	if (spank_get_item(sp, S_JOB_ARGV, &argc, &argv) != ESPANK_SUCCESS || argc < 1 ||
+	    !argv || !argv[0])
+		return 0;
+	if (spank_setenv(sp, "VRAMLOCK_SLURM_PROGRAM", argv[0], 1) != ESPANK_SUCCESS ||
+	    spank_setenv(sp, "VRAMLOCK_SLURM_ARENA", arena, 1) != ESPANK_SUCCESS ||
+	    spank_setenv(sp, "VRAMLOCK_SLURM_RUN", vramlock, 1) != ESPANK_SUCCESS ||
+	    spank_setenv(sp, "VRAMLOCK_SLURM_JOB", job, 1) != ESPANK_SUCCESS) {
+		slurm_error("vramlock: cannot set the task's environment");
+		return -1;
+	}
+	argv[0] = strdup(launcher);
+	return argv[0] ? 0 : -1;
+}
