@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.processes import wait_until
+from helpers.processes import Spawn, wait_until
 from helpers.slurm import Cluster, missing, running
 from helpers.swap_rig import HOLDER, Fakes, build_fakes
 
@@ -91,25 +91,19 @@ def launches(log: Path) -> list[tuple[int, int]]:
     return found
 
 
-def hold_token(gpu: Gpu, arena: Path) -> subprocess.Popen[str]:
-    script = gpu.cluster.top / "holder.py"
-    script.write_text(HOLDER)
-    return subprocess.Popen([sys.executable, str(script), str(arena), "/dev/null"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-
-
-def held_quietly(gpu: Gpu, logs: list[Path]) -> None:
+def held_quietly(gpu: Gpu, spawn: Spawn, logs: list[Path]) -> None:
     """The test's own member takes the GPU's token for half a second: neither job
     launches anything meanwhile."""
-    holder = hold_token(gpu, gpu.cluster.arenas / "gpu0")
-    try:
-        assert holder.stdout is not None and holder.stdin is not None
-        got = int(holder.stdout.readline().split()[1])
-        time.sleep(0.5)  # the quiet stretch watched: no condition ends it sooner
-        holder.stdin.close()
-        left = int(holder.stdout.readline().split()[1])
-    finally:
-        holder.wait(10)
+    script = gpu.cluster.top / "holder.py"
+    script.write_text(HOLDER)
+    arena = gpu.cluster.arenas / "gpu0"
+    holder = spawn([sys.executable, str(script), str(arena), "/dev/null"], stdin=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdin is not None
+    got = int(holder.stdout.readline().split()[1])
+    time.sleep(0.5)  # the quiet stretch watched: no condition ends it sooner
+    holder.stdin.close()
+    left = int(holder.stdout.readline().split()[1])
+    assert holder.wait(10) == 0
     for log in logs:
         during = [s for s, _ in launches(log) if got <= s <= left]
         assert during == [], f"{log.name}: {len(during)} launches while the test held the GPU"
@@ -122,13 +116,13 @@ def switches(logs: list[Path]) -> tuple[int, int]:
     return changes, len(merged)
 
 
-def test_two_users_jobs_on_one_gpu_take_turns(gpu: Gpu) -> None:
+def test_two_users_jobs_on_one_gpu_take_turns(gpu: Gpu, spawn: Spawn) -> None:
     alice, bob = gpu.cluster.users
     program = gpu.fakes.program
     jobs = [gpu.job(user, f"#!/bin/sh\nexec {program} 4\n") for user in (alice, bob)]
     logs = [log for _, log in jobs]
     wait_until(lambda: all(len(launches(log)) > 0 for log in logs), timeout=60, step=0.1)
-    held_quietly(gpu, logs)
+    held_quietly(gpu, spawn, logs)
     for job, _ in jobs:
         assert gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
     changes, total = switches(logs)

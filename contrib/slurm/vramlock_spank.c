@@ -44,13 +44,19 @@ static int take_option(int val, const char *optarg, int remote)
 	return 0;
 }
 
-struct spank_option spank_options[] = {
-	{"vramlock", "on|off",
-	 "off: this job's GPU work does not take turns with other jobs through "
-	 "vramlock (default on)",
-	 1, 0, take_option},
-	SPANK_OPTIONS_TABLE_END,
+static struct spank_option option = {
+	"vramlock", "on|off",
+	"off: this job's GPU work does not take turns with other jobs through vramlock "
+	"(default on)",
+	1, 0, take_option,
 };
+
+int slurm_spank_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	return spank_option_register(sp, &option) == ESPANK_SUCCESS ? 0 : -1;
+}
 
 /* The value of "NAME=value" among the plugin's arguments, or NULL. */
 static const char *argument(int ac, char **av, const char *name)
