@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from helpers.processes import Spawn, wait_until
 from helpers.slurm import Cluster, missing, running
 from helpers.swap_rig import HOLDER, Fakes, build_fakes
@@ -120,7 +122,7 @@ def held_quietly(gpu: Gpu, spawn: Spawn, logs: list[Path]) -> None:
 def switches(logs: list[Path]) -> tuple[int, int]:
     """(how often the GPU changed jobs, launches), in the order the launches began."""
     merged = sorted((s, i) for i, log in enumerate(logs) for s, _ in launches(log))
-    changes = sum(1 for a, b in zip(merged, merged[1:], strict=False) if a[1] != b[1])
+    changes = sum(1 for a, b in itertools.pairwise(merged) if a[1] != b[1])
     return changes, len(merged)
 
 
@@ -133,6 +135,7 @@ def test_two_users_jobs_on_one_gpu_take_turns(gpu: Gpu, spawn: Spawn) -> None:
     held_quietly(gpu, spawn, logs)
     for job, _ in jobs:
         assert gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
+        assert "run --arena" not in gpu.cluster.cmd("squeue", "-h", "-j", job, "-o", "%o").stdout
     # Turns, not launches interleaved: the GPU changed jobs seldom (a third job, the one
     # over its time limit, takes turns too).
     changes, total = switches(logs)
@@ -209,3 +212,28 @@ def test_a_job_over_its_time_limit_leaves_nothing_behind(gpu: Gpu) -> None:
     assert gpu.cluster.wait_state(job, "TIMEOUT", "COMPLETED", "FAILED", timeout=110) == "TIMEOUT"
     nothing_left(gpu, job)
     assert token_free(gpu.cluster.arenas / "gpu0")  # the last job of the GPU
+
+
+def test_the_node_writes_who_held_the_gpu_and_who_waited_as_metrics(gpu: Gpu) -> None:
+    alice, bob = gpu.cluster.users
+    program = gpu.fakes.program
+    jobs = {gpu.job(user, f"#!/bin/sh\nexec {program} 2\n")[0]: user for user in (alice, bob)}
+    for job in jobs:
+        assert gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
+        wait_until(lambda: gpu.cluster.epilog_done(job), timeout=30, step=0.1)  # noqa: B023
+    text = (gpu.cluster.textfiles / "vramlock.prom").read_text()
+    held: dict[str, float] = {}
+    waits: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if labels.get("job") not in jobs:
+                continue
+            assert labels["user"] == jobs[labels["job"]] and labels["gpu"] == "0", labels
+            assert labels["uuid"].startswith("GPU-"), labels  # the fake NVML's GPU 0
+            if sample.name == "vramlock_job_resident_seconds_total":
+                held[labels["job"]] = sample.value
+            elif sample.name == "vramlock_job_waits_total":
+                waits[labels["job"]] = sample.value
+    assert set(held) == set(jobs) and all(v > 0 for v in held.values()), text
+    assert sum(waits.values()) >= 1, text  # one of them waited for the other at least once

@@ -15,18 +15,19 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import portalocker
 import pytest
+
 from helpers import ROOT
 from helpers.net import free_ports
 from helpers.processes import wait_until
 
 CONTRIB = ROOT / "contrib" / "slurm"
+NVML = ROOT / "tests" / "fake_nvml"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
 
@@ -157,9 +158,10 @@ def _python() -> tuple[str, str] | None:
     path = f"{ROOT}{os.pathsep}{site}"
     for exe in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3"):
         # runuser, not setpriv: a process setpriv made may still reach root's files here.
-        done = subprocess.run([shutil.which("runuser") or "runuser", "-u", "nobody", "--", exe, "-c",
-                               "import vramlock, portalocker"], cwd="/",
-                              env={"PYTHONPATH": path, "PATH": os.defpath}, capture_output=True)  # fmt: skip
+        runuser = shutil.which("runuser") or "runuser"
+        done = subprocess.run([runuser, "-u", "nobody", "--", exe, "-c",
+                               "import vramlock, portalocker"], cwd="/", capture_output=True,
+                              env={"PYTHONPATH": path, "PATH": os.defpath})  # fmt: skip
         if exe and done.returncode == 0:
             return exe, path
     return None
@@ -172,7 +174,7 @@ def _install(top: Path, group: str) -> dict[str, str]:
         pytest.skip("no Python interpreter that another user may run")
     exe, path = found
     py = top / "python"
-    _wrapper(py, f'PYTHONPATH={path} exec {exe} "$@"\n')
+    _wrapper(py, f'PYTHONPATH=${{PYTHONPATH:+$PYTHONPATH:}}{path} exec {exe} "$@"\n')
     _wrapper(top / "vramlock", f'exec {py} -m vramlock "$@"\n')
     shutil.copy(CONTRIB / "slurm-task", top / "slurm-task")
     subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
@@ -183,8 +185,9 @@ def _install(top: Path, group: str) -> dict[str, str]:
                     f"TEXTFILES={top}/textfiles\n")  # fmt: skip
     for script in ("prolog", "epilog"):
         note = f'echo "$SLURM_JOB_ID" >> {top}/epilogs\n' if script == "epilog" else ""
+        # The metrics see the fake NVML's GPU (its UUID), the jobs none.
         _wrapper(top / script, f"""\
-            VRAMLOCK_SLURM_CONF={conf} {CONTRIB / script}
+            PYTHONPATH={NVML} VRAMLOCK_SLURM_CONF={conf} {CONTRIB / script}
             status=$?
             {note}exit $status
             """)  # fmt: skip
