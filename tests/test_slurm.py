@@ -32,10 +32,7 @@ from helpers.swap_rig import HOLDER, Fakes, build_fakes
 from vramlock import procfs
 from vramlock.gpu import swap
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(missing() is not None, reason=missing() or ""),
-]
+pytestmark = pytest.mark.timeout(120)
 
 
 @dataclass
@@ -62,6 +59,9 @@ class Gpu:
 
 @pytest.fixture(scope="module")
 def gpu() -> Iterator[Gpu]:
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
     with running() as cluster:
         fakes_dir = cluster.top / "fakes"
         fakes_dir.mkdir(mode=0o755)
@@ -237,3 +237,34 @@ def test_the_node_writes_who_held_the_gpu_and_who_waited_as_metrics(gpu: Gpu) ->
                 waits[labels["job"]] = sample.value
     assert set(held) == set(jobs) and all(v > 0 for v in held.values()), text
     assert sum(waits.values()) >= 1, text  # one of them waited for the other at least once
+
+
+def node_side(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vramlock.slurm", *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def test_the_epilog_ends_the_job_s_processes_and_no_others(spawn: Spawn, tmp_path: Path) -> None:
+    def sleeper(job: str) -> subprocess.Popen[str]:
+        return spawn(["sleep", "60"], env={**os.environ, "SLURM_JOB_ID": job})
+
+    ours, theirs = sleeper("9001"), sleeper("9002")
+    done = node_side("epilog", "9001", str(os.getuid()), str(tmp_path))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert ours.wait(10) == -9
+    assert theirs.poll() is None
+
+
+def test_the_node_side_says_how_it_is_called() -> None:
+    done = node_side("epilogue", "1")
+    assert done.returncode == 2
+    assert done.stderr == (
+        "usage: python -m vramlock.slurm epilog JOB UID ARENAS | metrics ARENAS FILE\n"
+    )
+
+
+def test_metrics_that_cannot_be_written_say_why(tmp_path: Path) -> None:
+    target = tmp_path / "absent" / "vramlock.prom"
+    done = node_side("metrics", str(tmp_path), str(target))
+    assert done.returncode == 1
+    assert done.stderr == f"vramlock: {target}: No such file or directory\n"
