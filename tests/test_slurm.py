@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.processes import Spawn, queued, wait_until
+from helpers.slurm import CONTRIB, Cluster, missing, running
+from helpers.swap_rig import HOLDER, Fakes, build_fakes, let_go, read_line
 from prometheus_client.parser import text_string_to_metric_families
-from helpers.processes import Spawn, wait_until
-from helpers.slurm import Cluster, missing, running
-from helpers.swap_rig import HOLDER, Fakes, build_fakes
 
 from vramlock import procfs
 from vramlock.gpu import swap
@@ -268,3 +268,44 @@ def test_metrics_that_cannot_be_written_say_why(tmp_path: Path) -> None:
     done = node_side("metrics", str(tmp_path), str(target))
     assert done.returncode == 1
     assert done.stderr == f"vramlock: {target}: No such file or directory\n"
+
+
+def launcher(tmp_path: Path, gpus: str, *command: str) -> list[str]:
+    """contrib/slurm/slurm-task as the plugin starts it, for a job of ``gpus``: its
+    command line, and the arenas (``tmp_path/vramlock/gpu<N>``, made) in its environment."""
+    arenas = tmp_path / "vramlock"
+    arenas.mkdir(mode=0o755)
+    for gpu in gpus.split(","):
+        arena = arenas / f"gpu{gpu}"
+        arena.mkdir(mode=0o700)
+        done = subprocess.run([sys.executable, "-m", "vramlock", "arena", "--arena", str(arena)],
+                              capture_output=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    first = gpus.split(",")[0]
+    env = (f"VRAMLOCK_SLURM_PROGRAM={command[0]}", f"VRAMLOCK_SLURM_ARENA={arenas}/gpu{first}",
+           f"VRAMLOCK_SLURM_GPUS={gpus}", f"VRAMLOCK_SLURM_RUN={sys.executable} -m vramlock",
+           "SLURM_JOB_ID=7")  # fmt: skip
+    return ["env", *env, str(CONTRIB / "slurm-task"), *command[1:]]
+
+
+def test_a_job_of_several_gpus_waits_for_every_one_s_token(spawn: Spawn, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    command = launcher(tmp_path, "0,1", "/bin/sh", "-c", f"echo $XDG_RUNTIME_DIR > {started}")
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn([sys.executable, str(script), str(tmp_path / "vramlock" / "gpu1"), "/dev/null"],
+                   stdin=subprocess.PIPE)  # fmt: skip
+    assert read_line(holder)[:1] == ["held"]
+    job = spawn(command)
+    wait_until(lambda: queued(job.pid), timeout=30)  # for GPU 1's token, the test's
+    assert not started.exists()
+    let_go(holder)
+    assert job.wait(30) == 0
+    assert started.read_text() == f"{tmp_path}\n"  # the job's XDG_RUNTIME_DIR then
+
+
+def test_the_launcher_is_for_the_plugin_only(tmp_path: Path) -> None:
+    done = subprocess.run([str(CONTRIB / "slurm-task"), "true"], capture_output=True, text=True,
+                          timeout=60, env={"PATH": os.defpath})  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr == "vramlock: slurm-task is started by the vramlock SPANK plugin only\n"

@@ -10,7 +10,7 @@
  *
  * plugstack.conf:
  *   required /usr/local/lib/vramlock/vramlock_spank.so launcher=/usr/local/lib/vramlock/slurm-task
- *       arenas=/run/vramlock/slurm vramlock=/usr/local/bin/vramlock
+ *       arenas=/run/vramlock-slurm/vramlock vramlock=/usr/local/bin/vramlock
  *
  * A job opts out with `--vramlock=off` (sbatch, srun, salloc): its tasks then say so on
  * their stderr, once each, and run as they would without the plugin.
@@ -73,17 +73,15 @@ static int job_env(spank_t sp, const char *name, char *buf, int size)
 	return spank_getenv(sp, name, buf, size) == ESPANK_SUCCESS && buf[0];
 }
 
-/* The arena of the job's first GPU: ARENAS/gpuN, N Slurm's index of it on the node. */
-static int arena_of(spank_t sp, const char *arenas, char *out, size_t size)
+/* The job's GPUs, Slurm's indexes of them on the node ("0", "0,1"): 1, or 0 for none. */
+static int gpus_of(spank_t sp, char *gpus, int size)
 {
-	char gpus[256];
-	if (!job_env(sp, "SLURM_JOB_GPUS", gpus, sizeof gpus))
+	if (!job_env(sp, "SLURM_JOB_GPUS", gpus, size))
 		return 0;
-	gpus[strcspn(gpus, ",")] = '\0';
 	for (const char *c = gpus; *c; c++)
-		if (*c < '0' || *c > '9')
+		if ((*c < '0' || *c > '9') && *c != ',')
 			return 0;
-	return snprintf(out, size, "%s/gpu%s", arenas, gpus) < (int)size;
+	return 1;
 }
 
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
@@ -91,7 +89,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	const char *launcher = argument(ac, av, "launcher");
 	const char *arenas = argument(ac, av, "arenas");
 	const char *vramlock = argument(ac, av, "vramlock");
-	char arena[4096], job[64], member[64];
+	char gpus[256], arena[4096], job[64], member[64];
 	int argc = 0;
 	char **argv = NULL;
 
@@ -101,8 +99,11 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		slurm_error("vramlock: plugstack.conf must give launcher=, arenas= and vramlock=");
 		return -1;
 	}
-	if (!arena_of(sp, arenas, arena, sizeof arena))
+	if (!gpus_of(sp, gpus, sizeof gpus))
 		return 0; /* no GPU: nothing to share */
+	if (snprintf(arena, sizeof arena, "%s/gpu%.*s", arenas, (int)strcspn(gpus, ","),
+		     gpus) >= (int)sizeof arena)
+		return -1;
 	if (!job_env(sp, "SLURM_JOB_ID", job, sizeof job))
 		return 0;
 	/* A step started inside a job whose batch step is a member already (srun in a
@@ -119,6 +120,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		return 0;
 	if (spank_setenv(sp, "VRAMLOCK_SLURM_PROGRAM", argv[0], 1) != ESPANK_SUCCESS ||
 	    spank_setenv(sp, "VRAMLOCK_SLURM_ARENA", arena, 1) != ESPANK_SUCCESS ||
+	    spank_setenv(sp, "VRAMLOCK_SLURM_GPUS", gpus, 1) != ESPANK_SUCCESS ||
 	    spank_setenv(sp, "VRAMLOCK_SLURM_RUN", vramlock, 1) != ESPANK_SUCCESS ||
 	    spank_setenv(sp, "VRAMLOCK_SLURM_JOB", job, 1) != ESPANK_SUCCESS) {
 		slurm_error("vramlock: cannot set the task's environment");

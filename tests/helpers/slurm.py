@@ -181,7 +181,7 @@ def _install(top: Path, group: str) -> dict[str, str]:
                     "-o", str(top / "vramlock_spank.so"), str(CONTRIB / "vramlock_spank.c")],
                    check=True, timeout=120)  # fmt: skip
     conf = top / "vramlock.conf"
-    conf.write_text(f"PYTHON={py}\nARENAS={top}/arenas\nGROUP={group}\n"
+    conf.write_text(f"PYTHON={py}\nARENAS={top}/run/vramlock\nGROUP={group}\n"
                     f"TEXTFILES={top}/textfiles\n")  # fmt: skip
     for script in ("prolog", "epilog"):
         note = f'echo "$SLURM_JOB_ID" >> {top}/epilogs\n' if script == "epilog" else ""
@@ -192,7 +192,7 @@ def _install(top: Path, group: str) -> dict[str, str]:
             {note}exit $status
             """)  # fmt: skip
     (top / "plugstack.conf").write_text(
-        f"required {top}/vramlock_spank.so launcher={top}/slurm-task arenas={top}/arenas"
+        f"required {top}/vramlock_spank.so launcher={top}/slurm-task arenas={top}/run/vramlock"
         f" vramlock={top}/vramlock\n"
     )
     os.mknod(top / "nvidia0", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a GPU's stand-in
@@ -266,7 +266,9 @@ def running() -> Iterator[Cluster]:
     top = Path(tempfile.mkdtemp(prefix="vramlock-slurm-", dir="/tmp"))
     top.chmod(0o755)
     env = _install(top, group)
-    cluster = Cluster(top, env, top / "arenas", top / "textfiles", group)
+    # The arenas' directory ends in /vramlock: a job of several GPUs finds them as the
+    # default arenas of their parent (contrib/slurm/slurm-task).
+    cluster = Cluster(top, env, top / "run" / "vramlock", top / "textfiles", group)
     try:
         for who in ("a", "b"):
             cluster.users.append(f"vls{who}{tag}")
