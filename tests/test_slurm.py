@@ -152,11 +152,12 @@ def test_a_job_that_opts_out_says_so(gpu: Gpu) -> None:
 
 def test_a_step_inside_a_member_batch_job_runs_on_its_turn(gpu: Gpu) -> None:
     # A second member, the step's, would wait for the token its own batch step holds.
-    script = "#!/bin/sh\nsrun sh -c 'echo step $SLURM_STEP_ID'\necho end\n"
+    script = f"#!/bin/sh\nsrun {gpu.fakes.program} 1\necho end $?\n"
     job, log = gpu.job(gpu.cluster.users[0], script)
     assert gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
     out = log.with_suffix(".out").read_text()
-    assert out.splitlines()[-2:] == ["step 0", "end"], out
+    assert out.splitlines()[-1:] == ["end 0"], out
+    assert launches(log), out
 
 
 def left_of(job: str) -> list[int]:

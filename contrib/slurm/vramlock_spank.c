@@ -15,6 +15,9 @@
  * A job opts out with `--vramlock=off` (sbatch, srun, salloc): its tasks then say so on
  * their stderr, once each, and run as they would without the plugin.
  *
+ * A step that srun starts inside a job whose batch step is a member runs on that
+ * member's turn, not as a member of its own (it would wait for its own job's token).
+ *
  * Build: cc -std=c11 -O2 -Wall -Wextra -fPIC -shared -o vramlock_spank.so vramlock_spank.c
  * (the headers are Debian's libslurm-dev).
  */
@@ -84,6 +87,35 @@ static int gpus_of(spank_t sp, char *gpus, int size)
 	return 1;
 }
 
+/*
+ * A step inside a member's job got the member's environment from srun: the swap
+ * library in LD_PRELOAD and the member's socket and descriptors, which are not the
+ * step's (its processes are none of the member's, whose hub turns them away, and the
+ * library would then block their GPU calls). It runs without them, on the member's turn.
+ */
+static int inside_member(spank_t sp)
+{
+	static const char *const member[] = {"VRAMLOCK_SWAP_SOCKET", "VRAMLOCK_CONTROL_FD",
+					     "VRAMLOCK_TOKEN_FD"};
+	char preload[8192], kept[8192] = "";
+	size_t used = 0;
+
+	for (size_t i = 0; i < sizeof member / sizeof member[0]; i++)
+		spank_unsetenv(sp, member[i]);
+	if (!job_env(sp, "LD_PRELOAD", preload, sizeof preload))
+		return 0;
+	for (char *save = NULL, *lib = strtok_r(preload, " :", &save); lib;
+	     lib = strtok_r(NULL, " :", &save)) {
+		const char *base = strrchr(lib, '/') ? strrchr(lib, '/') + 1 : lib;
+		if (strncmp(base, "libvramlock-swap", strlen("libvramlock-swap")) == 0)
+			continue;
+		used += snprintf(kept + used, sizeof kept - used, "%s%s", used ? ":" : "", lib);
+	}
+	if (!used)
+		return spank_unsetenv(sp, "LD_PRELOAD") == ESPANK_SUCCESS ? 0 : -1;
+	return spank_setenv(sp, "LD_PRELOAD", kept, 1) == ESPANK_SUCCESS ? 0 : -1;
+}
+
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
 {
 	const char *launcher = argument(ac, av, "launcher");
@@ -109,7 +141,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	/* A step started inside a job whose batch step is a member already (srun in a
 	 * batch script): that member holds the GPU for it; a second one would wait for it. */
 	if (job_env(sp, "VRAMLOCK_SLURM_JOB", member, sizeof member) && strcmp(member, job) == 0)
-		return 0;
+		return inside_member(sp);
 	if (opted_out) {
 		fprintf(stderr, "vramlock: job %s opted out (--vramlock=off): its GPU work does "
 			"not take turns with other jobs on %s\n", job, arena);
