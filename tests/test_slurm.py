@@ -160,6 +160,20 @@ def test_a_step_inside_a_member_batch_job_runs_on_its_turn(gpu: Gpu) -> None:
     assert launches(log), out
 
 
+def test_a_batch_job_cannot_pass_itself_off_as_inside_a_member(gpu: Gpu) -> None:
+    # The environment a step inside a member's job has, given to a batch job by its user.
+    cluster = gpu.cluster
+    held = cluster.sbatch(cluster.users[0], "#!/bin/sh\ntrue\n", "--hold", env={})
+    assert cluster.cmd("scancel", held).returncode == 0
+    guess = str(int(held) + 1)
+    script = "#!/bin/sh\necho ${VRAMLOCK_TOKEN_FD:+member}\n"  # vramlock run sets it
+    job, log = gpu.job(cluster.users[0], script, f"--export=ALL,VRAMLOCK_SLURM_JOB={guess}")
+    assert job == guess
+    assert cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
+    out = log.with_suffix(".out").read_text()
+    assert out.splitlines()[-1:] == ["member"], out
+
+
 def left_of(job: str) -> list[int]:
     """The processes that have ``job``'s id in their environment."""
     return [p for p in procfs.all_pids() if procfs.environ(p).get("SLURM_JOB_ID") == job]

@@ -22,10 +22,12 @@
  * (the headers are Debian's libslurm-dev).
  */
 #define _GNU_SOURCE
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <slurm/slurm.h>
 #include <slurm/spank.h>
 
 SPANK_PLUGIN(vramlock, 1);
@@ -124,6 +126,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	char gpus[256], arena[4096], job[64], member[64];
 	int argc = 0;
 	char **argv = NULL;
+	uint32_t step = 0;
 
 	if (!spank_remote(sp))
 		return 0;
@@ -139,8 +142,11 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	if (!job_env(sp, "SLURM_JOB_ID", job, sizeof job))
 		return 0;
 	/* A step started inside a job whose batch step is a member already (srun in a
-	 * batch script): that member holds the GPU for it; a second one would wait for it. */
-	if (job_env(sp, "VRAMLOCK_SLURM_JOB", member, sizeof member) && strcmp(member, job) == 0)
+	 * batch script): that member holds the GPU for it; a second one would wait for it.
+	 * The batch step itself is inside none, whatever its environment says. */
+	if (spank_get_item(sp, S_JOB_STEPID, &step) == ESPANK_SUCCESS &&
+	    step != SLURM_BATCH_SCRIPT &&
+	    job_env(sp, "VRAMLOCK_SLURM_JOB", member, sizeof member) && strcmp(member, job) == 0)
 		return inside_member(sp);
 	if (opted_out) {
 		fprintf(stderr, "vramlock: job %s opted out (--vramlock=off): its GPU work does "
