@@ -92,8 +92,8 @@ static int gpus_of(spank_t sp, char *gpus, int size)
 /*
  * A step inside a member's job got the member's environment from srun: the swap
  * library in LD_PRELOAD and the member's socket and descriptors, which are not the
- * step's (its processes are none of the member's, whose hub turns them away, and the
- * library would then block their GPU calls). It runs without them, on the member's turn.
+ * step's (its processes are none of the member's, whose hub turns them away). It runs
+ * without them, on the member's turn.
  */
 static int inside_member(spank_t sp)
 {
