@@ -81,9 +81,10 @@ def gpu() -> Iterator[Gpu]:
         logs.chmod(0o1777)
         env = {"LD_LIBRARY_PATH": str(fakes.directory), "XDG_CACHE_HOME": str(cache)}
         made = Gpu(cluster, fakes, env, logs)
-        # A process that leaves the job's tree (setsid: Slurm's linuxproc loses it), and
-        # a member that takes turns with the other tests' jobs until the limit ends it.
-        script = f"#!/bin/sh\nsetsid sleep 1000 &\nexec {fakes.program} 1000\n"
+        # A process that leaves the job's tree and ignores SIGTERM, and a member that
+        # takes turns with the other tests' jobs until the limit ends it.
+        stray = "(setsid sh -c 'trap \"\" TERM; exec sleep 1000' &)"
+        script = f"#!/bin/sh\n{stray}\nexec {fakes.program} 1000\n"
         made.overtime, _ = made.job(cluster.users[1], script, "--time=1")
         yield made
 
