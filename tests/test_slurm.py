@@ -161,6 +161,16 @@ def test_a_step_inside_a_member_batch_job_runs_on_its_turn(gpu: Gpu) -> None:
     assert launches(log), out
 
 
+def test_a_step_of_its_own_is_a_member(gpu: Gpu) -> None:
+    # srun outside any batch job: an allocation of its own, one step, a member.
+    member = "echo ${VRAMLOCK_TOKEN_FD:+member} $VRAMLOCK_ARENA"  # as vramlock run sets them
+    cluster = gpu.cluster
+    done = cluster.cmd("srun", "--gres=shard:1", "sh", "-c", member, user=cluster.users[1],
+                       env={**cluster.env, **gpu.env})  # fmt: skip
+    arena = cluster.arenas / "gpu0"
+    assert (done.returncode, done.stdout) == (0, f"member {arena}\n"), done.stderr
+
+
 def test_a_batch_job_cannot_pass_itself_off_as_inside_a_member(gpu: Gpu) -> None:
     # The environment a step inside a member's job has, given to a batch job by its user.
     cluster = gpu.cluster

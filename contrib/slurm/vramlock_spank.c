@@ -78,10 +78,12 @@ static int job_env(spank_t sp, const char *name, char *buf, int size)
 	return spank_getenv(sp, name, buf, size) == ESPANK_SUCCESS && buf[0];
 }
 
-/* The job's GPUs, Slurm's indexes of them on the node ("0", "0,1"): 1, or 0 for none. */
-static int gpus_of(spank_t sp, char *gpus, int size)
+/* The task's GPUs, Slurm's indexes of them on the node ("0", "0,1"): 1, or 0 for none.
+ * Slurm sets them for a batch step in SLURM_JOB_GPUS, for any other in SLURM_STEP_GPUS. */
+static int gpus_of(spank_t sp, uint32_t step, char *gpus, int size)
 {
-	if (!job_env(sp, "SLURM_JOB_GPUS", gpus, size))
+	const char *name = step == SLURM_BATCH_SCRIPT ? "SLURM_JOB_GPUS" : "SLURM_STEP_GPUS";
+	if (!job_env(sp, name, gpus, size))
 		return 0;
 	for (const char *c = gpus; *c; c++)
 		if ((*c < '0' || *c > '9') && *c != ',')
@@ -134,7 +136,11 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		slurm_error("vramlock: plugstack.conf must give launcher=, arenas= and vramlock=");
 		return -1;
 	}
-	if (!gpus_of(sp, gpus, sizeof gpus))
+	if (spank_get_item(sp, S_JOB_STEPID, &step) != ESPANK_SUCCESS) {
+		slurm_error("vramlock: no step id");
+		return -1;
+	}
+	if (!gpus_of(sp, step, gpus, sizeof gpus))
 		return 0; /* no GPU: nothing to share */
 	if (snprintf(arena, sizeof arena, "%s/gpu%.*s", arenas, (int)strcspn(gpus, ","),
 		     gpus) >= (int)sizeof arena)
@@ -144,8 +150,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	/* A step started inside a job whose batch step is a member already (srun in a
 	 * batch script): that member holds the GPU for it; a second one would wait for it.
 	 * The batch step itself is inside none, whatever its environment says. */
-	if (spank_get_item(sp, S_JOB_STEPID, &step) == ESPANK_SUCCESS &&
-	    step != SLURM_BATCH_SCRIPT &&
+	if (step != SLURM_BATCH_SCRIPT &&
 	    job_env(sp, "VRAMLOCK_SLURM_JOB", member, sizeof member) && strcmp(member, job) == 0)
 		return inside_member(sp);
 	if (opted_out) {
