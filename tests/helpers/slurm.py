@@ -262,14 +262,14 @@ def running() -> Iterator[Cluster]:
     a directory of /tmp that they may enter."""
     tag = os.urandom(3).hex()
     group = f"vlgpu{tag}"
-    subprocess.run(["groupadd", group], check=True)
     top = Path(tempfile.mkdtemp(prefix="vramlock-slurm-", dir="/tmp"))
     top.chmod(0o755)
-    env = _install(top, group)
     # The arenas' directory ends in /vramlock: a job of several GPUs finds them as the
     # default arenas of their parent (contrib/slurm/slurm-task).
-    cluster = Cluster(top, env, top / "run" / "vramlock", top / "textfiles", group)
+    cluster = Cluster(top, {}, top / "run" / "vramlock", top / "textfiles", group)
+    subprocess.run(["groupadd", group], check=True)
     try:
+        cluster.env = _install(top, group)  # may skip: the group goes all the same
         for who in ("a", "b"):
             cluster.users.append(f"vls{who}{tag}")
             _add_user(cluster.users[-1], group)
@@ -277,7 +277,8 @@ def running() -> Iterator[Cluster]:
         yield cluster
     finally:
         with contextlib.suppress(Exception):
-            for job in cluster.cmd("squeue", "-h", "-o", "%i").stdout.split():
+            queue = cluster.cmd("squeue", "-h", "-o", "%i") if cluster.daemons else None
+            for job in queue.stdout.split() if queue else []:
                 cluster.cmd("scancel", job)
         _stop(cluster)
         for user in cluster.users:
