@@ -128,7 +128,7 @@ def switches(logs: list[Path]) -> tuple[int, int]:
 
 
 def test_two_users_jobs_on_one_gpu_take_turns(gpu: Gpu, spawn: Spawn) -> None:
-    alice, bob = gpu.cluster.users
+    alice, bob, _ = gpu.cluster.users
     program = gpu.fakes.program
     jobs = [gpu.job(user, f"#!/bin/sh\nexec {program} 4\n") for user in (alice, bob)]
     logs = [log for _, log in jobs]
@@ -169,6 +169,18 @@ def test_a_step_of_its_own_is_a_member(gpu: Gpu) -> None:
                        env={**cluster.env, **gpu.env})  # fmt: skip
     arena = cluster.arenas / "gpu0"
     assert (done.returncode, done.stdout) == (0, f"member {arena}\n"), done.stderr
+
+
+def test_a_user_outside_the_gpus_group_is_told_why_the_job_cannot_start(gpu: Gpu) -> None:
+    cluster = gpu.cluster
+    job, log = gpu.job(cluster.users[2], "#!/bin/sh\necho ran\n")
+    assert cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "FAILED"
+    assert log.with_suffix(".out").read_text() == (
+        f"vramlock: job {job}: {cluster.users[2]} is not in group {cluster.group},"
+        " whose jobs take turns on GPU 0\n"
+    )
+    done = cluster.cmd("scontrol", "show", "job", job, "-o")
+    assert "ExitCode=125:0" in done.stdout.split(), done.stdout
 
 
 def test_a_batch_job_cannot_pass_itself_off_as_inside_a_member(gpu: Gpu) -> None:
@@ -222,7 +234,7 @@ def nothing_left(gpu: Gpu, job: str) -> None:
 
 
 def test_a_job_cancelled_mid_turn_costs_the_other_nothing(gpu: Gpu) -> None:
-    alice, bob = gpu.cluster.users
+    alice, bob, _ = gpu.cluster.users
     program = gpu.fakes.program
     (victim, victim_log), (other, other_log) = [
         gpu.job(user, f"#!/bin/sh\nexec {program} {seconds}\n")
@@ -250,7 +262,7 @@ def test_a_job_over_its_time_limit_leaves_nothing_behind(gpu: Gpu) -> None:
 
 
 def test_the_node_writes_who_held_the_gpu_and_who_waited_as_metrics(gpu: Gpu) -> None:
-    alice, bob = gpu.cluster.users
+    alice, bob, _ = gpu.cluster.users
     program = gpu.fakes.program
     jobs = {gpu.job(user, f"#!/bin/sh\nexec {program} 2\n")[0]: user for user in (alice, bob)}
     for job in jobs:

@@ -252,14 +252,15 @@ def _stop(cluster: Cluster) -> None:
             proc.wait(10)
 
 
-def _add_user(name: str, group: str) -> None:
-    subprocess.run(["useradd", "-M", "-N", "-s", "/bin/sh", "-G", group, name], check=True)
+def _add_user(name: str, group: str | None) -> None:
+    extra = ["-G", group] if group else []
+    subprocess.run(["useradd", "-M", "-N", "-s", "/bin/sh", *extra, name], check=True)
 
 
 @contextlib.contextmanager
 def running() -> Iterator[Cluster]:
-    """A Slurm of one node with users ``users[0]`` and ``users[1]`` of the GPUs' group, in
-    a directory of /tmp that they may enter."""
+    """A Slurm of one node with users ``users[0]`` and ``users[1]`` of the GPUs' group and
+    ``users[2]`` outside it, in a directory of /tmp that they may enter."""
     tag = os.urandom(3).hex()
     group = f"vlgpu{tag}"
     top = Path(tempfile.mkdtemp(prefix="vramlock-slurm-", dir="/tmp"))
@@ -270,9 +271,9 @@ def running() -> Iterator[Cluster]:
     subprocess.run(["groupadd", group], check=True)
     try:
         cluster.env = _install(top, group)  # may skip: the group goes all the same
-        for who in ("a", "b"):
+        for who, member in (("a", True), ("b", True), ("m", False)):
             cluster.users.append(f"vls{who}{tag}")
-            _add_user(cluster.users[-1], group)
+            _add_user(cluster.users[-1], group if member else None)
         _start(cluster)
         yield cluster
     finally:
