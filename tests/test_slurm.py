@@ -197,6 +197,15 @@ def test_a_batch_job_cannot_pass_itself_off_as_inside_a_member(gpu: Gpu) -> None
     assert out.splitlines()[-1:] == ["member"], out
 
 
+def test_a_wrong_word_for_the_option_is_refused_at_submission(gpu: Gpu) -> None:
+    cluster = gpu.cluster
+    script = cluster.top / "refused.sh"
+    script.write_text("#!/bin/sh\ntrue\n")
+    done = cluster.cmd("sbatch", "--vramlock=maybe", str(script), user=cluster.users[0])
+    assert done.returncode == 255  # sbatch's status for a bad option, as for its own
+    assert done.stderr == "sbatch: error: Invalid --vramlock argument: maybe\n"
+
+
 def left_of(job: str) -> list[int]:
     """The processes that have ``job``'s id in their environment."""
     return [p for p in procfs.all_pids() if procfs.environ(p).get("SLURM_JOB_ID") == job]

@@ -42,10 +42,8 @@ static int take_option(int val, const char *optarg, int remote)
 		opted_out = 1;
 	else if (optarg && strcmp(optarg, "on") == 0)
 		opted_out = 0;
-	else {
-		slurm_error("--vramlock: %s: say on or off", optarg ? optarg : "");
-		return -1;
-	}
+	else
+		return -1; /* Slurm says "Invalid --vramlock argument: WORD", once */
 	return 0;
 }
 
