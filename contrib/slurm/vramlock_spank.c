@@ -76,7 +76,8 @@ static int job_env(spank_t sp, const char *name, char *buf, int size)
 	return spank_getenv(sp, name, buf, size) == ESPANK_SUCCESS && buf[0];
 }
 
-/* The task's GPUs, Slurm's indexes of them on the node ("0", "0,1"): 1, or 0 for none.
+/* The task's GPUs, Slurm's indexes of them on the node ("0", "0,1"): 1; 0 for none; -1
+ * (said) for a list not understood, rather than a task on a GPU outside its arena.
  * Slurm sets them for a batch step in SLURM_JOB_GPUS, for any other in SLURM_STEP_GPUS. */
 static int gpus_of(spank_t sp, uint32_t step, char *gpus, int size)
 {
@@ -84,8 +85,10 @@ static int gpus_of(spank_t sp, uint32_t step, char *gpus, int size)
 	if (!job_env(sp, name, gpus, size))
 		return 0;
 	for (const char *c = gpus; *c; c++)
-		if ((*c < '0' || *c > '9') && *c != ',')
-			return 0;
+		if ((*c < '0' || *c > '9') && *c != ',') {
+			slurm_error("vramlock: %s=%s: not a list of GPU indexes", name, gpus);
+			return -1;
+		}
 	return 1;
 }
 
@@ -111,6 +114,8 @@ static int inside_member(spank_t sp)
 		const char *base = strrchr(lib, '/') ? strrchr(lib, '/') + 1 : lib;
 		if (strncmp(base, "libvramlock-swap", strlen("libvramlock-swap")) == 0)
 			continue;
+		if (used >= sizeof kept)
+			break; /* cannot be: what is kept is shorter than what was read */
 		used += snprintf(kept + used, sizeof kept - used, "%s%s", used ? ":" : "", lib);
 	}
 	if (!used)
@@ -126,7 +131,8 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	char gpus[256], arena[4096], job[64], member[64];
 	int argc = 0;
 	char **argv = NULL;
-	uint32_t step = 0;
+	uint32_t step = 0, id = 0;
+	int found;
 
 	if (!spank_remote(sp))
 		return 0;
@@ -138,13 +144,17 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		slurm_error("vramlock: no step id");
 		return -1;
 	}
-	if (!gpus_of(sp, step, gpus, sizeof gpus))
-		return 0; /* no GPU: nothing to share */
+	found = gpus_of(sp, step, gpus, sizeof gpus);
+	if (found <= 0)
+		return found; /* 0: no GPU, nothing to share */
 	if (snprintf(arena, sizeof arena, "%s/gpu%.*s", arenas, (int)strcspn(gpus, ","),
 		     gpus) >= (int)sizeof arena)
 		return -1;
-	if (!job_env(sp, "SLURM_JOB_ID", job, sizeof job))
-		return 0;
+	if (spank_get_item(sp, S_JOB_ID, &id) != ESPANK_SUCCESS) {
+		slurm_error("vramlock: no job id");
+		return -1;
+	}
+	snprintf(job, sizeof job, "%u", (unsigned)id);
 	/* A step started inside a job whose batch step is a member already (srun in a
 	 * batch script): that member holds the GPU for it; a second one would wait for it.
 	 * The batch step itself is inside none, whatever its environment says. */
