@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import functools
 import os
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+from .. import procfs
 from ..arena.asking import asking
 from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
@@ -29,13 +31,11 @@ from ..arena.records import HOLDING, State
 from ..arena.roster import Row, snapshot
 from ..errors import InvalidTransition
 from ..net.address import parse
+from . import ending
 from .config import Config, Model
 from .logs import Logs, drain, read_pipe
 from .passing import briefly
 
-# How long ended wrappers get to hand their commands' GPU back and exit (each gives
-# its command 10 s, then kills it), before serve SIGKILLs what is left.
-STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1 << 20  # /proc/sys/fs/pipe-max-size's default
@@ -48,8 +48,9 @@ HEALTH_ASK_WITHIN = 2.0
 STOP_MARGIN = 2.0
 # How often an unload looks whether the model it asked to step aside has.
 ASK_POLL = 0.01
-# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
-_CANNOT_RELEASE = "auto:none"
+# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command,
+# or it was told to keep it (``release: none``): such a model is ended to unload it.
+_CANNOT_RELEASE = ("auto:none", "none")
 # When a wrapper exits unasked, serve says this many of its last lines of output (those
 # of its latest start), unless logToStdout shows its output already.
 EXIT_TAIL = 5
@@ -57,6 +58,8 @@ EXIT_TAIL = 5
 _EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
 _STATES = {s.value: s for s in State}
+# This serve, for ever (a pid and its start time): the first part of its models' markers.
+_SERVE = f"{os.getpid()}.{procfs.starttime(os.getpid())}"
 
 
 def follow(old: State, seen: State) -> list[State]:
@@ -108,6 +111,15 @@ def _listener() -> socket.socket:
     return sock
 
 
+@dataclasses.dataclass(frozen=True)
+class Unloaded:
+    """An unload's outcome: was the model resident and is it no longer; if it could not
+    be unloaded, why."""
+
+    released: bool
+    failure: str | None = None
+
+
 class Wrapper:
     """One model's ``vramlock run``: its listen port, its process, its requests."""
 
@@ -129,10 +141,11 @@ class Wrapper:
         self.in_flight = 0  # requests in its turn
         self.admitted = 0  # requests taken for it, waiting for its turn or in it
         self.ttl_timer: asyncio.TimerHandle | None = None
-        self.unloading: asyncio.Task[bool] | None = None
+        self.unloading: asyncio.Task[Unloaded] | None = None
         self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
         self.shown = State.RELEASED  # the member's state as last seen
         self.ending = False  # serve ended the wrapper (its exit is no news)
+        self.starts = 0  # how many times it was started: its marker's last part
 
     @property
     def where(self) -> list[str]:
@@ -169,6 +182,38 @@ class Wrapper:
         """unloadTimeout: the model's, else the top level's; None: none given."""
         return self.model.unload_timeout or self.config.unload_timeout
 
+    @property
+    def mark(self) -> str:
+        """The marker in the environment of every process of the model's latest start:
+        serve's pid and start time, the model, the start."""
+        return f"{_SERVE}/{self.model.name}/{self.starts}"
+
+    @property
+    def end_within(self) -> float:
+        """How long the model's processes get after SIGTERM: unloadTimeout, else 10 s."""
+        bound = self.unload_within
+        return ending.DEFAULT_GRACE if bound is None else bound
+
+    def target(self, grace: float | None = None) -> ending.Target:
+        """What ``ending.end`` ends of the model: its wrapper while it lives, and every
+        process with its marker; SIGKILL after ``grace`` (None: ``end_within``)."""
+        pid = self.proc.pid if self.proc is not None and self.alive() else None
+        grace = self.end_within if grace is None else grace
+        return ending.Target(self.model.name, pid, self.mark, grace)
+
+    async def end(self, grace: float | None = None) -> str | None:
+        """End the model as llama-swap does (SIGTERM, SIGKILL after ``grace``, None:
+        ``end_within``): None once every process of it is gone, else why not (said)."""
+        self.ending = True  # its exit is no news
+        target = self.target(grace)
+        why = (await briefly(lambda: ending.end([target])))[self.model.name]
+        if why is not None:
+            self.warn(f"model {self.model.name}: not ended: {why}")
+            return why
+        if self.proc is not None and self.proc.poll() is not None:
+            self.proc = None  # ended on purpose: nothing to say when it starts again
+        return None
+
     def info(self, message: str) -> None:
         """Say ``message`` about the model, at logLevel info (or debug)."""
         if self.config.log_level in ("debug", "info"):
@@ -181,6 +226,8 @@ class Wrapper:
         since = 0 if self.logs is None else self.logs.model(self.model.name).written
         env = dict(os.environ)
         env.update(self.model.env)
+        self.starts += 1
+        env[ending.MARKER] = self.mark  # every process of this start carries it
         # Output pipes (stdout's, stderr's), read by serve; their read ends are held by
         # the drainer too (``drain``), which reads them once serve is gone.
         pipes = [_output_pipe(), _output_pipe()] if self.logs is not None else []
@@ -347,7 +394,7 @@ class Wrapper:
         if not self.alive():
             return False
         row = self._row()
-        if row is None or row.state not in HOLDING or row.strategy != _CANNOT_RELEASE:
+        if row is None or row.state not in HOLDING or row.strategy not in _CANNOT_RELEASE:
             return False
         with contextlib.closing(self.arena()) as opened:
             return read_budget(opened) is None
@@ -355,9 +402,7 @@ class Wrapper:
     async def restart(self) -> None:
         """End the wrapper and its command, as llama-swap ends a model for another: it
         starts again on its next request."""
-        self.ending = True
-        await briefly(lambda: stop_all([self]))
-        self.proc = None  # ended on purpose: nothing to warn about when it starts again
+        await self.end()
 
     def state(self, rows: list[Row] | None = None) -> State:
         """The model's member state: its wrapper's, WAITING before the wrapper joined
@@ -377,43 +422,35 @@ class Wrapper:
         self.shown = seen
         return seen
 
-    async def unload_bounded(self) -> bool:
+    async def unload_bounded(self) -> Unloaded:
         """Release the model now, if it is resident, within its unloadTimeout, then stop
         it hard (end its command and wrapper: it starts again on its next request);
-        without one, within healthCheckTimeout. True if it held the token and gave it
-        up, or was stopped."""
+        without one, within healthCheckTimeout. A model that cannot release is ended at
+        once, as llama-swap ends one: SIGTERM, SIGKILL after unloadTimeout (10 s)."""
+        if not self.alive():
+            return Unloaded(False)
+        row = self._row()
+        if row is None or row.state not in HOLDING:
+            return Unloaded(False)
+        if row.strategy in _CANNOT_RELEASE and self.model.stop_command is None:
+            self.info(f"ending it (it cannot release; SIGKILL after {self.end_within:g} s)")
+            return Unloaded(True, await self.end())
         bound = self.unload_within
         if bound is None:
-            return await self.unload(self.config.health_timeout)
-        if not self.resident():
-            return False
+            return Unloaded(await self.unload(self.config.health_timeout))
         # cmdStop runs in the wrapper under the same bound: its outcome is waited for.
         margin = STOP_MARGIN if self.model.stop_command is not None else 0.0
         if await self.unload(bound + margin) or not self.resident():
-            return True
+            return Unloaded(True)
         if self.model.stop_command is not None:
             # Its GPU process is no child of ours: killing the wrapper and cmd would give
             # the token up while it may still run. It keeps the token; run says why.
-            self.warn(f"model {self.model.name}: cmdStop did not stop it within unloadTimeout,"
-                      f" {bound:g} s; it keeps the GPU")  # fmt: skip
-            return False
+            why = f"cmdStop did not stop it within unloadTimeout, {bound:g} s; it keeps the GPU"
+            self.warn(f"model {self.model.name}: {why}")
+            return Unloaded(False, why)
         self.warn(f"model {self.model.name}: not released within unloadTimeout, {bound:g} s;"
                   " stopping it")  # fmt: skip
-        await self.stop_hard()
-        return True
-
-    async def stop_hard(self) -> None:
-        """SIGKILL the model's command (its process group), then end its wrapper, which
-        ends whatever of the command is left before it exits."""
-        self.ending = True  # its exit, which may come before restart's, is no news
-        row = self._row()
-        child = None if row is None else row.child_pid
-        if child is not None:
-            with contextlib.suppress(OSError):
-                group = os.getpgid(child)
-                if group != os.getpgrp():
-                    os.killpg(group, signal.SIGKILL)
-        await self.restart()
+        return Unloaded(True, await self.end(0.0))
 
     def resident(self) -> bool:
         """Does the wrapper hold the token (or its units)?"""
@@ -510,18 +547,16 @@ def states(wrappers: Iterable[Wrapper]) -> dict[str, State]:
     return found
 
 
-def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:
-    """SIGTERM every wrapper and reap it; SIGKILL one that takes longer than ``within``
-    (its command keeps the token's lock until it exits: nothing runs without it)."""
+def stop_all(wrappers: list[Wrapper]) -> None:
+    """End every wrapper's model at once, as llama-swap ends one (SIGTERM to every
+    process of it, SIGKILL after its unloadTimeout), and reap the wrappers."""
     for w in wrappers:
-        w.terminate()
-    end = time.monotonic() + within
+        w.ending = True
+    targets = [w.target() for w in wrappers if w.proc is not None]
+    for name, why in ending.end(targets).items():
+        if why is not None:
+            wrappers[0].warn(f"model {name}: not ended: {why}")
     for w in wrappers:
-        if w.proc is None:
-            continue
-        try:
-            w.proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.warn(f"model {w.model.name}: wrapper did not end within {within:g} s; killing it")
-            w.proc.kill()
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.kill()  # its command is gone, or out of reach (said above)
             w.proc.wait()
