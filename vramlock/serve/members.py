@@ -146,6 +146,7 @@ class Wrapper:
         self.shown = State.RELEASED  # the member's state as last seen
         self.ending = False  # serve ended the wrapper (its exit is no news)
         self.starts = 0  # how many times it was started: its marker's last part
+        self.since = 0  # where its latest start's output begins in the model's log
 
     @property
     def where(self) -> list[str]:
@@ -224,6 +225,7 @@ class Wrapper:
         self.info("starting its wrapper")
         self.ending = False
         since = 0 if self.logs is None else self.logs.model(self.model.name).written
+        self.since = since
         env = dict(os.environ)
         env.update(self.model.env)
         self.starts += 1
@@ -269,21 +271,29 @@ class Wrapper:
             return
         meaning = _EXIT_MEANING.get(proc.returncode, "")
         said = f"model {self.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
-        logs = self.logs
-        if logs is None or logs.shows_output:
+        tail = self._last_lines(since)
+        if tail is None:
             self.warn(said)
             return
-        for fd, is_err in list(self.pipes.items()):  # what the pipes hold already
-            with contextlib.suppress(OSError):
-                while data := os.read(fd, 1 << 16):
-                    logs.output(self.model.name, data, is_err)
-        tail = logs.model(self.model.name).lines(EXIT_TAIL, since)
         if not tail:
             self.warn(f"{said}; it wrote nothing")
             return
         self.warn(f"{said}; the end of its output (all of it: /logs/stream/{self.model.name}):")
         for line in tail:
             self.warn(f"model {self.model.name}: | {line}")
+
+    def _last_lines(self, since: int) -> list[str] | None:
+        """The last ``EXIT_TAIL`` lines of output of the start whose output began at
+        ``since`` in the model's log (what its pipes hold too); None where serve does not
+        keep them (its output is serve's, or logToStdout shows it already)."""
+        logs = self.logs
+        if logs is None or logs.shows_output:
+            return None
+        for fd, is_err in list(self.pipes.items()):  # what the pipes hold already
+            with contextlib.suppress(OSError):
+                while data := os.read(fd, 1 << 16):
+                    logs.output(self.model.name, data, is_err)
+        return logs.model(self.model.name).lines(EXIT_TAIL, since)
 
     def _read_output(self, fd: int, is_err: bool) -> None:
         """The wrapper's output into serve's logs, read by the event loop as it comes."""
@@ -333,9 +343,12 @@ class Wrapper:
             # A wrapper that cut the connection may be ending: its status says why.
             await briefly(lambda: proc.wait(EXIT_WITHIN))
         if not self.alive():
-            # Said already, with its last output, as it exited (``_exited``).
+            # Said already, with its last output, as it exited (``_exited``); the client
+            # gets that output too.
             code = proc.returncode
-            return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+            said = f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+            tail = self._last_lines(self.since)
+            return f"{said}; its last output: {' | '.join(tail)}" if tail else said
         if self.ready_url is not None:
             found = await self._health(self.ready_url, err)
         else:
