@@ -38,6 +38,7 @@ class Target:
     wrapper: int | None
     mark: str
     grace: float
+    by_wrapper: bool = False  # SIGTERM to its wrapper alone, which ends it (cmdStop)
     seen: dict[int, int] = field(default_factory=dict)  # pid: start time
     refused: set[int] = field(default_factory=set)  # not ours to signal
 
@@ -107,7 +108,9 @@ def end(targets: list[Target]) -> dict[str, str | None]:
     """End every target at once (blocking): each name, None once it is gone, else why
     it is not."""
     for t in targets:
-        t.signal(t.find(), signal.SIGTERM)
+        found = t.find()
+        alone = t.by_wrapper and t.wrapper in found
+        t.signal([t.wrapper] if alone and t.wrapper is not None else found, signal.SIGTERM)
     begun = time.monotonic()
     _wait(targets, {t.name: begun + t.grace for t in targets})
     # Those still there, and any process started meanwhile: SIGKILL.

@@ -200,7 +200,10 @@ class Wrapper:
         process with its marker; SIGKILL after ``grace`` (None: ``end_within``)."""
         pid = self.proc.pid if self.proc is not None and self.alive() else None
         grace = self.end_within if grace is None else grace
-        return ending.Target(self.model.name, pid, self.mark, grace)
+        if self.model.stop_command is None:
+            return ending.Target(self.model.name, pid, self.mark, grace)
+        # Its wrapper ends it by cmdStop, within unloadTimeout: that is waited for.
+        return ending.Target(self.model.name, pid, self.mark, grace + STOP_MARGIN, True)
 
     async def end(self, grace: float | None = None) -> str | None:
         """End the model as llama-swap does (SIGTERM, SIGKILL after ``grace``, None:
