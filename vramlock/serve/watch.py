@@ -7,7 +7,11 @@ resident (its other keys, aliases, ttl, filters and the like, take effect at onc
 model whose command or wrapper changed is ended and comes back under its new entry (on
 its next request, or at once if preloaded); a removed one is ended, a new one added.
 A file that no longer loads changes nothing: the error is logged and the configuration
-in use stays.
+in use stays. The file is read off the event loop, and only if it is a regular file of at
+most ``MAX_SIZE`` bytes: a FIFO in its place (whose read waits for a writer) or a link to
+/dev/zero (whose read never ends) is refused with the reason, and serve answers all along.
+SIGHUP reads the file again at once, with or without ``--watch-config``, as llama-swap
+does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -29,6 +34,30 @@ if TYPE_CHECKING:
     from .router import Router
 
 POLL = 0.5
+# The largest configuration read: far more than any real one.
+MAX_SIZE = 16 << 20
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+
+
+def regular(path: str) -> str:
+    """``path``, once it names a regular file of at most ``MAX_SIZE`` bytes (links
+    followed); VramlockError saying what it is otherwise. Nothing here blocks: a FIFO is
+    opened without waiting for a writer, and nothing is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise VramlockError(f"{path}: {(err.strerror or str(err)).lower()}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        what = next((name for test, name in _KINDS if test(st.st_mode)), "no file")
+        raise VramlockError(f"{path}: {what}, not a regular file: not read")
+    if st.st_size > MAX_SIZE:
+        raise VramlockError(f"{path}: {st.st_size} bytes, over {MAX_SIZE >> 20} MiB: not read")
+    return path
 
 
 def _seen(path: str) -> tuple[int, int, int] | None:
@@ -63,6 +92,8 @@ class Watcher:
         self.router, self.logs, self.load, self.check = router, logs, load, check
         self.path = router.config.path
         self._last = _seen(self.path)
+        self._one = asyncio.Lock()  # one reload at a time
+        self._hangups: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -72,11 +103,24 @@ class Watcher:
             if now is None or now == self._last:
                 continue
             self._last = now
+            await self.reload()
+
+    async def reload(self) -> None:
+        """Read the file (off the event loop) and serve what it says; a file that does
+        not load is said, and changes nothing."""
+        async with self._one:
             try:
-                new = self.load(self.path)  # a small file: read in the loop
+                new = await briefly(lambda: self.load(regular(self.path)))
                 await self.apply(new)
             except VramlockError as err:
                 self.logs.say(f"{err}; the configuration in use is kept")
+
+    def hangup(self) -> None:
+        """SIGHUP: reload now, as llama-swap does (serve goes on)."""
+        self.logs.say(f"{self.path}: SIGHUP: reading it again")
+        task = asyncio.ensure_future(self.reload())
+        self._hangups.add(task)
+        task.add_done_callback(self._hangups.discard)
 
     async def apply(self, new: Config) -> None:
         """Serve ``new``: keep the wrappers of unchanged models, replace the others."""
