@@ -138,15 +138,73 @@ class Wrapper:
         self.listener = _listener()
         self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
-        self.in_flight = 0  # requests in its turn
-        self.admitted = 0  # requests taken for it, waiting for its turn or in it
-        self.ttl_timer: asyncio.TimerHandle | None = None
-        self.unloading: asyncio.Task[Unloaded] | None = None
+        # Its requests and its ttl: changed through the methods below alone.
+        self._in_flight = 0  # requests in its turn
+        self._admitted = 0  # requests taken for it, waiting for its turn or in it
+        self._ttl_timer: asyncio.TimerHandle | None = None
+        self._unloading: asyncio.Task[Unloaded] | None = None
         self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
         self.shown = State.RELEASED  # the member's state as last seen
         self.ending = False  # serve ended the wrapper (its exit is no news)
         self.starts = 0  # how many times it was started: its marker's last part
         self.since = 0  # where its latest start's output begins in the model's log
+
+    # -- its requests and its ttl ----------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in its turn."""
+        return self._in_flight
+
+    @property
+    def admitted(self) -> int:
+        """Requests taken for it, waiting for its turn or in it."""
+        return self._admitted
+
+    def admit(self) -> None:
+        """A request is taken for it (it waits for the model's turn)."""
+        self._admitted += 1
+
+    def unadmit(self) -> None:
+        """A request taken for it gave up before its turn."""
+        self._admitted -= 1
+
+    def enter(self) -> None:
+        """An admitted request is in the model's turn: no ttl runs meanwhile."""
+        self._in_flight += 1
+        self.disarm_ttl()
+
+    def leave(self) -> None:
+        """A request that entered has ended."""
+        self._in_flight -= 1
+        self._admitted -= 1
+
+    def arm_ttl(self, expired: Callable[[Wrapper], object]) -> None:
+        """Idle: ``expired(self)`` once its ttl passes with no request in its turn."""
+        if self.model.ttl > 0 and self._in_flight == 0:
+            self.disarm_ttl()
+            loop = asyncio.get_running_loop()
+            self._ttl_timer = loop.call_later(self.model.ttl, self._ttl_passed, expired)
+
+    def _ttl_passed(self, expired: Callable[[Wrapper], object]) -> None:
+        self._ttl_timer = None
+        if self._in_flight == 0:
+            expired(self)
+
+    def disarm_ttl(self) -> None:
+        if self._ttl_timer is not None:
+            self._ttl_timer.cancel()
+            self._ttl_timer = None
+
+    def unload_soon(self) -> asyncio.Task[Unloaded]:
+        """``unload_bounded``, as a task: the one under way if there is one."""
+        if self._unloading is None or self._unloading.done():
+            self._unloading = asyncio.get_running_loop().create_task(self.unload_bounded())
+        return self._unloading
+
+    def renew(self, config: Config, model: Model) -> None:
+        """Its entry as a reloaded configuration gives it (its process unchanged)."""
+        self.config, self.model = config, model
 
     @property
     def where(self) -> list[str]:
@@ -264,26 +322,7 @@ class Wrapper:
         self.exited = _exit_of(self.proc)
         if self.exited is not None:
             proc = self.proc
-            self.exited.add_done_callback(lambda _: self._exited(proc, since))
-
-    def _exited(self, proc: subprocess.Popen[bytes], since: int) -> None:
-        """The wrapper ``proc`` exited: unless serve ended it, say so with its status
-        and, where serve's output does not show the model's, its last lines of output
-        (``since``: where its latest start's output began in the model's log)."""
-        if proc is not self.proc or self.ending:
-            return
-        meaning = _EXIT_MEANING.get(proc.returncode, "")
-        said = f"model {self.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
-        tail = self._last_lines(since)
-        if tail is None:
-            self.warn(said)
-            return
-        if not tail:
-            self.warn(f"{said}; it wrote nothing")
-            return
-        self.warn(f"{said}; the end of its output (all of it: /logs/stream/{self.model.name}):")
-        for line in tail:
-            self.warn(f"model {self.model.name}: | {line}")
+            self.exited.add_done_callback(lambda _: _exited(self, proc, since))
 
     def _last_lines(self, since: int) -> list[str] | None:
         """The last ``EXIT_TAIL`` lines of output of the start whose output began at
@@ -353,41 +392,12 @@ class Wrapper:
             tail = self._last_lines(self.since)
             return f"{said}; its last output: {' | '.join(tail)}" if tail else said
         if self.ready_url is not None:
-            found = await self._health(self.ready_url, err)
+            found = await _health(self, self.ready_url, err)
         else:
             found = (err.strerror or str(err)).lower()
         # The wrapper says why on its own output, which logToStdout may keep from serve's.
         self.warn(f"model {self.model.name}: its server did not answer: {found}")
         return found
-
-    async def _health(self, path: str, err: OSError) -> str:
-        """What ``GET path`` on the model's server answers now."""
-        what = f"GET {path} on {self.model.upstream}"
-        # The wrapper is alive, so it cut the request: its check had no 2xx in time.
-        within = f"(no 2xx within healthCheckTimeout, {self.config.health_timeout:g} s)"
-        try:
-            line = await asyncio.wait_for(self._ask(path), HEALTH_ASK_WITHIN)
-        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
-            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s {within}"
-        except OSError as failed:
-            # asyncio's "Connect call failed (...)" says less than the errno's words.
-            reason = os.strerror(failed.errno) if failed.errno else str(failed)
-            return f"{what}: {reason.lower()} {within}"
-        parts = line.decode("latin-1").split()
-        status = parts[1][:20] if len(parts) > 1 else "no status"
-        if status.startswith("2"):
-            return f"{what} answers {status} now; the request was cut: {err}"
-        return f"{what} answered {status} {within}"
-
-    async def _ask(self, path: str) -> bytes:
-        host, port = parse(self.model.upstream, "proxy")
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.model.upstream}\r\n"
-                         "Connection: close\r\n\r\n".encode())  # fmt: skip
-            return await reader.readline()
-        finally:
-            writer.close()
 
     def arena(self) -> Arena:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
@@ -486,7 +496,7 @@ class Wrapper:
             with contextlib.closing(self.arena()) as opened:
                 budget = read_budget(opened) is not None
             if budget:
-                return await self._ask_aside(timeout)
+                return await _ask_aside(self, timeout)
         waiter = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -496,35 +506,85 @@ class Wrapper:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
 
-    async def _ask_aside(self, timeout: float) -> bool:
-        """Ask for the model's budget units until it has given them up (its minimum
-        hold and yield_within honoured, as for any budget waiter); the units asked for
-        follow its record (none while it gathers them, more once it grows)."""
-        end = time.monotonic() + timeout
-        asked: list[int] = []
-        with contextlib.closing(self.arena()) as opened, contextlib.ExitStack() as asks:
-            while (row := self._row() if self.alive() else None) and row.state in HOLDING:
-                units = sorted(row.units or [])
-                if units != asked:
-                    asks.close()
-                    asks.enter_context(asking(opened, units))
-                    asked = units
-                if time.monotonic() >= end:
-                    self.warn(f"model {self.model.name}: unload: still resident after"
-                              f" {timeout:g} s")  # fmt: skip
-                    return False
-                await asyncio.sleep(ASK_POLL)
-        return True
-
     def close(self) -> None:
         """Close serve's listening socket for the model (its wrapper ended first)."""
         self.listener.close()
 
-    def terminate(self) -> None:
+    def stopping(self) -> None:
+        """serve ends it: its exit is no news."""
         self.ending = True
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
+
+
+def _exited(w: Wrapper, proc: subprocess.Popen[bytes], since: int) -> None:
+    """The wrapper ``proc`` exited: unless serve ended it, say so with its status
+    and, where serve's output does not show the model's, its last lines of output
+    (``since``: where its latest start's output began in the model's log)."""
+    if proc is not w.proc or w.ending:
+        return
+    meaning = _EXIT_MEANING.get(proc.returncode, "")
+    said = f"model {w.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
+    tail = w._last_lines(since)
+    if tail is None:
+        w.warn(said)
+        return
+    if not tail:
+        w.warn(f"{said}; it wrote nothing")
+        return
+    w.warn(f"{said}; the end of its output (all of it: /logs/stream/{w.model.name}):")
+    for line in tail:
+        w.warn(f"model {w.model.name}: | {line}")
+
+
+async def _health(w: Wrapper, path: str, err: OSError) -> str:
+    """What ``GET path`` on the model's server answers now."""
+    what = f"GET {path} on {w.model.upstream}"
+    # The wrapper is alive, so it cut the request: its check had no 2xx in time.
+    within = f"(no 2xx within healthCheckTimeout, {w.config.health_timeout:g} s)"
+    try:
+        line = await asyncio.wait_for(_ask(w, path), HEALTH_ASK_WITHIN)
+    except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+        return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s {within}"
+    except OSError as failed:
+        # asyncio's "Connect call failed (...)" says less than the errno's words.
+        reason = os.strerror(failed.errno) if failed.errno else str(failed)
+        return f"{what}: {reason.lower()} {within}"
+    parts = line.decode("latin-1").split()
+    status = parts[1][:20] if len(parts) > 1 else "no status"
+    if status.startswith("2"):
+        return f"{what} answers {status} now; the request was cut: {err}"
+    return f"{what} answered {status} {within}"
+
+
+async def _ask(w: Wrapper, path: str) -> bytes:
+    host, port = parse(w.model.upstream, "proxy")
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {w.model.upstream}\r\n"
+                     "Connection: close\r\n\r\n".encode())  # fmt: skip
+        return await reader.readline()
+    finally:
+        writer.close()
+
+
+async def _ask_aside(w: Wrapper, timeout: float) -> bool:
+    """Ask for the model's budget units until it has given them up (its minimum
+    hold and yield_within honoured, as for any budget waiter); the units asked for
+    follow its record (none while it gathers them, more once it grows)."""
+    end = time.monotonic() + timeout
+    asked: list[int] = []
+    with contextlib.closing(w.arena()) as opened, contextlib.ExitStack() as asks:
+        while (row := w._row() if w.alive() else None) and row.state in HOLDING:
+            units = sorted(row.units or [])
+            if units != asked:
+                asks.close()
+                asks.enter_context(asking(opened, units))
+                asked = units
+            if time.monotonic() >= end:
+                w.warn(f"model {w.model.name}: unload: still resident after"
+                          f" {timeout:g} s")  # fmt: skip
+                return False
+            await asyncio.sleep(ASK_POLL)
+    return True
 
 
 def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
@@ -567,7 +627,7 @@ def stop_all(wrappers: list[Wrapper]) -> None:
     """End every wrapper's model at once, as llama-swap ends one (SIGTERM to every
     process of it, SIGKILL after its unloadTimeout), and reap the wrappers."""
     for w in wrappers:
-        w.ending = True
+        w.stopping()
     targets = [w.target() for w in wrappers if w.proc is not None]
     for name, why in ending.end(targets).items():
         if why is not None:

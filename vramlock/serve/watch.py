@@ -147,8 +147,7 @@ class Watcher:
             self.logs.say(f"{new.path}: apiKeys changed: they take effect when serve restarts")
         gone = [w for name, w in wrappers.items() if name not in kept]
         for w in gone:
-            if w.ttl_timer is not None:
-                w.ttl_timer.cancel()
+            w.disarm_ttl()
         await briefly(lambda: stop_all(gone))
         for w in gone:
             w.drain_output()
@@ -157,7 +156,7 @@ class Watcher:
             if pool is not None:
                 pool.close()
         for name, w in kept.items():
-            w.config, w.model = new, new.models[name]
+            w.renew(new, new.models[name])
         wrappers.clear()
         wrappers.update({name: kept.get(name) or fresh[name] for name in new.models})
         self.router.config = new
