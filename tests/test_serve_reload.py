@@ -121,8 +121,8 @@ def test_a_file_that_is_no_regular_file_is_refused_and_serve_answers(
         assert _health(port) == 200
     proc.terminate()
     _, err = proc.communicate(timeout=30)
-    said = (f"vramlock: {path}: {what}, not a regular file: not read; the configuration in"
-            " use is kept")  # fmt: skip
+    said = (f"vramlock: {path}: cannot read it: {what}, not a regular file; the configuration"
+            " in use is kept")  # fmt: skip
     assert err.count(said) == 1, err
 
 

@@ -94,7 +94,7 @@ def _logged(
     logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2), drain.hold)
 
     def reload(again: str) -> Config:
-        return load(again, duration)
+        return load(again, duration, config_dir)
 
     try:
         return _serve(config, where, logs, reload, watch)

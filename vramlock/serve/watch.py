@@ -7,9 +7,8 @@ resident (its other keys, aliases, ttl, filters and the like, take effect at onc
 model whose command or wrapper changed is ended and comes back under its new entry (on
 its next request, or at once if preloaded); a removed one is ended, a new one added.
 A file that no longer loads changes nothing: the error is logged and the configuration
-in use stays. The file is read off the event loop, and only if it is a regular file of at
-most ``MAX_SIZE`` bytes: a FIFO in its place (whose read waits for a writer) or a link to
-/dev/zero (whose read never ends) is refused with the reason, and serve answers all along.
+in use stays. The file is read off the event loop (and only a regular file of bounded
+size is read at all: ``config.reader``), so that serve answers all along.
 SIGHUP reads the file again at once, with or without ``--watch-config``, as llama-swap
 does.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import stat
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -34,30 +32,6 @@ if TYPE_CHECKING:
     from .router import Router
 
 POLL = 0.5
-# The largest configuration read: far more than any real one.
-MAX_SIZE = 16 << 20
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
-
-
-def regular(path: str) -> str:
-    """``path``, once it names a regular file of at most ``MAX_SIZE`` bytes (links
-    followed); VramlockError saying what it is otherwise. Nothing here blocks: a FIFO is
-    opened without waiting for a writer, and nothing is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as err:
-        raise VramlockError(f"{path}: {(err.strerror or str(err)).lower()}") from None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(st.st_mode):
-        what = next((name for test, name in _KINDS if test(st.st_mode)), "no file")
-        raise VramlockError(f"{path}: {what}, not a regular file: not read")
-    if st.st_size > MAX_SIZE:
-        raise VramlockError(f"{path}: {st.st_size} bytes, over {MAX_SIZE >> 20} MiB: not read")
-    return path
 
 
 def _seen(path: str) -> tuple[int, int, int] | None:
@@ -110,7 +84,7 @@ class Watcher:
         not load is said, and changes nothing."""
         async with self._one:
             try:
-                new = await briefly(lambda: self.load(regular(self.path)))
+                new = await briefly(lambda: self.load(self.path))
                 await self.apply(new)
             except VramlockError as err:
                 self.logs.say(f"{err}; the configuration in use is kept")
