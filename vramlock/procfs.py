@@ -125,6 +125,31 @@ def alive(pid: int, start: int) -> bool:
     )
 
 
+def ended(pid: int, start: int) -> bool:
+    """Has the process ``pid`` that started at ``start`` ended, every thread of it? A
+    leader that exits before its other threads shows as a zombie while they still run,
+    holding the process's descriptors (its locks too): that is no end yet."""
+    if alive(pid, start):
+        return False
+    if starttime(pid) != start:
+        return True  # gone (reaped), or its pid names another process now
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return all(_task_state(pid, t) in (None, "Z", "X") for t in tasks)
+
+
+def _task_state(pid: int, task: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2 :].split()
+    return rest[0].decode() if rest else None
+
+
 def all_pids() -> list[int]:
     try:
         return [int(n) for n in os.listdir("/proc") if n.isdigit()]

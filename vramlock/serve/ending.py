@@ -57,7 +57,7 @@ class Target:
 
     def left(self) -> list[int]:
         """Those of the processes seen so far that still live (cheap: no scan)."""
-        return [p for p, start in self.seen.items() if procfs.alive(p, start)]
+        return [p for p, start in self.seen.items() if not procfs.ended(p, start)]
 
     def signal(self, pids: Iterable[int], sig: int) -> None:
         for pid in reversed(list(pids)):  # children before parents: the wrapper last
