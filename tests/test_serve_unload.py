@@ -88,6 +88,12 @@ def pids(tmp_path: Path, name: str, deaf: bool) -> list[int]:
     return [int(p) for p in path.read_text().split()]
 
 
+def holders(arena: Path) -> list[str]:
+    """Who holds the arena's token, in words (for a failure's message)."""
+    st = (arena / "token.lock").stat()
+    return [procfs.text(p, "cmdline") for p in procfs.lock_holders(st.st_dev, st.st_ino)]
+
+
 def living(found: list[int]) -> list[int]:
     return [p for p in found if procfs.living(p)]
 
@@ -117,7 +123,7 @@ def test_an_unload_ends_a_model_that_cannot_release(
     took = time.monotonic() - began
     assert status == 200, said
     assert living(found) == []
-    assert token_free(arena)
+    assert token_free(arena), (holders(arena), serve_log(tmp_path))
     assert took < (1 if deaf else 0) + LATE, took
     assert complete(port, "m") not in found  # started afresh on its next request
     assert "Traceback" not in serve_log(tmp_path)
@@ -169,3 +175,18 @@ def test_serve_ends_a_deaf_model_and_its_daemon(spawn: Spawn, tmp_path: Path, ar
     wait_until(lambda: not procfs.living(serve[0]), 1 + LATE + 5)
     assert living(found) == []
     assert token_free(arena)
+
+
+def test_a_deaf_model_does_not_outlive_a_sigkilled_serve(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """serve SIGKILLed: its wrappers are told to end (their parent died), and each kills
+    what of its model is deaf to that 10 s on, its daemon too: nothing keeps the token."""
+    port = start_serve(spawn, tmp_path, stubborn(tmp_path, ["m"], True), arena)
+    complete(port, "m")
+    found = pids(tmp_path, "m", True)
+    serve = [p for p in procfs.children(os.getpid()) if "serve" in procfs.text(p, "cmdline")]
+    assert len(serve) == 1
+    os.kill(serve[0], signal.SIGKILL)
+    wait_until(lambda: living(found) == [], 10 + LATE + 5)
+    wait_until(lambda: token_free(arena))
