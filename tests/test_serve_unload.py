@@ -190,3 +190,29 @@ def test_a_deaf_model_does_not_outlive_a_sigkilled_serve(
     os.kill(serve[0], signal.SIGKILL)
     wait_until(lambda: living(found) == [], 10 + LATE + 5)
     wait_until(lambda: token_free(arena))
+
+
+def test_a_process_not_ours_to_signal_fails_the_ending_with_why(spawn: Spawn) -> None:
+    """A process of the model that serve may not signal (a setuid program's, here one of
+    root's, ended from a child that dropped to nobody's uid): the ending says so, and the
+    process keeps running."""
+    from vramlock.serve import ending
+
+    other = spawn(["sleep", "600"])
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            why = ending.end([ending.Target("m", other.pid, "no-such-mark", 0.1)])["m"]
+            os.write(w, str(why).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as said:
+        why = said.read()
+    assert os.waitpid(child, 0)[1] == 0
+    assert why == (f"process {other.pid} (sleep) of it is not ours to signal (a setuid"
+                   " program?); it keeps running")  # fmt: skip
+    assert other.poll() is None
