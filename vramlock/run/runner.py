@@ -15,7 +15,7 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .. import strategies
+from .. import procfs, strategies
 from ..arena import footprint as footprints
 from ..arena.budget import read_budget
 from ..arena.hint import Hint
@@ -218,8 +218,10 @@ class Runner:
             if self.proxy is not None and opts.on_release is None:
                 from .proxy.owner import Guard
 
+                # Its processes as its tree (we adopt its orphans): no scan of the host.
+                me = os.getpid()
                 self.proxy.guard = Guard(
-                    self.proxy.upstream_port, lambda: child.pid, child.processes
+                    self.proxy.upstream_port, lambda: child.pid, lambda: procfs.descendants(me)
                 )
             control.started()
             ctx = Context(

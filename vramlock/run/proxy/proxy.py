@@ -330,6 +330,8 @@ class Proxy:
     # -- waiting for the upstream after a restore ------------------------------------
 
     def _retry(self) -> None:
+        if self.guard is not None:
+            self.guard.forget()  # a connection failed: whose the port is, looked at anew
         with self._relay.lock:
             if self._relay.gate is Gate.OPENING:
                 self._probe_at = time.monotonic() + PROBE_EVERY
