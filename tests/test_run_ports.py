@@ -107,3 +107,17 @@ def _listening(port: int) -> bool:
             line.split()[3] == "0A" and int(line.split()[1].rpartition(":")[2], 16) == port
             for line in f.readlines()[1:]
         )
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_a_listener_is_found_by_its_inode_both_ways(family: socket.AddressFamily) -> None:
+    """The kernel's socket diagnostics and /proc/net/tcp{,6} (its fallback) name the
+    same socket: the one the listener's own descriptor is."""
+    from vramlock.run.proxy import owner
+
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.create_server((host, 0), family=family) as sock:
+        port = sock.getsockname()[1]
+        inode = os.fstat(sock.fileno()).st_ino
+        assert owner.listeners(port) == owner._table_listeners(port) == {inode}
+    assert owner.listeners(port) == owner._table_listeners(port) == set()

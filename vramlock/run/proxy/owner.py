@@ -11,33 +11,83 @@ processes holds is a stranger's.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from collections.abc import Callable
 
 from ... import procfs
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+_LISTEN = b"0A"  # TCP_LISTEN in /proc/net/tcp's st column
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+# NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, NLM_F_DUMP, NLMSG_DONE,
+# NLMSG_ERROR, TCP_LISTEN (linux/netlink.h, linux/sock_diag.h, net/tcp_states.h)
+_NETLINK_SOCK_DIAG, _BY_FAMILY, _REQUEST, _DUMP, _DONE, _ERROR = 4, 20, 1, 0x300, 3, 2
+_TCP_LISTEN = 10
 
 
 def listeners(port: int) -> set[int]:
-    """The inodes of the sockets listening on TCP port ``port`` (any address)."""
+    """The inodes of the sockets listening on TCP port ``port`` (any address): asked of
+    the kernel's socket diagnostics for listening sockets alone, else read from
+    /proc/net/tcp{,6} (every socket of the host: milliseconds where there are many)."""
+    try:
+        return {inode for p, inode in _diag_listeners() if p == port}
+    except OSError:
+        return _table_listeners(port)
+
+
+def _diag_listeners() -> list[tuple[int, int]]:
+    """(port, inode) of every listening TCP socket, by NETLINK_SOCK_DIAG."""
+    found: list[tuple[int, int]] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)
+        for family in (socket.AF_INET, socket.AF_INET6):
+            # inet_diag_req_v2: family, protocol, ext, pad, states; a zeroed socket id
+            req = struct.pack("=BBBBI48x", family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_LISTEN)
+            head = struct.pack("=IHHII", 16 + len(req), _BY_FAMILY, _REQUEST | _DUMP, 1, 0)
+            nl.send(head + req)
+            found += _dumped(nl)
+    return found
+
+
+def _dumped(nl: socket.socket) -> list[tuple[int, int]]:
+    """The (port, inode) of each inet_diag_msg answered, until NLMSG_DONE."""
+    found: list[tuple[int, int]] = []
+    while True:
+        data = nl.recv(1 << 16)
+        at = 0
+        while at + 16 <= len(data):
+            size, kind = struct.unpack_from("=IH", data, at)
+            if kind == _DONE:
+                return found
+            if kind == _ERROR or size < 16:
+                raise OSError("sock_diag refused the request")
+            # inet_diag_msg: family, state, timer, retrans; id (sport first, big-endian,
+            # 48 bytes); expires, rqueue, wqueue, uid; inode
+            sport = struct.unpack_from("!H", data, at + 16 + 4)[0]
+            inode = struct.unpack_from("=I", data, at + 16 + 4 + 48 + 16)[0]
+            found.append((sport, inode))
+            at += (size + 3) & ~3
+
+
+def _table_listeners(port: int) -> set[int]:
     found: set[int] = set()
+    local = f":{port:04X} ".encode()  # local_address ends so; remote ones never start a line
     for table in _TABLES:
         try:
             with open(table, "rb") as f:
-                lines = f.read().decode(errors="replace").splitlines()[1:]
+                data = f.read()
         except OSError:
             continue
-        for line in lines:
+        at = data.find(local)
+        while at >= 0:
+            start = data.rfind(b"\n", 0, at) + 1
+            end = data.find(b"\n", at)
             # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
+            fields = data[start : end if end >= 0 else len(data)].split()
+            at = data.find(local, at + 1)
+            if len(fields) < 10 or fields[3] != _LISTEN or not fields[1].endswith(local[:-1]):
                 continue
-            try:
-                if int(fields[1].rpartition(":")[2], 16) == port:
-                    found.add(int(fields[9]))
-            except ValueError:
-                continue
+            found.add(int(fields[9]))
     return found
 
 

@@ -98,7 +98,8 @@ class Proxy:
         self._loop = Loop()
         self.wake_fd, self._wake_runner = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._probe = Probe(self._loop, upstreams, ready_url, ready=self._ready,
-                            retry=self._retry, starve=self._starve)  # fmt: skip
+                            retry=self._retry, starve=self._starve,
+                            vet=lambda: self._stranger() is None)  # fmt: skip
         self._relay = Relay(self._loop, self._wake_runner, target=lambda: self._probe.target,
                             starve=self._starve, counted=self._count_changed,
                             working=working)  # fmt: skip
@@ -255,7 +256,7 @@ class Proxy:
         elif due and not probing:
             with self._relay.lock:
                 self._probe_at = None
-            if self._stranger() is None:  # never a probe to a stranger either
+            if self._stranger() is None:  # no connection to a stranger, not even a probe
                 self._probe.start()
 
     def _on_listener(self, events: int) -> None:
