@@ -216,3 +216,18 @@ def test_a_process_not_ours_to_signal_fails_the_ending_with_why(spawn: Spawn) ->
     assert why == (f"process {other.pid} (sleep) of it is not ours to signal (a setuid"
                    " program?); it keeps running")  # fmt: skip
     assert other.poll() is None
+
+
+def test_a_request_during_a_ttl_ending_waits_for_it_and_gets_a_fresh_server(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """A request that comes while the model's ttl is ending it (a deaf server: 2 s) is
+    answered by a server started afresh once the old one is gone, not sent to the
+    wrapper on its way out."""
+    text = "unloadTimeout: 2\n" + stubborn(tmp_path, ["m"], True, "ttl: 1")
+    port = start_serve(spawn, tmp_path, text, arena)
+    complete(port, "m")
+    found = pids(tmp_path, "m", True)
+    wait_until(lambda: "model m: ending it" in serve_log(tmp_path), 10)
+    assert complete(port, "m") not in found
+    assert living(found) == []

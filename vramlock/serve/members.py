@@ -202,6 +202,17 @@ class Wrapper:
             self._unloading = asyncio.get_running_loop().create_task(self.unload_bounded())
         return self._unloading
 
+    @property
+    def unloading(self) -> bool:
+        """Is an unload of it under way?"""
+        return self._unloading is not None and not self._unloading.done()
+
+    async def unloaded(self) -> None:
+        """Once the unload under way, if any, is over (a request that comes meanwhile
+        goes to the model started afresh, not to what is being ended)."""
+        if self._unloading is not None and not self._unloading.done():
+            await asyncio.shield(self._unloading)
+
     def renew(self, config: Config, model: Model) -> None:
         """Its entry as a reloaded configuration gives it (its process unchanged)."""
         self.config, self.model = config, model
@@ -324,19 +335,6 @@ class Wrapper:
             proc = self.proc
             self.exited.add_done_callback(lambda _: _exited(self, proc, since))
 
-    def _last_lines(self, since: int) -> list[str] | None:
-        """The last ``EXIT_TAIL`` lines of output of the start whose output began at
-        ``since`` in the model's log (what its pipes hold too); None where serve does not
-        keep them (its output is serve's, or logToStdout shows it already)."""
-        logs = self.logs
-        if logs is None or logs.shows_output:
-            return None
-        for fd, is_err in list(self.pipes.items()):  # what the pipes hold already
-            with contextlib.suppress(OSError):
-                while data := os.read(fd, 1 << 16):
-                    logs.output(self.model.name, data, is_err)
-        return logs.model(self.model.name).lines(EXIT_TAIL, since)
-
     def _read_output(self, fd: int, is_err: bool) -> None:
         """The wrapper's output into serve's logs, read by the event loop as it comes."""
         logs = self.logs
@@ -389,7 +387,7 @@ class Wrapper:
             # gets that output too.
             code = proc.returncode
             said = f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
-            tail = self._last_lines(self.since)
+            tail = _last_lines(self, self.since)
             return f"{said}; its last output: {' | '.join(tail)}" if tail else said
         if self.ready_url is not None:
             found = await _health(self, self.ready_url, err)
@@ -523,7 +521,7 @@ def _exited(w: Wrapper, proc: subprocess.Popen[bytes], since: int) -> None:
         return
     meaning = _EXIT_MEANING.get(proc.returncode, "")
     said = f"model {w.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
-    tail = w._last_lines(since)
+    tail = _last_lines(w, since)
     if tail is None:
         w.warn(said)
         return
@@ -533,6 +531,20 @@ def _exited(w: Wrapper, proc: subprocess.Popen[bytes], since: int) -> None:
     w.warn(f"{said}; the end of its output (all of it: /logs/stream/{w.model.name}):")
     for line in tail:
         w.warn(f"model {w.model.name}: | {line}")
+
+
+def _last_lines(w: Wrapper, since: int) -> list[str] | None:
+    """The last ``EXIT_TAIL`` lines of output of the start whose output began at
+    ``since`` in the model's log (what its pipes hold too); None where serve does not
+    keep them (its output is serve's, or logToStdout shows it already)."""
+    logs = w.logs
+    if logs is None or logs.shows_output:
+        return None
+    for fd, is_err in list(w.pipes.items()):  # what the pipes hold already
+        with contextlib.suppress(OSError):
+            while data := os.read(fd, 1 << 16):
+                logs.output(w.model.name, data, is_err)
+    return logs.model(w.model.name).lines(EXIT_TAIL, since)
 
 
 async def _health(w: Wrapper, path: str, err: OSError) -> str:
