@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.commands import vramlock
+from helpers.commands import vramlock, who_json
 from helpers.net import free_port, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import ECHO, call, start, write_config
@@ -55,7 +55,9 @@ def test_run_forwards_nothing_to_a_stranger_that_took_the_port(arena: Path, spaw
     job = spawn(vramlock("run", "--arena", str(arena), "--demand", "listen", "--listen",
                          str(listen), "--upstream", str(up), "--", sys.executable, str(ECHO),
                          str(up), "m", "3"))  # fmt: skip
-    wait_until(lambda: job.poll() is not None or _listening(listen))
+    # Its port looked at and found free: the wrapper says where it listens only after.
+    wait_until(lambda: job.poll() is not None or any(m["listen"] for m in who_json(arena)))
+    assert job.poll() is None, job.communicate()
     with socket.create_server(("127.0.0.1", up)) as stranger:
         with socket.create_connection(("127.0.0.1", listen), timeout=20) as client:
             client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -99,14 +101,6 @@ def _unanswered(client: socket.socket) -> bool:
 def _comm() -> str:
     with open(f"/proc/{os.getpid()}/comm") as f:
         return f.read().strip()
-
-
-def _listening(port: int) -> bool:
-    with open("/proc/net/tcp") as f:
-        return any(
-            line.split()[3] == "0A" and int(line.split()[1].rpartition(":")[2], 16) == port
-            for line in f.readlines()[1:]
-        )
 
 
 @pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
