@@ -119,3 +119,42 @@ def test_ending_while_a_release_hook_runs(arena: Path, spawn: Spawn, tmp_path: P
     os.kill(job.pid, signal.SIGTERM)
     assert ended_within(job) == 128 + signal.SIGTERM
     assert waiter.wait(10) == 0
+
+
+# A command that ignores SIGTERM and says its pid once it does.
+_DEAF = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_restart_command_deaf_to_sigterm_is_killed_after_yield_within(
+    arena: Path, spawn: Spawn
+) -> None:
+    """Told to end, a command that ignores SIGTERM gets --yield-within to exit, then
+    SIGKILL: the wrapper ends, and with it the command and its hold on the token."""
+    job = spawn(vramlock("run", "--arena", str(arena), "--release", "restart",
+                         "--yield-within", "1", "--", sys.executable, "-c", _DEAF))  # fmt: skip
+    assert job.stdout is not None
+    pid = int(job.stdout.readline())
+    os.kill(job.pid, signal.SIGTERM)
+    assert ended_within(job, 1 + PROMPT) == 128 + signal.SIGKILL
+    assert not procfs.living(pid)
+    _, err = job.communicate()
+    assert "did not end within 1 s of SIGTERM; killing it" in err
+
+
+def test_a_command_deaf_to_sigterm_is_killed_after_10_s_by_default(
+    arena: Path, spawn: Spawn
+) -> None:
+    """Any strategy (auto finds none for this one): SIGKILL 10 s after SIGTERM."""
+    job = spawn(vramlock("run", "--arena", str(arena), "--", sys.executable, "-c", _DEAF))
+    assert job.stdout is not None
+    pid = int(job.stdout.readline())
+    os.kill(job.pid, signal.SIGTERM)
+    started = time.monotonic()
+    assert ended_within(job, 10 + PROMPT) == 128 + signal.SIGKILL
+    assert time.monotonic() - started > 9.5
+    assert not procfs.living(pid)

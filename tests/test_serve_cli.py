@@ -290,7 +290,8 @@ def test_a_command_not_found_is_said_in_the_502(spawn: Spawn, tmp_path: Path, ar
     status, body = ask(serve_on(spawn, path, arena), "POST", "/v1/completions", b'{"model": "m"}')
     assert status == 502
     assert body["error"]["message"] == (
-        "model m: its server did not answer: its wrapper exited with status 127 (command not found)"
+        "model m: its server did not answer: its wrapper exited with status 127 (command not"
+        " found); its last output: vramlock: vramlock-test-no-such-command: command not found"
     )
 
 

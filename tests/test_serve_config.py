@@ -548,11 +548,11 @@ def test_man_page_states_the_defaults_in_the_code() -> None:
     from helpers import ROOT
 
     from vramlock.serve.config import DEFAULT_HEALTH_TIMEOUT, DEFAULT_START_PORT
-    from vramlock.serve.members import STOP_WITHIN
+    from vramlock.serve.ending import DEFAULT_GRACE
     from vramlock.serve.router import GROUP_WAIT
 
     page = " ".join((ROOT / "man" / "man1" / "vramlock-serve.1").read_text().split())
     assert f"(default {DEFAULT_START_PORT})" in page
     assert f"(default {DEFAULT_HEALTH_TIMEOUT:g} s, taken as given)" in page
     assert f"turn lasts {GROUP_WAIT:g} seconds more at most" in page
-    assert f"for {STOP_WITHIN:g} s at most" in page
+    assert f"SIGKILL after its unloadTimeout, {DEFAULT_GRACE:g} s by default" in page

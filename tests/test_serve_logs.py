@@ -167,14 +167,17 @@ def test_a_server_that_dies_at_start_is_said_with_its_status_and_last_lines(
             "    release: restart\n")  # fmt: skip
     proc, port = start(spawn, write_config(tmp_path, text), arena)
     status, _, body = call(port, "POST", "/v1/completions", {"model": "m"})
-    assert (status, json.loads(body)["error"]["message"]) == (
+    assert (status, json.loads(body)["error"]["message"]) == (  # its last lines too
         502,
-        "model m: its server did not answer: its wrapper exited with status 3",
+        "model m: its server did not answer: its wrapper exited with status 3; its last"
+        " output: detail 4 | detail 5 | detail 6 | detail 7 | error: model file /x.gguf"
+        " not found",
     )
     status, _, body = call(port, "POST", "/v1/completions", {"model": "nf"})
     assert (status, json.loads(body)["error"]["message"]) == (
         502, "model nf: its server did not answer: its wrapper exited with status 127"
-             " (command not found)")  # fmt: skip
+             " (command not found); its last output: vramlock: no-such-command-here:"
+             " command not found")  # fmt: skip
     lines = said_by_serve(proc)
     at = lines.index("vramlock: model m: its wrapper exited with status 3; the end of its"
                      " output (all of it: /logs/stream/m):")  # fmt: skip

@@ -7,7 +7,10 @@ it once, however often the file changes.
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -96,3 +99,52 @@ def test_without_the_option_the_file_is_read_once(
     rewrite(path, first.replace("useModelName: a", "useModelName: a2"))
     time.sleep(1.5)  # three polls' time
     assert model_of(port, "a") == "a:a"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_file_that_is_no_regular_file_is_refused_and_serve_answers(
+    spawn: Spawn, tmp_path: Path, arena: Path, kind: str
+) -> None:
+    """A FIFO (a read would wait for a writer) or a link to /dev/zero (a read would never
+    end) in the file's place: refused with the reason, /health answered all along."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"startPort: {free_port()}\nmodels:\n" + echo_model("a"))
+    proc, port = start(spawn, path, arena, "--watch-config")
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    what = "a FIFO" if kind == "fifo" else "a character device"
+    began = time.monotonic()
+    while time.monotonic() - began < 2.0:  # four looks of the watcher
+        assert _health(port) == 200
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    said = (f"vramlock: {path}: cannot read it: {what}, not a regular file; the configuration"
+            " in use is kept")  # fmt: skip
+    assert err.count(said) == 1, err
+
+
+def test_sighup_reads_the_file_again_and_serve_goes_on(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """As llama-swap: SIGHUP reloads the configuration (with or without --watch-config)."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"startPort: {free_port()}\nmodels:\n" + echo_model("a"))
+    proc, port = start(spawn, path, arena)
+    path.write_text(path.read_text() + echo_model("b"))
+    proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "b" in [m["id"] for m in call_json(port, "GET", "/v1/models")["data"]])
+    assert proc.poll() is None
+    assert call_json(port, "POST", "/v1/completions", {"model": "b"})["id"] == "b"
+
+
+def _health(port: int) -> int:
+    """GET /health's status, answered within a second."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    finally:
+        conn.close()

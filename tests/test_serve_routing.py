@@ -200,7 +200,11 @@ def test_a_failing_cmd_stop_keeps_the_model_resident_and_says_why(
     config = "unloadTimeout: 2\n" + boxes.models(["a"], stop="3")
     port = start_serve(spawn, tmp_path, config, arena)
     pid = complete(port, "a")["pid"]
-    assert ask(port, "POST", "/models/unload/a") == (200, {"model": "a", "released": False})
+    status, said = ask(port, "POST", "/models/unload/a")
+    assert status == 500, said
+    assert said["error"]["message"] == (
+        "not unloaded: model a: cmdStop did not stop it within unloadTimeout, 2 s; it keeps the GPU"
+    )
     log = serve_log(tmp_path)
     assert "release failed: --on-release command exited with status 3; staying resident" in log
     assert "model a: cmdStop did not stop it within unloadTimeout, 2 s; it keeps the GPU" in log

@@ -56,3 +56,30 @@ def test_a_model_shows_its_member_state(
         assert w.shown is shown
     finally:
         w.close()
+
+
+def test_a_wrapper_s_state_changes_through_its_own_methods_alone() -> None:
+    """No module of serve but members.py sets a wrapper's attributes (its requests, its
+    ttl, its process): each change goes through a method of the wrapper."""
+    import ast
+
+    serve = Path(members.__file__).parent
+    state = {"admitted", "in_flight", "ttl_timer", "unloading", "ending", "proc", "shown",
+             "config", "model", "starts", "since", "exited", "pipes"}  # fmt: skip
+    found = []
+    for path in sorted(serve.glob("**/*.py")):
+        if path.name == "members.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                for a in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if not isinstance(a, ast.Attribute) or not isinstance(a.value, ast.Name):
+                        continue
+                    if a.attr in state and a.value.id != "self":
+                        found.append(f"{path.name}:{a.lineno}: {a.value.id}.{a.attr}")
+    assert found == []

@@ -125,6 +125,31 @@ def alive(pid: int, start: int) -> bool:
     )
 
 
+def ended(pid: int, start: int) -> bool:
+    """Has the process ``pid`` that started at ``start`` ended, every thread of it? A
+    leader that exits before its other threads shows as a zombie while they still run,
+    holding the process's descriptors (its locks too): that is no end yet."""
+    if alive(pid, start):
+        return False
+    if starttime(pid) != start:
+        return True  # gone (reaped), or its pid names another process now
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return all(_task_state(pid, t) in (None, "Z", "X") for t in tasks)
+
+
+def _task_state(pid: int, task: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2 :].split()
+    return rest[0].decode() if rest else None
+
+
 def all_pids() -> list[int]:
     try:
         return [int(n) for n in os.listdir("/proc") if n.isdigit()]
@@ -337,4 +362,21 @@ def lock_holders(dev: int, ino: int) -> list[int]:
             if any(not e.blocked for e in parse_proc_locks(locks, dev, ino)) and living(pid):
                 found.append(pid)
                 break
+    return found
+
+
+def marked(name: str, value: str) -> list[int]:
+    """Every living process started with ``name=value`` in its environment (those whose
+    environment is ours to read: our own user's, not a setuid program's). Slow: a read
+    of every process's environment."""
+    want = f"{name}={value}".encode()
+    found = []
+    for pid in all_pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if want in raw.split(b"\0") and living(pid):
+            found.append(pid)
     return found

@@ -15,7 +15,7 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .. import strategies
+from .. import procfs, strategies
 from ..arena import footprint as footprints
 from ..arena.budget import read_budget
 from ..arena.hint import Hint
@@ -23,7 +23,7 @@ from ..arena.member import Member, harmless_signals, join
 from ..command.context import Context
 from ..command.control import ParentEnd
 from ..command.process import Child, Terminal, become_subreaper
-from ..errors import NotObtained
+from ..errors import AddressError, NotObtained
 from .options import DEFAULT_IDLE, DEFAULT_READY_WITHIN, RunOptions
 from .scheduler import Scheduler
 from .supervision import FORWARDED, WATCHED, Supervision
@@ -151,7 +151,7 @@ class Runner:
         if opts.listen is None or opts.upstream is None:
             return None
         from ..strategies.presets import ready_url
-        from .proxy import Proxy
+        from .proxy import Proxy, owner
 
         proxy = Proxy(
             opts.listen,
@@ -162,7 +162,16 @@ class Runner:
             report=lambda count: member.describe(connections=count),
             warn=opts.warn,
             working=member.working,
+            note=lambda why: member.describe(note=why),
         )
+        if opts.on_release is None:  # else its server is no process of ours (a container)
+            taken = owner.in_use(proxy.upstream_port)
+            if taken is not None:
+                proxy.close()
+                raise AddressError("--upstream", opts.upstream,
+                                   f"port {proxy.upstream_port} is in use already, by {taken}:"
+                                   " the command could not listen there, and its clients"
+                                   " would reach that program")  # fmt: skip
         member.describe(listen=proxy.address, connections=0)
         return proxy
 
@@ -206,6 +215,14 @@ class Runner:
             command = strategies.prepare(opts.release, opts.settings, opts.command, env, scratch)
             fds = (control.child_fd, *member.residency.fds)
             child = Child(command, env, fds, terminal=Terminal.if_foreground())
+            if self.proxy is not None and opts.on_release is None:
+                from .proxy.owner import Guard
+
+                # Its processes as its tree (we adopt its orphans): no scan of the host.
+                me = os.getpid()
+                self.proxy.guard = Guard(
+                    self.proxy.upstream_port, lambda: child.pid, lambda: procfs.descendants(me)
+                )
             control.started()
             ctx = Context(
                 child=child, control=control, started=lambda pid: member.describe(child_pid=pid)

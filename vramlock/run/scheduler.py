@@ -95,6 +95,11 @@ class Scheduler:
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
         self._refusal: str | None = None  # why the last release was refused, for who
+        # How long a command told to end may take to exit before it is killed: 10 s
+        # (restart's, for whom --yield-within says it: it ends commands).
+        y = opts.yield_within
+        restart = self.strategy.name == "restart" and y is not None
+        self._end_grace = y if restart and y is not None else opts.settings.restart_grace
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
                              lambda note: self.member.describe(note=note))  # fmt: skip
@@ -180,6 +185,9 @@ class Scheduler:
 
     def _next(self) -> Event:
         """The next event; the bookkeeping of the way (reaping, control lines, the meter)."""
+        deaf = self.sup.deaf_for(self._end_grace)
+        if deaf is not None and deaf <= 0:
+            self.sup.kill_deaf(self._end_grace)
         status = self.sup.gone()
         if status is not None:
             self._status = exit_code(status)
@@ -227,6 +235,9 @@ class Scheduler:
         """Sleep until a descriptor we watch wakes us, or the next thing falls due."""
         watch, timeouts = self._watched(hint)
         timeouts += self._due()
+        deaf = self.sup.deaf_for(self._end_grace)
+        if deaf is not None:
+            timeouts.append(max(0.0, deaf))
         with contextlib.suppress(InterruptedError):
             select.select(watch, [], [], min(timeouts, default=None))
         self.sup.woken(drain(self._wake_r))

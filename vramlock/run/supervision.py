@@ -59,6 +59,7 @@ class Supervision:
         self.strays: dict[int, int] = {}
         self.pending_signal: int | None = None  # the last order to end
         self.ending_since: float | None = None  # when the first one came
+        self.told_at: float | None = None  # when an order to end first reached the command
         self.queued = False  # the token loop is blocked in the kernel's queue for the token
         self.signalled = True  # a signal arrived (through the wakeup fd) since we last looked
         self.all_gone = False  # every process of the command has ended
@@ -131,6 +132,31 @@ class Supervision:
             pass  # a setuid command: it keeps the token we share until it exits
         if signum in ENDING:
             self._told_pid = self.child.pid
+            if self.told_at is None:
+                self.told_at = time.monotonic()
+
+    def deaf_for(self, grace: float) -> float | None:
+        """Seconds left before the command, told to end, has had ``grace`` to exit;
+        None while it was not told, or has exited (or a release ended it)."""
+        if self.told_at is None or self.child.status is not None or self._away:
+            return None
+        return self.told_at + grace - time.monotonic()
+
+    def kill_deaf(self, grace: float) -> None:
+        """The command did not end within ``grace`` of the order to end: SIGKILL every
+        process of it (its group, its descendants, those that left the group)."""
+        self.warn(
+            f"the command did not end within {grace:g} s of"
+            f" {signal.Signals(self.pending_signal or signal.SIGTERM).name}; killing it"
+        )
+        try:
+            left = self.child.end_all(0.0, KILL_WAIT)
+        except StrategyError as err:
+            self.warn(f"{err}; holding the GPU until it exits")
+            return
+        if left:
+            self.warn(f"processes {', '.join(map(str, left))} of the command outlived SIGKILL")
+        self.child.poll()
 
     def resident_again(self) -> None:
         """The command is resident again: what it was told meanwhile reaches it now (the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -91,15 +92,20 @@ def _logged(
     config = load(path, duration, config_dir)
     drain = Drain()
     logs = Logs(config.log_to_stdout, config.log_time_format, warn, Out(1), Out(2), drain.hold)
-    reload = (lambda again: load(again, duration)) if watch else None
+
+    def reload(again: str) -> Config:
+        return load(again, duration, config_dir)
+
     try:
-        return _serve(config, where, logs, reload)
+        return _serve(config, where, logs, reload, watch)
     finally:
         logs.close()
         drain.close()
 
 
-def _serve(config: Config, where: Where, logs: Logs, reload: Callable[[str], Config] | None) -> int:
+def _serve(
+    config: Config, where: Where, logs: Logs, reload: Callable[[str], Config], watch: bool
+) -> int:
     from .members import Wrapper
 
     warn = logs.say
@@ -112,7 +118,7 @@ def _serve(config: Config, where: Where, logs: Logs, reload: Callable[[str], Con
     unhonoured = _together_without_budget(config, list(wrappers.values()))
     if unhonoured is not None:
         warn(unhonoured)
-    return asyncio.run(_main(config, wrappers, where, logs, reload))
+    return asyncio.run(_main(config, wrappers, where, logs, reload, watch))
 
 
 def _check(config: Config, w: Wrapper) -> None:
@@ -199,9 +205,11 @@ async def _main(
     wrappers: dict[str, Wrapper],
     where: Where,
     logs: Logs,
-    reload: Callable[[str], Config] | None,
+    reload: Callable[[str], Config],
+    watch: bool,
 ) -> int:
-    """Serve until told to end; ``reload``: --watch-config's loader of the file."""
+    """Serve until told to end; ``reload``: the loader of the file, for SIGHUP and
+    ``watch`` (--watch-config)."""
     from aiohttp import web
 
     from .front import Front
@@ -229,8 +237,9 @@ async def _main(
         for name in config.preload:  # the others start on their first request
             wrappers[name].start()
         warn(f"serving {', '.join(wrappers)} {_at(where)}")
-        watcher = None if reload is None else Watcher(router, logs, reload, _check)
-        async with watching(watcher):
+        watcher = Watcher(router, logs, reload, _check)
+        loop.add_signal_handler(signal.SIGHUP, watcher.hangup)  # not an end: a reload
+        async with watching(watcher if watch else None):
             await stop.wait()
     finally:
         logs.end_streams()

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from ..arena.records import HOLDING
 from .config import Config
 from .inflight import Flight, Flights, uncancel
-from .members import Wrapper
+from .members import Unloaded, Wrapper
 from .metrics import GONE, Requests
 from .reading import named
 from .turns import Turns
@@ -76,15 +76,9 @@ class Exchange:
         turns = self.turns_of(w)
         if not turns.enter_now(w.model.name):
             return None
-        w.admitted += 1
-        self._in(w)
+        w.admit()
+        w.enter()
         return turns
-
-    def _in(self, w: Wrapper) -> None:
-        w.in_flight += 1
-        if w.ttl_timer is not None:
-            w.ttl_timer.cancel()
-            w.ttl_timer = None
 
     async def take(
         self,
@@ -160,18 +154,19 @@ class Exchange:
         if w.admitted >= limit:
             return busy(f"model {w.model.name}: {limit} requests at once already"
                         " (concurrencyLimit)")  # fmt: skip
-        w.admitted += 1
+        w.admit()
         try:
             turns = self.turns_of(w)
             await turns.enter(w.model.name)
         except BaseException:
-            w.admitted -= 1
+            w.unadmit()
             raise
-        self._in(w)
+        w.enter()
         began = time.monotonic()
         try:
             await self.evict_for(w)
             await self._make_room(w)
+            await w.unloaded()  # a request during its unload goes to the model afresh
             w.ensure_running()
             out = await send()
             w.info(f"{shown} {status(out)} in {time.monotonic() - began:.3f} s")
@@ -198,7 +193,9 @@ class Exchange:
         for other in evicted:
             other.info(f"releasing it for model {w.model.name} (routing)")
         # Shielded: a request cancelled meanwhile leaves the releases to finish.
-        await asyncio.shield(asyncio.gather(*(self.unload(other) for other in evicted)))
+        await asyncio.shield(
+            asyncio.gather(*(self.unload(other) for other in evicted), return_exceptions=True)
+        )
 
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
@@ -222,27 +219,14 @@ class Exchange:
                 other.info(f"restarting it (it cannot release) for model {w.model.name}")
                 await other.restart()
 
-    def arm_ttl(self, w: Wrapper) -> None:
-        if w.model.ttl > 0 and w.in_flight == 0:
-            loop = asyncio.get_running_loop()
-            w.ttl_timer = loop.call_later(w.model.ttl, self._ttl_expired, w)
-
-    def _ttl_expired(self, w: Wrapper) -> None:
-        w.ttl_timer = None
-        if w.in_flight == 0:
-            self.unload(w)
-
-    def unload(self, w: Wrapper) -> asyncio.Task[bool]:
-        if w.unloading is None or w.unloading.done():
-            w.unloading = asyncio.get_running_loop().create_task(w.unload_bounded())
-        return w.unloading
+    def unload(self, w: Wrapper) -> asyncio.Task[Unloaded]:
+        return w.unload_soon()
 
     def leave(self, w: Wrapper, turns: Turns) -> None:
         """A request of ``w``'s that ``in_turn`` let in has ended."""
-        w.in_flight -= 1
-        w.admitted -= 1
+        w.leave()
         turns.leave()
-        self.arm_ttl(w)
+        w.arm_ttl(self.unload)
 
     def pool(self, w: Wrapper) -> Pool:
         """The connections to ``w``'s wrapper, bounded by the model's timeouts."""

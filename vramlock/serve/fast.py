@@ -155,6 +155,7 @@ class FastPath:
             or not self.exchange.may_enter_now(w)
             or (w.exited is not None and w.exited.done())
             or not w.alive()
+            or w.unloading
         ):
             return chosen
         pair = pool.take()

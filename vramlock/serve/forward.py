@@ -151,6 +151,7 @@ class Forwarder:
         over one opened to the model's server (through its wrapper, which holds it as
         it holds any connection while the model is released)."""
         await self.exchange.evict_for(w)
+        await w.unloaded()
         w.ensure_running()
         # The handshake's own headers are aiohttp's client's to make.
         headers = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import functools
 import os
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+from .. import procfs
 from ..arena.asking import asking
 from ..arena.budget import read_budget
 from ..arena.directory import Arena, parse_gpus
@@ -29,13 +31,11 @@ from ..arena.records import HOLDING, State
 from ..arena.roster import Row, snapshot
 from ..errors import InvalidTransition
 from ..net.address import parse
+from . import ending
 from .config import Config, Model
 from .logs import Logs, drain, read_pipe
 from .passing import briefly
 
-# How long ended wrappers get to hand their commands' GPU back and exit (each gives
-# its command 10 s, then kills it), before serve SIGKILLs what is left.
-STOP_WITHIN = 20.0
 _PR_SET_PDEATHSIG = 1
 _F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1 << 20  # /proc/sys/fs/pipe-max-size's default
@@ -48,8 +48,9 @@ HEALTH_ASK_WITHIN = 2.0
 STOP_MARGIN = 2.0
 # How often an unload looks whether the model it asked to step aside has.
 ASK_POLL = 0.01
-# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command.
-_CANNOT_RELEASE = "auto:none"
+# A wrapper's strategy in ``who`` when ``auto`` found no way to release its command,
+# or it was told to keep it (``release: none``): such a model is ended to unload it.
+_CANNOT_RELEASE = ("auto:none", "none")
 # When a wrapper exits unasked, serve says this many of its last lines of output (those
 # of its latest start), unless logToStdout shows its output already.
 EXIT_TAIL = 5
@@ -57,6 +58,8 @@ EXIT_TAIL = 5
 _EXIT_MEANING = {127: " (command not found)", 126: " (command not executable)"}
 
 _STATES = {s.value: s for s in State}
+# This serve, for ever (a pid and its start time): the first part of its models' markers.
+_SERVE = f"{os.getpid()}.{procfs.starttime(os.getpid())}"
 
 
 def follow(old: State, seen: State) -> list[State]:
@@ -108,6 +111,15 @@ def _listener() -> socket.socket:
     return sock
 
 
+@dataclasses.dataclass(frozen=True)
+class Unloaded:
+    """An unload's outcome: was the model resident and is it no longer; if it could not
+    be unloaded, why."""
+
+    released: bool
+    failure: str | None = None
+
+
 class Wrapper:
     """One model's ``vramlock run``: its listen port, its process, its requests."""
 
@@ -126,13 +138,84 @@ class Wrapper:
         self.listener = _listener()
         self.port: int = self.listener.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
-        self.in_flight = 0  # requests in its turn
-        self.admitted = 0  # requests taken for it, waiting for its turn or in it
-        self.ttl_timer: asyncio.TimerHandle | None = None
-        self.unloading: asyncio.Task[bool] | None = None
+        # Its requests and its ttl: changed through the methods below alone.
+        self._in_flight = 0  # requests in its turn
+        self._admitted = 0  # requests taken for it, waiting for its turn or in it
+        self._ttl_timer: asyncio.TimerHandle | None = None
+        self._unloading: asyncio.Task[Unloaded] | None = None
         self.exited: asyncio.Future[None] | None = None  # done once the wrapper exits
         self.shown = State.RELEASED  # the member's state as last seen
         self.ending = False  # serve ended the wrapper (its exit is no news)
+        self.starts = 0  # how many times it was started: its marker's last part
+        self.since = 0  # where its latest start's output begins in the model's log
+
+    # -- its requests and its ttl ----------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in its turn."""
+        return self._in_flight
+
+    @property
+    def admitted(self) -> int:
+        """Requests taken for it, waiting for its turn or in it."""
+        return self._admitted
+
+    def admit(self) -> None:
+        """A request is taken for it (it waits for the model's turn)."""
+        self._admitted += 1
+
+    def unadmit(self) -> None:
+        """A request taken for it gave up before its turn."""
+        self._admitted -= 1
+
+    def enter(self) -> None:
+        """An admitted request is in the model's turn: no ttl runs meanwhile."""
+        self._in_flight += 1
+        self.disarm_ttl()
+
+    def leave(self) -> None:
+        """A request that entered has ended."""
+        self._in_flight -= 1
+        self._admitted -= 1
+
+    def arm_ttl(self, expired: Callable[[Wrapper], object]) -> None:
+        """Idle: ``expired(self)`` once its ttl passes with no request in its turn."""
+        if self.model.ttl > 0 and self._in_flight == 0:
+            self.disarm_ttl()
+            loop = asyncio.get_running_loop()
+            self._ttl_timer = loop.call_later(self.model.ttl, self._ttl_passed, expired)
+
+    def _ttl_passed(self, expired: Callable[[Wrapper], object]) -> None:
+        self._ttl_timer = None
+        if self._in_flight == 0:
+            expired(self)
+
+    def disarm_ttl(self) -> None:
+        if self._ttl_timer is not None:
+            self._ttl_timer.cancel()
+            self._ttl_timer = None
+
+    def unload_soon(self) -> asyncio.Task[Unloaded]:
+        """``unload_bounded``, as a task: the one under way if there is one."""
+        if self._unloading is None or self._unloading.done():
+            self._unloading = asyncio.get_running_loop().create_task(self.unload_bounded())
+        return self._unloading
+
+    @property
+    def unloading(self) -> bool:
+        """Is an unload of it under way?"""
+        return self._unloading is not None and not self._unloading.done()
+
+    async def unloaded(self) -> None:
+        """Once the unload under way, if any, is over (a request that comes meanwhile
+        goes to the model started afresh, not to what is being ended)."""
+        if self._unloading is not None and not self._unloading.done():
+            await asyncio.shield(self._unloading)
+
+    def renew(self, config: Config, model: Model) -> None:
+        """Its entry as a reloaded configuration gives it (its process unchanged)."""
+        self.config, self.model = config, model
 
     @property
     def where(self) -> list[str]:
@@ -169,6 +252,41 @@ class Wrapper:
         """unloadTimeout: the model's, else the top level's; None: none given."""
         return self.model.unload_timeout or self.config.unload_timeout
 
+    @property
+    def mark(self) -> str:
+        """The marker in the environment of every process of the model's latest start:
+        serve's pid and start time, the model, the start."""
+        return f"{_SERVE}/{self.model.name}/{self.starts}"
+
+    @property
+    def end_within(self) -> float:
+        """How long the model's processes get after SIGTERM: unloadTimeout, else 10 s."""
+        bound = self.unload_within
+        return ending.DEFAULT_GRACE if bound is None else bound
+
+    def target(self, grace: float | None = None) -> ending.Target:
+        """What ``ending.end`` ends of the model: its wrapper while it lives, and every
+        process with its marker; SIGKILL after ``grace`` (None: ``end_within``)."""
+        pid = self.proc.pid if self.proc is not None and self.alive() else None
+        grace = self.end_within if grace is None else grace
+        if self.model.stop_command is None:
+            return ending.Target(self.model.name, pid, self.mark, grace)
+        # Its wrapper ends it by cmdStop, within unloadTimeout: that is waited for.
+        return ending.Target(self.model.name, pid, self.mark, grace + STOP_MARGIN, True)
+
+    async def end(self, grace: float | None = None) -> str | None:
+        """End the model as llama-swap does (SIGTERM, SIGKILL after ``grace``, None:
+        ``end_within``): None once every process of it is gone, else why not (said)."""
+        self.ending = True  # its exit is no news
+        target = self.target(grace)
+        why = (await briefly(lambda: ending.end([target])))[self.model.name]
+        if why is not None:
+            self.warn(f"model {self.model.name}: not ended: {why}")
+            return why
+        if self.proc is not None and self.proc.poll() is not None:
+            self.proc = None  # ended on purpose: nothing to say when it starts again
+        return None
+
     def info(self, message: str) -> None:
         """Say ``message`` about the model, at logLevel info (or debug)."""
         if self.config.log_level in ("debug", "info"):
@@ -179,8 +297,11 @@ class Wrapper:
         self.info("starting its wrapper")
         self.ending = False
         since = 0 if self.logs is None else self.logs.model(self.model.name).written
+        self.since = since
         env = dict(os.environ)
         env.update(self.model.env)
+        self.starts += 1
+        env[ending.MARKER] = self.mark  # every process of this start carries it
         # Output pipes (stdout's, stderr's), read by serve; their read ends are held by
         # the drainer too (``drain``), which reads them once serve is gone.
         pipes = [_output_pipe(), _output_pipe()] if self.logs is not None else []
@@ -212,31 +333,7 @@ class Wrapper:
         self.exited = _exit_of(self.proc)
         if self.exited is not None:
             proc = self.proc
-            self.exited.add_done_callback(lambda _: self._exited(proc, since))
-
-    def _exited(self, proc: subprocess.Popen[bytes], since: int) -> None:
-        """The wrapper ``proc`` exited: unless serve ended it, say so with its status
-        and, where serve's output does not show the model's, its last lines of output
-        (``since``: where its latest start's output began in the model's log)."""
-        if proc is not self.proc or self.ending:
-            return
-        meaning = _EXIT_MEANING.get(proc.returncode, "")
-        said = f"model {self.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
-        logs = self.logs
-        if logs is None or logs.shows_output:
-            self.warn(said)
-            return
-        for fd, is_err in list(self.pipes.items()):  # what the pipes hold already
-            with contextlib.suppress(OSError):
-                while data := os.read(fd, 1 << 16):
-                    logs.output(self.model.name, data, is_err)
-        tail = logs.model(self.model.name).lines(EXIT_TAIL, since)
-        if not tail:
-            self.warn(f"{said}; it wrote nothing")
-            return
-        self.warn(f"{said}; the end of its output (all of it: /logs/stream/{self.model.name}):")
-        for line in tail:
-            self.warn(f"model {self.model.name}: | {line}")
+            self.exited.add_done_callback(lambda _: _exited(self, proc, since))
 
     def _read_output(self, fd: int, is_err: bool) -> None:
         """The wrapper's output into serve's logs, read by the event loop as it comes."""
@@ -286,45 +383,19 @@ class Wrapper:
             # A wrapper that cut the connection may be ending: its status says why.
             await briefly(lambda: proc.wait(EXIT_WITHIN))
         if not self.alive():
-            # Said already, with its last output, as it exited (``_exited``).
+            # Said already, with its last output, as it exited (``_exited``); the client
+            # gets that output too.
             code = proc.returncode
-            return f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+            said = f"its wrapper exited with status {code}{_EXIT_MEANING.get(code, '')}"
+            tail = _last_lines(self, self.since)
+            return f"{said}; its last output: {' | '.join(tail)}" if tail else said
         if self.ready_url is not None:
-            found = await self._health(self.ready_url, err)
+            found = await _health(self, self.ready_url, err)
         else:
             found = (err.strerror or str(err)).lower()
         # The wrapper says why on its own output, which logToStdout may keep from serve's.
         self.warn(f"model {self.model.name}: its server did not answer: {found}")
         return found
-
-    async def _health(self, path: str, err: OSError) -> str:
-        """What ``GET path`` on the model's server answers now."""
-        what = f"GET {path} on {self.model.upstream}"
-        # The wrapper is alive, so it cut the request: its check had no 2xx in time.
-        within = f"(no 2xx within healthCheckTimeout, {self.config.health_timeout:g} s)"
-        try:
-            line = await asyncio.wait_for(self._ask(path), HEALTH_ASK_WITHIN)
-        except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
-            return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s {within}"
-        except OSError as failed:
-            # asyncio's "Connect call failed (...)" says less than the errno's words.
-            reason = os.strerror(failed.errno) if failed.errno else str(failed)
-            return f"{what}: {reason.lower()} {within}"
-        parts = line.decode("latin-1").split()
-        status = parts[1][:20] if len(parts) > 1 else "no status"
-        if status.startswith("2"):
-            return f"{what} answers {status} now; the request was cut: {err}"
-        return f"{what} answered {status} {within}"
-
-    async def _ask(self, path: str) -> bytes:
-        host, port = parse(self.model.upstream, "proxy")
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.model.upstream}\r\n"
-                         "Connection: close\r\n\r\n".encode())  # fmt: skip
-            return await reader.readline()
-        finally:
-            writer.close()
 
     def arena(self) -> Arena:
         gpus = parse_gpus(self.model.gpu) if self.model.gpu is not None else ()
@@ -347,7 +418,7 @@ class Wrapper:
         if not self.alive():
             return False
         row = self._row()
-        if row is None or row.state not in HOLDING or row.strategy != _CANNOT_RELEASE:
+        if row is None or row.state not in HOLDING or row.strategy not in _CANNOT_RELEASE:
             return False
         with contextlib.closing(self.arena()) as opened:
             return read_budget(opened) is None
@@ -355,9 +426,7 @@ class Wrapper:
     async def restart(self) -> None:
         """End the wrapper and its command, as llama-swap ends a model for another: it
         starts again on its next request."""
-        self.ending = True
-        await briefly(lambda: stop_all([self]))
-        self.proc = None  # ended on purpose: nothing to warn about when it starts again
+        await self.end()
 
     def state(self, rows: list[Row] | None = None) -> State:
         """The model's member state: its wrapper's, WAITING before the wrapper joined
@@ -377,43 +446,35 @@ class Wrapper:
         self.shown = seen
         return seen
 
-    async def unload_bounded(self) -> bool:
+    async def unload_bounded(self) -> Unloaded:
         """Release the model now, if it is resident, within its unloadTimeout, then stop
         it hard (end its command and wrapper: it starts again on its next request);
-        without one, within healthCheckTimeout. True if it held the token and gave it
-        up, or was stopped."""
+        without one, within healthCheckTimeout. A model that cannot release is ended at
+        once, as llama-swap ends one: SIGTERM, SIGKILL after unloadTimeout (10 s)."""
+        if not self.alive():
+            return Unloaded(False)
+        row = self._row()
+        if row is None or row.state not in HOLDING:
+            return Unloaded(False)
+        if row.strategy in _CANNOT_RELEASE and self.model.stop_command is None:
+            self.info(f"ending it (it cannot release; SIGKILL after {self.end_within:g} s)")
+            return Unloaded(True, await self.end())
         bound = self.unload_within
         if bound is None:
-            return await self.unload(self.config.health_timeout)
-        if not self.resident():
-            return False
+            return Unloaded(await self.unload(self.config.health_timeout))
         # cmdStop runs in the wrapper under the same bound: its outcome is waited for.
         margin = STOP_MARGIN if self.model.stop_command is not None else 0.0
         if await self.unload(bound + margin) or not self.resident():
-            return True
+            return Unloaded(True)
         if self.model.stop_command is not None:
             # Its GPU process is no child of ours: killing the wrapper and cmd would give
             # the token up while it may still run. It keeps the token; run says why.
-            self.warn(f"model {self.model.name}: cmdStop did not stop it within unloadTimeout,"
-                      f" {bound:g} s; it keeps the GPU")  # fmt: skip
-            return False
+            why = f"cmdStop did not stop it within unloadTimeout, {bound:g} s; it keeps the GPU"
+            self.warn(f"model {self.model.name}: {why}")
+            return Unloaded(False, why)
         self.warn(f"model {self.model.name}: not released within unloadTimeout, {bound:g} s;"
                   " stopping it")  # fmt: skip
-        await self.stop_hard()
-        return True
-
-    async def stop_hard(self) -> None:
-        """SIGKILL the model's command (its process group), then end its wrapper, which
-        ends whatever of the command is left before it exits."""
-        self.ending = True  # its exit, which may come before restart's, is no news
-        row = self._row()
-        child = None if row is None else row.child_pid
-        if child is not None:
-            with contextlib.suppress(OSError):
-                group = os.getpgid(child)
-                if group != os.getpgrp():
-                    os.killpg(group, signal.SIGKILL)
-        await self.restart()
+        return Unloaded(True, await self.end(0.0))
 
     def resident(self) -> bool:
         """Does the wrapper hold the token (or its units)?"""
@@ -433,7 +494,7 @@ class Wrapper:
             with contextlib.closing(self.arena()) as opened:
                 budget = read_budget(opened) is not None
             if budget:
-                return await self._ask_aside(timeout)
+                return await _ask_aside(self, timeout)
         waiter = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "vramlock", "wait", *self.where, "-w", f"{timeout:.3f}",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -443,35 +504,99 @@ class Wrapper:
             self.warn(f"model {self.model.name}: unload: vramlock wait exited with status {code}")
         return code == 0
 
-    async def _ask_aside(self, timeout: float) -> bool:
-        """Ask for the model's budget units until it has given them up (its minimum
-        hold and yield_within honoured, as for any budget waiter); the units asked for
-        follow its record (none while it gathers them, more once it grows)."""
-        end = time.monotonic() + timeout
-        asked: list[int] = []
-        with contextlib.closing(self.arena()) as opened, contextlib.ExitStack() as asks:
-            while (row := self._row() if self.alive() else None) and row.state in HOLDING:
-                units = sorted(row.units or [])
-                if units != asked:
-                    asks.close()
-                    asks.enter_context(asking(opened, units))
-                    asked = units
-                if time.monotonic() >= end:
-                    self.warn(f"model {self.model.name}: unload: still resident after"
-                              f" {timeout:g} s")  # fmt: skip
-                    return False
-                await asyncio.sleep(ASK_POLL)
-        return True
-
     def close(self) -> None:
         """Close serve's listening socket for the model (its wrapper ended first)."""
         self.listener.close()
 
-    def terminate(self) -> None:
+    def stopping(self) -> None:
+        """serve ends it: its exit is no news."""
         self.ending = True
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
+
+
+def _exited(w: Wrapper, proc: subprocess.Popen[bytes], since: int) -> None:
+    """The wrapper ``proc`` exited: unless serve ended it, say so with its status
+    and, where serve's output does not show the model's, its last lines of output
+    (``since``: where its latest start's output began in the model's log)."""
+    if proc is not w.proc or w.ending:
+        return
+    meaning = _EXIT_MEANING.get(proc.returncode, "")
+    said = f"model {w.model.name}: its wrapper exited with status {proc.returncode}{meaning}"
+    tail = _last_lines(w, since)
+    if tail is None:
+        w.warn(said)
+        return
+    if not tail:
+        w.warn(f"{said}; it wrote nothing")
+        return
+    w.warn(f"{said}; the end of its output (all of it: /logs/stream/{w.model.name}):")
+    for line in tail:
+        w.warn(f"model {w.model.name}: | {line}")
+
+
+def _last_lines(w: Wrapper, since: int) -> list[str] | None:
+    """The last ``EXIT_TAIL`` lines of output of the start whose output began at
+    ``since`` in the model's log (what its pipes hold too); None where serve does not
+    keep them (its output is serve's, or logToStdout shows it already)."""
+    logs = w.logs
+    if logs is None or logs.shows_output:
+        return None
+    for fd, is_err in list(w.pipes.items()):  # what the pipes hold already
+        with contextlib.suppress(OSError):
+            while data := os.read(fd, 1 << 16):
+                logs.output(w.model.name, data, is_err)
+    return logs.model(w.model.name).lines(EXIT_TAIL, since)
+
+
+async def _health(w: Wrapper, path: str, err: OSError) -> str:
+    """What ``GET path`` on the model's server answers now."""
+    what = f"GET {path} on {w.model.upstream}"
+    # The wrapper is alive, so it cut the request: its check had no 2xx in time.
+    within = f"(no 2xx within healthCheckTimeout, {w.config.health_timeout:g} s)"
+    try:
+        line = await asyncio.wait_for(_ask(w, path), HEALTH_ASK_WITHIN)
+    except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
+        return f"{what} had no answer within {HEALTH_ASK_WITHIN:g} s {within}"
+    except OSError as failed:
+        # asyncio's "Connect call failed (...)" says less than the errno's words.
+        reason = os.strerror(failed.errno) if failed.errno else str(failed)
+        return f"{what}: {reason.lower()} {within}"
+    parts = line.decode("latin-1").split()
+    status = parts[1][:20] if len(parts) > 1 else "no status"
+    if status.startswith("2"):
+        return f"{what} answers {status} now; the request was cut: {err}"
+    return f"{what} answered {status} {within}"
+
+
+async def _ask(w: Wrapper, path: str) -> bytes:
+    host, port = parse(w.model.upstream, "proxy")
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {w.model.upstream}\r\n"
+                     "Connection: close\r\n\r\n".encode())  # fmt: skip
+        return await reader.readline()
+    finally:
+        writer.close()
+
+
+async def _ask_aside(w: Wrapper, timeout: float) -> bool:
+    """Ask for the model's budget units until it has given them up (its minimum
+    hold and yield_within honoured, as for any budget waiter); the units asked for
+    follow its record (none while it gathers them, more once it grows)."""
+    end = time.monotonic() + timeout
+    asked: list[int] = []
+    with contextlib.closing(w.arena()) as opened, contextlib.ExitStack() as asks:
+        while (row := w._row() if w.alive() else None) and row.state in HOLDING:
+            units = sorted(row.units or [])
+            if units != asked:
+                asks.close()
+                asks.enter_context(asking(opened, units))
+                asked = units
+            if time.monotonic() >= end:
+                w.warn(f"model {w.model.name}: unload: still resident after"
+                          f" {timeout:g} s")  # fmt: skip
+                return False
+            await asyncio.sleep(ASK_POLL)
+    return True
 
 
 def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None] | None:
@@ -510,18 +635,16 @@ def states(wrappers: Iterable[Wrapper]) -> dict[str, State]:
     return found
 
 
-def stop_all(wrappers: list[Wrapper], within: float = STOP_WITHIN) -> None:
-    """SIGTERM every wrapper and reap it; SIGKILL one that takes longer than ``within``
-    (its command keeps the token's lock until it exits: nothing runs without it)."""
+def stop_all(wrappers: list[Wrapper]) -> None:
+    """End every wrapper's model at once, as llama-swap ends one (SIGTERM to every
+    process of it, SIGKILL after its unloadTimeout), and reap the wrappers."""
     for w in wrappers:
-        w.terminate()
-    end = time.monotonic() + within
+        w.stopping()
+    targets = [w.target() for w in wrappers if w.proc is not None]
+    for name, why in ending.end(targets).items():
+        if why is not None:
+            wrappers[0].warn(f"model {name}: not ended: {why}")
     for w in wrappers:
-        if w.proc is None:
-            continue
-        try:
-            w.proc.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.warn(f"model {w.model.name}: wrapper did not end within {within:g} s; killing it")
-            w.proc.kill()
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.kill()  # its command is gone, or out of reach (said above)
             w.proc.wait()

@@ -233,37 +233,50 @@ class Router:
         found = self.wrapper(request.match_info["model"])
         if isinstance(found, web.Response):
             return found
-        released = await self.exchange.unload(found)
-        return web.json_response({"model": found.model.name, "released": released})
+        done = await self.exchange.unload(found)
+        if done.failure is not None:
+            return _not_unloaded({found.model.name: done.failure})
+        return web.json_response({"model": found.model.name, "released": done.released})
 
-    async def _unload_all(self) -> list[str]:
-        """Release every resident model; the names of those that were."""
+    async def _unload_all(self) -> tuple[list[str], dict[str, str]]:
+        """Release every resident model: the names of those that were, and why each
+        that could not be was not."""
         tasks = {name: self.exchange.unload(w) for name, w in self.wrappers.items()}
         done = {name: await task for name, task in tasks.items()}
-        return [name for name, ok in done.items() if ok]
+        failed = {name: d.failure for name, d in done.items() if d.failure is not None}
+        return [name for name, d in done.items() if d.released and d.failure is None], failed
 
     async def unload_all(self, request: web.Request) -> web.Response:
-        return web.json_response({"released": await self._unload_all()})
+        released, failed = await self._unload_all()
+        return _not_unloaded(failed) if failed else web.json_response({"released": released})
 
     async def unload_all_plain(self, request: web.Request) -> web.Response:
         """llama-swap's GET /unload: "OK" once every model is released."""
-        await self._unload_all()
-        return web.Response(text="OK")
+        _, failed = await self._unload_all()
+        return _not_unloaded(failed) if failed else web.Response(text="OK")
 
     async def api_unload_all(self, request: web.Request) -> web.Response:
         """llama-swap's POST /api/models/unload."""
-        await self._unload_all()
-        return web.json_response({"msg": "ok"})
+        _, failed = await self._unload_all()
+        return _not_unloaded(failed) if failed else web.json_response({"msg": "ok"})
 
     async def api_unload_one(self, request: web.Request) -> web.Response:
         """llama-swap's POST /api/models/unload/MODEL: "OK" once it is released."""
         found = self.wrapper(request.match_info["model"])
         if isinstance(found, web.Response):
             return found
-        await self.exchange.unload(found)
+        done = await self.exchange.unload(found)
+        if done.failure is not None:
+            return _not_unloaded({found.model.name: done.failure})
         return web.Response(text="OK")
 
     async def no_route(self, request: web.Request) -> web.Response:
         return _error(404, f"{request.method} {request.path}: no such route")
 
     # -- what is there -------------------------------------------------------------
+
+
+def _not_unloaded(failed: dict[str, str]) -> web.Response:
+    """A 500 for an unload that left models running: why, model by model."""
+    said = "; ".join(f"model {name}: {why}" for name, why in failed.items())
+    return _error(500, f"not unloaded: {said}")

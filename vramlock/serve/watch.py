@@ -7,7 +7,10 @@ resident (its other keys, aliases, ttl, filters and the like, take effect at onc
 model whose command or wrapper changed is ended and comes back under its new entry (on
 its next request, or at once if preloaded); a removed one is ended, a new one added.
 A file that no longer loads changes nothing: the error is logged and the configuration
-in use stays.
+in use stays. The file is read off the event loop (and only a regular file of bounded
+size is read at all: ``config.reader``), so that serve answers all along.
+SIGHUP reads the file again at once, with or without ``--watch-config``, as llama-swap
+does.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Watcher:
         self.router, self.logs, self.load, self.check = router, logs, load, check
         self.path = router.config.path
         self._last = _seen(self.path)
+        self._one = asyncio.Lock()  # one reload at a time
+        self._hangups: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -72,11 +77,24 @@ class Watcher:
             if now is None or now == self._last:
                 continue
             self._last = now
+            await self.reload()
+
+    async def reload(self) -> None:
+        """Read the file (off the event loop) and serve what it says; a file that does
+        not load is said, and changes nothing."""
+        async with self._one:
             try:
-                new = self.load(self.path)  # a small file: read in the loop
+                new = await briefly(lambda: self.load(self.path))
                 await self.apply(new)
             except VramlockError as err:
                 self.logs.say(f"{err}; the configuration in use is kept")
+
+    def hangup(self) -> None:
+        """SIGHUP: reload now, as llama-swap does (serve goes on)."""
+        self.logs.say(f"{self.path}: SIGHUP: reading it again")
+        task = asyncio.ensure_future(self.reload())
+        self._hangups.add(task)
+        task.add_done_callback(self._hangups.discard)
 
     async def apply(self, new: Config) -> None:
         """Serve ``new``: keep the wrappers of unchanged models, replace the others."""
@@ -103,8 +121,7 @@ class Watcher:
             self.logs.say(f"{new.path}: apiKeys changed: they take effect when serve restarts")
         gone = [w for name, w in wrappers.items() if name not in kept]
         for w in gone:
-            if w.ttl_timer is not None:
-                w.ttl_timer.cancel()
+            w.disarm_ttl()
         await briefly(lambda: stop_all(gone))
         for w in gone:
             w.drain_output()
@@ -113,7 +130,7 @@ class Watcher:
             if pool is not None:
                 pool.close()
         for name, w in kept.items():
-            w.config, w.model = new, new.models[name]
+            w.renew(new, new.models[name])
         wrappers.clear()
         wrappers.update({name: kept.get(name) or fresh[name] for name in new.models})
         self.router.config = new

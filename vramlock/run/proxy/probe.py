@@ -25,7 +25,8 @@ class Probe:
     """One probe at a time. ``ready(sock)`` is called once the upstream is ready (``sock``:
     a connection to it for the first client, or None); ``retry()`` once a probe failed
     (the next should come ``PROBE_EVERY`` later); ``starve(err)`` when no socket could
-    be had. ``answer`` says what the last probe got, for a warning."""
+    be had; ``vet()``, once a connection is made, whether what accepted it may be asked.
+    ``answer`` says what the last probe got, for a warning."""
 
     def __init__(
         self,
@@ -36,8 +37,10 @@ class Probe:
         ready: Callable[[socket.socket | None], None],
         retry: Callable[[], None],
         starve: Callable[[OSError], None],
+        vet: Callable[[], bool] | None = None,
     ) -> None:
         self._loop, self._upstreams, self.ready_url = loop, upstreams, ready_url
+        self._vet = vet  # False: the listener that accepted is not to be asked
         self._ready, self._retry, self._starve = ready, retry, starve
         self.target = upstreams[0]  # the upstream address that accepted last
         self.until = 0.0  # when a probe that has no answer yet fails
@@ -95,6 +98,9 @@ class Probe:
         elif sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
             self.answer = "connection refused"
             self.failed()
+        elif self._vet is not None and not self._vet():
+            self.answer = "the port is not the command's"
+            self.failed()  # nothing sent to it
         elif self.ready_url is None:
             self._loop.unwatch(sock)
             self._sock = None

@@ -13,6 +13,7 @@ from ...errors import AddressError
 from ...net.address import inherited, resolve, show
 from .conn import Conn
 from .loop import READ, Loop
+from .owner import Guard
 from .probe import PROBE_EVERY, Probe
 from .relay import Gate, Relay
 
@@ -83,8 +84,12 @@ class Proxy:
         report: Callable[[int], None],
         warn: Callable[[str], None],
         working: Callable[[bool], None] | None = None,
+        note: Callable[[str | None], None] | None = None,
     ) -> None:
         self.idle = idle
+        self._note = note  # told why clients are refused (None: no longer)
+        self.guard: Guard | None = None  # whose the upstream's port is (set once it runs)
+        self._refusal: str | None = None  # why clients are refused now
         self.ready_within = ready_within
         self._report, self._warn = report, warn
         upstreams = resolve(upstream, "--upstream", connect=True)
@@ -93,7 +98,8 @@ class Proxy:
         self._loop = Loop()
         self.wake_fd, self._wake_runner = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._probe = Probe(self._loop, upstreams, ready_url, ready=self._ready,
-                            retry=self._retry, starve=self._starve)  # fmt: skip
+                            retry=self._retry, starve=self._starve,
+                            vet=lambda: self._stranger() is None)  # fmt: skip
         self._relay = Relay(self._loop, self._wake_runner, target=lambda: self._probe.target,
                             starve=self._starve, counted=self._count_changed,
                             working=working)  # fmt: skip
@@ -115,6 +121,11 @@ class Proxy:
             self._thread.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    @property
+    def upstream_port(self) -> int:
+        """The port the upstream listens on."""
+        return int(self._probe.target[1][1])
 
     @property
     def ready_url(self) -> str | None:
@@ -245,7 +256,8 @@ class Proxy:
         elif due and not probing:
             with self._relay.lock:
                 self._probe_at = None
-            self._probe.start()
+            if self._stranger() is None:  # no connection to a stranger, not even a probe
+                self._probe.start()
 
     def _on_listener(self, events: int) -> None:
         while True:
@@ -319,6 +331,8 @@ class Proxy:
     # -- waiting for the upstream after a restore ------------------------------------
 
     def _retry(self) -> None:
+        if self.guard is not None:
+            self.guard.forget()  # a connection failed: whose the port is, looked at anew
         with self._relay.lock:
             if self._relay.gate is Gate.OPENING:
                 self._probe_at = time.monotonic() + PROBE_EVERY
@@ -326,6 +340,10 @@ class Proxy:
     def _ready(self, sock: socket.socket | None) -> None:
         """The upstream is ready: open the gate; ``sock``, a connection to it, serves the
         first client."""
+        if self._stranger() is not None:
+            if sock is not None:
+                sock.close()
+            return
         with self._relay.lock:
             if self._relay.gate is not Gate.OPENING:
                 if sock is not None:
@@ -350,6 +368,26 @@ class Proxy:
             sock.close()
         for conn in held:
             self._relay.forward(conn)
+
+    def _stranger(self) -> str | None:
+        """Why the upstream's port is not the command's (``Guard``), else None. Refused,
+        the waiting clients are closed and the port looked at again later; each new
+        reason said once, and noted for ``who``."""
+        why = None if self.guard is None else self.guard.check()
+        if why != self._refusal:
+            self._refusal = why
+            if why is not None:
+                self._say(why)
+            if self._note is not None:
+                try:
+                    self._note(why)
+                except Exception:
+                    pass  # for display only
+        if why is not None:
+            for conn in self._relay.waiting():
+                self._relay.drop(conn)
+            self._retry()
+        return why
 
     def _not_ready(self) -> None:
         self._probe.stop()
