@@ -439,16 +439,8 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the clean-up, as Ctrl-C does
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["--role", "member"]:
-        a = argv[2:]
-        member_main(a[0], a[1], a[2], float(a[3]), int(a[4]), int(a[5]))
-        return 0
-    if argv[:2] == ["--role", "pingpong"]:
-        a = argv[2:]
-        pingpong_main(a[0], a[1] == "1", int(a[2]), a[3], int(a[4]), int(a[5]))
-        return 0
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[int]]:
+    """The options, and the member counts they name."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--mode", choices=("all", "protocol", "e2e"), default="all", help="default: both"
@@ -477,6 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in opts.members.split(",") if x.strip()]
     if not counts or min(counts) < 2:
         parser.error("--members: counts of at least 2")
+    return opts, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["--role", "member"]:
+        a = argv[2:]
+        member_main(a[0], a[1], a[2], float(a[3]), int(a[4]), int(a[5]))
+        return 0
+    if argv[:2] == ["--role", "pingpong"]:
+        a = argv[2:]
+        pingpong_main(a[0], a[1] == "1", int(a[2]), a[3], int(a[4]), int(a[5]))
+        return 0
+    opts, counts = parse(argv)
     signal.signal(signal.SIGTERM, _terminated)
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # programs orphaned by a wrapper's SIGKILL are ours
     tmp = tempfile.mkdtemp(prefix="vramlock-bench-", dir=opts.dir)

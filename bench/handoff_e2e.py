@@ -39,8 +39,76 @@ def prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl")
 
 
-def child_main(sock_path: str, name: str) -> None:
+class Program:
     """A program under ``vramlock run``: the control protocol, raw, with stamps."""
+
+    def __init__(self, ctl: socket.socket, bench: socket.socket, name: str) -> None:
+        self.ctl, self.bench, self.name = ctl, bench, name
+        self.stamps: list[str] = []  # sent only between handoffs (flush)
+        self.released = self.contend = False
+
+    def stamp(self, kind: str, t: int) -> None:
+        self.stamps.append(f"{kind} {self.name} {t}\n")
+
+    def want(self) -> None:
+        t0 = time.monotonic_ns()
+        self.ctl.sendall(b"want\n")
+        self.stamp("want", t0)
+
+    def flush(self) -> None:
+        self.bench.sendall("".join(self.stamps).encode())
+        self.stamps.clear()
+
+    def from_vramlock(self, word: bytes) -> None:
+        if word == b"release":
+            t1 = time.monotonic_ns()
+            t2 = time.monotonic_ns()  # nothing to free
+            self.ctl.sendall(b"released\n")
+            self.stamp("release", t1)
+            self.stamp("released", t2)
+            self.released = True
+            if self.contend:
+                self.want()
+        elif word == b"restore":
+            t3 = time.monotonic_ns()
+            t4 = time.monotonic_ns()  # nothing to load
+            self.ctl.sendall(b"restored\n")
+            self.stamp("restore", t3)
+            self.stamp("restored", t4)
+            self.released = False
+            if not self.contend:
+                self.flush()  # the benchmark waits for this before its next sample
+
+    def from_benchmark(self, word: bytes) -> None:
+        if word == b"want" and self.released:
+            self.want()
+        elif word == b"contend":
+            self.contend = True
+            if self.released:
+                self.want()
+        elif word == b"flush":
+            self.stamp("flushed", time.monotonic_ns())
+            self.flush()
+
+    def serve(self) -> None:
+        """Until the wrapper or the benchmark goes away."""
+        handlers = {self.ctl.fileno(): self.from_vramlock, self.bench.fileno(): self.from_benchmark}
+        partial = dict.fromkeys(handlers, b"")
+        poller = select.poll()
+        for fd in handlers:
+            poller.register(fd, select.POLLIN)
+        while True:
+            for fd, _ in poller.poll():
+                data = os.read(fd, 4096)
+                if not data:
+                    return
+                *lines, partial[fd] = (partial[fd] + data).split(b"\n")
+                for line in lines:
+                    handlers[fd](line.strip())
+
+
+def child_main(sock_path: str, name: str) -> None:
+    """The program's start: die with the wrapper, say hello, then serve."""
     wrapper = os.getppid()
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # our wrapper's death ends us too
     if os.getppid() != wrapper:
@@ -50,67 +118,7 @@ def child_main(sock_path: str, name: str) -> None:
     bench.connect(sock_path)
     ctl.sendall(b"hello\n")
     bench.sendall(f"start {name} {time.monotonic_ns()} {os.getpid()}\n".encode())
-    stamps: list[str] = []  # sent only between handoffs (flush)
-    released = contend = False
-
-    def stamp(kind: str, t: int) -> None:
-        stamps.append(f"{kind} {name} {t}\n")
-
-    def want() -> None:
-        t0 = time.monotonic_ns()
-        ctl.sendall(b"want\n")
-        stamp("want", t0)
-
-    def flush() -> None:
-        bench.sendall("".join(stamps).encode())
-        stamps.clear()
-
-    def from_vramlock(word: bytes) -> None:
-        nonlocal released
-        if word == b"release":
-            t1 = time.monotonic_ns()
-            t2 = time.monotonic_ns()  # nothing to free
-            ctl.sendall(b"released\n")
-            stamp("release", t1)
-            stamp("released", t2)
-            released = True
-            if contend:
-                want()
-        elif word == b"restore":
-            t3 = time.monotonic_ns()
-            t4 = time.monotonic_ns()  # nothing to load
-            ctl.sendall(b"restored\n")
-            stamp("restore", t3)
-            stamp("restored", t4)
-            released = False
-            if not contend:
-                flush()  # the benchmark waits for this before its next sample
-
-    def from_benchmark(word: bytes) -> None:
-        nonlocal contend
-        if word == b"want" and released:
-            want()
-        elif word == b"contend":
-            contend = True
-            if released:
-                want()
-        elif word == b"flush":
-            stamp("flushed", time.monotonic_ns())
-            flush()
-
-    handlers = {ctl.fileno(): from_vramlock, bench.fileno(): from_benchmark}
-    partial = dict.fromkeys(handlers, b"")
-    poller = select.poll()
-    for fd in handlers:
-        poller.register(fd, select.POLLIN)
-    while True:
-        for fd, _ in poller.poll():
-            data = os.read(fd, 4096)
-            if not data:
-                return  # the wrapper or the benchmark went away
-            *lines, partial[fd] = (partial[fd] + data).split(b"\n")
-            for line in lines:
-                handlers[fd](line.strip())
+    Program(ctl, bench, name).serve()
 
 
 class Hub:
