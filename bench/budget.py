@@ -98,6 +98,36 @@ def request(port: int) -> None:
         time.sleep(0.02)  # restarting: loading its model
 
 
+def start_servers(
+    binary: str, model: str, arena: Path, starts: list[Path], env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> list[int]:  # fmt: skip
+    """``SERVERS`` llama-servers, each under ``vramlock run --release restart`` behind
+    its proxy (appended to ``procs`` as they start; each start is a line in its file of
+    ``starts``): their proxies' ports once all listen."""
+    ports: list[int] = []
+    for i in range(SERVERS):
+        port, upstream = free_port(), free_port()
+        server = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(upstream),
+                  "-np", "1", "-c", "512", "-t", "1"]  # fmt: skip
+        argv = [sys.executable, "-m", "vramlock", "run", "--arena", str(arena),
+                "--vram", FOOTPRINT, "--name", f"s{i}",
+                "--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
+                "--release", "restart", "--min-hold", "0", "--idle", "50ms", "--",
+                "sh", "-c", f'echo >> {starts[i]}; exec "$0" "$@"', *server]  # fmt: skip
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True,
+                                      env=env))  # fmt: skip
+        ports.append(port)
+    for port in ports:
+        end = time.monotonic() + 60
+        while not accepts(port):
+            if time.monotonic() > end:
+                raise RuntimeError("a wrapper did not listen")
+            time.sleep(0.01)
+    return ports
+
+
 def run_once(binary: str, model: str, budget: str, order: list[int]) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,33 +143,8 @@ def run_once(binary: str, model: str, budget: str, order: list[int]) -> dict[str
                 env=env,
             )  # fmt: skip
         starts = [Path(tmp) / f"starts{i}" for i in range(SERVERS)]
-        ports: list[int] = []
         try:
-            for i in range(SERVERS):
-                port, upstream = free_port(), free_port()
-                server = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(upstream),
-                          "-np", "1", "-c", "512", "-t", "1"]  # fmt: skip
-                argv = [sys.executable, "-m", "vramlock", "run", "--arena", str(arena),
-                        "--vram", FOOTPRINT, "--name", f"s{i}",
-                        "--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
-                        "--release", "restart", "--min-hold", "0", "--idle", "50ms", "--",
-                        "sh", "-c", f'echo >> {starts[i]}; exec "$0" "$@"', *server]  # fmt: skip
-                procs.append(
-                    subprocess.Popen(
-                        argv,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        start_new_session=True,
-                        env=env,
-                    )
-                )
-                ports.append(port)
-            for port in ports:
-                end = time.monotonic() + 60
-                while not accepts(port):
-                    if time.monotonic() > end:
-                        raise RuntimeError("a wrapper did not listen")
-                    time.sleep(0.01)
+            ports = start_servers(binary, model, arena, starts, env, procs)
             for i in range(SERVERS):
                 request(ports[i])  # each loaded once: these are not swaps
             before = sum(len(p.read_text().splitlines()) for p in starts if p.exists())

@@ -156,7 +156,7 @@ def footprint(member: dict[str, Any]) -> str:
     return f"{show_size(member['footprint'])} {member.get('footprint_from') or 'declared'}"
 
 
-def main() -> int:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=30.0)
     parser.add_argument("--budget", default="70G")
@@ -167,87 +167,67 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--gpu", type=int, default=0, help="NVML index")
     parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
-    budget = parse_size(args.budget, "--budget")
+    return parser.parse_args()
+
+
+def start_servers(
+    args: argparse.Namespace, arena: Path, logs: list[Path], env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> list[int]:  # fmt: skip
+    """``SERVERS`` GPU servers, each under ``vramlock run`` behind its proxy (appended to
+    ``procs`` as they start): their proxies' ports."""
     declared = [] if args.vram == "measured" else ["--vram", args.vram]
-    why = cannot_run(args.gpu, budget)
-    if why is not None:
-        print(f"budget_gpu.py: cannot run here: {why}", file=sys.stderr)
-        return 1
+    ports = []
+    for i in range(SERVERS):
+        port, upstream = free_port(), free_port()
+        argv = [sys.executable, "-m", "vramlock", "run", "--arena", str(arena),
+                *declared, "--name", f"s{i}", "--release", args.release,
+                "--min-hold", "0", "--demand", "listen",
+                "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{upstream}",
+                "--", sys.executable, str(SERVER), "--port", str(upstream),
+                "--gib", str(args.gib), "--seed", str(i)]  # fmt: skip
+        with open(logs[i], "wb") as log:
+            procs.append(
+                subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True, env=env)
+            )
+        ports.append(port)
+    return ports
 
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES=nvml.gpu(args.gpu).uuid)
-    procs: list[subprocess.Popen[bytes]] = []
-    latencies: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        arena = Path(tmp) / "arena"
-        arena.mkdir(mode=0o700)
-        subprocess.run(
-            [sys.executable, "-m", "vramlock", "arena", "--arena", str(arena),
-             "--budget", args.budget],
-            check=True, env=env, timeout=30,
-        )  # fmt: skip
-        baseline = nvml.gpu(args.gpu).used
-        ports = []
-        logs = [Path(tmp) / f"s{i}.log" for i in range(SERVERS)]
-        sampler: Sampler | None = None
-        started = time.monotonic()
-        try:
-            for i in range(SERVERS):
-                port, upstream = free_port(), free_port()
-                argv = [sys.executable, "-m", "vramlock", "run", "--arena", str(arena),
-                        *declared, "--name", f"s{i}", "--release", args.release,
-                        "--min-hold", "0", "--demand", "listen",
-                        "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{upstream}",
-                        "--", sys.executable, str(SERVER), "--port", str(upstream),
-                        "--gib", str(args.gib), "--seed", str(i)]  # fmt: skip
-                with open(logs[i], "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            argv, stdout=log, stderr=log, start_new_session=True, env=env
-                        )
-                    )
-                ports.append(port)
-            sampler = Sampler(args.gpu, baseline, [p.pid for p in procs], int(args.gib * GIB / 2))
-            sampler.start()
-            for port in ports:
-                end = time.monotonic() + 60
-                while not accepts(port):
-                    if time.monotonic() > end:
-                        raise RuntimeError("a wrapper did not listen within 60 s")
-                    time.sleep(0.01)
-            for i, port in enumerate(ports):  # each loaded once: not counted
-                complete(port, f"s{i} p0")
-            warm = time.monotonic() - started
-            sampler.reset_handoffs()
-            rng = random.Random(args.seed)
-            t0 = time.monotonic()
-            requests = 0
-            while sampler.handoffs < args.handoffs and time.monotonic() - t0 < args.seconds:
-                i = rng.randrange(SERVERS)
-                latencies.append(complete(ports[i], f"s{i} p{rng.randrange(PROMPTS)}"))
-                requests += 1
-            seconds = time.monotonic() - t0
-            members = {m["name"]: m for m in who(arena, env) if m["member"]}
-        finally:
-            if sampler is not None:
-                sampler.stop.set()
-                sampler.join(5)
-            end_jobs(procs)
-            for i, path in enumerate(logs):
-                said = path.read_bytes().decode(errors="replace").strip() if path.exists() else ""
-                if said:
-                    print(f"--- s{i}:\n{said[-2000:]}", file=sys.stderr)
 
-    assert sampler is not None
+def listening(ports: list[int]) -> None:
+    for port in ports:
+        end = time.monotonic() + 60
+        while not accepts(port):
+            if time.monotonic() > end:
+                raise RuntimeError("a wrapper did not listen within 60 s")
+            time.sleep(0.01)
+
+
+def random_requests(
+    args: argparse.Namespace, ports: list[int], sampler: Sampler, latencies: list[float]
+) -> tuple[int, float]:
+    """Requests to servers drawn at random until ``--handoffs`` handoffs or ``--seconds``:
+    how many, and in how long."""
+    rng = random.Random(args.seed)
+    t0 = time.monotonic()
+    requests = 0
+    while sampler.handoffs < args.handoffs and time.monotonic() - t0 < args.seconds:
+        i = rng.randrange(SERVERS)
+        latencies.append(complete(ports[i], f"s{i} p{rng.randrange(PROMPTS)}"))
+        requests += 1
+    return requests, time.monotonic() - t0
+
+
+def report(
+    args: argparse.Namespace, budget: int, sampler: Sampler, figures: dict[str, Any],
+    latencies: list[float], members: dict[str, Any],
+) -> int:  # fmt: skip
     result = {
         "gib": args.gib,
         "budget_gib": budget / GIB,
         "vram": args.vram,
         "release": args.release,
-        "warm_up_s": round(warm, 1),
-        "requests": requests,
-        "seconds": round(seconds, 1),
+        **figures,
         "handoffs": sampler.handoffs,
         "peak_total_gib": round(sampler.peak_total / GIB, 2),
         "peak_resident_sum_gib": round(sampler.peak_resident / GIB, 2),
@@ -271,6 +251,54 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if verdict == "PASS" else 1
+
+
+def main() -> int:
+    args = parse()
+    budget = parse_size(args.budget, "--budget")
+    why = cannot_run(args.gpu, budget)
+    if why is not None:
+        print(f"budget_gpu.py: cannot run here: {why}", file=sys.stderr)
+        return 1
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES=nvml.gpu(args.gpu).uuid)
+    procs: list[subprocess.Popen[bytes]] = []
+    latencies: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        arena = Path(tmp) / "arena"
+        arena.mkdir(mode=0o700)
+        subprocess.run(
+            [sys.executable, "-m", "vramlock", "arena", "--arena", str(arena),
+             "--budget", args.budget],
+            check=True, env=env, timeout=30,
+        )  # fmt: skip
+        baseline = nvml.gpu(args.gpu).used
+        logs = [Path(tmp) / f"s{i}.log" for i in range(SERVERS)]
+        sampler: Sampler | None = None
+        started = time.monotonic()
+        try:
+            ports = start_servers(args, arena, logs, env, procs)
+            sampler = Sampler(args.gpu, baseline, [p.pid for p in procs], int(args.gib * GIB / 2))
+            sampler.start()
+            listening(ports)
+            for i, port in enumerate(ports):  # each loaded once: not counted
+                complete(port, f"s{i} p0")
+            warm = time.monotonic() - started
+            sampler.reset_handoffs()
+            requests, seconds = random_requests(args, ports, sampler, latencies)
+            members = {m["name"]: m for m in who(arena, env) if m["member"]}
+        finally:
+            if sampler is not None:
+                sampler.stop.set()
+                sampler.join(5)
+            end_jobs(procs)
+            for i, path in enumerate(logs):
+                said = path.read_bytes().decode(errors="replace").strip() if path.exists() else ""
+                if said:
+                    print(f"--- s{i}:\n{said[-2000:]}", file=sys.stderr)
+    assert sampler is not None
+    figures = {"warm_up_s": round(warm, 1), "requests": requests, "seconds": round(seconds, 1)}
+    return report(args, budget, sampler, figures, latencies, members)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,38 @@ def bare(gib: float) -> dict[str, float]:
         w.close()
 
 
+def one_swap(
+    w: Any, opened: Arena, release: str, hold: float, ask_after: float | None, check_s: float
+) -> dict[str, float]:
+    """A member takes the token from the worker, holds it ``hold`` seconds and gives it
+    back: the times out and back, and what left the GPU as NVML saw it."""
+    me = Member(opened, name="bench", command=["bench"])
+    try:
+        held = nvml.processes(0).get(w.pid) or 0
+        t0 = time.perf_counter()
+        assert me.acquire(120)
+        t1 = time.perf_counter()
+        left = nvml.processes(0).get(w.pid)
+        # Released: off the GPU (checkpoint), or holding its CUDA context alone.
+        assert left is None if release == "checkpoint" else (left or 0) < GIB, left
+        asks = min(ask_after or 0.0, hold)
+        time.sleep(asks)
+        if ask_after is not None:
+            w.send("want")
+            assert w.read(10) == "wanted"
+        w.send("check")  # blocks while released
+        time.sleep(hold - asks)
+        t2 = time.perf_counter()
+        me.residency.drop()
+        word, value = w.read(120).split()
+        t3 = time.perf_counter()
+        assert (word, int(value)) == ("sum", w.checksum)
+    finally:
+        me.close()
+    moved = held - (left or 0)
+    return {"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s, "moved": moved}
+
+
 def strategy(
     gib: float,
     arena: str,
@@ -110,32 +142,7 @@ def strategy(
         for _ in range(swaps):
             if before is not None:
                 before(w)
-            me = Member(opened, name="bench", command=["bench"])
-            try:
-                held = nvml.processes(0).get(w.pid) or 0
-                t0 = time.perf_counter()
-                assert me.acquire(120)
-                t1 = time.perf_counter()
-                left = nvml.processes(0).get(w.pid)
-                # Released: off the GPU (checkpoint), or holding its CUDA context alone.
-                assert left is None if release == "checkpoint" else (left or 0) < GIB, left
-                asks = min(ask_after or 0.0, hold)
-                time.sleep(asks)
-                if ask_after is not None:
-                    w.send("want")
-                    assert w.read(10) == "wanted"
-                w.send("check")  # blocks while released
-                time.sleep(hold - asks)
-                t2 = time.perf_counter()
-                me.residency.drop()
-                word, value = w.read(120).split()
-                t3 = time.perf_counter()
-                assert (word, int(value)) == ("sum", w.checksum)
-            finally:
-                me.close()
-            moved = held - (left or 0)  # what left the GPU, as NVML saw it
-            runs.append({"out": t1 - t0, "back": t3 - t2 - check_s, "check": check_s,
-                         "moved": moved})  # fmt: skip
+            runs.append(one_swap(w, opened, release, hold, ask_after, check_s))
         opened.close()
         return runs
     finally:

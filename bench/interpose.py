@@ -165,7 +165,7 @@ def llama(args: argparse.Namespace, cpus: set[int]) -> Callable[[str], dict[str,
     return measure
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--cpus", default="2-5", help="CPUs every command runs on (taskset form)")
@@ -189,7 +189,25 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child-launches", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def table(args: argparse.Namespace, modes: list[str], results: dict[str, Any]) -> None:
+    print(f"\n{args.pairs} rounds each, CPUs {args.cpus}; cost: median of the rounds' ratios")
+    costs = [k for m in modes[1:] for k in ["cost" if m == "swap" else f"cost {m}"]]
+    print("| workload | figure | " + " | ".join(modes) + " | "
+          + " | ".join(f"{m} vs {modes[0]}" for m in modes[1:]) + " |")  # fmt: skip
+    print("|---|---|" + "---:|" * (len(modes) + len(costs)))
+    for name, result in results.items():
+        for key, r in result.items():
+            if key != "runs":
+                print(f"| {name} | {key} | " + " | ".join(f"{r[m]:.4g}" for m in modes) + " | "
+                      + " | ".join(f"{r[c]:+.2%}" for c in costs) + " |")  # fmt: skip
+
+
+def main() -> int:
+    options = parser()
+    args = options.parse_args()
     if args.child_launches:
         launches(args.child_launches)
         return 0
@@ -214,21 +232,12 @@ def main() -> int:
         work = {name: measure for name, measure in work.items() if name.startswith(chosen)}
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
-        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; known: {', '.join(MODES)}")
+        options.error(f"--modes: unknown {', '.join(sorted(unknown))}; known: {', '.join(MODES)}")
     results = {}
     for name, measure in work.items():
         print(f"{name}:", flush=True)
         results[name] = side_by_side(args.pairs, modes, measure)
-    print(f"\n{args.pairs} rounds each, CPUs {args.cpus}; cost: median of the rounds' ratios")
-    costs = [k for m in modes[1:] for k in ["cost" if m == "swap" else f"cost {m}"]]
-    print("| workload | figure | " + " | ".join(modes) + " | "
-          + " | ".join(f"{m} vs {modes[0]}" for m in modes[1:]) + " |")  # fmt: skip
-    print("|---|---|" + "---:|" * (len(modes) + len(costs)))
-    for name, result in results.items():
-        for key, r in result.items():
-            if key != "runs":
-                print(f"| {name} | {key} | " + " | ".join(f"{r[m]:.4g}" for m in modes) + " | "
-                      + " | ".join(f"{r[c]:+.2%}" for c in costs) + " |")  # fmt: skip
+    table(args, modes, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -102,6 +102,89 @@ def held_by(wrapper: int) -> int | None:
         return None
 
 
+def start_pair(
+    mode: str,
+    server: list[str],
+    arena: str,
+    logs: list[Path],
+    env: dict[str, str],
+    procs: list[subprocess.Popen[Any]],
+) -> list[int]:
+    """Two wrappers of ``server`` under ``mode`` in ``arena`` (appended to ``procs`` as
+    they start), their proxies' ports once both listen."""
+    ports = []
+    for log in logs:
+        port, upstream = free_port(), free_port()
+        argv = [sys.executable, "-m", "vramlock", "run", "--arena", arena,
+                "--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
+                "--min-hold", "0", "--idle", "100ms", *MODES[mode], "--",
+                *server, "--host", "127.0.0.1", "--port", str(upstream)]  # fmt: skip
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=out,
+                                          start_new_session=True, env=env))  # fmt: skip
+        ports.append(port)
+    for port in ports:
+        end = time.monotonic() + 30
+        while not accepts(port):
+            if time.monotonic() > end:
+                raise RuntimeError("the wrapper did not listen")
+            time.sleep(0.01)
+    return ports
+
+
+def alternate(
+    ports: list[int], procs: list[subprocess.Popen[Any]], prompt_tokens: int, n: int,
+    timeout: float, settle: float, pause: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Warm each server once, then ``n`` requests to each in turn: the figures."""
+    # About ten tokens a repetition.
+    words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
+    prompts = [f"Server {i}: {words}" for i in range(2)]
+    # Warm: each has its prompt in its slot once, then stays idle --settle seconds
+    # (under swap the library makes its host copies ready meanwhile). Server 1's
+    # warm request is server 0's first release (and may be server 1's start: which
+    # loads first is the token's order), the first alternation server 1's.
+    warm, firsts = [], []
+    for i in range(2):
+        t0 = time.perf_counter()
+        warm.append(int(request(ports[i], prompts[i], timeout)["prompt_n"]))
+        firsts.append(time.perf_counter() - t0)
+        time.sleep(settle)
+    latency, prefill, cached, kept = [], [], [], []
+    for k in range(n):
+        i = k % 2
+        t0 = time.perf_counter()
+        try:
+            timings = request(ports[i], prompts[i], timeout)
+        except Exception as err:
+            raise RuntimeError(f"request {k + 1} of {n}, to server {i}: {err}") from err
+        latency.append(time.perf_counter() - t0)
+        prefill.append(float(timings["prompt_ms"]) / 1000)
+        cached.append(int(timings.get("cache_n", 0)))
+        time.sleep(pause)  # the one just released is asked next: idle that long
+        other = held_by(procs[1 - i].pid)  # the one just released, as NVML sees it
+        if other is not None:
+            kept.append(other)
+    return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm,
+            "first": [latency[0]], "warm_s": firsts, "kept": kept}  # fmt: skip
+
+
+def explain(mode: str, arena: str, logs: list[Path], env: dict[str, str]) -> None:
+    """Why a mode failed, before the arena and the logs go: each member's state, each
+    log's end."""
+    who = [sys.executable, "-m", "vramlock", "who", "--arena", arena]
+    shown = subprocess.run(who, env=env, capture_output=True, text=True, timeout=30)
+    print(f"--- {mode}, vramlock who:", shown.stdout + shown.stderr, sep="\n")
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines()
+        # The wrapper's own words whole, the rest's end without the library's
+        # lookups (with --trace they are hundreds of lines).
+        said = [ln for ln in lines if ln.startswith("vramlock:")]
+        rest = [ln for ln in lines if not LOOKUP.search(ln)][-40:]
+        print(f"--- {mode}, {log.name}, vramlock's lines:", *said, sep="\n")
+        print(f"--- {mode}, {log.name}, its end:", *rest, sep="\n")
+
+
 def run_mode(
     mode: str,
     server: list[str],
@@ -113,8 +196,7 @@ def run_mode(
     keep: str | None = None,
     pause: float = 0.0,
 ) -> dict[str, Any]:
-    procs = []
-    ports = []
+    procs: list[subprocess.Popen[Any]] = []
     # The tree under test first, then whatever the caller put on the path (pinned wheels).
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))
@@ -126,72 +208,10 @@ def run_mode(
         os.mkdir(arena)
         logs = [Path(top) / f"server{i}.log" for i in range(2)]
         try:
-            for log in logs:
-                port, upstream = free_port(), free_port()
-                argv = [sys.executable, "-m", "vramlock", "run", "--arena", arena,
-                        "--demand", "listen", "--listen", str(port), "--upstream", str(upstream),
-                        "--min-hold", "0", "--idle", "100ms", *MODES[mode], "--",
-                        *server, "--host", "127.0.0.1", "--port", str(upstream)]  # fmt: skip
-                with open(log, "w") as out:
-                    procs.append(
-                        subprocess.Popen(
-                            argv,
-                            stdout=out,
-                            stderr=out,
-                            start_new_session=True,
-                            env=env,
-                        )
-                    )
-                ports.append(port)
-            for port in ports:
-                end = time.monotonic() + 30
-                while not accepts(port):
-                    if time.monotonic() > end:
-                        raise RuntimeError("the wrapper did not listen")
-                    time.sleep(0.01)
-            # About ten tokens a repetition.
-            words = "the quick brown fox jumps over the lazy dog " * (prompt_tokens // 10)
-            prompts = [f"Server {i}: {words}" for i in range(2)]
-            # Warm: each has its prompt in its slot once, then stays idle --settle seconds
-            # (under swap the library makes its host copies ready meanwhile). Server 1's
-            # warm request is server 0's first release (and may be server 1's start: which
-            # loads first is the token's order), the first alternation server 1's.
-            warm, firsts = [], []
-            for i in range(2):
-                t0 = time.perf_counter()
-                warm.append(int(request(ports[i], prompts[i], timeout)["prompt_n"]))
-                firsts.append(time.perf_counter() - t0)
-                time.sleep(settle)
-            latency, prefill, cached, kept = [], [], [], []
-            for k in range(n):
-                i = k % 2
-                t0 = time.perf_counter()
-                try:
-                    timings = request(ports[i], prompts[i], timeout)
-                except Exception as err:
-                    raise RuntimeError(f"request {k + 1} of {n}, to server {i}: {err}") from err
-                latency.append(time.perf_counter() - t0)
-                prefill.append(float(timings["prompt_ms"]) / 1000)
-                cached.append(int(timings.get("cache_n", 0)))
-                time.sleep(pause)  # the one just released is asked next: idle that long
-                other = held_by(procs[1 - i].pid)  # the one just released, as NVML sees it
-                if other is not None:
-                    kept.append(other)
-            return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm,
-                    "first": [latency[0]], "warm_s": firsts, "kept": kept}  # fmt: skip
+            ports = start_pair(mode, server, arena, logs, env, procs)
+            return alternate(ports, procs, prompt_tokens, n, timeout, settle, pause)
         except Exception:
-            # Why, before the arena and the logs go: each member's state, each log's end.
-            who = [sys.executable, "-m", "vramlock", "who", "--arena", arena]
-            shown = subprocess.run(who, env=env, capture_output=True, text=True, timeout=30)
-            print(f"--- {mode}, vramlock who:", shown.stdout + shown.stderr, sep="\n")
-            for log in logs:
-                lines = log.read_text(errors="replace").splitlines()
-                # The wrapper's own words whole, the rest's end without the library's
-                # lookups (with --trace they are hundreds of lines).
-                said = [ln for ln in lines if ln.startswith("vramlock:")]
-                rest = [ln for ln in lines if not LOOKUP.search(ln)][-40:]
-                print(f"--- {mode}, {log.name}, vramlock's lines:", *said, sep="\n")
-                print(f"--- {mode}, {log.name}, its end:", *rest, sep="\n")
+            explain(mode, arena, logs, env)
             raise
         finally:
             end_jobs(procs)
@@ -222,7 +242,7 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def main() -> int:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alternations", type=int, default=50)
     parser.add_argument("--ctx", type=int, default=4096)
@@ -250,7 +270,11 @@ def main() -> int:
     parser.add_argument(
         "--pause", type=float, default=0.0, help="idle seconds after each alternation"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
     binary = args.binary or llama_server.cached_binary()
     if binary is None:
         print("no llama-server built: run python tools/llama_server.py", file=sys.stderr)

@@ -346,86 +346,99 @@ DEFAULT_PORTS = {"llama-server": 8080, "vllm": 8000, "sglang": 30000, "comfyui":
                  "ollama": 11434, "generic": 8099}  # fmt: skip
 
 
+class Handler(BaseHTTPRequestHandler):
+    """The engine's HTTP side; ``engine`` and ``faults`` are set per server by
+    ``handler``."""
+
+    engine: Engine
+    faults: dict[str, dict[str, Any]]
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.handle_one("GET")
+
+    def do_POST(self) -> None:
+        self.handle_one("POST")
+
+    def handle_one(self, method: str) -> None:
+        url = urlsplit(self.path)
+        log(f"req {method} {self.path}")
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if self.faulted():
+            return None
+        if time.monotonic() < self.engine.ready_at and url.path not in self.engine.unaffected:
+            log(f"503 {self.path}")
+            return self.answer(503, b'{"error": {"code": 503, "message": "Loading model"}}')
+        if (method, url.path) == ("GET", "/stream"):
+            return self.stream(parse_qs(url.query))
+        if (method, url.path) == ("GET", "/health"):
+            return self.answer(200, b'{"status": "ok"}')
+        route = self.engine.routes.get((method, url.path))
+        if route is None:
+            return self.answer(404, b'{"detail": "Not Found"}')
+        if not self.engine.authorised(url.path, self.headers.get("Authorization")):
+            return self.answer(401, b'{"error": {"message": "Invalid API Key"}}')
+        status, data = route(parse_qs(url.query), json.loads(raw) if raw else None)
+        self.answer(status, b"" if data is None else json.dumps(data).encode())
+
+    def faulted(self) -> bool:
+        """A fault of ``FAKE_FAULTS`` for this path, taken: answered (or died)."""
+        fault = next((f for p, f in self.faults.items() if self.path.startswith(p)), None)
+        left = None if fault is None else fault.get("times")
+        if fault is None or (left is not None and left <= 0):
+            return False
+        if left is not None:
+            fault["times"] = left - 1
+        time.sleep(fault.get("delay", 0.0))
+        if fault.get("die"):
+            log("died")
+            os._exit(3)
+        if "status" not in fault:
+            return False
+        body = fault.get("body", "fault").encode()
+        self.answer(fault["status"], body, fault.get("trickle", 0.0))
+        return True
+
+    def stream(self, query: dict[str, list[str]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(int(query.get("n", ["1"])[0])):
+            if i:
+                time.sleep(float(query.get("gap", ["0"])[0]))
+            conn = self.connection
+            if select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
+                log("aborted")
+                self.close_connection = True
+                return
+            log(f"chunk {i}")
+            data = f"data: {i}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def answer(self, status: int, body: bytes, trickle: float = 0.0) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not trickle:
+            self.wfile.write(body)
+            return
+        for i in range(len(body)):
+            self.wfile.write(body[i : i + 1])
+            self.wfile.flush()
+            time.sleep(trickle)
+
+
 def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
     faults: dict[str, dict[str, Any]] = json.loads(os.environ.get("FAKE_FAULTS", "{}"))
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self.handle_one("GET")
-
-        def do_POST(self) -> None:
-            self.handle_one("POST")
-
-        def handle_one(self, method: str) -> None:
-            url = urlsplit(self.path)
-            log(f"req {method} {self.path}")
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            fault = next((f for p, f in faults.items() if self.path.startswith(p)), None)
-            left = None if fault is None else fault.get("times")
-            if fault is not None and (left is None or left > 0):
-                if left is not None:
-                    fault["times"] = left - 1
-                time.sleep(fault.get("delay", 0.0))
-                if fault.get("die"):
-                    log("died")
-                    os._exit(3)
-                if "status" in fault:
-                    body = fault.get("body", "fault").encode()
-                    return self.answer(fault["status"], body, fault.get("trickle", 0.0))
-            if time.monotonic() < engine.ready_at and url.path not in engine.unaffected:
-                log(f"503 {self.path}")
-                return self.answer(503, b'{"error": {"code": 503, "message": "Loading model"}}')
-            if (method, url.path) == ("GET", "/stream"):
-                return self.stream(parse_qs(url.query))
-            if (method, url.path) == ("GET", "/health"):
-                return self.answer(200, b'{"status": "ok"}')
-            route = engine.routes.get((method, url.path))
-            if route is None:
-                return self.answer(404, b'{"detail": "Not Found"}')
-            if not engine.authorised(url.path, self.headers.get("Authorization")):
-                return self.answer(401, b'{"error": {"message": "Invalid API Key"}}')
-            status, data = route(parse_qs(url.query), json.loads(raw) if raw else None)
-            self.answer(status, b"" if data is None else json.dumps(data).encode())
-
-        def stream(self, query: dict[str, list[str]]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for i in range(int(query.get("n", ["1"])[0])):
-                if i:
-                    time.sleep(float(query.get("gap", ["0"])[0]))
-                conn = self.connection
-                if select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
-                    log("aborted")
-                    self.close_connection = True
-                    return
-                log(f"chunk {i}")
-                data = f"data: {i}\n\n".encode()
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-
-        def answer(self, status: int, body: bytes, trickle: float = 0.0) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if not trickle:
-                self.wfile.write(body)
-                return
-            for i in range(len(body)):
-                self.wfile.write(body[i : i + 1])
-                self.wfile.flush()
-                time.sleep(trickle)
-
-    return Handler
+    return type("Handler", (Handler,), {"engine": engine, "faults": faults})
 
 
 def main(name: str, argv: list[str]) -> None:

@@ -152,6 +152,65 @@ def deviation(got: dict[str, Any], ref: dict[str, Any]) -> float:
     return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
 
 
+def as_started(arena: Path, label: str, before: str, how: str) -> tuple[int, int, tuple[int, int]]:
+    """Once b started: a released, b resident under their strategies, as ``who`` and NVML
+    see them; the servers' pids and their wrappers'."""
+    rows = {r["name"]: r for r in who_json(arena) if r["member"]}
+    assert set(rows) == {"la", "lb"}, rows
+    assert (rows["la"]["strategy"], rows["lb"]["strategy"]) == (label, before)
+    for row in rows.values():
+        assert row["listen"] is not None
+    assert (rows["la"]["state"], rows["lb"]["state"]) == ("released", "resident")
+    a, b = rows["la"]["child_pid"], rows["lb"]["child_pid"]  # the llama-servers themselves
+    seen = nvml.processes()
+    assert b in seen and (how == "swap" or a not in seen), (a, b, seen)
+    assert rows["lb"]["vram"] > 0
+    print(f"llama-server b holds {rows['lb']['vram'] / GIB:.2f} GiB")
+    return a, b, (rows["la"]["pid"], rows["lb"]["pid"])
+
+
+class Asked:
+    """Requests to the servers in turn, and what NVML showed right after each."""
+
+    def __init__(self) -> None:
+        # (turn, the server that answered, the other, what NVML showed right after)
+        self.held: list[tuple[int, int, int, dict[int, int]]] = []
+
+    def ask(self, turn: int, port: int, me: int, other: int, prompt: str) -> dict[str, Any]:
+        started = time.monotonic()
+        got = call(port, "POST", "/completion", {"prompt": prompt, **REQUEST})
+        took = time.monotonic() - started
+        seen = nvml.processes()  # right after the answer: this server alone is resident
+        self.held.append((turn, me, other, seen))
+        t = got["timings"]
+        mib = {pid: used >> 20 for pid, used in seen.items()}
+        print(f"turn {turn} pid {me}: answered in {took:.3f} s, cache_n={t['cache_n']}"
+              f" prompt_n={t['prompt_n']} prompt_ms={t['prompt_ms']:.1f}"
+              f" content={got['content']!r} GPU MiB {mib}")  # fmt: skip
+        return got
+
+
+def from_cache(got: dict[str, Any], prompt_n: int) -> None:
+    """The prompt's prefix came from the slot's KV cache: only its last token or so was
+    evaluated again (for its logits)."""
+    t = got["timings"]
+    assert 0 < t["prompt_n"] <= 4, t
+    assert t["cache_n"] == prompt_n - t["prompt_n"], t
+
+
+def one_resident_at_a_time(held: list[tuple[int, int, int, dict[int, int]]], how: str) -> int:
+    """Right after each answer the server that answered held its memory and the other
+    did not: what a released server keeps is nothing (checkpoint), its context (swap),
+    which is returned."""
+    keep = -1
+    if how == "swap":
+        keep = max(seen.get(other, 0) for turn, _, other, seen in held if turn > 0)
+    for _, me, other, seen in held:
+        assert seen.get(me, -1) > keep + (RESIDENT_MORE if how == "swap" else 0), seen
+        assert seen.get(other, -1) <= keep, seen
+    return keep
+
+
 @pytest.mark.parametrize("release", ["checkpoint", "swap", "auto"])
 def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
     release: str, arena: Path, spawn: Spawn, tmp_path: Path, model: Path
@@ -169,54 +228,21 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
         run_b = start(spawn, arena, tmp_path, model, "lb", listen_b, upstream_b, release)
         healthy(listen_b)  # a is released
 
-        rows = {r["name"]: r for r in who_json(arena) if r["member"]}
-        assert set(rows) == {"la", "lb"}, rows
-        assert (rows["la"]["strategy"], rows["lb"]["strategy"]) == (label, before)
-        for row in rows.values():
-            assert row["listen"] is not None
-        assert (rows["la"]["state"], rows["lb"]["state"]) == ("released", "resident")
-        a, b = rows["la"]["child_pid"], rows["lb"]["child_pid"]  # the llama-servers themselves
-        wrappers = rows["la"]["pid"], rows["lb"]["pid"]
-        seen = nvml.processes()
-        assert b in seen and (how == "swap" or a not in seen), (a, b, seen)
-        assert rows["lb"]["vram"] > 0
-        print(f"llama-server b holds {rows['lb']['vram'] / GIB:.2f} GiB")
-        # (turn, the server that answered, the other, what NVML showed right after)
-        held: list[tuple[int, int, int, dict[int, int]]] = []
-
-        def ask(turn: int, port: int, me: int, other: int, prompt: str) -> dict[str, Any]:
-            started = time.monotonic()
-            got = call(port, "POST", "/completion", {"prompt": prompt, **REQUEST})
-            took = time.monotonic() - started
-            seen = nvml.processes()  # right after the answer: this server alone is resident
-            held.append((turn, me, other, seen))
-            t = got["timings"]
-            mib = {pid: used >> 20 for pid, used in seen.items()}
-            print(f"turn {turn} pid {me}: answered in {took:.3f} s, cache_n={t['cache_n']}"
-                  f" prompt_n={t['prompt_n']} prompt_ms={t['prompt_ms']:.1f}"
-                  f" content={got['content']!r} GPU MiB {mib}")  # fmt: skip
-            return got
-
-        def from_cache(got: dict[str, Any], prompt_n: int) -> None:
-            """The prompt's prefix came from the slot's KV cache: only its last token or
-            so was evaluated again (for its logits)."""
-            t = got["timings"]
-            assert 0 < t["prompt_n"] <= 4, t
-            assert t["cache_n"] == prompt_n - t["prompt_n"], t
-
+        a, b, wrappers = as_started(arena, label, before, how)
+        asked = Asked()
         servers = [(listen_a, a, b, PROMPT_A), (listen_b, b, a, PROMPT_B)]
         cold: dict[int, dict[str, Any]] = {}  # the first answer: the prompt evaluated
         ref: dict[int, dict[str, Any]] = {}  # the same again at once, before any swap
         for turn in range(1 + ROUNDS):
             for port, me, other, prompt in servers:
-                got = ask(turn, port, me, other, prompt)
+                got = asked.ask(turn, port, me, other, prompt)
                 if turn == 0:
                     assert got["timings"]["cache_n"] == 0
                     assert got["timings"]["prompt_n"] > 200
                     cold[me] = got
                     # Resident still (no one else asked): the reference for later turns,
                     # computed the way they are, from the cached prefix.
-                    ref[me] = got = ask(turn, port, me, other, prompt)
+                    ref[me] = got = asked.ask(turn, port, me, other, prompt)
                 # Weights and KV cache went to host memory and came back intact (the
                 # cache as the slot left it, in the same process): the same text, and the
                 # same token probabilities as the same computation before any swap.
@@ -231,13 +257,7 @@ def test_cuda_llama_servers_keep_weights_and_kv_cache_across_swaps(
         assert all(r["strategy"] == label for r in rows.values())
         swaps = list(tokens.holders)
         end_in_turn(run_b, run_a)
-    # What a released server keeps: nothing (checkpoint), its context (swap).
-    keep = -1
-    if how == "swap":
-        keep = max(seen.get(other, 0) for turn, _, other, seen in held if turn > 0)
-    for _, me, other, seen in held:
-        assert seen.get(me, -1) > keep + (RESIDENT_MORE if how == "swap" else 0), seen
-        assert seen.get(other, -1) <= keep, seen
+    keep = one_resident_at_a_time(asked.held, how)
     # a loaded, b started (a out), then a and b in turn for every round.
     assert swaps == list(wrappers) * (2 + ROUNDS)
     assert sampler.errors == []

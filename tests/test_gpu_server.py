@@ -70,6 +70,30 @@ def on_gpu(keep: int = -1) -> set[int]:
     return {pid for pid, used in nvml.processes().items() if used > keep}
 
 
+def take_turns(servers: list[tuple[int, int, int, str]], keep: int) -> dict[int, dict[str, Any]]:
+    """Requests to each server in turn, ``ROUNDS`` times after the first: each answered
+    from the same process, alone on the GPU, with the data it had: its first answers."""
+    first: dict[int, dict[str, Any]] = {}
+    for turn in range(1 + ROUNDS):
+        for port, me, other, prompt in servers:
+            started = time.monotonic()
+            got = call(port, "POST", "/complete", {"prompt": prompt})
+            took = time.monotonic() - started
+            seen = on_gpu(keep)  # right after the answer: this server alone is resident
+            print(f"turn {turn} pid {me}: answered in {took:.2f} s, cached={got['cached']}")
+            assert me in seen and other not in seen, (me, other, seen)
+            assert got["pid"] == me
+            assert got["consistent"]  # the entry matches the weights as they are now
+            if turn == 0:
+                assert got["cached"] is False
+                first[me] = got
+            else:
+                # Served from GPU memory kept since the first request, by the same
+                # process: weights and cache went to host memory and came back intact.
+                assert got == {**first[me], "cached": True}
+    return first
+
+
 @pytest.mark.parametrize(
     ("release", "allocator"),
     [("checkpoint", "caching"), ("swap", "caching"), ("swap", "expandable")],
@@ -100,24 +124,7 @@ def test_two_servers_keep_weights_and_cache_across_swaps(
         assert rows["sb"]["vram"] >= 2 * GIB
 
         servers = [(listen_a, a, b, "the first prompt"), (listen_b, b, a, "another prompt")]
-        first: dict[int, dict[str, Any]] = {}
-        for turn in range(1 + ROUNDS):
-            for port, me, other, prompt in servers:
-                started = time.monotonic()
-                got = call(port, "POST", "/complete", {"prompt": prompt})
-                took = time.monotonic() - started
-                seen = on_gpu(keep)  # right after the answer: this server alone is resident
-                print(f"turn {turn} pid {me}: answered in {took:.2f} s, cached={got['cached']}")
-                assert me in seen and other not in seen, (me, other, seen)
-                assert got["pid"] == me
-                assert got["consistent"]  # the entry matches the weights as they are now
-                if turn == 0:
-                    assert got["cached"] is False
-                    first[me] = got
-                else:
-                    # Served from GPU memory kept since the first request, by the same
-                    # process: weights and cache went to host memory and came back intact.
-                    assert got == {**first[me], "cached": True}
+        first = take_turns(servers, keep)
 
         stats = call(listen_b, "GET", "/stats")  # b is resident: no swap
         assert stats == {"pid": b, "entries": 1, "weights": first[b]["weights"]}

@@ -290,3 +290,13 @@ def run_measured(
         env={**os.environ, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": str(nvml_dir), **env},
     )  # fmt: skip
     return Member(room, name, proc)
+
+
+def asks(arena: Path) -> int:
+    """Budget waiters' asks, by /proc/locks: OFD read locks on want.lock."""
+    st = os.stat(arena / "want.lock")
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return sum(
+            1 for ln in f if "->" not in ln.split() and {"OFDLCK", "READ", inode} <= set(ln.split())
+        )

@@ -26,6 +26,8 @@ SWAP_SOURCES = ROOT / "vramlock" / "gpu" / "swap"
 
 
 STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+# The fake libcuda.so.1's parts (they share fake_cuda.h; fake_libcuda.c says what it is).
+DRIVER = ("fake_libcuda.c", "fake_memory.c", "fake_host.c", "fake_checkpoint.c")
 
 
 # A member the test owns: queues as any waiter, says when it holds the token (and what
@@ -123,7 +125,7 @@ def build_fakes(out: Path) -> Fakes:
         # -Bsymbolic: the fake's table of entry points must hold its own functions, not
         # the swap library's of the same names.
         _cc(*STRICT, *defines, "-fPIC", "-shared", "-Wl,-Bsymbolic", "-I", str(SWAP_SOURCES),
-            "-o", str(directory / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"),
+            "-o", str(directory / "libcuda.so.1"), *(str(FAKES / part) for part in DRIVER),
             "-lpthread")  # fmt: skip
     _cc(*STRICT, "-o", str(out / "swap_prog"), str(FAKES / "swap_prog.c"), "-ldl", "-lpthread")
     _cc(*STRICT, "-o", str(out / "delta_prog"), str(FAKES / "delta_prog.c"), "-ldl", "-lpthread")

@@ -1,7 +1,7 @@
 /*
  * record.c: the member record a process writes into the arena when its wrapper is
  * gone while it is released. Its fields are those of vramlock/arena/records.py
- * (tests/test_swap.py reads one back with that module).
+ * (tests/test_swap_run.py reads one back with that module).
  */
 #include "swap.h"
 
