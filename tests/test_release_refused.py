@@ -60,10 +60,8 @@ def test_a_deaf_signal_command_has_its_release_refused_and_the_waiter_told(
     _, err = job.communicate(timeout=30)
     assert waiter.wait(30) == 0
     assert waiter.stderr.read() == ""  # said once
-    said = _refused(
-        f"process {child} of the command did not answer the release within 0.3 s"
-        " (--release-within)"
-    )
+    within = "did not answer the release within 0.3 s (--release-within)"
+    said = _refused(f"process {child} of the command {within}")
     assert err.splitlines().count(said) == 1, err
     assert "Traceback" not in err
 

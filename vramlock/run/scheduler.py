@@ -47,6 +47,9 @@ ENDING_GRACE = 10.0
 # least this many times as long as the run it lost, whatever --min-hold says: a job
 # longer than --min-hold would otherwise be ended before its end, again and again.
 LOST_RUN_FACTOR = 2.0
+# The sources of who's note, in the order it gives them: how the command is released
+# (auto: why swap could not be), processes stopped until the turn, a refused release.
+NOTES = ("way", "strays", "refusal")
 
 
 class Event(enum.Enum):
@@ -94,10 +97,12 @@ class Scheduler:
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
-        self._refusal: str | None = None  # why the last release was refused, for who
+        # What who's note says, by its source (NOTES): one does not hide another.
+        self._notes: dict[str, str] = {}
+        self._note_said: str | None = None
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
-                             lambda note: self.member.describe(note=note))  # fmt: skip
+                             lambda note: self._note("strays", note))  # fmt: skip
         sup.strays = self.strays.stopped
         # This residency uses more than its units and no more are free: it steps aside.
         self._outgrown = False
@@ -127,6 +132,18 @@ class Scheduler:
     def _describe(self) -> None:
         self._shown = self.strategy.label
         self.member.describe(strategy=self._shown, child_pid=self.child.pid)
+        self._note("way", self.strategy.note)
+
+    def _note(self, source: str, text: str | None) -> None:
+        """Set (None: clear) what ``source`` has who's note say; the note joins them all."""
+        if text is None:
+            self._notes.pop(source, None)
+        else:
+            self._notes[source] = text
+        note = "; ".join(self._notes[s] for s in NOTES if s in self._notes) or None
+        if note != self._note_said:
+            self._note_said = note
+            self.member.describe(note=note)
 
     def _use(self, strategy: Strategy) -> None:
         self.strategy = strategy
@@ -210,6 +227,7 @@ class Scheduler:
         said = self.strategy.settle(self.member.wanted)  # auto may change its mind
         if said is not None:
             self.sup.warn(said)
+            self._note("way", self.strategy.note)
         return self.strategy.label != label
 
     def _comes_back(self) -> bool:
@@ -368,9 +386,7 @@ class Scheduler:
 
     def _refused(self, why: str | None) -> None:
         """Say in the record (who) why the last release was refused; None: it was not."""
-        if why != self._refusal:
-            self._refusal = why
-            self.member.describe(note=why)
+        self._note("refusal", why)
 
     def _park(self) -> None:
         """Released: what the release left on the GPU leaves it too, where it can."""
