@@ -52,6 +52,26 @@ LOST_RUN_FACTOR = 2.0
 NOTES = ("way", "strays", "refusal")
 
 
+class Notes:
+    """Who's note, joined from its sources (NOTES), so that one does not hide another."""
+
+    def __init__(self, describe: Callable[[str | None], None]) -> None:
+        self._describe = describe  # writes the note into the member's record
+        self._notes: dict[str, str] = {}
+        self._said: str | None = None
+
+    def say(self, source: str, text: str | None) -> None:
+        """What ``source`` has the note say now (None: nothing)."""
+        if text is None:
+            self._notes.pop(source, None)
+        else:
+            self._notes[source] = text
+        note = "; ".join(self._notes[s] for s in NOTES if s in self._notes) or None
+        if note != self._said:
+            self._said = note
+            self._describe(note)
+
+
 class Event(enum.Enum):
     """What the token loop does next (``Scheduler._next`` decides, a handler acts)."""
 
@@ -97,12 +117,10 @@ class Scheduler:
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
-        # What who's note says, by its source (NOTES): one does not hide another.
-        self._notes: dict[str, str] = {}
-        self._note_said: str | None = None
+        self.notes = Notes(lambda note: self.member.describe(note=note))
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
-                             lambda note: self._note("strays", note))  # fmt: skip
+                             lambda note: self.notes.say("strays", note))  # fmt: skip
         sup.strays = self.strays.stopped
         # This residency uses more than its units and no more are free: it steps aside.
         self._outgrown = False
@@ -132,18 +150,7 @@ class Scheduler:
     def _describe(self) -> None:
         self._shown = self.strategy.label
         self.member.describe(strategy=self._shown, child_pid=self.child.pid)
-        self._note("way", self.strategy.note)
-
-    def _note(self, source: str, text: str | None) -> None:
-        """Set (None: clear) what ``source`` has who's note say; the note joins them all."""
-        if text is None:
-            self._notes.pop(source, None)
-        else:
-            self._notes[source] = text
-        note = "; ".join(self._notes[s] for s in NOTES if s in self._notes) or None
-        if note != self._note_said:
-            self._note_said = note
-            self.member.describe(note=note)
+        self.notes.say("way", self.strategy.note)
 
     def _use(self, strategy: Strategy) -> None:
         self.strategy = strategy
@@ -227,7 +234,7 @@ class Scheduler:
         said = self.strategy.settle(self.member.wanted)  # auto may change its mind
         if said is not None:
             self.sup.warn(said)
-            self._note("way", self.strategy.note)
+            self.notes.say("way", self.strategy.note)
         return self.strategy.label != label
 
     def _comes_back(self) -> bool:
@@ -369,11 +376,13 @@ class Scheduler:
         except StrategyError as err:
             said = "refused" if isinstance(err, NoAnswer) else "failed"
             self.sup.warn(f"release {said}: {err}; staying resident", once=True)
-            self._refused(f"release {said}: {err.brief if isinstance(err, NoAnswer) else err}")
+            self.notes.say(
+                "refusal", f"release {said}: {err.brief if isinstance(err, NoAnswer) else err}"
+            )
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
-        self._refused(None)
+        self.notes.say("refusal", None)  # (who: said no more)
         if self.strategy.killed:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
@@ -383,10 +392,6 @@ class Scheduler:
         journal.moved(member.arenas, member.records.record, self.meter.peak if self.meter else None)
         self._resize()
         return None
-
-    def _refused(self, why: str | None) -> None:
-        """Say in the record (who) why the last release was refused; None: it was not."""
-        self._note("refusal", why)
 
     def _park(self) -> None:
         """Released: what the release left on the GPU leaves it too, where it can."""
