@@ -17,7 +17,7 @@ from .records import read_live
 from .roster import printable
 
 # How often a waiter reads the members' records for a resident's refused release.
-LOOK_EVERY = 0.25
+LOOK_EVERY = 0.5
 # How a ``vramlock run``'s note says that a release was refused (--release-within).
 REFUSED = "release refused: "
 
