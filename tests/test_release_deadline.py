@@ -90,3 +90,42 @@ def test_a_process_that_said_hello_and_then_nothing_makes_the_release_refused(
     _, err = job.communicate(timeout=30)
     assert f"vramlock: {refused}; staying resident" in err.splitlines()
     assert "Traceback" not in err
+
+
+def test_a_stopped_cuda_process_has_its_checkpoint_refused(rig: Rig, spawn: Spawn) -> None:
+    """A checkpoint's lock waited on a stopped process (30 s, then failed, again and
+    again); now it is refused at once, and the waiter told."""
+    states = rig.tmp / "checkpoint"
+    states.mkdir()
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, LD_LIBRARY_PATH=str(rig.fakes.checkpoint_directory),
+               FAKE_CUDA_CKPT_DIR=str(states), SWAP_PROG_STOP=str(stop))  # fmt: skip
+    job = spawn(
+        vramlock("run", "--arena", str(rig.arena), "--name", "job", "--release", "checkpoint",
+                 "--", str(rig.fakes.program), "60"),
+        env=env,
+    )  # fmt: skip
+    assert read_line(job) == ["ready"]
+    (program,) = procfs.children(job.pid)
+    os.kill(program, signal.SIGSTOP)
+    waiter = spawn(vramlock("wait", "--arena", str(rig.arena), "-w", "30"))
+    assert waiter.stderr is not None
+    brief = f"process {program} is stopped"
+    told = f"vramlock: the resident job (pid {job.pid}) could not release: {brief}; still waiting"
+    assert waiter.stderr.readline().rstrip("\n") == told
+    assert f"release refused: {brief}" in _note(rig.arena, "job")
+    assert (states / str(program)).read_text().strip() == "0"  # never locked: running
+    assert queued(waiter.pid)
+    os.kill(program, signal.SIGCONT)
+    assert waiter.wait(30) == 0  # the next try checkpoints it
+    assert waiter.stderr.read() == ""
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-2] == "done", err
+    refused = f"release refused: process {program} of the command is stopped"
+    assert (
+        err.splitlines().count(
+            f"vramlock: {refused} and cannot release its memory; staying resident"
+        )
+        == 1
+    ), err

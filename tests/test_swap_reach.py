@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.commands import who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import Rig, during, let_go, read_line, swap_turns, take_turn
 
@@ -210,3 +211,27 @@ def test_auto_releases_a_process_it_cannot_reach_its_next_way(rig: Rig, spawn: S
     (line,) = err.splitlines()
     assert "could not reach vramlock run (No such file or directory)" in line
     assert line.endswith("--release auto uses checkpoint")
+
+
+def test_who_shows_why_auto_could_not_swap_a_process(rig: Rig, spawn: Spawn) -> None:
+    """auto fell back, saying the cause once on stderr; who showed no cause at all."""
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop))
+    job = rig.command(spawn, *own_tmp("-n"), str(rig.fakes.program), "60", release="auto", env=env)
+    assert read_line(job) == ["ready"]
+    holder = rig.holder(spawn)
+    cause = "could not reach vramlock run (No such file or directory)"
+
+    def note() -> str:
+        rows = [r for r in who_json(rig.arena) if r["pid"] == job.pid]
+        return (rows[0]["note"] or "") if rows else ""
+
+    wait_until(lambda: cause in note())
+    assert note().startswith("process ") and note().endswith(cause)
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert read_line(holder)[0] == "held"
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert err.count(cause) == 1, err

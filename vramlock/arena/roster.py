@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .budget import Budget
 
 NAME_MAX = 64
+# A member's own note (a cause in its words: why swap could not reach a process) is longer.
+NOTE_MAX = 256
 STRATEGY_MAX = 32
 COMMAND_MAX = 1024
 _ORDER = [s.value for s in State]
@@ -177,7 +179,7 @@ def _member_row(
         row.gpus = rec.gpus
         notes.append(f"GPUs {','.join(map(str, rec.gpus))} together")
     if rec.note:
-        notes.append(printable(rec.note, NAME_MAX))
+        notes.append(printable(rec.note, NOTE_MAX))
     _budget_member(row, rec, kernel, notes)
     return row
 

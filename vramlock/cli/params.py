@@ -178,8 +178,8 @@ ReleaseWithinOpt = Annotated[
     MaybeText,
     _text(
         "SECONDS",
-        "A release that a process of the command does not answer within this is refused;"
-        " the command stays resident (swap; default 120 s).",
+        "A release that the command (a process, a hook, its server) does not answer within"
+        " this is refused; the command stays resident (default 120 s).",
     ),
 ]
 VramOpt = Annotated[

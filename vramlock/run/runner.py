@@ -20,6 +20,7 @@ from ..arena import footprint as footprints
 from ..arena.budget import read_budget
 from ..arena.hint import Hint
 from ..arena.member import Member, harmless_signals, join
+from ..arena.waiter import told
 from ..command.context import Context
 from ..command.control import ParentEnd
 from ..command.process import Child, Terminal, become_subreaper
@@ -101,7 +102,9 @@ class Runner:
                     )
                     self._say_whole_gpu(self.member)
                     self.proxy = self._listen(self.member)
-                    if not self.member.acquire(opts.timeout):
+                    with told(self.member):  # a resident that cannot release is said
+                        got = self.member.acquire(opts.timeout)
+                    if not got:
                         raise NotObtained(opts.timeout or 0.0)
             except (_Terminated, KeyboardInterrupt) as err:
                 self._close()

@@ -47,6 +47,29 @@ ENDING_GRACE = 10.0
 # least this many times as long as the run it lost, whatever --min-hold says: a job
 # longer than --min-hold would otherwise be ended before its end, again and again.
 LOST_RUN_FACTOR = 2.0
+# The sources of who's note, in the order it gives them: how the command is released
+# (auto: why swap could not be), processes stopped until the turn, a refused release.
+NOTES = ("way", "strays", "refusal")
+
+
+class Notes:
+    """Who's note, joined from its sources (NOTES), so that one does not hide another."""
+
+    def __init__(self, describe: Callable[[str | None], None]) -> None:
+        self._describe = describe  # writes the note into the member's record
+        self._notes: dict[str, str] = {}
+        self._said: str | None = None
+
+    def say(self, source: str, text: str | None) -> None:
+        """What ``source`` has the note say now (None: nothing)."""
+        if text is None:
+            self._notes.pop(source, None)
+        else:
+            self._notes[source] = text
+        note = "; ".join(self._notes[s] for s in NOTES if s in self._notes) or None
+        if note != self._said:
+            self._said = note
+            self._describe(note)
 
 
 class Event(enum.Enum):
@@ -59,6 +82,13 @@ class Event(enum.Enum):
     REQUEUE = "released, and the command wants the GPU back"
     PARK = "released a while, or the GPU is short of room: free what the release left"
     WAIT = "nothing to do until a descriptor wakes us or a timeout runs out"
+
+
+def end_grace(opts: RunOptions, strategy: str) -> float:
+    """How long a command told to end may take to exit before it is killed: 10 s, or
+    restart's ``--yield-within`` (restart ends commands: the option says how long)."""
+    y = opts.yield_within
+    return y if strategy == "restart" and y is not None else opts.settings.restart_grace
 
 
 class Scheduler:
@@ -94,15 +124,11 @@ class Scheduler:
         self._status = 0  # the exit status an EXITED or ENDED_AWAY event ends with
         self._interval = PROBE_INTERVAL  # how often to probe; with no hint, more often
         self.unanswered = Unanswered(sup.warn)  # releases nobody took the token after
-        self._refusal: str | None = None  # why the last release was refused, for who
-        # How long a command told to end may take to exit before it is killed: 10 s
-        # (restart's, for whom --yield-within says it: it ends commands).
-        y = opts.yield_within
-        restart = self.strategy.name == "restart" and y is not None
-        self._end_grace = y if restart and y is not None else opts.settings.restart_grace
+        self.notes = Notes(lambda note: self.member.describe(note=note))
+        self._end_grace = end_grace(opts, self.strategy.name)
         self.meter = self._meter()
         self.strays = Strays(lambda: self.strategy, self._tree, self.child.processes, sup.warn,
-                             lambda note: self.member.describe(note=note))  # fmt: skip
+                             lambda note: self.notes.say("strays", note))  # fmt: skip
         sup.strays = self.strays.stopped
         # This residency uses more than its units and no more are free: it steps aside.
         self._outgrown = False
@@ -132,6 +158,7 @@ class Scheduler:
     def _describe(self) -> None:
         self._shown = self.strategy.label
         self.member.describe(strategy=self._shown, child_pid=self.child.pid)
+        self.notes.say("way", self.strategy.note)
 
     def _use(self, strategy: Strategy) -> None:
         self.strategy = strategy
@@ -218,6 +245,7 @@ class Scheduler:
         said = self.strategy.settle(self.member.wanted)  # auto may change its mind
         if said is not None:
             self.sup.warn(said)
+            self.notes.say("way", self.strategy.note)
         return self.strategy.label != label
 
     def _comes_back(self) -> bool:
@@ -362,11 +390,13 @@ class Scheduler:
         except StrategyError as err:
             said = "refused" if isinstance(err, NoAnswer) else "failed"
             self.sup.warn(f"release {said}: {err}; staying resident", once=True)
-            self._refused(f"release {said}: {err.brief if isinstance(err, NoAnswer) else err}")
+            self.notes.say(
+                "refusal", f"release {said}: {err.brief if isinstance(err, NoAnswer) else err}"
+            )
             self._retry_at = time.monotonic() + RETRY_AFTER_FAILURE
             self._resident_again()
             return None
-        self._refused(None)
+        self.notes.say("refusal", None)  # (who: said no more)
         if self.strategy.killed:
             self._lost_run = time.monotonic() - self._started
             member.describe(child_pid=None)  # no process runs until it is started again
@@ -376,12 +406,6 @@ class Scheduler:
         journal.moved(member.arenas, member.records.record, self.meter.peak if self.meter else None)
         self._resize()
         return None
-
-    def _refused(self, why: str | None) -> None:
-        """Say in the record (who) why the last release was refused; None: it was not."""
-        if why != self._refusal:
-            self._refusal = why
-            self.member.describe(note=why)
 
     def _park(self) -> None:
         """Released: what the release left on the GPU leaves it too, where it can."""

@@ -71,6 +71,8 @@ class AutoStrategy(Strategy):
         self._started = time.monotonic()  # the command's (last) start: the hello grace
         self._told = False  # the user was told that the waiter will wait
         self._refused: set[type[Strategy]] = set()
+        # Why the swap library could not reach the command (a process of it), for who.
+        self._unreached: str | None = None
 
     @classmethod
     def first(cls, command: list[str]) -> type[Strategy]:
@@ -119,6 +121,10 @@ class AutoStrategy(Strategy):
     def undecided(self) -> bool:
         return not self.current.releases and not self._told
 
+    @property
+    def note(self) -> str | None:
+        return self._unreached
+
     # -- changing its mind ---------------------------------------------------------------
 
     def settle(self, wanted: Callable[[], bool]) -> str | None:
@@ -134,6 +140,7 @@ class AutoStrategy(Strategy):
         found = self._found()
         # Said once: with the cause where swap was out of reach of a process.
         cause = SwapStrategy.unreached(self.ctx)
+        self._unreached = cause or self._unreached
         if found is not None:
             self.current = found(self.ctx, self.settings)
             return None if cause is None else f"{cause}: --release auto uses {found.name}"
@@ -157,6 +164,8 @@ class AutoStrategy(Strategy):
             return True
         if isinstance(err, Immovable):
             self._refused.add(type(self.current))
+            if isinstance(self.current, SwapStrategy):
+                self._unreached = SwapStrategy.unreached(self.ctx) or self._unreached
         found = self._found()
         if found is None:
             self.current = NoneStrategy(self.ctx, self.settings)

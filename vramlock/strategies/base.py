@@ -104,6 +104,12 @@ class Strategy:
         return self.name
 
     @property
+    def note(self) -> str | None:
+        """What ``who`` should add about how it releases (``auto``: why swap could not
+        be used), or None."""
+        return None
+
+    @property
     def undecided(self) -> bool:
         """Does not release, but may change its mind once somebody waits (``auto``):
         the runner keeps probing for waiters meanwhile."""

@@ -18,10 +18,9 @@ import time
 from .. import procfs
 from ..errors import StrategyError
 from ..gpu import cuda, nvml
+from . import deadline as deadlines
 from .base import Context, ReleaseTimeout, Settings, Strategy
 
-# How long a lock waits for submitted GPU work when --yield-within is not given.
-LOCK_TIMEOUT = 30.0
 # Free VRAM needed beyond the footprint NVML reported: the context and allocator slack.
 RESTORE_MARGIN = 512 << 20
 
@@ -112,20 +111,12 @@ class CheckpointStrategy(Strategy):
                 "no process of the command uses CUDA yet, so there is nothing to"
                 " checkpoint; it keeps the GPU until there is"
             )
+        for pid in pids:
+            if deadlines.is_stopped(pid):  # its lock would wait on it for ever
+                raise deadlines.stopped(pid)
         self.footprint = self._used(pids)
-        timeout = LOCK_TIMEOUT if deadline is None else max(0.001, deadline - time.monotonic())
-        try:
-            cuda.checkpoint_all(pids, timeout)
-        except cuda.LockTimeout:
-            if deadline is not None:
-                raise ReleaseTimeout from None
-            raise StrategyError(
-                f"the command's GPU work did not pause within {LOCK_TIMEOUT:g} s"
-            ) from None
-        except cuda.NotCheckpointable:
-            raise  # as it is: the runner falls back to holding the GPU
-        except cuda.CudaError as err:
-            raise StrategyError(str(err)) from None
+        with deadlines.bounded(deadline, self.settings.release_within, self._late) as end:
+            self._checkpoint(pids, end)
         self.pids = pids
         # Those with the driver mapped but no context now (workers forked from a CUDA
         # process): loose only once they make one (``loose``).
@@ -135,6 +126,22 @@ class CheckpointStrategy(Strategy):
             start = procfs.starttime(pid)
             if paths is not None and cuda.driver_in(paths) and start is not None:
                 self.idle[pid] = start
+
+    def _checkpoint(self, pids: list[int], end: float) -> None:
+        """Lock and checkpoint ``pids``, their submitted work paused by ``end`` or
+        ReleaseTimeout (every one left running)."""
+        try:
+            cuda.checkpoint_all(pids, max(0.001, end - time.monotonic()))
+        except cuda.LockTimeout:
+            raise ReleaseTimeout from None
+        except cuda.NotCheckpointable:
+            raise  # as it is: the runner falls back to holding the GPU
+        except cuda.CudaError as err:
+            raise StrategyError(str(err)) from None
+
+    @staticmethod
+    def _late(within: float) -> deadlines.NoAnswer:
+        return deadlines.late("the command's GPU work", "its GPU work", within)
 
     holds_processes = True
 

@@ -1,9 +1,17 @@
 """A release's deadline: a process of the command that does not answer a release in
 time (``--release-within``), or that is stopped, makes it refused; the command stays
-resident and the release is tried again later."""
+resident and the release is tried again later. Every strategy that asks something of
+the command to release (its control channel, a hook, a server, the driver) is bound by
+it; ``--yield-within``, when sooner, ends the command instead."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from .. import procfs
+from ..command.context import ReleaseTimeout
 from ..errors import StrategyError
 
 # How long a release waits for every process's answer before it is refused, the
@@ -32,8 +40,35 @@ def stopped(pid: int) -> NoAnswer:
 
 
 def unanswered(pid: int, within: float) -> NoAnswer:
+    return late(f"process {pid} of the command", f"process {pid}", within)
+
+
+def late(what: str, brief: str, within: float) -> NoAnswer:
+    """``what`` (``brief`` for who's note) did not answer the release in ``within`` s."""
     return NoAnswer(
-        f"process {pid} of the command did not answer the release within {within:g} s"
-        " (--release-within)",
-        f"process {pid} did not answer in {within:g} s",
+        f"{what} did not answer the release within {within:g} s (--release-within)",
+        f"{brief} did not answer in {within:g} s",
     )
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped (SIGSTOP, a debugger), so that it cannot answer until it is continued."""
+    return procfs.state(pid) in ("T", "t")
+
+
+@contextmanager
+def bounded(
+    deadline: float | None, within: float | None, refusal: Callable[[float], NoAnswer]
+) -> Iterator[float]:
+    """The end of a release's wait: ``deadline`` (--yield-within: ReleaseTimeout, the
+    command ended) or, when sooner, ``within`` seconds from now (None: RELEASE_WITHIN),
+    where a ReleaseTimeout becomes ``refusal(within)``: the release is refused."""
+    within = within or RELEASE_WITHIN
+    end = time.monotonic() + within
+    if deadline is not None and deadline <= end:
+        yield deadline
+        return
+    try:
+        yield end
+    except ReleaseTimeout:
+        raise refusal(within) from None

@@ -7,6 +7,7 @@ import signal
 import time
 
 from ..errors import StrategyError
+from . import deadline as deadlines
 from .base import Context, Interrupted, ReleaseTimeout, Strategy
 
 
@@ -42,13 +43,31 @@ def run_hook(ctx: Context, command: str, what: str, deadline: float | None) -> N
 
 
 class ExecStrategy(Strategy):
-    """``--on-release CMD`` must free the memory before it exits 0; ``--on-restore CMD``."""
+    """``--on-release CMD`` must free the memory before it exits 0; ``--on-restore CMD``.
+
+    An ``--on-release`` command still running at ``--release-within`` is killed and the
+    release refused; ``--on-restore`` is run then (bound by it too), so that the command
+    is as resident as before."""
 
     name = "exec"
 
     def release(self, deadline: float | None) -> None:
-        if self.settings.on_release:
-            run_hook(self.ctx, self.settings.on_release, "on-release", deadline)
+        hook = self.settings.on_release
+        if hook:
+            with deadlines.bounded(deadline, self.settings.release_within, self._late) as end:
+                run_hook(self.ctx, hook, "on-release", end)
+
+    def _late(self, within: float) -> deadlines.NoAnswer:
+        refusal = deadlines.late("the --on-release command", "--on-release", within)
+        if self.settings.on_restore:
+            try:
+                run_hook(self.ctx, self.settings.on_restore, "on-restore",
+                         time.monotonic() + within)  # fmt: skip
+            except (StrategyError, ReleaseTimeout) as err:
+                raise StrategyError(
+                    f"{refusal}, and --on-restore failed ({err or 'it did not end in time'})"
+                ) from None
+        return refusal
 
     def _restore(self) -> None:
         if self.settings.on_restore:

@@ -6,8 +6,9 @@
 
 Every request has a timeout and every failure (refused, no answer, a non-2xx status,
 malformed JSON) becomes a one-line StrategyError: the runner keeps the GPU, warns, and
-tries again. A failure because the server died is ChildExited instead, and a wait that
-outlives --yield-within is ReleaseTimeout.
+tries again. A failure because the server died is ChildExited instead; a release whose
+requests and waits outlive --release-within is refused (NoAnswer), and one that outlives
+--yield-within, when sooner, is ReleaseTimeout.
 
 (Not ``http.py``: keeper.py runs as a script from this directory, where a sibling
 named ``http`` would shadow the standard library's.)
@@ -27,6 +28,7 @@ from typing import Any, ClassVar
 from ..errors import StrategyError
 from ..net.address import Address, connect_host, server, split_url
 from ..net.framing import Framing
+from . import deadline as deadlines
 from .base import (
     CLOSE_TO_EXIT,
     ChildExited,
@@ -144,6 +146,8 @@ class HttpStrategy(Strategy):
         super().__init__(ctx, settings)
         self.headers: dict[str, str] = {}
         self._endings = ctx.endings
+        self._within = deadlines.RELEASE_WITHIN
+        self._within_end: float | None = None  # releasing: when --release-within runs out
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
@@ -156,7 +160,17 @@ class HttpStrategy(Strategy):
 
     def release(self, deadline: float | None) -> None:
         self._endings = self.ctx.endings  # an ending signal from now on interrupts the waits
-        self.free(deadline)
+        # Every request and wait of the release ends by --release-within (then NoAnswer:
+        # refused), or --yield-within when sooner (ReleaseTimeout: the command ended).
+        self._within = self.settings.release_within or deadlines.RELEASE_WITHIN
+        self._within_end = time.monotonic() + self._within
+        try:
+            self.free(deadline)
+        finally:
+            self._within_end = None
+
+    def _late(self) -> deadlines.NoAnswer:
+        return deadlines.late(self.where, self.where, self._within)
 
     def _restore(self) -> None:
         self._endings = self.ctx.endings
@@ -248,7 +262,7 @@ class HttpStrategy(Strategy):
         has exited is ChildExited; an order to end, Interrupted.
         """
         now = time.monotonic()
-        end = now + limit
+        end = now + limit if self._within_end is None else self._within_end
         if deadline is not None:
             if deadline <= now:
                 raise ReleaseTimeout
@@ -259,6 +273,8 @@ class HttpStrategy(Strategy):
         except TimeoutError:
             if deadline is not None and end == deadline:
                 raise ReleaseTimeout from None
+            if end == self._within_end:
+                raise self._late() from None
             raise StrategyError(f"{what}: no complete answer within {limit:g} s") from None
         except OSError as err:
             # A server that dies under a request closes the connection just before it
@@ -289,7 +305,8 @@ class HttpStrategy(Strategy):
         """Poll ``done()`` until it is true. At ``deadline``, ReleaseTimeout; after
         ``limit`` seconds without a deadline, StrategyError saying ``what`` did not
         happen; Interrupted when the wrapper is told to end; ChildExited."""
-        end = time.monotonic() + limit if deadline is None else deadline
+        bound = time.monotonic() + limit if self._within_end is None else self._within_end
+        end = bound if deadline is None else min(bound, deadline)
         while not done():
             if self.ctx.endings != self._endings:
                 raise Interrupted
@@ -297,8 +314,10 @@ class HttpStrategy(Strategy):
                 raise ChildExited
             left = end - time.monotonic()
             if left <= 0:
-                if deadline is not None:
+                if deadline is not None and end == deadline:
                     raise ReleaseTimeout
+                if end == self._within_end:
+                    raise self._late()
                 raise StrategyError(f"{self.where}: {what} after {limit:g} s")
             time.sleep(min(POLL, left))
 
