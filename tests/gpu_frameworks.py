@@ -3,8 +3,9 @@
     python tests/gpu_frameworks.py FRAMEWORK GIB
 
 FRAMEWORK is one of ``FRAMEWORKS``: JAX, CuPy, Numba, cuda-python's driver
-bindings, Triton (on a PyTorch tensor), or a C program built with nvcc against the
-static CUDA runtime. Each fills GIB GiB of device memory with a pattern computed on
+bindings, Triton (on a PyTorch tensor), ``torch.compile`` replaying CUDA graphs, a
+one-rank ``torch.distributed`` job on NCCL, CuPy's cuFFT, or a C program built with nvcc
+against the static CUDA runtime. Each fills GIB GiB of device memory with a pattern computed on
 the GPU and prints ``ready <pid> <checksum>``; then it answers each ``check`` on stdin
 with ``sum <checksum>``, reduced on the GPU again (or copied back, where the framework
 has no reduction of its own), and exits at end of input: the protocol of
@@ -138,12 +139,75 @@ def _triton(words: int) -> Callable[[], int]:
     return check
 
 
+def _golden_words(words: int) -> Any:
+    """A PyTorch tensor of ``words`` 32-bit words (kept in int64 halves: PyTorch's unsigned
+    arithmetic is thin) holding the pattern."""
+    torch: Any = importlib.import_module("torch")
+    index = torch.arange(words // 2, dtype=torch.int64, device="cuda")
+    return (index * GOLDEN) & 0xFFFFFFFF
+
+
+def _compile(words: int) -> Callable[[], int]:
+    """``torch.compile(mode="reduce-overhead")``: Triton kernels it generated, replayed
+    from a CUDA graph (warmed up and recorded before ``ready``)."""
+    torch: Any = importlib.import_module("torch")
+    data = _golden_words(words)
+
+    @torch.compile(mode="reduce-overhead")  # type: ignore[untyped-decorator, unused-ignore]
+    def total(d: Any) -> Any:
+        return (d & 0xFFFF).sum() + ((d >> 16).sum() << 16)
+
+    def check() -> int:
+        return int(total(data).item())
+
+    for _ in range(3):  # the third call records the graph; later ones replay it
+        check()
+    return check
+
+
+def _nccl(words: int) -> Callable[[], int]:
+    """A one-rank ``torch.distributed`` job on NCCL: each check all-reduces the sum."""
+    torch: Any = importlib.import_module("torch")
+    dist: Any = importlib.import_module("torch.distributed")
+    store = os.path.join(tempfile.mkdtemp(prefix="vramlock-nccl-"), "store")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))  # fmt: skip
+    data = _golden_words(words)
+
+    def check() -> int:
+        total = data.sum().reshape(1)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    return check
+
+
+def _cufft(words: int) -> Callable[[], int]:
+    """CuPy's cuFFT: a plan made once, each check a forward transform of the data's first
+    million words, its result's bits summed (a plan run on the same input gives the
+    same bits), beside the sum of all the data."""
+    cp: Any = importlib.import_module("cupy")
+    data = cp.arange(words, dtype=cp.uint32) * cp.uint32(GOLDEN)
+    signal = data[: 1 << 20].astype(cp.float32)
+
+    def check() -> int:
+        spectrum = cp.fft.rfft(signal)
+        bits = spectrum.view(cp.uint32).sum(dtype=cp.uint64)
+        return int(data.sum(dtype=cp.uint64)) + int(bits)
+
+    return check
+
+
 FRAMEWORKS: dict[str, Callable[[int], Callable[[], int]]] = {
     "jax": _jax,
     "cupy": _cupy,
     "numba": _numba,
     "driver": _driver,
     "triton": _triton,
+    "compile": _compile,
+    "nccl": _nccl,
+    "cufft": _cufft,
 }
 
 

@@ -1,7 +1,8 @@
 """Plain ``vramlock run`` swaps every CUDA framework the GPU machine has, not only PyTorch.
 
 JAX (XLA's allocator and its preallocated pool), CuPy (its memory pool), Numba, the
-driver API through cuda-python, and a C program built with the static CUDA runtime
+driver API through cuda-python, a C program built with the static CUDA runtime,
+``torch.compile``'s CUDA graphs of Triton kernels, a one-rank NCCL job and CuPy's cuFFT
 (tests/gpu_frameworks.py). Witnesses are the test's own: the program's checksum
 reduced on the GPU, NVML's account of what the process holds, and a flock(1) member
 that holds the token while the test looks. Skipped without a GPU.
@@ -28,7 +29,7 @@ from vramlock.gpu import nvml
 pytestmark = [gpu, pytest.mark.timeout(300)]
 
 SWAPS = 5
-FRAMEWORKS = ["jax", "cupy", "numba", "driver", "static", "triton"]
+FRAMEWORKS = ["jax", "cupy", "numba", "driver", "static", "triton", "compile", "nccl", "cufft"]
 # JAX takes 75 % of the GPU at its first use unless told less: on a 141 GB card that is
 # more than the host can pin. Its default is tested on its own below. Told 10 %: a pool
 # of 8 GB on an 80 GB card, room for the 2 GiB program and the reduction it runs on it.
