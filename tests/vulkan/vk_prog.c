@@ -1,0 +1,255 @@
+/*
+ * vk_prog: a small Vulkan compute program for the layer's tests. Its data buffer
+ * (device memory, never mapped) starts as seed(i) in every word; each round a kernel
+ * adds one to every word (its descriptor set written once, at the start, as
+ * llama.cpp does), the buffer is copied to a staging buffer (mapped for good), and
+ * every word is checked against seed(i) + rounds. A wrong word exits 2 with a line.
+ *
+ *   vk_prog WORDS            rounds until the file $VK_PROG_STOP exists
+ *
+ * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. With
+ * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
+ * recorded once and submitted every round (the layer must refuse to swap that).
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <vulkan/vulkan.h>
+
+#include "add_one_spv.h"
+
+#define CHECK(call)                                                            \
+	do {                                                                   \
+		VkResult r_ = (call);                                          \
+		if (r_ != VK_SUCCESS) {                                        \
+			fprintf(stderr, "vk_prog: %s failed: %d\n", #call, r_); \
+			exit(3);                                               \
+		}                                                              \
+	} while (0)
+
+static VkDevice dev;
+static VkPhysicalDevice phys;
+
+static uint32_t seed(uint32_t i)
+{
+	return i * 2654435761u;
+}
+
+static uint32_t memory_type(uint32_t bits, VkMemoryPropertyFlags want)
+{
+	VkPhysicalDeviceMemoryProperties p;
+	vkGetPhysicalDeviceMemoryProperties(phys, &p);
+	for (uint32_t t = 0; t < p.memoryTypeCount; t++)
+		if ((bits & (1u << t)) && (p.memoryTypes[t].propertyFlags & want) == want)
+			return t;
+	fprintf(stderr, "vk_prog: no memory type\n");
+	exit(3);
+}
+
+static VkBuffer buffer(VkDeviceSize size, VkBufferUsageFlags usage, VkDeviceMemory *mem,
+		       VkMemoryPropertyFlags want)
+{
+	VkBufferCreateInfo bi = {.sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, .size = size,
+				 .usage = usage, .sharingMode = VK_SHARING_MODE_EXCLUSIVE};
+	VkBuffer b;
+	VkMemoryRequirements req;
+	CHECK(vkCreateBuffer(dev, &bi, NULL, &b));
+	vkGetBufferMemoryRequirements(dev, b, &req);
+	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				   .allocationSize = req.size,
+				   .memoryTypeIndex = memory_type(req.memoryTypeBits, want)};
+	CHECK(vkAllocateMemory(dev, &ai, NULL, mem));
+	CHECK(vkBindBufferMemory(dev, b, *mem, 0));
+	return b;
+}
+
+static void make_device(VkQueue *queue)
+{
+	VkApplicationInfo app = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO,
+				 .apiVersion = VK_API_VERSION_1_1};
+	VkInstanceCreateInfo ici = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
+				    .pApplicationInfo = &app};
+	VkInstance inst;
+	uint32_t n = 1;
+	CHECK(vkCreateInstance(&ici, NULL, &inst));
+	VkResult r = vkEnumeratePhysicalDevices(inst, &n, &phys);
+	if (r != VK_SUCCESS && r != VK_INCOMPLETE)
+		CHECK(r);
+	float prio = 1.0f;
+	VkDeviceQueueCreateInfo q = {.sType = VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+				     .queueFamilyIndex = 0, .queueCount = 1,
+				     .pQueuePriorities = &prio};
+	VkDeviceCreateInfo dci = {.sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+				  .queueCreateInfoCount = 1, .pQueueCreateInfos = &q};
+	CHECK(vkCreateDevice(phys, &dci, NULL, &dev));
+	vkGetDeviceQueue(dev, 0, 0, queue);
+}
+
+struct kernel {
+	VkPipeline pipe;
+	VkPipelineLayout layout;
+	VkDescriptorSet set;
+};
+
+static struct kernel make_kernel(VkBuffer data)
+{
+	struct kernel k;
+	VkDescriptorSetLayoutBinding b = {0, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1,
+					  VK_SHADER_STAGE_COMPUTE_BIT, NULL};
+	VkDescriptorSetLayoutCreateInfo li = {
+		.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, .bindingCount = 1,
+		.pBindings = &b};
+	VkDescriptorSetLayout sl;
+	CHECK(vkCreateDescriptorSetLayout(dev, &li, NULL, &sl));
+	VkPushConstantRange pc = {VK_SHADER_STAGE_COMPUTE_BIT, 0, 4};
+	VkPipelineLayoutCreateInfo pli = {.sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+					  .setLayoutCount = 1, .pSetLayouts = &sl,
+					  .pushConstantRangeCount = 1, .pPushConstantRanges = &pc};
+	CHECK(vkCreatePipelineLayout(dev, &pli, NULL, &k.layout));
+	VkShaderModuleCreateInfo si = {.sType = VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+				       .codeSize = sizeof ADD_ONE_SPV, .pCode = ADD_ONE_SPV};
+	VkShaderModule sm;
+	CHECK(vkCreateShaderModule(dev, &si, NULL, &sm));
+	VkComputePipelineCreateInfo ci = {
+		.sType = VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+		.stage = {.sType = VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+			  .stage = VK_SHADER_STAGE_COMPUTE_BIT, .module = sm, .pName = "main"},
+		.layout = k.layout};
+	CHECK(vkCreateComputePipelines(dev, VK_NULL_HANDLE, 1, &ci, NULL, &k.pipe));
+	VkDescriptorPoolSize ps = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1};
+	VkDescriptorPoolCreateInfo pi = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+					 .maxSets = 1, .poolSizeCount = 1, .pPoolSizes = &ps};
+	VkDescriptorPool pool;
+	CHECK(vkCreateDescriptorPool(dev, &pi, NULL, &pool));
+	VkDescriptorSetAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+					  .descriptorPool = pool, .descriptorSetCount = 1,
+					  .pSetLayouts = &sl};
+	CHECK(vkAllocateDescriptorSets(dev, &ai, &k.set));
+	VkDescriptorBufferInfo info = {data, 0, VK_WHOLE_SIZE};
+	VkWriteDescriptorSet w = {.sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET,
+				  .dstSet = k.set, .descriptorCount = 1,
+				  .descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+				  .pBufferInfo = &info};
+	vkUpdateDescriptorSets(dev, 1, &w, 0, NULL);
+	return k;
+}
+
+/* One round: add one to every word, copy the buffer to `staging`. */
+static void record(VkCommandBuffer cb, struct kernel *k, VkBuffer data, VkBuffer staging,
+		   uint32_t words, int flags)
+{
+	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+				       .flags = (VkCommandBufferUsageFlags)flags};
+	CHECK(vkBeginCommandBuffer(cb, &bi));
+	vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->pipe);
+	vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->layout, 0, 1, &k->set, 0,
+				NULL);
+	vkCmdPushConstants(cb, k->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 4, &words);
+	vkCmdDispatch(cb, (words + 63) / 64, 1, 1);
+	VkBufferMemoryBarrier bar = {.sType = VK_STRUCTURE_TYPE_BUFFER_MEMORY_BARRIER,
+				     .srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT,
+				     .dstAccessMask = VK_ACCESS_TRANSFER_READ_BIT,
+				     .srcQueueFamilyIndex = VK_QUEUE_FAMILY_IGNORED,
+				     .dstQueueFamilyIndex = VK_QUEUE_FAMILY_IGNORED,
+				     .buffer = data, .size = VK_WHOLE_SIZE};
+	vkCmdPipelineBarrier(cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+			     VK_PIPELINE_STAGE_TRANSFER_BIT, 0, 0, NULL, 1, &bar, 0, NULL);
+	VkBufferCopy region = {0, 0, (VkDeviceSize)words * 4};
+	vkCmdCopyBuffer(cb, data, staging, 1, &region);
+	CHECK(vkEndCommandBuffer(cb));
+}
+
+/* The data buffer starts as seed(i): written through the staging buffer, copied. */
+static void fill(VkQueue q, VkCommandBuffer cb, VkBuffer data, VkBuffer staging, uint32_t *seen,
+		 uint32_t words)
+{
+	for (uint32_t i = 0; i < words; i++)
+		seen[i] = seed(i);
+	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
+	CHECK(vkBeginCommandBuffer(cb, &bi));
+	VkBufferCopy region = {0, 0, (VkDeviceSize)words * 4};
+	vkCmdCopyBuffer(cb, staging, data, 1, &region);
+	CHECK(vkEndCommandBuffer(cb));
+	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
+			   .pCommandBuffers = &cb};
+	CHECK(vkQueueSubmit(q, 1, &si, VK_NULL_HANDLE));
+	CHECK(vkQueueWaitIdle(q));
+	CHECK(vkResetCommandBuffer(cb, 0));
+}
+
+static void check(const uint32_t *seen, uint32_t words, unsigned rounds)
+{
+	for (uint32_t i = 0; i < words; i++)
+		if (seen[i] != seed(i) + rounds) {
+			fprintf(stderr, "vk_prog: word %u is %u after %u rounds, not %u\n", i,
+				seen[i], rounds, seed(i) + rounds);
+			exit(2);
+		}
+}
+
+int main(int argc, char **argv)
+{
+	uint32_t words = argc > 1 ? (uint32_t)strtoul(argv[1], NULL, 10) : 1 << 20;
+	const char *stop = getenv("VK_PROG_STOP");
+	int keep = getenv("VK_PROG_KEEP") && !strcmp(getenv("VK_PROG_KEEP"), "1");
+	int once = getenv("VK_PROG_ONCE") && !strcmp(getenv("VK_PROG_ONCE"), "1");
+	VkQueue q;
+	make_device(&q);
+	VkDeviceMemory data_mem, staging_mem;
+	VkBuffer data = buffer((VkDeviceSize)words * 4,
+			       VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
+				       VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+			       &data_mem, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+	VkBuffer staging = buffer((VkDeviceSize)words * 4,
+				  VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+				  &staging_mem, VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
+							VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
+	uint32_t *seen;
+	CHECK(vkMapMemory(dev, staging_mem, 0, VK_WHOLE_SIZE, 0, (void **)&seen));
+	VkCommandPoolCreateInfo pci = {.sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+				       .flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT};
+	VkCommandPool pool;
+	CHECK(vkCreateCommandPool(dev, &pci, NULL, &pool));
+	VkCommandBufferAllocateInfo cai = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+					   .commandPool = pool,
+					   .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+					   .commandBufferCount = 1};
+	VkCommandBuffer cb;
+	CHECK(vkAllocateCommandBuffers(dev, &cai, &cb));
+	fill(q, cb, data, staging, seen, words);
+	struct kernel k = make_kernel(data);
+	VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+	VkFence fence;
+	CHECK(vkCreateFence(dev, &fi, NULL, &fence));
+	printf("ready\n");
+	fflush(stdout);
+	unsigned rounds = 0;
+	int flags = once ? VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT : 0;
+	if (keep)
+		record(cb, &k, data, staging, words, 0);
+	while (!stop || access(stop, F_OK)) {
+		if (!keep)
+			record(cb, &k, data, staging, words, flags);
+		VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO,
+				   .commandBufferCount = 1, .pCommandBuffers = &cb};
+		CHECK(vkQueueSubmit(q, 1, &si, fence));
+		CHECK(vkWaitForFences(dev, 1, &fence, VK_TRUE, UINT64_MAX));
+		CHECK(vkResetFences(dev, 1, &fence));
+		if (!keep)
+			CHECK(vkResetCommandBuffer(cb, 0));
+		check(seen, words, ++rounds);
+		struct timespec tick = {0, 5000000};
+		nanosleep(&tick, NULL);
+	}
+	vkDestroyFence(dev, fence, NULL);
+	vkDestroyBuffer(dev, data, NULL);
+	vkFreeMemory(dev, data_mem, NULL);
+	printf("done %u ok\n", rounds);
+	return 0;
+}

@@ -1,0 +1,446 @@
+/*
+ * cmds.c: command buffers. Their states are followed (initial, recording,
+ * executable) with whether a recording names the program's buffers (a buffer of
+ * ours, or any descriptor set bound); the commands that name a buffer are
+ * translated to the driver's buffer of the moment.
+ */
+#include "vklayer.h"
+
+enum { INITIAL, RECORDING, EXECUTABLE };
+
+struct vcb {
+	VkCommandBuffer cb;
+	VkCommandPool pool;
+	int state, names, once;
+	struct vcb *next;
+};
+
+#define BUCKETS 1024
+static struct vcb *cbs[BUCKETS];
+static int recording; /* command buffers being recorded now */
+
+static size_t slot(const void *p)
+{
+	return (size_t)(((uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull) >> 54);
+}
+
+/* With `mu`. */
+static struct vcb *cb_of(VkCommandBuffer cb, int make)
+{
+	struct vcb **head = &cbs[slot(cb)];
+	for (struct vcb *c = *head; c; c = c->next)
+		if (c->cb == cb)
+			return c;
+	struct vcb *c = make ? calloc(1, sizeof *c) : NULL;
+	if (c) {
+		c->cb = cb;
+		c->next = *head;
+		*head = c;
+	}
+	return c;
+}
+
+static void set_state(struct vcb *c, int state)
+{
+	if (c->state == RECORDING)
+		recording--;
+	if (state == RECORDING)
+		recording++;
+	c->state = state;
+}
+
+/* With `mu`. */
+const char *record_busy(void)
+{
+	if (recording)
+		return "a command buffer is being recorded";
+	for (size_t b = 0; b < BUCKETS; b++)
+		for (struct vcb *c = cbs[b]; c; c = c->next)
+			if (c->state == EXECUTABLE && c->names && !c->once)
+				return "a command buffer recorded over its buffers is kept (not reset)";
+	return NULL;
+}
+
+/* A command that names the program's buffers was recorded into `cb`. */
+static void names(VkCommandBuffer cb)
+{
+	pthread_mutex_lock(&mu);
+	struct vcb *c = cb_of(cb, 1);
+	if (c)
+		c->names = 1;
+	pthread_mutex_unlock(&mu);
+}
+
+void record_submitted(VkCommandBuffer cb)
+{
+	struct vcb *c = cb_of(cb, 0);
+	if (c && c->once)
+		set_state(c, INITIAL); /* invalid once it ran: never submitted again */
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL allocate_cbs(VkDevice dev,
+						   const VkCommandBufferAllocateInfo *info,
+						   VkCommandBuffer *out)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->AllocateCommandBuffers(dev, info, out);
+	if (r != VK_SUCCESS || !is_ours(d))
+		return r;
+	pthread_mutex_lock(&mu);
+	for (uint32_t k = 0; k < info->commandBufferCount; k++) {
+		struct vcb *c = cb_of(out[k], 1);
+		if (c)
+			c->pool = info->commandPool, set_state(c, INITIAL), c->names = 0;
+	}
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static void forget(struct vcb *gone)
+{
+	set_state(gone, INITIAL);
+	for (struct vcb **p = &cbs[slot(gone->cb)]; *p; p = &(*p)->next)
+		if (*p == gone) {
+			*p = gone->next;
+			break;
+		}
+	free(gone);
+}
+
+static VKAPI_ATTR void VKAPI_CALL free_cbs(VkDevice dev, VkCommandPool pool, uint32_t n,
+					   const VkCommandBuffer *cb)
+{
+	struct vdev *d = dev_of(dev);
+	pthread_mutex_lock(&mu);
+	for (uint32_t k = 0; is_ours(d) && k < n; k++) {
+		struct vcb *c = cb[k] ? cb_of(cb[k], 0) : NULL;
+		if (c)
+			forget(c);
+	}
+	pthread_mutex_unlock(&mu);
+	d->FreeCommandBuffers(dev, pool, n, cb);
+}
+
+/* Every command buffer of `pool` reset (`drop`: forgotten). */
+static void pool_done(VkCommandPool pool, int drop)
+{
+	pthread_mutex_lock(&mu);
+	for (size_t b = 0; b < BUCKETS; b++)
+		for (struct vcb *c = cbs[b], *next; c; c = next) {
+			next = c->next;
+			if (c->pool != pool)
+				continue;
+			if (drop)
+				forget(c);
+			else
+				set_state(c, INITIAL), c->names = 0;
+		}
+	pthread_mutex_unlock(&mu);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL reset_cb_pool(VkDevice dev, VkCommandPool pool,
+						    VkCommandPoolResetFlags flags)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->ResetCommandPool(dev, pool, flags);
+	if (r == VK_SUCCESS && is_ours(d))
+		pool_done(pool, 0);
+	return r;
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_cb_pool(VkDevice dev, VkCommandPool pool,
+						  const VkAllocationCallbacks *alloc)
+{
+	struct vdev *d = dev_of(dev);
+	if (is_ours(d) && pool)
+		pool_done(pool, 1);
+	d->DestroyCommandPool(dev, pool, alloc);
+}
+
+/* Recording waits while released: what it records names buffers of now. */
+static VKAPI_ATTR VkResult VKAPI_CALL begin_cb(VkCommandBuffer cb,
+					       const VkCommandBufferBeginInfo *info)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (!is_ours(d))
+		return d->BeginCommandBuffer(cb, info);
+	gate_enter_recording();
+	VkResult r = d->BeginCommandBuffer(cb, info);
+	pthread_mutex_lock(&mu);
+	struct vcb *c = cb_of(cb, 1);
+	if (c && r == VK_SUCCESS) {
+		set_state(c, RECORDING);
+		c->names = 0;
+		c->once = !!(info->flags & VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT);
+	}
+	pthread_mutex_unlock(&mu);
+	gate_leave();
+	return r;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL end_cb(VkCommandBuffer cb)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	VkResult r = d->EndCommandBuffer(cb);
+	if (!is_ours(d))
+		return r;
+	pthread_mutex_lock(&mu);
+	struct vcb *c = cb_of(cb, 0);
+	if (c)
+		set_state(c, r == VK_SUCCESS ? EXECUTABLE : INITIAL);
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL reset_cb(VkCommandBuffer cb, VkCommandBufferResetFlags flags)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	VkResult r = d->ResetCommandBuffer(cb, flags);
+	if (r != VK_SUCCESS || !is_ours(d))
+		return r;
+	pthread_mutex_lock(&mu);
+	struct vcb *c = cb_of(cb, 0);
+	if (c)
+		set_state(c, INITIAL), c->names = 0;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+/* ---- commands ---------------------------------------------------------------- */
+
+#define CMD_PROLOGUE(fn, ...)                              \
+	struct vdev *d = dev_of((VkDevice)cb);             \
+	if (!is_ours(d)) {                                 \
+		d->fn(cb, __VA_ARGS__);                    \
+		return;                                    \
+	}                                                  \
+	names(cb)
+
+static VKAPI_ATTR void VKAPI_CALL bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point,
+					    VkPipelineLayout layout, uint32_t first, uint32_t n,
+					    const VkDescriptorSet *sets, uint32_t nd,
+					    const uint32_t *dyn)
+{
+	CMD_PROLOGUE(CmdBindDescriptorSets, point, layout, first, n, sets, nd, dyn);
+	d->CmdBindDescriptorSets(cb, point, layout, first, n, sets, nd, dyn);
+}
+
+static VKAPI_ATTR void VKAPI_CALL push_set(VkCommandBuffer cb, VkPipelineBindPoint point,
+					   VkPipelineLayout layout, uint32_t set, uint32_t n,
+					   const VkWriteDescriptorSet *w)
+{
+	CMD_PROLOGUE(CmdPushDescriptorSetKHR, point, layout, set, n, w);
+	size_t total = 0;
+	for (uint32_t k = 0; k < n; k++)
+		total += w[k].pBufferInfo ? w[k].descriptorCount : 0;
+	VkWriteDescriptorSet *writes = malloc(sizeof *writes * (n ? n : 1));
+	VkDescriptorBufferInfo *infos = malloc(sizeof *infos * (total ? total : 1));
+	if (!writes || !infos) {
+		free(writes), free(infos);
+		refuse("out of host memory for a pushed descriptor set");
+		return;
+	}
+	for (uint32_t k = 0, at = 0; k < n; k++) {
+		writes[k] = w[k];
+		if (!w[k].pBufferInfo)
+			continue;
+		for (uint32_t i = 0; i < w[k].descriptorCount; i++) {
+			infos[at + i] = w[k].pBufferInfo[i];
+			infos[at + i].buffer = real_buf(w[k].pBufferInfo[i].buffer);
+		}
+		writes[k].pBufferInfo = infos + at;
+		at += w[k].descriptorCount;
+	}
+	d->CmdPushDescriptorSetKHR(cb, point, layout, set, n, writes);
+	free(writes), free(infos);
+}
+
+static VKAPI_ATTR void VKAPI_CALL copy_buffer(VkCommandBuffer cb, VkBuffer src, VkBuffer dst,
+					      uint32_t n, const VkBufferCopy *r)
+{
+	CMD_PROLOGUE(CmdCopyBuffer, src, dst, n, r);
+	d->CmdCopyBuffer(cb, real_buf(src), real_buf(dst), n, r);
+}
+
+static VKAPI_ATTR void VKAPI_CALL copy_to_image(VkCommandBuffer cb, VkBuffer src, VkImage dst,
+						VkImageLayout layout, uint32_t n,
+						const VkBufferImageCopy *r)
+{
+	CMD_PROLOGUE(CmdCopyBufferToImage, src, dst, layout, n, r);
+	d->CmdCopyBufferToImage(cb, real_buf(src), dst, layout, n, r);
+}
+
+static VKAPI_ATTR void VKAPI_CALL copy_from_image(VkCommandBuffer cb, VkImage src,
+						  VkImageLayout layout, VkBuffer dst, uint32_t n,
+						  const VkBufferImageCopy *r)
+{
+	CMD_PROLOGUE(CmdCopyImageToBuffer, src, layout, dst, n, r);
+	d->CmdCopyImageToBuffer(cb, src, layout, real_buf(dst), n, r);
+}
+
+static VKAPI_ATTR void VKAPI_CALL update_buffer(VkCommandBuffer cb, VkBuffer dst,
+						VkDeviceSize offset, VkDeviceSize size,
+						const void *data)
+{
+	CMD_PROLOGUE(CmdUpdateBuffer, dst, offset, size, data);
+	d->CmdUpdateBuffer(cb, real_buf(dst), offset, size, data);
+}
+
+static VKAPI_ATTR void VKAPI_CALL fill_buffer(VkCommandBuffer cb, VkBuffer dst, VkDeviceSize offset,
+					      VkDeviceSize size, uint32_t data)
+{
+	CMD_PROLOGUE(CmdFillBuffer, dst, offset, size, data);
+	d->CmdFillBuffer(cb, real_buf(dst), offset, size, data);
+}
+
+/* Buffer barriers, translated into `out` (n long). */
+static void barriers(VkBufferMemoryBarrier *out, const VkBufferMemoryBarrier *in, uint32_t n)
+{
+	for (uint32_t k = 0; k < n; k++) {
+		out[k] = in[k];
+		out[k].buffer = real_buf(in[k].buffer);
+	}
+}
+
+static VKAPI_ATTR void VKAPI_CALL pipeline_barrier(
+	VkCommandBuffer cb, VkPipelineStageFlags src, VkPipelineStageFlags dst,
+	VkDependencyFlags dep, uint32_t nm, const VkMemoryBarrier *m, uint32_t nb,
+	const VkBufferMemoryBarrier *b, uint32_t ni, const VkImageMemoryBarrier *i)
+{
+	CMD_PROLOGUE(CmdPipelineBarrier, src, dst, dep, nm, m, nb, b, ni, i);
+	VkBufferMemoryBarrier *copy = malloc(sizeof *copy * (nb ? nb : 1));
+	if (!copy) {
+		refuse("out of host memory for a barrier");
+		return;
+	}
+	barriers(copy, b, nb);
+	d->CmdPipelineBarrier(cb, src, dst, dep, nm, m, nb, copy, ni, i);
+	free(copy);
+}
+
+static VKAPI_ATTR void VKAPI_CALL wait_events(
+	VkCommandBuffer cb, uint32_t ne, const VkEvent *e, VkPipelineStageFlags src,
+	VkPipelineStageFlags dst, uint32_t nm, const VkMemoryBarrier *m, uint32_t nb,
+	const VkBufferMemoryBarrier *b, uint32_t ni, const VkImageMemoryBarrier *i)
+{
+	CMD_PROLOGUE(CmdWaitEvents, ne, e, src, dst, nm, m, nb, b, ni, i);
+	VkBufferMemoryBarrier *copy = malloc(sizeof *copy * (nb ? nb : 1));
+	if (!copy) {
+		refuse("out of host memory for a barrier");
+		return;
+	}
+	barriers(copy, b, nb);
+	d->CmdWaitEvents(cb, ne, e, src, dst, nm, m, nb, copy, ni, i);
+	free(copy);
+}
+
+static VKAPI_ATTR void VKAPI_CALL dispatch_indirect(VkCommandBuffer cb, VkBuffer buf,
+						    VkDeviceSize offset)
+{
+	CMD_PROLOGUE(CmdDispatchIndirect, buf, offset);
+	d->CmdDispatchIndirect(cb, real_buf(buf), offset);
+}
+
+static VKAPI_ATTR void VKAPI_CALL bind_index(VkCommandBuffer cb, VkBuffer buf, VkDeviceSize offset,
+					     VkIndexType type)
+{
+	CMD_PROLOGUE(CmdBindIndexBuffer, buf, offset, type);
+	d->CmdBindIndexBuffer(cb, real_buf(buf), offset, type);
+}
+
+static VKAPI_ATTR void VKAPI_CALL bind_vertex(VkCommandBuffer cb, uint32_t first, uint32_t n,
+					      const VkBuffer *bufs, const VkDeviceSize *offsets)
+{
+	CMD_PROLOGUE(CmdBindVertexBuffers, first, n, bufs, offsets);
+	VkBuffer *copy = malloc(sizeof *copy * (n ? n : 1));
+	if (!copy) {
+		refuse("out of host memory for a vertex binding");
+		return;
+	}
+	for (uint32_t k = 0; k < n; k++)
+		copy[k] = real_buf(bufs[k]);
+	d->CmdBindVertexBuffers(cb, first, n, copy, offsets);
+	free(copy);
+}
+
+static VKAPI_ATTR void VKAPI_CALL draw_indirect(VkCommandBuffer cb, VkBuffer buf,
+						VkDeviceSize offset, uint32_t n, uint32_t stride)
+{
+	CMD_PROLOGUE(CmdDrawIndirect, buf, offset, n, stride);
+	d->CmdDrawIndirect(cb, real_buf(buf), offset, n, stride);
+}
+
+static VKAPI_ATTR void VKAPI_CALL draw_indexed_indirect(VkCommandBuffer cb, VkBuffer buf,
+							VkDeviceSize offset, uint32_t n,
+							uint32_t stride)
+{
+	CMD_PROLOGUE(CmdDrawIndexedIndirect, buf, offset, n, stride);
+	d->CmdDrawIndexedIndirect(cb, real_buf(buf), offset, n, stride);
+}
+
+static VKAPI_ATTR void VKAPI_CALL draw_indirect_count(VkCommandBuffer cb, VkBuffer buf,
+						      VkDeviceSize offset, VkBuffer count,
+						      VkDeviceSize count_offset, uint32_t most,
+						      uint32_t stride)
+{
+	CMD_PROLOGUE(CmdDrawIndirectCount, buf, offset, count, count_offset, most, stride);
+	d->CmdDrawIndirectCount(cb, real_buf(buf), offset, real_buf(count), count_offset, most,
+				stride);
+}
+
+static VKAPI_ATTR void VKAPI_CALL draw_indexed_indirect_count(VkCommandBuffer cb, VkBuffer buf,
+							      VkDeviceSize offset, VkBuffer count,
+							      VkDeviceSize count_offset,
+							      uint32_t most, uint32_t stride)
+{
+	CMD_PROLOGUE(CmdDrawIndexedIndirectCount, buf, offset, count, count_offset, most, stride);
+	d->CmdDrawIndexedIndirectCount(cb, real_buf(buf), offset, real_buf(count), count_offset,
+				       most, stride);
+}
+
+static VKAPI_ATTR void VKAPI_CALL copy_queries(VkCommandBuffer cb, VkQueryPool pool,
+					       uint32_t first, uint32_t n, VkBuffer dst,
+					       VkDeviceSize offset, VkDeviceSize stride,
+					       VkQueryResultFlags flags)
+{
+	CMD_PROLOGUE(CmdCopyQueryPoolResults, pool, first, n, dst, offset, stride, flags);
+	d->CmdCopyQueryPoolResults(cb, pool, first, n, real_buf(dst), offset, stride, flags);
+}
+
+void record_hook(const char *name, PFN_vkVoidFunction *fn)
+{
+	static const struct {
+		const char *name;
+		PFN_vkVoidFunction fn;
+	} hooks[] = {
+#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+		HOOK(AllocateCommandBuffers, allocate_cbs),
+		HOOK(FreeCommandBuffers, free_cbs),
+		HOOK(ResetCommandPool, reset_cb_pool),
+		HOOK(DestroyCommandPool, destroy_cb_pool),
+		HOOK(BeginCommandBuffer, begin_cb),
+		HOOK(EndCommandBuffer, end_cb),
+		HOOK(ResetCommandBuffer, reset_cb),
+		HOOK(CmdBindDescriptorSets, bind_sets),
+		HOOK(CmdPushDescriptorSetKHR, push_set),
+		HOOK(CmdCopyBuffer, copy_buffer),
+		HOOK(CmdCopyBufferToImage, copy_to_image),
+		HOOK(CmdCopyImageToBuffer, copy_from_image),
+		HOOK(CmdUpdateBuffer, update_buffer),
+		HOOK(CmdFillBuffer, fill_buffer),
+		HOOK(CmdPipelineBarrier, pipeline_barrier),
+		HOOK(CmdWaitEvents, wait_events),
+		HOOK(CmdDispatchIndirect, dispatch_indirect),
+		HOOK(CmdBindIndexBuffer, bind_index),
+		HOOK(CmdBindVertexBuffers, bind_vertex),
+		HOOK(CmdDrawIndirect, draw_indirect),
+		HOOK(CmdDrawIndexedIndirect, draw_indexed_indirect),
+		HOOK(CmdDrawIndirectCount, draw_indirect_count),
+		HOOK(CmdDrawIndexedIndirectCount, draw_indexed_indirect_count),
+		HOOK(CmdCopyQueryPoolResults, copy_queries),
+#undef HOOK
+	};
+	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
+		if (!strcmp(hooks[k].name, name))
+			*fn = hooks[k].fn;
+}

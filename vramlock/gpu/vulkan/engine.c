@@ -1,0 +1,310 @@
+/*
+ * engine.c: the gate that holds the program's GPU work (submits, recordings,
+ * allocations) while released, and the swap: a release copies each allocation the
+ * layer can make again to host memory and destroys it with its buffers; a restore
+ * makes them again, copies the contents back, binds the buffers and writes again
+ * every descriptor that named one.
+ */
+#include "vklayer.h"
+
+#include <time.h>
+
+pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t open_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
+static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
+static int closed = 1; /* until vramlock run said where the command stands */
+/* A release waits for the command buffers recorded to be spent: no new recording
+ * begins meanwhile, what is recorded may still be submitted. */
+static int draining;
+static long inflight;
+int released;
+/* How long a release waits for the program's calls in flight to return. */
+#define DRAIN_SECONDS 2
+
+static void enter(int recording)
+{
+	if (!active)
+		return;
+	pthread_mutex_lock(&mu);
+	while (closed || (recording && draining))
+		pthread_cond_wait(&open_cv, &mu);
+	inflight++;
+	pthread_mutex_unlock(&mu);
+}
+
+void gate_enter(void)
+{
+	enter(0);
+}
+
+void gate_enter_recording(void)
+{
+	enter(1);
+}
+
+void gate_leave(void)
+{
+	if (!active)
+		return;
+	pthread_mutex_lock(&mu);
+	if (--inflight == 0)
+		pthread_cond_broadcast(&drain_cv);
+	pthread_mutex_unlock(&mu);
+}
+
+/* With `mu`. */
+void gate_open_locked(void)
+{
+	closed = draining = 0;
+	pthread_cond_broadcast(&open_cv);
+}
+
+/* With `mu`: closed, and every call inside returned (0), or not within DRAIN_SECONDS
+ * (-1, the gate open again). */
+static int gate_close_locked(void)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += DRAIN_SECONDS;
+	closed = 1;
+	while (inflight > 0)
+		if (pthread_cond_timedwait(&drain_cv, &mu, &until) == ETIMEDOUT && inflight > 0) {
+			gate_open_locked();
+			return -1;
+		}
+	return 0;
+}
+
+/* ---- submits ----------------------------------------------------------------- */
+
+static VKAPI_ATTR VkResult VKAPI_CALL queue_submit(VkQueue q, uint32_t n, const VkSubmitInfo *s,
+						   VkFence fence)
+{
+	struct vdev *d = dev_of((VkDevice)q);
+	if (!is_ours(d))
+		return d->QueueSubmit(q, n, s, fence);
+	gate_enter();
+	pthread_mutex_lock(&mu);
+	for (uint32_t k = 0; k < n; k++)
+		for (uint32_t c = 0; c < s[k].commandBufferCount; c++)
+			record_submitted(s[k].pCommandBuffers[c]);
+	pthread_mutex_unlock(&mu);
+	VkResult r = d->QueueSubmit(q, n, s, fence);
+	gate_leave();
+	return r;
+}
+
+static VkResult submit2(PFN_vkQueueSubmit2 fn, VkQueue q, uint32_t n, const VkSubmitInfo2 *s,
+			VkFence fence)
+{
+	if (!is_ours(dev_of((VkDevice)q)))
+		return fn(q, n, s, fence);
+	gate_enter();
+	pthread_mutex_lock(&mu);
+	for (uint32_t k = 0; k < n; k++)
+		for (uint32_t c = 0; c < s[k].commandBufferInfoCount; c++)
+			record_submitted(s[k].pCommandBufferInfos[c].commandBuffer);
+	pthread_mutex_unlock(&mu);
+	VkResult r = fn(q, n, s, fence);
+	gate_leave();
+	return r;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL queue_submit2(VkQueue q, uint32_t n, const VkSubmitInfo2 *s,
+						    VkFence fence)
+{
+	return submit2(dev_of((VkDevice)q)->QueueSubmit2, q, n, s, fence);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL queue_submit2_khr(VkQueue q, uint32_t n,
+							const VkSubmitInfo2 *s, VkFence fence)
+{
+	return submit2(dev_of((VkDevice)q)->QueueSubmit2KHR, q, n, s, fence);
+}
+
+void engine_hook(const char *name, PFN_vkVoidFunction *fn)
+{
+	if (!strcmp(name, "vkQueueSubmit"))
+		*fn = (PFN_vkVoidFunction)queue_submit;
+	else if (!strcmp(name, "vkQueueSubmit2"))
+		*fn = (PFN_vkVoidFunction)queue_submit2;
+	else if (!strcmp(name, "vkQueueSubmit2KHR"))
+		*fn = (PFN_vkVoidFunction)queue_submit2_khr;
+}
+
+/* ---- release ----------------------------------------------------------------- */
+
+static int host_visible(struct vmem *m)
+{
+	return !!(m->d->props.memoryTypes[m->type].propertyFlags &
+		  VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
+}
+
+/* Why no release can ever work, or NULL. */
+static const char *cannot(void)
+{
+	if (refused[0])
+		return refused;
+	for (struct vdev *d = dev_list(); d; d = d->next)
+		if (d->passive && strcmp(d->why, "destroyed"))
+			return d->why;
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		if (table_swappable(m) && !host_visible(m))
+			return "its memory is not host-visible, which the layer cannot copy yet";
+	return NULL;
+}
+
+/* With `mu`: the command buffers recorded over the program's buffers spent
+ * (submitted and reset), new recordings held meanwhile; NULL, or why not within
+ * DRAIN_SECONDS (the gate open again). */
+static const char *spent(void)
+{
+	const char *why;
+	draining = 1;
+	for (int ms = 0; (why = record_busy()) && ms < DRAIN_SECONDS * 1000; ms++) {
+		struct timespec tick = {0, 1000000};
+		pthread_mutex_unlock(&mu);
+		nanosleep(&tick, NULL);
+		pthread_mutex_lock(&mu);
+	}
+	if (why)
+		gate_open_locked();
+	return why;
+}
+
+/* Every swapped allocation's memory and buffers destroyed (their contents are in
+ * host memory, or never made it back there: a restore that failed). */
+static void drop_swapped(void)
+{
+	for (struct vbuf *b = buf_list(); b; b = b->next)
+		if (b->mem && b->mem->host && b->real) {
+			b->d->DestroyBuffer(b->d->dev, b->real, NULL);
+			b->real = VK_NULL_HANDLE;
+		}
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		if (m->host && m->real) {
+			m->d->FreeMemory(m->d->dev, m->real, NULL);
+			m->real = VK_NULL_HANDLE;
+		}
+}
+
+/* Each swappable allocation's contents to host memory; 0, or -1 with `why`. */
+static int copy_out(char *why, size_t len, size_t *bytes)
+{
+	for (struct vmem *m = mem_list(); m; m = m->next) {
+		if (!table_swappable(m))
+			continue;
+		void *p;
+		if (!m->host && !(m->host = malloc(m->size ? m->size : 1))) {
+			snprintf(why, len, "no host memory for %llu bytes", (unsigned long long)m->size);
+			return -1;
+		}
+		VkResult r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
+		if (r != VK_SUCCESS) {
+			snprintf(why, len, "vkMapMemory failed (%d)", (int)r);
+			return -1;
+		}
+		memcpy(m->host, p, m->size);
+		m->d->UnmapMemory(m->d->dev, m->real);
+		*bytes += m->size;
+	}
+	return 0;
+}
+
+/* With `mu`, from vramlock run's `release`. */
+void do_release(char *answer, size_t len)
+{
+	const char *why = cannot();
+	size_t bytes = 0;
+	if (released) {
+		snprintf(answer, len, "released");
+		return;
+	}
+	if (why) {
+		snprintf(answer, len, "refused %s", why);
+		return;
+	}
+	if ((why = spent()) || (why = gate_close_locked() ? "its GPU calls did not return" : NULL) ||
+	    (why = record_busy())) {
+		gate_open_locked();
+		snprintf(answer, len, "failed %s", why);
+		return;
+	}
+	for (struct vdev *d = dev_list(); d; d = d->next)
+		if (!d->passive)
+			d->DeviceWaitIdle(d->dev);
+	char failed[200];
+	if (copy_out(failed, sizeof failed, &bytes)) {
+		gate_open_locked();
+		snprintf(answer, len, "failed %s", failed);
+		return;
+	}
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		if (!table_swappable(m) && m->host) /* mapped since: stays */
+			free(m->host), m->host = NULL;
+	drop_swapped();
+	released = 1;
+	TRACE("released %zu bytes", bytes);
+	snprintf(answer, len, "released");
+}
+
+/* ---- restore ----------------------------------------------------------------- */
+
+static VkResult make_memory(struct vmem *m)
+{
+	VkMemoryAllocateFlagsInfo flags = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+					   .flags = m->flags};
+	VkMemoryDedicatedAllocateInfo dedicated = {
+		.sType = VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO,
+		.pNext = m->flags ? &flags : NULL,
+		.buffer = m->dedicated ? m->dedicated->real : VK_NULL_HANDLE};
+	VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				     .allocationSize = m->size, .memoryTypeIndex = m->type};
+	info.pNext = m->dedicated ? (void *)&dedicated : m->flags ? (void *)&flags : NULL;
+	VkResult r = m->d->AllocateMemory(m->d->dev, &info, NULL, &m->real);
+	void *p;
+	if (r == VK_SUCCESS)
+		r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
+	if (r == VK_SUCCESS) {
+		memcpy(p, m->host, m->size);
+		m->d->UnmapMemory(m->d->dev, m->real);
+	}
+	return r;
+}
+
+/* Buffers, memory, contents and bindings made again; VK_SUCCESS or the first error. */
+static VkResult remake(void)
+{
+	VkResult r = VK_SUCCESS;
+	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
+		if (b->mem && b->mem->host && !b->real)
+			r = b->d->CreateBuffer(b->d->dev, &b->ci, NULL, &b->real);
+	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
+		if (m->host && !m->real)
+			r = make_memory(m);
+	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
+		if (b->mem && b->mem->host)
+			r = b->d->BindBufferMemory(b->d->dev, b->real, b->mem->real, b->offset);
+	return r;
+}
+
+/* With `mu`, from vramlock run's `restore`. */
+void do_restore(char *answer, size_t len)
+{
+	if (!released) {
+		gate_open_locked();
+		snprintf(answer, len, "restored");
+		return;
+	}
+	VkResult r = remake();
+	if (r != VK_SUCCESS) {
+		drop_swapped(); /* released as before: the member gives the GPU back */
+		snprintf(answer, len, "failed the device has no memory for it (%d)", (int)r);
+		return;
+	}
+	record_rewrite();
+	released = 0;
+	gate_open_locked();
+	TRACE("restored");
+	snprintf(answer, len, "restored");
+}

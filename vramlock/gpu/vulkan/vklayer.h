@@ -1,0 +1,142 @@
+/*
+ * libvramlock-vulkan's one internal header. The library is a Vulkan layer
+ * (VK_LAYER_VRAMLOCK_swap), put in front of an unmodified Vulkan program through the
+ * loader (a layer manifest, VK_ADD_LAYER_PATH and VK_INSTANCE_LAYERS) by
+ * `vramlock run`. It lets the program give its device memory back while it keeps
+ * running, and take it back later under the same handles:
+ *
+ *  layer.c    the loader's interface: instance and device creation, the dispatch
+ *             tables, and which entry points the program gets from us
+ *  table.c    the program's device memory and buffers: the handles it holds are ours,
+ *             each naming the driver's object of the moment (and what makes a process
+ *             impossible to swap: refused)
+ *  record.c   descriptor writes that name a buffer: translated, and kept to be
+ *             written again after a restore
+ *  cmds.c     command buffers: their states, and the commands that name a buffer,
+ *             translated
+ *  engine.c   the gate that holds GPU work while released; swapping out to host
+ *             memory and back in
+ *  control.c  the connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same
+ *             conversation as the CUDA library's
+ *
+ * Without VRAMLOCK_SWAP_SOCKET the layer stays out of the way: it wraps nothing.
+ */
+#ifndef VRAMLOCK_VKLAYER_H
+#define VRAMLOCK_VKLAYER_H
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <vulkan/vk_layer.h>
+#include <vulkan/vulkan.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define LAYER_NAME "VK_LAYER_VRAMLOCK_swap"
+
+/* ---- per device: the next layer's entry points we call ------------------------ */
+
+struct vdev {
+	VkDevice dev;
+	VkPhysicalDevice phys;
+	PFN_vkGetDeviceProcAddr gdpa;
+	VkPhysicalDeviceMemoryProperties props;
+	/* The device enables what the layer cannot translate: it wraps nothing
+	 * (`passive`, with why), and a release is refused. */
+	int passive;
+	char why[160];
+#define DEV_FN(name) PFN_vk##name name;
+#include "vkfuncs.h"
+#undef DEV_FN
+	struct vdev *next;
+};
+
+/* ---- the program's memory and buffers (table.c) --------------------------------- */
+
+struct vmem {
+	VkDeviceMemory real; /* VK_NULL_HANDLE while released */
+	struct vdev *d;
+	VkDeviceSize size;
+	uint32_t type;
+	VkMemoryAllocateFlags flags; /* VkMemoryAllocateFlagsInfo, where given */
+	struct vbuf *dedicated;	     /* VkMemoryDedicatedAllocateInfo's buffer */
+	/* Stays on the device through a release: mapped by the program, bound to an
+	 * image, or made with what the layer cannot make again. */
+	int mapped;
+	int kept;
+	void *host; /* its contents while released */
+	struct vmem *next;
+};
+
+struct vbuf {
+	VkBuffer real;
+	struct vdev *d;
+	VkBufferCreateInfo ci; /* pNext dropped, queue families copied */
+	uint32_t *families;
+	struct vmem *mem;
+	VkDeviceSize offset;
+	int kept; /* made with what the layer may not make again, or viewed */
+	struct vbuf *next;
+};
+
+/* Calls from the program: a handle of ours, the driver's now (NULL stays NULL). */
+VkDeviceMemory real_mem(VkDeviceMemory m);
+VkBuffer real_buf(VkBuffer b);
+/* Is this (a handle the program passed) one of ours? */
+int is_ours(struct vdev *d);
+struct vdev *dev_of(VkDevice dev);
+struct vdev *dev_list(void);
+
+/* table.c */
+void table_hook(const char *name, PFN_vkVoidFunction *fn);
+int table_swappable(struct vmem *m);
+struct vmem *mem_list(void);
+struct vbuf *buf_list(void);
+extern char refused[256]; /* set once: why no release can ever work */
+void refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* record.c */
+void sets_hook(const char *name, PFN_vkVoidFunction *fn);
+/* With `mu`, after a restore: every kept descriptor write naming a buffer made again. */
+void record_rewrite(void);
+void record_forget_buffer(struct vbuf *b);
+
+/* cmds.c */
+void record_hook(const char *name, PFN_vkVoidFunction *fn);
+/* With `mu`: why a release cannot be made now (a command buffer being recorded, or
+ * one recorded over the program's buffers and kept to be submitted again), or NULL. */
+const char *record_busy(void);
+/* With `mu`: `cb` was submitted (a one-time command buffer is spent). */
+void record_submitted(VkCommandBuffer cb);
+
+/* engine.c: the gate, and the swap itself. */
+extern pthread_mutex_t mu;
+void gate_enter(void);
+void gate_enter_recording(void); /* held too while a release waits for recordings */
+void gate_leave(void);
+void gate_open_locked(void); /* with `mu` */
+void engine_hook(const char *name, PFN_vkVoidFunction *fn);
+void do_release(char *answer, size_t len);
+void do_restore(char *answer, size_t len);
+extern int released;
+
+/* control.c */
+int control_setup(void);
+void control_join(void); /* at the first instance: hello, and wait for the word */
+extern int active;
+void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+extern int tracing;
+#define TRACE(...)                      \
+	do {                            \
+		if (tracing)            \
+			say(__VA_ARGS__); \
+	} while (0)
+
+#endif
