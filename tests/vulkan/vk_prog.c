@@ -233,7 +233,7 @@ int main(int argc, char **argv)
 	int flags = once ? VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT : 0;
 	if (keep)
 		record(cb, &k, data, staging, words, 0);
-	while (!stop || access(stop, F_OK)) {
+	do { /* one round at least */
 		if (!keep)
 			record(cb, &k, data, staging, words, flags);
 		VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO,
@@ -246,7 +246,7 @@ int main(int argc, char **argv)
 		check(seen, words, ++rounds);
 		struct timespec tick = {0, 5000000};
 		nanosleep(&tick, NULL);
-	}
+	} while (!stop || access(stop, F_OK));
 	vkDestroyFence(dev, fence, NULL);
 	vkDestroyBuffer(dev, data, NULL);
 	vkFreeMemory(dev, data_mem, NULL);

@@ -31,6 +31,7 @@ from .restart import RestartStrategy
 from .signal import SignalStrategy
 from .stop import StopStrategy
 from .swap import SwapStrategy
+from .vkswap import VulkanSwapStrategy
 
 # By the names --release takes, in the order they are listed; a new strategy is one
 # more line here (and, for auto to choose it, a place in auto's lists).
@@ -41,6 +42,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         SignalStrategy,
         CheckpointStrategy,
         SwapStrategy,
+        VulkanSwapStrategy,
         HttpStrategy,
         NoneStrategy,
         RestartStrategy,

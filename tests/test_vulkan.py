@@ -1,0 +1,236 @@
+"""``--release swap-vulkan`` (and ``auto``) on a CPU Vulkan driver: Mesa's lavapipe.
+
+The program (tests/vulkan/vk_prog.c) keeps a buffer of device memory that a kernel
+adds one to every round, and checks every word of it each round. The witness is a
+Vulkan layer of the test's own (tests/vulkan/witness_layer.c), below vramlock's,
+next to the driver: it logs every submit that reaches the driver with when its work
+was done, and the device memory the program holds there after every change. The
+other member is a process the test owns, holding the token itself (HOLDER).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+from helpers.commands import vramlock
+from helpers.processes import Spawn, wait_until
+from helpers.swap_rig import ask, read_line
+
+from vramlock.gpu.vulkan import build as layer_build
+from vramlock.gpu.vulkan import loader_here
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(layer_build.compiler() is None, reason="no C compiler"),
+    pytest.mark.skipif(not loader_here(), reason="no Vulkan loader (libvulkan.so.1)"),
+]
+
+SOURCES = ROOT / "tests" / "vulkan"
+STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+WORDS = 1 << 18  # the program's buffer: 1 MiB, and as much again for its staging copy
+BYTES = WORDS * 4
+
+# A member the test owns: queues as any waiter, says when it holds the token and when
+# it lets go (monotonic ns), and lets go when told on stdin.
+HOLDER = """
+import fcntl, os, sys, time
+arena = sys.argv[1]
+want = os.open(os.path.join(arena, "want.lock"), os.O_RDWR | os.O_CLOEXEC)
+token = os.open(os.path.join(arena, "token.lock"), os.O_RDWR | os.O_CLOEXEC)
+fcntl.flock(want, fcntl.LOCK_SH)
+fcntl.flock(token, fcntl.LOCK_EX)
+print("held", time.monotonic_ns(), flush=True)
+sys.stdin.readline()
+print("leaving", time.monotonic_ns(), flush=True)
+"""
+
+
+@dataclass
+class Built:
+    program: Path
+    layers: Path  # the witness layer's manifest's directory
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    out = tmp_path_factory.mktemp("vulkan")
+    cc = layer_build.compiler()
+    assert cc is not None
+    made = subprocess.run(
+        [cc, *STRICT, "-o", str(out / "vk_prog"), str(SOURCES / "vk_prog.c"), "-lvulkan"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if made.returncode != 0 and "vulkan/vulkan.h" in made.stderr:
+        pytest.skip("no Vulkan headers (libvulkan-dev)")
+    assert made.returncode == 0, made.stderr
+    subprocess.run([cc, *STRICT, "-fPIC", "-shared", "-fvisibility=hidden", "-o",
+                    str(out / "libwitness.so"), str(SOURCES / "witness_layer.c")],
+                   check=True, timeout=120)  # fmt: skip
+    manifest = {
+        "file_format_version": "1.2.0",
+        "layer": {"name": "VK_LAYER_VRAMLOCK_TEST_witness", "type": "GLOBAL",
+                  "library_path": str(out / "libwitness.so"), "api_version": "1.3.0",
+                  "implementation_version": "1", "description": "the tests' witness"},
+    }  # fmt: skip
+    (out / "witness.json").write_text(json.dumps(manifest))
+    alone = subprocess.run([str(out / "vk_prog"), "64"], env=dict(os.environ, VK_PROG_STOP="/"),
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    if alone.returncode != 0:
+        pytest.skip(f"no Vulkan device here (a CPU one: mesa-vulkan-drivers): {alone.stderr}")
+    return Built(out / "vk_prog", out)
+
+
+@dataclass
+class Rig:
+    built: Built
+    arena: Path
+    tmp: Path
+
+    def env(self, name: str, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, VK_ADD_LAYER_PATH=str(self.built.layers),
+                   VK_INSTANCE_LAYERS="VK_LAYER_VRAMLOCK_TEST_witness",
+                   WITNESS_LOG=str(self.log(name)), VK_PROG_STOP=str(self.stop(name)))  # fmt: skip
+        env.update(extra)
+        return env
+
+    def log(self, name: str) -> Path:
+        return self.tmp / f"{name}.log"
+
+    def stop(self, name: str) -> Path:
+        return self.tmp / f"{name}.stop"
+
+    def run(self, spawn: Spawn, name: str, *opts: str, **extra: str) -> subprocess.Popen[str]:
+        argv = vramlock("run", "--arena", str(self.arena), *opts, "--",
+                        str(self.built.program), str(WORDS))  # fmt: skip
+        return spawn(argv, env=self.env(name, **extra))
+
+    def lines(self, name: str, kind: str) -> list[tuple[int, int]]:
+        """The witness's lines of ``kind`` so far (complete lines only)."""
+        if not self.log(name).exists():
+            return []
+        text = self.log(name).read_text()
+        rows = (ln.split() for ln in text[: text.rfind("\n") + 1].splitlines())
+        return [(int(a), int(b)) for k, a, b in rows if k == kind]
+
+    def held_at(self, name: str, ns: int) -> int:
+        """The device memory the program held at the driver at ``ns``."""
+        return ([b for at, b in self.lines(name, "memory") if at <= ns] or [0])[-1]
+
+
+@pytest.fixture
+def rig(built: Built, arena: Path, tmp_path: Path) -> Rig:
+    return Rig(built, arena, tmp_path)
+
+
+def take_turn(rig: Rig, spawn: Spawn) -> tuple[int, int]:
+    """The test's member queues, holds the token a moment, lets go: when it held it."""
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    held = read_line(holder)
+    assert held[0] == "held", held
+    time.sleep(0.3)  # the program keeps trying to submit meanwhile
+    left = ask(holder, "")
+    assert holder.wait(10) == 0
+    return int(held[1]), int(left[1])
+
+
+def submitted(rig: Rig, name: str) -> int:
+    return len(rig.lines(name, "submit"))
+
+
+def overlapping(work: list[tuple[int, int]], turns: list[tuple[int, int]]) -> list[object]:
+    return [(w, t) for w in work for t in turns if w[0] <= t[1] and w[1] >= t[0]]
+
+
+def turns_then_stop(rig: Rig, spawn: Spawn, job: subprocess.Popen[str], n: int) -> str:
+    """``n`` turns of the test's member while the program runs (it submits again
+    between them), then the program stops: it must end well, its data checked. Its
+    stderr. Checked here too, on the witness: no work of the program ran during a turn,
+    and it held no more than its staging buffer then (the data buffer's memory gone)."""
+    assert read_line(job) == ["ready"]
+    turns = []
+    for _ in range(n):
+        before = submitted(rig, "prog")
+        wait_until(lambda: submitted(rig, "prog") > before + 3)  # noqa: B023
+        turns.append(take_turn(rig, spawn))
+    seen = submitted(rig, "prog")
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs again after
+    rig.stop("prog").touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-1] == "ok"  # every word right, every round
+    assert not overlapping(rig.lines("prog", "submit"), turns)
+    for start, end in turns:
+        assert rig.held_at("prog", start) == rig.held_at("prog", end) == BYTES, turns
+    assert max(b for _, b in rig.lines("prog", "memory")) == 2 * BYTES
+    return err
+
+
+def test_the_program_runs_on_the_driver_alone(rig: Rig) -> None:
+    """The baseline: without vramlock, the program, the witness and the driver agree."""
+    env = rig.env("prog", VK_PROG_STOP="/")
+    done = subprocess.run([str(rig.built.program), str(WORDS)], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ready", "done", "1", "ok"]
+    assert rig.lines("prog", "memory")[-1][1] == BYTES  # the data buffer freed at the end
+
+
+def test_contents_survive_swaps_and_no_work_runs_while_released(rig: Rig, spawn: Spawn) -> None:
+    job = rig.run(spawn, "prog", "--min-hold", "0", "--release", "swap-vulkan")
+    assert turns_then_stop(rig, spawn, job, 5) == ""  # nothing said on the happy path
+
+
+def test_auto_swaps_a_vulkan_program(rig: Rig, spawn: Spawn) -> None:
+    """Nothing named: ``auto`` put the layer in front of the command, and swaps it (under
+    ``none`` the test's member would wait until the program exits)."""
+    job = rig.run(spawn, "prog", "--min-hold", "0")
+    assert turns_then_stop(rig, spawn, job, 2) == ""
+
+
+def test_two_programs_take_turns(rig: Rig, spawn: Spawn) -> None:
+    """Two Vulkan programs in one arena, both always at work: they take turns, never
+    both at work, and each keeps its data."""
+    jobs = {name: rig.run(spawn, name, "--min-hold", "0.2", "--release", "swap-vulkan")
+            for name in ("a", "b")}  # fmt: skip
+    for job in jobs.values():
+        assert read_line(job) == ["ready"]
+
+    def handoffs() -> int:
+        work = sorted((s, n) for n in jobs for s, _ in rig.lines(n, "submit"))
+        return sum(1 for x, y in itertools.pairwise(work) if x[1] != y[1])
+
+    wait_until(lambda: handoffs() >= 10, timeout=60)
+    for name, job in jobs.items():
+        rig.stop(name).touch()
+        out, err = job.communicate(timeout=60)
+        assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
+    assert not overlapping(rig.lines("a", "submit"), rig.lines("b", "submit"))
+
+
+def test_a_layer_that_cannot_be_built_fails_before_the_command(arena: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    done = subprocess.run(
+        vramlock("run", "--arena", str(arena), "--release", "swap-vulkan", "--", "touch",
+                 str(marker)),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 125
+    assert done.stderr.count("\n") == 1
+    assert "--release swap-vulkan cannot be used here" in done.stderr
+    assert "no-such-cc" in done.stderr
+    assert not marker.exists()
+
+
+def test_the_layer_compiles_without_warnings(tmp_path: Path) -> None:
+    layer_build.build(tmp_path / "layer.so", "-Werror")
