@@ -15,10 +15,10 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 
-def _swap_build(root: str) -> ModuleType:
+def _swap_build(root: str, part: str = "swap") -> ModuleType:
     # By path: the package itself (and its dependencies) need not be importable here.
-    path = Path(root, "vramlock", "gpu", "swap", "build.py")
-    spec = importlib.util.spec_from_file_location("_vramlock_swap_build", path)
+    path = Path(root, "vramlock", "gpu", part, "build.py")
+    spec = importlib.util.spec_from_file_location(f"_vramlock_{part}_build", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -31,6 +31,7 @@ class SwapLibraryHook(BuildHookInterface):  # type: ignore[type-arg]
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if version == "editable":
             return  # a checkout builds the library into the cache at first use
+        self._vulkan_layer(build_data)
         swap = _swap_build(self.root)
         target = Path(self.root, "build", "swap", swap.LIBRARY)
         try:
@@ -43,3 +44,15 @@ class SwapLibraryHook(BuildHookInterface):  # type: ignore[type-arg]
         # Any Python 3, this platform only: the library does not link Python.
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
         build_data["tag"] = f"py3-none-{platform}"
+
+    def _vulkan_layer(self, build_data: dict[str, Any]) -> None:
+        """The Vulkan layer too, where a compiler and the Vulkan headers are; without
+        them it is compiled at first use, as the swap library is."""
+        vulkan = _swap_build(self.root, "vulkan")
+        target = Path(self.root, "build", "vulkan", vulkan.LIBRARY)
+        try:
+            vulkan.build(target)
+        except vulkan.BuildError as err:
+            self.app.display_warning(f"vramlock: no Vulkan layer in this wheel: {err}")
+            return
+        build_data["force_include"][str(target)] = f"vramlock/gpu/vulkan/{vulkan.LIBRARY}"
