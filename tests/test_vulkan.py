@@ -234,3 +234,42 @@ def test_a_layer_that_cannot_be_built_fails_before_the_command(arena: Path, tmp_
 
 def test_the_layer_compiles_without_warnings(tmp_path: Path) -> None:
     layer_build.build(tmp_path / "layer.so", "-Werror")
+
+
+@pytest.mark.parametrize(
+    ("knob", "why"),
+    [
+        ("VK_PROG_ADDRESS", "the program uses buffer device addresses"),
+        ("VK_PROG_KEEP", "a command buffer recorded over its buffers is kept"),
+    ],
+    ids=["address", "kept-command-buffer"],
+)
+def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
+    rig: Rig, spawn: Spawn, knob: str, why: str
+) -> None:
+    """A device address would change when its buffer is made again; a command buffer kept
+    recorded would name buffers destroyed: the layer refuses (for the command buffer, after
+    three releases that failed), the program runs on with its memory, and the waiter gets
+    the token only once it exits."""
+    job = rig.run(spawn, "prog", "--min-hold", "0", "--release", "swap-vulkan", **{knob: "1"})
+    assert read_line(job) == ["ready"]
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    assert job.stderr is not None
+    said = [job.stderr.readline()]  # a failure a second, three in a row: refused
+    while "holding the GPU until it exits" not in said[-1]:
+        said.append(job.stderr.readline())
+    assert all(ln.startswith("vramlock: ") and why in ln for ln in said), said
+    if knob == "VK_PROG_ADDRESS":
+        assert len(said) == 1, said  # refused at once
+    else:
+        assert "3 times in a row" in said[-1], said
+    seen = submitted(rig, "prog")
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs on, refused
+    rig.stop("prog").touch()
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-1] == "ok", out
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
+    ask(holder, "")

@@ -9,7 +9,8 @@
  *
  * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. With
  * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
- * recorded once and submitted every round (the layer must refuse to swap that).
+ * recorded once and submitted every round (the layer must refuse to swap that); with
+ * VK_PROG_ADDRESS=1 it takes its data buffer's device address.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -34,6 +35,7 @@
 
 static VkDevice dev;
 static VkPhysicalDevice phys;
+static int address; /* VK_PROG_ADDRESS */
 
 static uint32_t seed(uint32_t i)
 {
@@ -60,7 +62,10 @@ static VkBuffer buffer(VkDeviceSize size, VkBufferUsageFlags usage, VkDeviceMemo
 	VkMemoryRequirements req;
 	CHECK(vkCreateBuffer(dev, &bi, NULL, &b));
 	vkGetBufferMemoryRequirements(dev, b, &req);
+	VkMemoryAllocateFlagsInfo flags = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+					   .flags = VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT};
 	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				   .pNext = usage & VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT ? &flags : NULL,
 				   .allocationSize = req.size,
 				   .memoryTypeIndex = memory_type(req.memoryTypeBits, want)};
 	CHECK(vkAllocateMemory(dev, &ai, NULL, mem));
@@ -71,7 +76,7 @@ static VkBuffer buffer(VkDeviceSize size, VkBufferUsageFlags usage, VkDeviceMemo
 static void make_device(VkQueue *queue)
 {
 	VkApplicationInfo app = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO,
-				 .apiVersion = VK_API_VERSION_1_1};
+				 .apiVersion = VK_API_VERSION_1_2};
 	VkInstanceCreateInfo ici = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
 				    .pApplicationInfo = &app};
 	VkInstance inst;
@@ -84,8 +89,12 @@ static void make_device(VkQueue *queue)
 	VkDeviceQueueCreateInfo q = {.sType = VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
 				     .queueFamilyIndex = 0, .queueCount = 1,
 				     .pQueuePriorities = &prio};
+	VkPhysicalDeviceBufferDeviceAddressFeatures bda = {
+		.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_BUFFER_DEVICE_ADDRESS_FEATURES,
+		.bufferDeviceAddress = VK_TRUE};
 	VkDeviceCreateInfo dci = {.sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
-				  .queueCreateInfoCount = 1, .pQueueCreateInfos = &q};
+				  .pNext = address ? &bda : NULL, .queueCreateInfoCount = 1,
+				  .pQueueCreateInfos = &q};
 	CHECK(vkCreateDevice(phys, &dci, NULL, &dev));
 	vkGetDeviceQueue(dev, 0, 0, queue);
 }
@@ -199,13 +208,21 @@ int main(int argc, char **argv)
 	const char *stop = getenv("VK_PROG_STOP");
 	int keep = getenv("VK_PROG_KEEP") && !strcmp(getenv("VK_PROG_KEEP"), "1");
 	int once = getenv("VK_PROG_ONCE") && !strcmp(getenv("VK_PROG_ONCE"), "1");
+	address = getenv("VK_PROG_ADDRESS") && !strcmp(getenv("VK_PROG_ADDRESS"), "1");
 	VkQueue q;
 	make_device(&q);
 	VkDeviceMemory data_mem, staging_mem;
 	VkBuffer data = buffer((VkDeviceSize)words * 4,
 			       VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
-				       VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+				       VK_BUFFER_USAGE_TRANSFER_DST_BIT |
+				       (address ? VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT : 0),
 			       &data_mem, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+	if (address) {
+		VkBufferDeviceAddressInfo where = {
+			.sType = VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, .buffer = data};
+		if (!vkGetBufferDeviceAddress(dev, &where))
+			return 3;
+	}
 	VkBuffer staging = buffer((VkDeviceSize)words * 4,
 				  VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
 				  &staging_mem, VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |

@@ -96,7 +96,8 @@ class AutoStrategy(Strategy):
         if swaps(command):
             prepared = SwapStrategy.prepare(prepared, env, scratch)
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
-        if vulkan_usable() is None:  # the Vulkan layer too, on the same hub
+        spread = any(engine.spreads(command) for engine in PRESETS.values())
+        if not spread and vulkan_usable() is None:  # the Vulkan layer too, on one hub
             prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
         return prepared
 
