@@ -273,3 +273,28 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     held = read_line(holder)
     assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
     ask(holder, "")
+
+
+def test_a_process_that_runs_vulkan_without_the_layer_is_refused(rig: Rig, spawn: Spawn) -> None:
+    """The command takes the layer out of its program's environment before the exec: that
+    process would run on in another member's turn, so no release is made (the witness
+    layer, named by the test, stays)."""
+    env = rig.env("prog")
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--release",
+                    "swap-vulkan", "--", "sh", "-c",
+                    'VK_INSTANCE_LAYERS=VK_LAYER_VRAMLOCK_TEST_witness exec "$0" "$1"',
+                    str(rig.built.program), str(WORDS))  # fmt: skip
+    job = spawn(argv, env=env)
+    assert read_line(job) == ["ready"]
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    assert job.stderr is not None
+    said = job.stderr.readline()
+    assert said.startswith("vramlock: ") and said.endswith("holding the GPU until it exits\n")
+    assert "uses Vulkan without the vramlock layer" in said, said
+    rig.stop("prog").touch()
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-1] == "ok", out
+    assert read_line(holder)[0] == "held"
+    ask(holder, "")
