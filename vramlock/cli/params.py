@@ -95,8 +95,8 @@ ReleaseOpt = Annotated[
     str,
     typer.Option(
         metavar="STRATEGY",
-        help="How the command gives the GPU back: auto, signal, checkpoint, swap, http,"
-        " none, restart, stop, exec.",
+        help="How the command gives the GPU back: auto, signal, checkpoint, swap,"
+        " swap-vulkan, http, none, restart, stop, exec.",
         autocompletion=_strategy_names,
     ),
 ]
