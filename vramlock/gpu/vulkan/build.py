@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # The layer's parts, and the headers they share (vklayer.h says what each holds).
-PARTS = ("layer", "table", "record", "cmds", "engine", "control")
+PARTS = ("layer", "table", "record", "cmds", "engine", "stage", "control")
 SOURCES = tuple(HERE / f"{part}.c" for part in PARTS)
 HEADERS = (HERE / "vklayer.h", HERE / "vkfuncs.h")
 LIBRARY = "libvramlock-vulkan.so"

@@ -169,7 +169,9 @@ int control_setup(void)
 {
 	const char *path = getenv("VRAMLOCK_SWAP_SOCKET");
 	const char *debug = getenv("VRAMLOCK_SWAP_DEBUG");
+	const char *staging = getenv("VRAMLOCK_VULKAN_STAGING");
 	tracing = debug && *debug && strcmp(debug, "0");
+	staging_forced = staging && !strcmp(staging, "1");
 	if (!path || !*path)
 		return 0;
 	if (strlen(path) < sizeof sock_path)

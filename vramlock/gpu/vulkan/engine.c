@@ -136,8 +136,8 @@ void engine_hook(const char *name, PFN_vkVoidFunction *fn)
 
 static int host_visible(struct vmem *m)
 {
-	return !!(m->d->props.memoryTypes[m->type].propertyFlags &
-		  VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
+	return !staging_forced && (m->d->props.memoryTypes[m->type].propertyFlags &
+				   VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
 }
 
 /* Why no release can ever work, or NULL. */
@@ -148,9 +148,6 @@ static const char *cannot(void)
 	for (struct vdev *d = dev_list(); d; d = d->next)
 		if (d->passive && strcmp(d->why, "destroyed"))
 			return d->why;
-	for (struct vmem *m = mem_list(); m; m = m->next)
-		if (table_swappable(m) && !host_visible(m))
-			return "its memory is not host-visible, which the layer cannot copy yet";
 	return NULL;
 }
 
@@ -199,13 +196,17 @@ static int copy_out(char *why, size_t len, size_t *bytes)
 			snprintf(why, len, "no host memory for %llu bytes", (unsigned long long)m->size);
 			return -1;
 		}
-		VkResult r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
+		VkResult r = host_visible(m)
+				     ? m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p)
+				     : stage_copy(m, 1);
 		if (r != VK_SUCCESS) {
-			snprintf(why, len, "vkMapMemory failed (%d)", (int)r);
+			snprintf(why, len, "its memory could not be copied out (%d)", (int)r);
 			return -1;
 		}
-		memcpy(m->host, p, m->size);
-		m->d->UnmapMemory(m->d->dev, m->real);
+		if (host_visible(m)) {
+			memcpy(m->host, p, m->size);
+			m->d->UnmapMemory(m->d->dev, m->real);
+		}
 		*bytes += m->size;
 	}
 	return 0;
@@ -262,9 +263,15 @@ static VkResult make_memory(struct vmem *m)
 				     .allocationSize = m->size, .memoryTypeIndex = m->type};
 	info.pNext = m->dedicated ? (void *)&dedicated : m->flags ? (void *)&flags : NULL;
 	VkResult r = m->d->AllocateMemory(m->d->dev, &info, NULL, &m->real);
+	return r;
+}
+
+static VkResult copy_in(struct vmem *m)
+{
 	void *p;
-	if (r == VK_SUCCESS)
-		r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
+	if (!host_visible(m))
+		return stage_copy(m, 0);
+	VkResult r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
 	if (r == VK_SUCCESS) {
 		memcpy(p, m->host, m->size);
 		m->d->UnmapMemory(m->d->dev, m->real);
@@ -282,6 +289,9 @@ static VkResult remake(void)
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
 		if (m->host && !m->real)
 			r = make_memory(m);
+	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
+		if (m->host)
+			r = copy_in(m);
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
 		if (b->mem && b->mem->host)
 			r = b->d->BindBufferMemory(b->d->dev, b->real, b->mem->real, b->offset);

@@ -197,6 +197,16 @@ static int sparse_enabled(const VkDeviceCreateInfo *ci)
 	return 0;
 }
 
+/* The loader's callback that makes a dispatchable object the layer creates its own. */
+static PFN_vkSetDeviceLoaderData loader_data(const VkDeviceCreateInfo *ci)
+{
+	for (const VkLayerDeviceCreateInfo *s = ci->pNext; s; s = s->pNext)
+		if (s->sType == VK_STRUCTURE_TYPE_LOADER_DEVICE_CREATE_INFO &&
+		    s->function == VK_LOADER_DATA_CALLBACK)
+			return s->u.pfnSetDeviceLoaderData;
+	return NULL;
+}
+
 static void fill_device(struct vdev *d, VkDevice dev, PFN_vkGetDeviceProcAddr gdpa)
 {
 	d->dev = dev;
@@ -220,6 +230,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	PFN_vkGetInstanceProcAddr gipa = link->u.pLayerInfo->pfnNextGetInstanceProcAddr;
 	PFN_vkGetDeviceProcAddr gdpa = link->u.pLayerInfo->pfnNextGetDeviceProcAddr;
 	link->u.pLayerInfo = link->u.pLayerInfo->pNext;
+	PFN_vkSetDeviceLoaderData set_data = loader_data(ci);
 	if (active)
 		control_join(); /* no device is made before vramlock run said where we stand */
 	PFN_vkCreateDevice create = (PFN_vkCreateDevice)gipa(i->inst, "vkCreateDevice");
@@ -231,6 +242,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 		return VK_ERROR_OUT_OF_HOST_MEMORY;
 	fill_device(d, *out, gdpa);
 	d->phys = phys;
+	d->set_loader_data = set_data;
+	d->family = ci->queueCreateInfoCount ? ci->pQueueCreateInfos[0].queueFamilyIndex : 0;
 	i->GetPhysicalDeviceMemoryProperties(phys, &d->props);
 	const char *ext = unknown_extension(ci);
 	if (ext)
@@ -253,6 +266,9 @@ static VKAPI_ATTR void VKAPI_CALL destroy_device(VkDevice dev, const VkAllocatio
 	struct vdev *d = dev ? dev_of(dev) : NULL;
 	if (!d)
 		return;
+	pthread_mutex_lock(&mu);
+	stage_free(d);
+	pthread_mutex_unlock(&mu);
 	d->DestroyDevice(dev, alloc);
 	/* Kept in the list (a release walks it without the list's lock): marked gone. */
 	pthread_mutex_lock(&mu);

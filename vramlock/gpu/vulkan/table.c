@@ -87,6 +87,11 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_memory(VkDevice dev, const VkMemo
 	m->type = info->memoryTypeIndex;
 	VkMemoryDedicatedAllocateInfo *dedicated = NULL;
 	read_chain(m, info, &dedicated);
+	/* Memory the host cannot map is copied through a buffer of the layer's own
+	 * (stage.c), which memory dedicated to another cannot take. */
+	if (dedicated && !(d->props.memoryTypes[m->type].propertyFlags &
+			   VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT))
+		m->kept = 1;
 	gate_enter();
 	VkBuffer theirs = dedicated ? dedicated->buffer : VK_NULL_HANDLE;
 	if (dedicated) /* the driver's buffer, for the call only */

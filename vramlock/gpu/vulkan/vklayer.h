@@ -16,6 +16,8 @@
  *             translated
  *  engine.c   the gate that holds GPU work while released; swapping out to host
  *             memory and back in
+ *  stage.c    copies of memory the host cannot map, through a staging buffer and a
+ *             queue of the device's
  *  control.c  the connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same
  *             conversation as the CUDA library's
  *
@@ -52,6 +54,11 @@ struct vdev {
 	 * (`passive`, with why), and a release is refused. */
 	int passive;
 	char why[160];
+	/* For the layer's own copies (stage.c): the first queue the program asked for, and
+	 * what makes the layer's own dispatchable objects the loader's. */
+	uint32_t family;
+	PFN_vkSetDeviceLoaderData set_loader_data;
+	struct stage *stage;
 #define DEV_FN(name) PFN_vk##name name;
 #include "vkfuncs.h"
 #undef DEV_FN
@@ -126,6 +133,13 @@ void engine_hook(const char *name, PFN_vkVoidFunction *fn);
 void do_release(char *answer, size_t len);
 void do_restore(char *answer, size_t len);
 extern int released;
+
+/* stage.c: `m`'s contents to its host copy (out) or back (!out), through a staging
+ * buffer; VK_SUCCESS or the first error. */
+VkResult stage_copy(struct vmem *m, int out);
+void stage_free(struct vdev *d);
+/* VRAMLOCK_VULKAN_STAGING=1 (a test's hook): every copy goes through the staging path. */
+extern int staging_forced;
 
 /* control.c */
 int control_setup(void);
