@@ -8,7 +8,11 @@
  *   memory NS BYTES    device memory the program holds at the driver, after a
  *                      vkAllocateMemory or vkFreeMemory
  *
- * It knows nothing of vramlock: a test that reads it learns what the driver saw.
+ * It knows nothing of vramlock: a test that reads it learns what the driver saw. It also
+ * makes (and keeps, uncounted) a buffer and an allocation of its own before each buffer
+ * and allocation that reaches the driver, as large: a driver that puts the next one
+ * where one destroyed was (lavapipe's memory is the host's) would hide a descriptor
+ * left naming the destroyed one; the next one lands elsewhere.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -29,6 +33,7 @@ static PFN_vkQueueSubmit next_submit;
 static PFN_vkQueueWaitIdle next_wait;
 static PFN_vkAllocateMemory next_alloc;
 static PFN_vkFreeMemory next_free;
+static PFN_vkCreateBuffer next_create_buffer;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct held {
 	VkDeviceMemory mem;
@@ -70,7 +75,10 @@ static VKAPI_ATTR VkResult VKAPI_CALL submit(VkQueue q, uint32_t n, const VkSubm
 static VKAPI_ATTR VkResult VKAPI_CALL alloc(VkDevice dev, const VkMemoryAllocateInfo *info,
 					    const VkAllocationCallbacks *cb, VkDeviceMemory *out)
 {
-	VkResult r = next_alloc(dev, info, cb, out);
+	VkDeviceMemory kept;
+	VkResult r = next_alloc(dev, info, NULL, &kept);
+	if (r == VK_SUCCESS)
+		r = next_alloc(dev, info, cb, out);
 	struct held *h = r == VK_SUCCESS ? malloc(sizeof *h) : NULL;
 	if (h) {
 		pthread_mutex_lock(&mu);
@@ -97,6 +105,14 @@ static VKAPI_ATTR void VKAPI_CALL release(VkDevice dev, VkDeviceMemory mem,
 			break;
 		}
 	pthread_mutex_unlock(&mu);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_buffer(VkDevice dev, const VkBufferCreateInfo *ci,
+						    const VkAllocationCallbacks *cb, VkBuffer *out)
+{
+	VkBuffer kept;
+	VkResult r = next_create_buffer(dev, ci, NULL, &kept);
+	return r == VK_SUCCESS ? next_create_buffer(dev, ci, cb, out) : r;
 }
 
 static VKAPI_ATTR VkResult VKAPI_CALL create_instance(const VkInstanceCreateInfo *ci,
@@ -133,6 +149,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	next_wait = (PFN_vkQueueWaitIdle)next_gdpa(*out, "vkQueueWaitIdle");
 	next_alloc = (PFN_vkAllocateMemory)next_gdpa(*out, "vkAllocateMemory");
 	next_free = (PFN_vkFreeMemory)next_gdpa(*out, "vkFreeMemory");
+	next_create_buffer = (PFN_vkCreateBuffer)next_gdpa(*out, "vkCreateBuffer");
 	return r;
 }
 
@@ -144,6 +161,8 @@ static PFN_vkVoidFunction ours(const char *name)
 		return (PFN_vkVoidFunction)alloc;
 	if (!strcmp(name, "vkFreeMemory"))
 		return (PFN_vkVoidFunction)release;
+	if (!strcmp(name, "vkCreateBuffer"))
+		return (PFN_vkVoidFunction)create_buffer;
 	if (!strcmp(name, "vkCreateDevice"))
 		return (PFN_vkVoidFunction)create_device;
 	return NULL;
