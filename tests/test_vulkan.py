@@ -1,4 +1,4 @@
-"""``--release swap-vulkan`` (and ``auto``) on a CPU Vulkan driver: Mesa's lavapipe.
+"""``--release swap-vulkan`` on Mesa's lavapipe (a CPU Vulkan driver); ``auto`` leaves it out.
 
 The program (tests/vulkan/vk_prog.c) keeps a buffer of device memory that a kernel
 adds one to every round, and checks every word of it each round. The witness is a
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 from helpers.commands import vramlock
-from helpers.processes import Spawn, wait_until
+from helpers.processes import Spawn, queued, wait_until
 from helpers.swap_rig import ask, read_line
 
 from vramlock.gpu.vulkan import build as layer_build
@@ -201,11 +201,48 @@ def test_contents_survive_swaps_and_no_work_runs_while_released(
     assert turns_then_stop(rig, spawn, job, 5, held) == ""  # nothing said on the happy path
 
 
-def test_auto_swaps_a_vulkan_program(rig: Rig, spawn: Spawn) -> None:
-    """Nothing named: ``auto`` put the layer in front of the command, and swaps it (under
-    ``none`` the test's member would wait until the program exits)."""
+def programs(program: Path) -> list[int]:
+    """The processes running ``program`` now."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if entry.name.isdigit() and argv0 == bytes(program):
+            found.append(int(entry.name))
+    return found
+
+
+def test_auto_does_not_give_a_vulkan_program_the_layer(rig: Rig, spawn: Spawn) -> None:
+    """Nothing named: ``auto`` leaves the layer out (memory a program keeps mapped stays on
+    the device, and the layer's cost is not measured on a GPU yet). Witnessed on the
+    program's process: the libraries the loader mapped into it (the test's witness layer,
+    no vramlock one) and the layers its environment names; and on the witness layer's log:
+    the program runs on through the test's member's wait, which gets the token only once
+    the program exits (nothing released it)."""
     job = rig.run(spawn, "prog", "--min-hold", "0")
-    assert turns_then_stop(rig, spawn, job, 2) == ""
+    assert read_line(job) == ["ready"]
+    (pid,) = programs(rig.built.program)
+    mapped = {ln.split()[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+    assert str(rig.built.layers / "libwitness.so") in mapped
+    assert not [m for m in mapped if "vramlock" in os.path.basename(m)], mapped
+    env = dict(
+        kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv
+    )
+    assert env[b"VK_INSTANCE_LAYERS"] == b"VK_LAYER_VRAMLOCK_TEST_witness"
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    wait_until(lambda: queued(holder.pid))
+    seen = submitted(rig, "prog")
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs on, the member waiting
+    rig.stop("prog").touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
+    ask(holder, "")
 
 
 def test_two_programs_take_turns(rig: Rig, spawn: Spawn) -> None:

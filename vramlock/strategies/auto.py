@@ -36,17 +36,10 @@ from .presets import PRESETS
 from .signal import SignalStrategy
 from .swap import ENV_UNREACHED, SwapStrategy
 from .swap import usable as swap_usable
-from .vkswap import VulkanSwapStrategy
-from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
 AT_START: tuple[type[Strategy], ...] = (*PRESETS.values(),)
-FOR_A_WAITER: tuple[type[Strategy], ...] = (
-    VulkanSwapStrategy,
-    SwapStrategy,
-    *PRESETS.values(),
-    CheckpointStrategy,
-)
+FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), CheckpointStrategy)
 # A command that has not said hello this long after it started is taken not to speak
 # the control protocol.
 HELLO_GRACE = 1.0
@@ -96,9 +89,6 @@ class AutoStrategy(Strategy):
         if swaps(command):
             prepared = SwapStrategy.prepare(prepared, env, scratch)
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
-        spread = any(engine.spreads(command) for engine in PRESETS.values())
-        if not spread and vulkan_usable() is None:  # the Vulkan layer too, on one hub
-            prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
         return prepared
 
     # -- what the runner sees: the chosen strategy's facts -------------------------------

@@ -6,8 +6,13 @@ instance layers (``VK_INSTANCE_LAYERS``), and listens on the same kind of socket
 ``swap`` (``VRAMLOCK_SWAP_SOCKET``): the layer speaks the CUDA library's conversation
 (``hello``, ``release`` / ``released``, ``restore`` / ``restored``, ``refused``,
 ``failed``), so the release, its answers and the restore are ``swap``'s own. Where
-``swap`` made the hub already (``auto`` on a machine with a CUDA driver), the layer
-joins that hub: one socket for both kinds of process.
+``swap`` made a hub for the command already, the layer joins it: one socket for both
+kinds of process.
+
+Taken only when named: ``auto`` neither names the layer nor picks it, because memory a
+program keeps mapped stays on the device after a release (a Vulkan llama-server keeps
+its weights there, which the llama-server preset frees), and the layer's cost on a
+program that keeps the GPU has not been measured on a GPU.
 
 A release is refused while a process of the command has the Vulkan loader mapped
 without the layer, and was not started to load it (``VulkanHub.unverified``).
