@@ -7,7 +7,7 @@ headers and body, as {"id": NAME, ...}; a POST whose JSON body has ``"stream": t
 is answered as OpenAI streams: two SSE chunks of content, then ``data: [DONE]``; one
 with ``"sleep": SECONDS`` is answered that much later. ``"reply": {...}`` adds its members
 to the JSON answer (a stream: one more event, before ``[DONE]``, of just them);
-``"status": N`` answers with that status. ``"hold": true`` answers nothing more (a
+``"status": N`` answers with that status (a stream too). ``"hold": true`` answers nothing more (a
 stream: after its first chunk) until the client closes its connection, and then says
 ``NAME saw its client go`` on stderr: the witness of a request ended from the other side.
 GET /health answers 200.
@@ -43,7 +43,7 @@ class Echo(BaseHTTPRequestHandler):
             time.sleep(doc["sleep"])  # a slow answer: a request long in progress
         reply = doc["reply"] if isinstance(doc.get("reply"), dict) else {}
         if doc.get("stream") is True:
-            self.stream(reply, doc.get("hold") is True)
+            self.stream(reply, doc.get("hold") is True, doc.get("status"))
             return
         if doc.get("hold") is True:
             self.held()
@@ -58,8 +58,8 @@ class Echo(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def stream(self, reply: dict[str, object], hold: bool) -> None:
-        self.send_response(200)
+    def stream(self, reply: dict[str, object], hold: bool, status: object) -> None:
+        self.send_response(status if isinstance(status, int) else 200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
