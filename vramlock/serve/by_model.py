@@ -235,7 +235,10 @@ class ByModel:
             if request.method in ("GET", "HEAD"):
                 raise web.HTTPMovedPermanently(location)
             raise web.HTTPPermanentRedirect(location)
-        name = max((n for n in names if rest.startswith(f"{n}/")), key=len, default=None)
+        # "author%2Fmodel/..." names model author/model too, as in llama-swap
+        named = [(len(f), n) for n in names for f in {n, n.replace("/", "%2F")}
+                 if rest.replace("%2f", "%2F").startswith(f"{f}/")]  # fmt: skip
+        cut, name = max(named, default=(0, None))
         if name is None and self.s.config.peers:
             remote = upstream_peer(self.s.config, rest)
             if remote is not None:
@@ -244,7 +247,7 @@ class ByModel:
         found = self.s.wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found
-        path = rest[len(name) + 1 :] if name is not None else ""
+        path = rest[cut + 1 :] if name is not None else ""
         if self._ignored(found, path):
             return _error(409, f"model {found.model.name} is not loaded;"
                                " path matches upstream.ignorePaths")  # fmt: skip
