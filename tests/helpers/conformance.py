@@ -25,7 +25,7 @@ import pytest
 from . import ROOT
 from .commands import vramlock
 from .net import answers_health, free_port, start_port
-from .processes import kill_group, wait_until
+from .processes import kill_group, sigint_default, wait_until
 from .serve import echo_model
 
 DIVERGES = "~diverges"
@@ -128,8 +128,8 @@ def serving(tmp: Path, text: str, *args: str, budget: str | None = "16G") -> Ite
     with open(tmp / "serve.log", "wb") as log:
         proc = subprocess.Popen(vramlock("serve", str(config), "--listen", str(port), *args),
                                 stdout=log, stderr=subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # fmt: skip
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                preexec_fn=sigint_default)  # fmt: skip
     served = Served(port, tmp, proc)
     try:
         wait_until(lambda: proc.poll() is not None or answers_health(port), 30)
