@@ -23,9 +23,7 @@ pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(120)
 
-ACTIVITY = (
-    "performance: {disabled: true}\nmodels:\n" + echo("m1") + echo("m2") + echo("m3")
-)
+ACTIVITY = "performance: {disabled: true}\nmodels:\n" + echo("m1") + echo("m2") + echo("m3")
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +60,13 @@ def recorded(api: Served) -> None:
     """Requests 1..4, for m1, m2, m1, m3, each with its usage."""
     for model, (i, o, c, pps, tps) in zip(["m1", "m2", "m1", "m3"], USAGE, strict=True):
         usage = {"prompt_tokens": i, "completion_tokens": o}
-        timings = {"prompt_n": i, "predicted_n": o, "cache_n": c, "prompt_per_second": pps,
-                   "predicted_per_second": tps}
+        timings = {
+            "prompt_n": i,
+            "predicted_n": o,
+            "cache_n": c,
+            "prompt_per_second": pps,
+            "predicted_per_second": tps,
+        }
         assert api.chat(model, reply={"usage": usage, "timings": timings}).status == 200
     wait_until(lambda: page(api).json()["total"] == 4)
 
@@ -284,7 +287,9 @@ AUTH = [
 
 
 @pytest.mark.parametrize(("method", "path", "headers", "status"), AUTH)
-def test_api_keys(keyed: Served, method: str, path: str, headers: dict[str, str], status: int) -> None:
+def test_api_keys(
+    keyed: Served, method: str, path: str, headers: dict[str, str], status: int
+) -> None:
     reply = keyed.ask(method, path, {"model": "m1"} if method == "POST" else None, headers)
     assert reply.status == status, reply
     if status == 401:

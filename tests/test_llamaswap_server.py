@@ -9,33 +9,28 @@ their stub router's.
 from __future__ import annotations
 
 import http.client
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.conformance import Served, case, echo, serving, xfail
-from helpers.net import accepts, free_port
-from helpers.processes import kill_group, wait_until
-from helpers.serve import ECHO
+from helpers.conformance import (
+    Served,
+    case,
+    echo,
+    failing,
+    listed,
+    peer_server,
+    serving,
+    status_of,
+    xfail,
+)
+from helpers.processes import kill_group
 
 pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(120)
 
 HOUSE = "house"
-
-
-def peer_server(name: str) -> tuple[subprocess.Popen[str], int]:
-    """An echo server standing in for a peer llama-swap, once it listens."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ECHO), str(port), name], text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
-    wait_until(lambda: proc.poll() is not None or accepts(port), 30)
-    return proc, port
 
 
 CAPS = {
@@ -89,23 +84,6 @@ def main(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     finally:
         for proc, _ in peers:
             kill_group(proc)
-
-
-def listed(served: Served) -> dict[str, dict[str, Any]]:
-    reply = served.ask("GET", "/v1/models")
-    assert reply.status == 200, reply
-    return {m["id"]: m for m in reply.json()["data"]}
-
-
-def status_of(served: Served) -> dict[str, dict[str, Any]]:
-    """/api/events' first modelStatus, by id."""
-    from helpers.serve import Events
-
-    events = Events(served.port)
-    try:
-        return {m["id"]: m for m in events.until("modelStatus")}
-    finally:
-        events.close()
 
 
 # -- /v1/models (api_test: HandleListModels, PeerNamespaces, Aliases, Status) -------------
@@ -184,12 +162,10 @@ CAPABILITIES: list[Any] = [
     case("api/capabilities-metadata-passthrough", "cap-meta-nocaps", lambda m: "architecture"
          not in m and m["meta"]["llamaswap"]["architecture"] == "preserved"),
 ]  # fmt: skip
-CAP_FAILS = {"cap-all", "cap-in", "cap-out", "cap-tools", "cap-context",
-             "cap-audio-tr", "cap-image-gen", "cap-i2i", "cap-meta"}  # fmt: skip
-for _i, _c in enumerate(CAPABILITIES):
-    if _c.values[0] in CAP_FAILS:
-        CAPABILITIES[_i] = pytest.param(*_c.values, id=_c.id, marks=[xfail(
-            HOUSE, "/v1/models lacks llama-swap's capability fields")])  # fmt: skip
+NO_CAPS = xfail(HOUSE, "/v1/models lacks llama-swap's capability fields")
+CAPABILITIES = failing(CAPABILITIES, NO_CAPS, "all-fields", "in-only", "out-only",
+                       "capabilities-tools", "capabilities-context", "audio-transcriptions",
+                       "image-generation", "image-to-image", "metadata-precedence")  # fmt: skip
 
 
 @pytest.mark.parametrize(("model", "holds"), CAPABILITIES)
@@ -363,8 +339,18 @@ def test_filters_change_what_the_model_gets(
     assert holds(reply.sent_body()), reply.sent_body()
 
 
-@pytest.mark.parametrize("_", [case("filters/form-filter-use-model-name", None, fails=xfail(
-    "unassigned", "a form's model field is passed on as sent, without useModelName"))])
+@pytest.mark.parametrize(
+    "_",
+    [
+        case(
+            "filters/form-filter-use-model-name",
+            None,
+            fails=xfail(
+                "unassigned", "a form's model field is passed on as sent, without useModelName"
+            ),
+        )
+    ],
+)
 def test_a_form_s_model_is_rewritten_and_its_file_kept(main: Served, _: None) -> None:
     mark = "b0undary"
     form = (f"--{mark}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n"

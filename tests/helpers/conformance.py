@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,9 @@ import pytest
 
 from . import ROOT
 from .commands import vramlock
-from .net import answers_health, free_port, start_port
+from .net import accepts, answers_health, free_port, start_port
 from .processes import kill_group, sigint_default, wait_until
-from .serve import echo_model
+from .serve import ECHO, Events, echo_model
 
 DIVERGES = "~diverges"
 
@@ -45,6 +46,15 @@ def case(id: str, *values: object, diverges: bool = False, fails: Any = None) ->
     """One case of a table: its values, its id (``AREA/NAME``), its marks."""
     marks = [fails] if fails is not None else []
     return pytest.param(*values, id=id + (DIVERGES if diverges else ""), marks=marks)
+
+
+def failing(cases: list[Any], mark: pytest.MarkDecorator, *ids: str) -> list[Any]:
+    """``cases``, those whose id ends with one of ``ids`` marked ``mark``."""
+    out = []
+    for c in cases:
+        hit = any(c.id.endswith(i) for i in ids)
+        out.append(pytest.param(*c.values, id=c.id, marks=[*c.marks, mark]) if hit else c)
+    return out
 
 
 @dataclass
@@ -152,3 +162,28 @@ def refused(tmp: Path, text: str) -> tuple[int, str]:
     done = subprocess.run(vramlock("serve", str(config), "--listen", str(free_port())),
                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
     return done.returncode, done.stdout + done.stderr
+
+
+def peer_server(name: str) -> tuple[subprocess.Popen[str], int]:
+    """An echo server standing in for a peer llama-swap, once it listens."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ECHO), str(port), name], text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    wait_until(lambda: proc.poll() is not None or accepts(port), 30)
+    return proc, port
+
+
+def listed(served: Served) -> dict[str, dict[str, Any]]:
+    reply = served.ask("GET", "/v1/models")
+    assert reply.status == 200, reply
+    return {m["id"]: m for m in reply.json()["data"]}
+
+
+def status_of(served: Served) -> dict[str, dict[str, Any]]:
+    """/api/events' first modelStatus, by id."""
+    events = Events(served.port)
+    try:
+        return {m["id"]: m for m in events.until("modelStatus")}
+    finally:
+        events.close()
