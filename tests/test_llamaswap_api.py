@@ -132,8 +132,8 @@ def test_upstream_requests_recorded(
         assert (entry["tokens"]["input_tokens"], entry["tokens"]["output_tokens"]) == (3, 5)
     else:
         api.chat("m2")  # recorded after it, were it recorded
-        wait_until(lambda: page(api).json()["total"] == before + 1)
-        assert page(api).json()["data"][0]["model"] == "m2"
+        wait_until(lambda: page(api).json()["data"][0]["model"] == "m2")
+        assert page(api).json()["total"] == before + 1
 
 
 # -- requests in flight (apigroup: InflightMiddleware, cancel; api: upstream inflight) ---

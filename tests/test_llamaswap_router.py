@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # Each case's groups, as llama-swap's tests have them (swap, exclusive, persistent).
 GROUPS = """\
-healthCheckTimeout: 8
+healthCheckTimeout: 30
 groups:
   swap: {swap: true, exclusive: true, members: [s1, s2]}
   noswap: {swap: false, exclusive: false, members: [n1, n2]}
@@ -44,8 +44,9 @@ NAMES = ["s1", "s2", "n1", "n2", "x1", "x2", "p1", "p2", "r1", "r2", "k1", "k2",
 
 
 def models(tmp: Path) -> str:
-    """The fake servers' entries; p1 and p2 each finish starting only once the other has
-    begun to: if serve started them one after the other, neither would ever answer."""
+    """The fake servers' entries; p1 and p2 each wait (3 s at most) for the other to
+    begin starting, and say in a file whether it did: if serve started them one after
+    the other, the first would not see the second begin."""
     script = tmp / "fake_server.py"
     script.write_text(FAKE_SERVER)
     lines = ["models:"]
@@ -53,8 +54,10 @@ def models(tmp: Path) -> str:
         cmd = f"{sys.executable} {script} {port} {name} {tmp / 'servers.log'}"
         if name in ("p1", "p2"):
             peer = "p2" if name == "p1" else "p1"
-            wait = f"until [ -e {tmp / peer}.began ]; do sleep 0.01; done"
-            cmd = f"sh -c 'touch {tmp / name}.began; {wait}; exec {cmd}'"
+            other, i = tmp / f"{peer}.began", "i=$((i+1))"
+            wait = f"i=0; until [ -e {other} ] || [ $i -ge 300 ]; do sleep 0.01; {i}; done"
+            met = f"if [ -e {other} ]; then touch {tmp / name}.met; fi"
+            cmd = f"sh -c 'touch {tmp / name}.began; {wait}; {met}; exec {cmd}'"
         lines += [f"  {name}:", f"    cmd: {cmd}", f"    proxy: http://127.0.0.1:{port}",
                   "    release: restart", "    vram: 1G"]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -136,6 +139,7 @@ def test_two_non_exclusive_groups_load_in_parallel(groups: Served, _: None) -> N
     fresh(groups)
     assert both(groups, "p1", "p2") == [200, 200]
     assert up(groups.dir) == {"p1", "p2"}
+    assert (groups.dir / "p1.met").exists() and (groups.dir / "p2.met").exists()
 
 
 def overlapped(served: Served, a: str, b: str) -> bool:
