@@ -22,7 +22,6 @@ from helpers.conformance import (
     case,
     echo,
     environment,
-    failing,
     listed,
     peer_server,
     serving,
@@ -110,11 +109,6 @@ PINNED: list[Any] = [
 ]  # fmt: skip
 
 
-PINS_UPSTREAM = xfail("unassigned", "/upstream/NAME does not follow the active profile's pins")
-PINNED = failing(PINNED, PINS_UPSTREAM, "upstream-preserves-body", "upstream-path-pin",
-                 "upstream-path-longest-pin")  # fmt: skip
-
-
 @pytest.mark.parametrize(("method", "path", "body", "holds"), PINNED)
 def test_a_profile_s_pins_route(
     coding: Served, method: str, path: str, body: object, holds: Callable[[Any], bool]
@@ -123,9 +117,7 @@ def test_a_profile_s_pins_route(
     assert holds(reply), reply
 
 
-@pytest.mark.parametrize(
-    "_", [case("profiles/upstream-metrics-resolved-model", None, fails=PINS_UPSTREAM)]
-)
+@pytest.mark.parametrize("_", [case("profiles/upstream-metrics-resolved-model", None)])
 def test_activity_names_the_pinned_model(coding: Served, _: None) -> None:
     body = {"reply": {"usage": {"prompt_tokens": 2, "completion_tokens": 3}}}
     assert coding.ask("POST", "/upstream/public/v1/chat/completions", body).status == 200
@@ -228,19 +220,7 @@ def test_activity_names_the_selector(selectors: Served, _: None) -> None:
     assert (entry["model"], entry["metadata"]["selector"]) == ("a", "public")
 
 
-@pytest.mark.parametrize(
-    "_",
-    [
-        case(
-            "selectors/profile-runs-first",
-            None,
-            fails=xfail(
-                "unassigned",
-                "a selector reached through a profile's pin is not named in the activity",
-            ),
-        )
-    ],
-)
+@pytest.mark.parametrize("_", [case("selectors/profile-runs-first", None)])
 def test_a_profile_pin_to_a_selector(selectors: Served, _: None) -> None:
     assert selectors.ask("PUT", "/api/profiles/active", {"name": "coding"}).status == 200
     try:

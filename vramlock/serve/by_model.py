@@ -100,8 +100,8 @@ class ByModel:
             target, done = self.s.resolver.resolve(name)
         except Refused as err:
             return _error(err.status, err.message)
-        if name in self.s.config.selectors:
-            request[SELECTOR] = name
+        if (selector := self.s.resolver.selector_of(name)) is not None:
+            request[SELECTOR] = selector
         try:
             return await self._by_name(request, name, target, body)
         finally:
@@ -144,8 +144,8 @@ class ByModel:
             target, done = self.s.resolver.resolve(name)
         except Refused as err:
             return _error(err.status, err.message)
-        if name in self.s.config.selectors:
-            request[SELECTOR] = name
+        if (selector := self.s.resolver.selector_of(name)) is not None:
+            request[SELECTOR] = selector
         try:
             remote = resolve(self.s.config, target) if self.s.config.peers else None
             if remote is not None:
@@ -227,6 +227,16 @@ class ByModel:
             *self.s.config.models,
             *(a for m in self.s.config.models.values() for a in m.aliases),
         ]
+        try:
+            pinned = self.s.resolver.pinned(rest)  # the active profile's pins first
+        except Refused as err:
+            return _error(err.status, err.message)
+        if pinned is not None:
+            found = self.s.wrapper(pinned[0])
+            if isinstance(found, web.Response):
+                return found
+            path = f"{found.model.prefix}/{pinned[1]}"
+            return await self.s.forwarder.forward(request, found, path, None)
         bare, mark, query = rest.partition("?")
         if bare in names:
             # /upstream/MODEL: to /upstream/MODEL/, so that its page's relative URLs

@@ -67,6 +67,28 @@ class Resolver:
             return self._warm(selector), _nothing
         return self._spillover(selector)
 
+    def selector_of(self, name: str) -> str | None:
+        """The selector a request for ``name`` reaches (itself, or through the active
+        profile's pin), for its activity's ``selector``."""
+        profile = self.config.profiles.get(self.active or "")
+        if profile is not None and profile.pins.get(name):
+            name = profile.pins[name] or name
+        return name if name in self.config.selectors else None
+
+    def pinned(self, path: str) -> tuple[str, str] | None:
+        """``path`` (after /upstream/) with the longest of the active profile's pins it
+        begins with replaced by that pin's model, as (model, the rest of the path).
+        Refused when that pin disables its name."""
+        profile = self.config.profiles.get(self.active or "")
+        pins = [p for p in profile.pins if path.startswith(f"{p}/")] if profile else []
+        if profile is None or not pins:
+            return None
+        pin = max(pins, key=len)
+        target = profile.pins[pin]
+        if target is None:
+            raise Refused(404, f"model {pin!r} is disabled by profile {profile.name!r}")
+        return target, path[len(pin) + 1 :]
+
     def _local(self, target: str) -> str | None:
         model = self.config.find(target)
         return None if model is None else self.state(model.name)
