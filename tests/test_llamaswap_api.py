@@ -355,3 +355,16 @@ def test_a_signal_ends_serve_and_its_models(
         served.proc.send_signal(how)
         assert served.proc.wait(30) == 0
         assert not accepts(port)  # the model's server ended with serve
+
+
+@pytest.mark.parametrize("_", [case("server/preload", None)])
+def test_a_preloaded_model_starts_with_serve(
+    tmp_path_factory: pytest.TempPathFactory, _: None
+) -> None:
+    text = "hooks: {on_startup: {preload: [m1]}}\nmodels:\n" + echo("m1") + echo("m2")
+    with serving(tmp_path_factory.mktemp("preload"), text) as served:
+        wait_until(lambda: running(served) == ["m1"], 30)
+
+
+def running(served: Served) -> list[str]:
+    return [r["model"] for r in served.ask("GET", "/running").json()["running"]]
