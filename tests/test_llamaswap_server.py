@@ -339,18 +339,7 @@ def test_filters_change_what_the_model_gets(
     assert holds(reply.sent_body()), reply.sent_body()
 
 
-@pytest.mark.parametrize(
-    "_",
-    [
-        case(
-            "filters/form-filter-use-model-name",
-            None,
-            fails=xfail(
-                "unassigned", "a form's model field is passed on as sent, without useModelName"
-            ),
-        )
-    ],
-)
+@pytest.mark.parametrize("_", [case("filters/form-filter-use-model-name", None)])
 def test_a_form_s_model_is_rewritten_and_its_file_kept(main: Served, _: None) -> None:
     mark = "b0undary"
     form = (f"--{mark}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n"

@@ -107,6 +107,23 @@ def boundary(content_type: str) -> bytes | None:
     return found.group(1).encode("latin-1") if found else None
 
 
+def form_with_model(prefix: bytes | bytearray, mark: bytes, model: str) -> bytes:
+    """``prefix`` (a form's first bytes, its ``model`` field whole in them) with that
+    field's value ``model``: llama-swap's useModelName for a form."""
+    delimiter = b"--" + mark
+    parts = bytes(prefix).split(delimiter)
+    for i, part in enumerate(parts[1:-1], 1):
+        head, sep, _ = part.partition(b"\r\n\r\n")
+        disposition = b"".join(
+            h for h in head.split(b"\r\n") if h.lower().startswith(b"content-disposition:")
+        )
+        name = _FIELD_NAME.search(disposition)
+        if name is not None and name.group(1) == b"model":
+            parts[i] = head + sep + model.encode() + b"\r\n"
+            break
+    return delimiter.join(parts)
+
+
 def form_model(prefix: bytes | bytearray, mark: bytes) -> str | None:
     """The ``model`` field of a multipart form whose first bytes are ``prefix`` (its
     boundary ``mark``), once the field is whole in them; None while it is not (more of

@@ -182,6 +182,11 @@ class ByModel:
             "Transfer-Encoding", "").lower() else None  # fmt: skip
         if (length or 0) > MAX_BODY:
             return too_large()
+        use = found.model.filters.model  # useModelName: the form's field says it
+        if use is not None and use != name:
+            sent = bodies.form_with_model(prefix, mark, use)
+            length = None if length is None else length + len(sent) - len(prefix)
+            prefix = bytearray(sent)
         stream = Stream(counted(request, bytes(prefix)), length)
         del prefix
         path = found.model.prefix + request.path_qs
