@@ -111,8 +111,7 @@ def test_stats_of_one_model(api: Served, recorded: None, _: None) -> None:
 
 UPSTREAM_METRICS = [
     case("api/upstream-metrics-supported-path", "POST", "/upstream/m1/v1/chat/completions", 1),
-    case("api/upstream-metrics-skips-unsupported-path", "POST", "/upstream/m1/probe", 0,
-         fails=xfail("unassigned", "a POST to any /upstream path is recorded as activity")),
+    case("api/upstream-metrics-skips-unsupported-path", "POST", "/upstream/m1/probe", 0),
     case("api/upstream-metrics-skips-get", "GET", "/upstream/m1/v1/chat/completions", 0),
 ]  # fmt: skip
 

@@ -28,6 +28,16 @@ ENDING = "serve is ending: the request was not answered"
 # The headers llama-swap redacts where it shows them (lower case), and what it says instead.
 SENSITIVE = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"})
 REDACTED = "[REDACTED]"
+# The model endpoints whose POSTs llama-swap records as activity (JSON and form bodies),
+# as a model's server gets them (/v/... and /audioapi/... without their prefix too): a
+# POST elsewhere (a probe through /upstream) is forwarded, not recorded.
+_JSON = ("/chat/completions", "/responses", "/completions", "/messages",
+         "/messages/count_tokens", "/embeddings", "/rerank", "/reranking")  # fmt: skip
+RECORDED = frozenset(
+    {*_JSON, *(f"/v1{p}" for p in _JSON), "/infill", "/completion", "/v1/audio/speech",
+     "/v1/images/generations", "/sdapi/v1/txt2img", "/sdapi/v1/img2img", "/v1/tasks/run",
+     "/audioapi/v1/tasks/run", "/v1/audio/transcriptions", "/v1/images/edits"}
+)  # fmt: skip
 
 Headers = Iterable[tuple[str, str]]
 Peer = Any  # a transport's "peername": (host, port, ...), or None
@@ -216,12 +226,12 @@ class Flights:
 
     def end(self, flight: Flight, status: str) -> None:
         """``flight`` was answered (``status``: the HTTP status, or gone); its activity is
-        recorded (a POST's, as llama-swap records them)."""
+        recorded (a POST's to a model endpoint, as llama-swap records them)."""
         if self.now.pop(flight.id, None) is None:
             return
         if self.tell is not None:
             self.tell({"operation": "remove", "id": flight.id})
-        if flight.method == "POST":
+        if flight.method == "POST" and flight.path.partition("?")[0] in RECORDED:
             self.record(flight, int(status) if status.isdigit() else 0)
 
     def cancel(self, id: str) -> bool:
