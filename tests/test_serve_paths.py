@@ -111,7 +111,7 @@ def test_the_open_routes_answer_without_a_key(spawn: Spawn, tmp_path: Path, aren
     _, port = start(spawn, write_config(tmp_path, text), arena)
     assert call(port, "GET", "/wol-health")[::2] == (200, b"OK")
     status, headers, _ = call(port, "GET", "/")
-    assert (status, headers["Location"]) == (302, "/ui/")
+    assert (status, headers["Location"]) == (302, "/ui")
     status, headers, _ = call(port, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://elsewhere", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type, bad header"})  # fmt: skip

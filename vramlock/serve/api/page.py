@@ -29,8 +29,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def to_ui(request: web.Request) -> web.Response:
-    """/, /ui and /upstream (as llama-swap's, which leads to its page's models)."""
+    """/ui and /upstream (as llama-swap's, which leads to its page's models)."""
     raise web.HTTPFound("/ui/")
+
+
+async def root(request: web.Request) -> web.Response:
+    """GET /: to /ui, as llama-swap redirects it (and /ui to the page, /ui/)."""
+    raise web.HTTPFound("/ui")
 
 
 def ui_app(
@@ -81,7 +86,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 def register(app: web.Application, s: Serving, logs: Logs | None) -> None:
-    app.router.add_get("/", to_ui)  # a POST to / is routed by its model: no 405 here
+    app.router.add_get("/", root)  # a POST to / is routed by its model: no 405 here
     get(app, "/health", health)
     get(app, "/wol-health", health)
 
