@@ -5,7 +5,7 @@
 Runs tests/test_llamaswap_*.py (each case a llama-swap test's facts asked of a real
 ``vramlock serve``) and counts each area's cases from their ids (``AREA/NAME``): as
 llama-swap (passed), a divergence named in docs/serve.md (passed, id ending
-``~diverges``), failing today (a strict xfail naming the branch that fixes it).
+``~diverges``), failing today (a strict xfail saying what serve does otherwise).
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ PLAIN: list[Any] = [
     case("apigroup/events-initial-payload", lambda s: {"modelStatus", "inflight",
          "profileChanged", "logData"} <= events_at_connect(s)),
     case("apigroup/events-initial-ui-config", lambda s: "uiConfig" in events_at_connect(s),
-         fails=xfail("house", "/api/events sends no uiConfig")),
+         fails=xfail("/api/events sends no uiConfig")),
     case("apigroup/api-hardware", lambda s: (lambda r: r.status == 200 and r.json()[
         "architecture"]["name"])(s.ask("GET", "/api/hardware"))),
     case("api/comfyui-requires-local-model-missing", lambda s: s.ask(
@@ -273,7 +273,7 @@ def test_the_api_routes(api: Served, holds: Callable[[Served], bool]) -> None:
 
 # -- the request log (log_test ClientIP, RequestLogMiddleware) ---------------------------
 
-NO_CLIENT = xfail("unassigned", "serve's request lines name no client address and no size")
+NO_CLIENT = xfail("serve's request lines name no client address and no size")
 REQUEST_LOG = [
     case("log/client-ip-remote-addr", {}, "127.0.0.1", fails=NO_CLIENT),
     case("log/client-ip-x-forwarded-for", {"X-Forwarded-For": "1.2.3.4, 5.6.7.8"}, "1.2.3.4",

@@ -275,10 +275,10 @@ SELECTOR_LISTING: list[Any] = [
          listed(s)["balanced"]["meta"]["llamaswap"])),
     case("selectors/listing-unlisted-absent", lambda s: "hidden-selector" not in listed(s)),
     case("selectors/listing-status-loaded", lambda s: listed(s)["public"]["status"]["value"]
-         == "loaded", fails=xfail("house", "no status.value in /v1/models")),
+         == "loaded", fails=xfail("no status.value in /v1/models")),
     case("selectors/listing-pin-uses-first-target", lambda s: s.ask("GET", "/unload").status
          == 200 and s.chat("b").status == 200 and listed(s)["pinab"]["status"]["value"]
-         == "unloaded", fails=xfail("house", "no status.value in /v1/models")),
+         == "unloaded", fails=xfail("no status.value in /v1/models")),
 ]  # fmt: skip
 
 
@@ -326,9 +326,7 @@ def test_serve_without_a_configuration_is_a_usage_error(
         case(
             "main/sighup-reloads",
             None,
-            fails=xfail(
-                "lifecycle", "SIGHUP ends serve where llama-swap reads its configuration again"
-            ),
+            fails=xfail("SIGHUP ends serve where llama-swap reads its configuration again"),
         )
     ],
 )
@@ -349,7 +347,7 @@ def test_sighup_reads_the_configuration_again(
         case(
             "main/config-dir",
             None,
-            fails=xfail("config", "no --config-dir: configurations merged from a directory"),
+            fails=xfail("no --config-dir: configurations merged from a directory"),
         )
     ],
 )

@@ -126,7 +126,6 @@ def both(served: Served, a: str, b: str) -> list[int]:
 
 
 TURNS = xfail(
-    "unassigned",
     "models of one arena take turns: the second model's load"
     " waits for the first one's, where llama-swap loads both at once",
 )

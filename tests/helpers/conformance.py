@@ -37,9 +37,9 @@ def echo(name: str, *extra: str, delay: float = 0) -> str:
     return echo_model(name, "release: restart", "vram: 1G", *extra, delay=delay)
 
 
-def xfail(area: str, what: str) -> pytest.MarkDecorator:
-    """A case that fails today for a fault another branch fixes (``area``)."""
-    return pytest.mark.xfail(strict=True, reason=f"{area}: {what}")
+def xfail(what: str) -> pytest.MarkDecorator:
+    """A case that fails today: ``what`` serve does otherwise."""
+    return pytest.mark.xfail(strict=True, reason=what)
 
 
 def case(id: str, *values: object, diverges: bool = False, fails: Any = None) -> Any:
