@@ -341,16 +341,7 @@ def test_sighup_reads_the_configuration_again(
         assert served.proc.poll() is None
 
 
-@pytest.mark.parametrize(
-    "_",
-    [
-        case(
-            "main/config-dir",
-            None,
-            fails=xfail("no --config-dir: configurations merged from a directory"),
-        )
-    ],
-)
+@pytest.mark.parametrize("_", [case("main/config-dir", None)])
 def test_a_configuration_directory_is_merged(
     tmp_path_factory: pytest.TempPathFactory, _: None
 ) -> None:
