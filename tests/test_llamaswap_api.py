@@ -141,11 +141,13 @@ def test_upstream_requests_recorded(
 class Flight:
     """A request held by its echo model until serve ends it, and what serve says of it."""
 
-    def __init__(self, served: Served, method: str, path: str, headers: dict[str, str]):
+    def __init__(
+        self, served: Served, method: str, path: str, headers: dict[str, str], stream: bool = False
+    ):
         self.events = Events(served.port)
         self.events.until("inflight")  # the snapshot
         self.reply: list[Reply] = []
-        body = {"model": "m1", "hold": True}
+        body = {"model": "m1", "hold": True, "stream": stream}
         self.thread = threading.Thread(target=lambda: self.reply.append(
             served.ask(method, path, body, headers)))  # fmt: skip
         self.thread.start()
@@ -213,6 +215,21 @@ def test_a_cancelled_request_ends_at_its_model(api: Served, _: None) -> None:
     assert not flight.thread.is_alive()
     assert said(api, "m1", "m1 saw its client go")
     assert api.ask("POST", "/api/inflight/missing/cancel").status == 404
+
+
+@pytest.mark.parametrize("_", [case("apigroup/inflight-streams-response-updates", None)])
+def test_a_stream_in_flight_tells_its_headers_and_bytes(api: Served, _: None) -> None:
+    first = 'data: {"choices": [{"delta": {"content": "m1"}}]}\n\n'  # then held
+
+    def told(d: dict[str, Any]) -> bool:
+        return d["operation"] == "upsert" and bool(d["request"].get("resp_bytes") == len(first))
+
+    flight = Flight(api, "POST", "/v1/chat/completions", {}, stream=True)
+    entry = flight.events.until("inflight", told)["request"]
+    try:
+        assert entry["resp_headers"]["Content-Type"] == "text/event-stream"
+    finally:
+        flight.end(api, entry)
 
 
 @pytest.mark.parametrize("_", [case("apigroup/inflight-removed-after", None)])
