@@ -23,7 +23,12 @@ pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.timeout(120)
 
-ACTIVITY = "performance: {disabled: true}\nmodels:\n" + echo("m1") + echo("m2") + echo("m3")
+ACTIVITY = (
+    "performance: {disabled: true}\n"
+    "hooks: {on_startup: {preload: [m3]}}\n"
+    "peers: {far: {proxy: 'http://127.0.0.1:9', models: [comfyui_auto]}}\n"
+    "models:\n" + echo("m1") + echo("m2") + echo("m3")
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,12 @@ def test_activity_is_empty_before_any_request(api: Served, _: None) -> None:
 
 # Each request's tokens (in, out, cached) and speeds (prompt, generation), as llama-server
 # says them.
+@pytest.mark.parametrize("_", [case("server/preload", None)])
+def test_a_preloaded_model_starts_with_serve(api: Served, _: None) -> None:
+    wait_until(lambda: "m3" in running(api), 30)
+    assert page(api).json()["total"] == 0  # asked for by no request
+
+
 USAGE = [(1, 2, 1, 10, 20), (5, 6, 0, 50, 0), (3, 4, 0, 30, 40), (7, 8, 0, 0, 0)]
 
 
@@ -385,15 +396,6 @@ def test_a_signal_ends_serve_and_its_models(
         served.proc.send_signal(how)
         assert served.proc.wait(30) == 0
         assert not accepts(port)  # the model's server ended with serve
-
-
-@pytest.mark.parametrize("_", [case("server/preload", None)])
-def test_a_preloaded_model_starts_with_serve(
-    tmp_path_factory: pytest.TempPathFactory, _: None
-) -> None:
-    text = "hooks: {on_startup: {preload: [m1]}}\nmodels:\n" + echo("m1") + echo("m2")
-    with serving(tmp_path_factory.mktemp("preload"), text) as served:
-        wait_until(lambda: running(served) == ["m1"], 30)
 
 
 def running(served: Served) -> list[str]:
