@@ -295,8 +295,7 @@ PLAIN: list[Any] = [
         "GET", "/api/performance").status == 503),
     case("apigroup/events-initial-payload", lambda s: {"modelStatus", "inflight",
          "profileChanged", "logData"} <= events_at_connect(s)),
-    case("apigroup/events-initial-ui-config", lambda s: "uiConfig" in events_at_connect(s),
-         fails=xfail("/api/events sends no uiConfig")),
+    case("apigroup/events-initial-ui-config", lambda s: "uiConfig" in events_at_connect(s)),
     case("apigroup/api-hardware", lambda s: (lambda r: r.status == 200 and r.json()[
         "architecture"]["name"])(s.ask("GET", "/api/hardware"))),
     case("api/comfyui-requires-local-model-missing", lambda s: s.ask(

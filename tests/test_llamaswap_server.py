@@ -17,12 +17,10 @@ from helpers.conformance import (
     Served,
     case,
     echo,
-    failing,
     listed,
     peer_server,
     serving,
     status_of,
-    xfail,
 )
 from helpers.processes import kill_group
 
@@ -94,16 +92,16 @@ LISTING: list[Any] = [
     case("api/list-models-unlisted", lambda s: "hidden" not in listed(s)),
     case("api/list-models-cors", lambda s: s.ask("GET", "/v1/models", headers={
         "Origin": "http://example.com"}).headers.get("Access-Control-Allow-Origin")
-        == "http://example.com", fails=xfail("no CORS header on GET /v1/models")),
+        == "http://example.com"),
     case("api/peer-namespaces-listed", lambda s: {"shared", "peer1/shared", "strix/shared"}
          <= set(listed(s)) and "cdn" not in listed(s)),
     case("api/peer-namespaces-status", lambda s: {"shared", "peer1/shared", "strix/shared"}
          <= set(status_of(s))),
     case("api/list-models-aliases", lambda s: {"real", "nick"} <= set(listed(s))),
     case("api/list-models-status-unloaded", lambda s: listed(s)["simple"].get("status")
-         == {"value": "unloaded"}, fails=xfail("no status.value in /v1/models")),
+         == {"value": "unloaded"}),
     case("api/list-models-status-peer", lambda s: listed(s)["peer1/remote-model"].get("status")
-         == {"value": "unloaded"}, fails=xfail("no status.value in /v1/models")),
+         == {"value": "unloaded"}),
 ]  # fmt: skip
 
 
@@ -112,10 +110,7 @@ def test_the_model_list(main: Served, holds: Check) -> None:
     assert holds(main)
 
 
-NO_STATUS = xfail("no status.value in /v1/models")
-
-
-@pytest.mark.parametrize("_", [case("api/list-models-status-loaded", None, fails=NO_STATUS)])
+@pytest.mark.parametrize("_", [case("api/list-models-status-loaded", None)])
 def test_a_loaded_model_and_its_alias_are_listed_loaded(main: Served, _: None) -> None:
     assert main.chat("real").status == 200
     models = listed(main)
@@ -162,10 +157,6 @@ CAPABILITIES: list[Any] = [
     case("api/capabilities-metadata-passthrough", "cap-meta-nocaps", lambda m: "architecture"
          not in m and m["meta"]["llamaswap"]["architecture"] == "preserved"),
 ]  # fmt: skip
-NO_CAPS = xfail("/v1/models lacks llama-swap's capability fields")
-CAPABILITIES = failing(CAPABILITIES, NO_CAPS, "all-fields", "in-only", "out-only",
-                       "capabilities-tools", "capabilities-context", "audio-transcriptions",
-                       "image-generation", "image-to-image", "metadata-precedence")  # fmt: skip
 
 
 @pytest.mark.parametrize(("model", "holds"), CAPABILITIES)
@@ -231,8 +222,7 @@ REDIRECTS = [
     case("api/comfyui-bare-head", "HEAD", "/comfyui?token=value", 301, "/comfyui/?token=value"),
     case("api/comfyui-bare-post", "POST", "/comfyui?token=value", 308, "/comfyui/?token=value"),
     case("api/redirect-root-to-ui", "GET", "/", 302, "/ui"),
-    case("api/redirect-upstream-to-ui-models", "GET", "/upstream", 302, "/ui/models",
-         fails=xfail("GET /upstream lists where llama-swap redirects")),
+    case("api/redirect-upstream-to-ui-models", "GET", "/upstream", 302, "/ui/", diverges=True),
     case("log/logs-html-redirect", "GET", "/logs", 302, "/ui/"),
 ]  # fmt: skip
 
