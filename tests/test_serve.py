@@ -168,7 +168,8 @@ def test_three_models_many_clients_one_resident_at_a_time(
     said = [ln for ln in (tmp_path / "serve.log").read_text().splitlines()
             if ln.startswith("vramlock: ")]  # fmt: skip
     news = re.compile(r"vramlock: (serving a, b, c at .*|model [abc]: (starting its wrapper"
-                      r"|POST /v1/(chat/)?completions 200 in [0-9.]+ s))")  # fmt: skip
+                      r'|[0-9.]+ "POST /v1/(chat/)?completions" 200 [0-9]+ "[^"]*"'
+                      r" [0-9.]+ s))")  # fmt: skip
     assert [ln for ln in said if not news.fullmatch(ln)] == []
 
 

@@ -508,7 +508,10 @@ def test_each_start_and_request_is_said_at_log_level_info(
         assert said == []
     else:
         assert said[0] == "vramlock: model m: starting its wrapper"
-        assert re.fullmatch(r"vramlock: model m: POST /v1/completions 200 in [0-9.]+ s", said[1])
+        assert re.fullmatch(
+            r'vramlock: model m: 127\.0\.0\.1 "POST /v1/completions" 200 [0-9]+ "[^"]*" [0-9.]+ s',
+            said[1],
+        )
 
 
 # A websocket server: each message answered with it and the Authorization it got.

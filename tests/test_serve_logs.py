@@ -185,7 +185,7 @@ def test_a_server_that_dies_at_start_is_said_with_its_status_and_last_lines(
         *(f"vramlock: model m: | detail {i}" for i in (4, 5, 6, 7)),
         "vramlock: model m: | error: model file /x.gguf not found",
     ]
-    assert lines[at + 6].startswith("vramlock: model m: POST /v1/completions 502 in ")
+    assert lines[at + 6].startswith('vramlock: model m: 127.0.0.1 "POST /v1/completions" 502 ')
     at = lines.index("vramlock: model nf: its wrapper exited with status 127 (command not"
                      " found); the end of its output (all of it: /logs/stream/nf):")  # fmt: skip
     said = "vramlock: model nf: | vramlock: no-such-command-here: command not found"

@@ -191,5 +191,5 @@ def test_the_page_shows_every_model_and_a_swap(
     def shown_lines() -> str:
         return str(browser.evaluate("document.getElementById('lines').textContent") or "")
 
-    wait_until(lambda: "model b: POST /v1/completions 200" in shown_lines(), 30)
+    wait_until(lambda: '"POST /v1/completions" 200' in shown_lines(), 30)
     assert browser.evaluate("document.getElementById('lines-box').hidden") is False

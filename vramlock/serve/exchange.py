@@ -99,16 +99,18 @@ class Exchange:
         began, said = time.monotonic(), GONE
         try:
             try:
-                out = await self.in_turn(w, shown, send, status, busy)
+                out = await self.in_turn(w, send, busy)
             except asyncio.CancelledError:
                 if not flight.cancelled:
                     raise
                 uncancel()
                 w.info(f"{shown} cancelled")
-                out = await cancelled()
+                out, shown = await cancelled(), ""
             if settle is not None:
                 settle(out)
             said = str(status(out))
+            if shown:
+                w.info(flight.line(shown, said))
             return out
         finally:
             self.ended(w, flight, said, began)
@@ -143,13 +145,11 @@ class Exchange:
     async def in_turn(
         self,
         w: Wrapper,
-        shown: str,
         send: Callable[[], Awaitable[T]],
-        status: Callable[[T], int],
         busy: Callable[[str], T],
     ) -> T:
         """``send()``'s answer, in the model's turn (``busy(why)``, a 429, over its
-        concurrencyLimit); logged as ``shown`` with ``status(answer)``."""
+        concurrencyLimit)."""
         limit = w.model.concurrency
         if w.admitted >= limit:
             return busy(f"model {w.model.name}: {limit} requests at once already"
@@ -162,15 +162,12 @@ class Exchange:
             w.unadmit()
             raise
         w.enter()
-        began = time.monotonic()
         try:
             await self.evict_for(w)
             await self._make_room(w)
             await w.unloaded()  # a request during its unload goes to the model afresh
             w.ensure_running()
-            out = await send()
-            w.info(f"{shown} {status(out)} in {time.monotonic() - began:.3f} s")
-            return out
+            return await send()
         finally:
             self.leave(w, turns)
 

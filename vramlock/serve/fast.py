@@ -86,7 +86,7 @@ class Express:
             self._end(GONE)
             self.front.lost()
             return
-        self.w.info(f"{self.shown} {status} in {time.monotonic() - self.began:.3f} s")
+        self.w.info(self.flight.line(self.shown, str(status)))
         self._end(str(status))
         self.front.ended()
 
@@ -239,7 +239,7 @@ class FastPath:
                 answered = await self._relay(
                     x.front, w, lambda: pool.resume(pair[0], pair[1], data, w.exited)
                 )
-                w.info(f"{x.shown} {answered} in {time.monotonic() - x.began:.3f} s")
+                w.info(flight.line(x.shown, str(answered)))
             except asyncio.CancelledError:
                 if not flight.cancelled:
                     raise

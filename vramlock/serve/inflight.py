@@ -177,6 +177,14 @@ class Flight:
             return str(peer[0])
         return "" if peer is None else str(peer)
 
+    def line(self, shown: str, status: str) -> str:
+        """Its line in serve's log once answered (``shown``: its method and path as the
+        client asked, ``status``), as llama-swap's request log says it: the client, the
+        request, the status, the answer's body size, the User-Agent, the time taken."""
+        agent = first(self.req_headers, "user-agent")
+        took = time.monotonic() - self.began
+        return f'{self.remote_ip()} "{shown}" {status} {self.resp_bytes} "{agent}" {took:.3f} s'
+
     def entry(self) -> dict[str, Any]:
         """Its entry in llama-swap's shape."""
         self.said = self.resp_bytes
