@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers.conformance import Reply, Served, case, echo, serving, xfail
+from helpers.conformance import Reply, Served, case, echo, serving
 from helpers.net import accepts
 from helpers.processes import wait_until
 from helpers.serve import Events
@@ -204,8 +204,7 @@ def test_a_request_in_flight_is_told(
         flight.end(api, entry)
 
 
-@pytest.mark.parametrize("_", [case("api/upstream-inflight-skips-unsupported-path", None,
-    fails=xfail("a request to any /upstream path is told as in flight"))])  # fmt: skip
+@pytest.mark.parametrize("_", [case("api/upstream-inflight-skips-unsupported-path", None)])
 def test_a_probe_through_upstream_is_not_told_in_flight(api: Served, _: None) -> None:
     events = Events(api.port)
     try:

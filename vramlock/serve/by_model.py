@@ -19,6 +19,7 @@ from .config import COMFYUI_MODEL
 from .errors import error_response as _error
 from .exchange import NO_MODEL, Refusal
 from .forward import SELECTOR
+from .inflight import dispatched
 from .loading import wanted
 from .peers import resolve, upstream_peer
 from .reading import FORM_PREFIX, MAX_BODY, counted, held, named, read_some, too_large
@@ -240,8 +241,9 @@ class ByModel:
             found = self.s.wrapper(pinned[0])
             if isinstance(found, web.Response):
                 return found
+            told = dispatched(request.method, f"/{pinned[1]}")
             path = f"{found.model.prefix}/{pinned[1]}"
-            return await self.s.forwarder.forward(request, found, path, None)
+            return await self.s.forwarder.forward(request, found, path, None, told=told)
         bare, mark, query = rest.partition("?")
         if bare in names:
             # /upstream/MODEL: to /upstream/MODEL/, so that its page's relative URLs
@@ -268,7 +270,9 @@ class ByModel:
                                " path matches upstream.ignorePaths")  # fmt: skip
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await self.s.forwarder.websocket(request, found, f"{found.model.prefix}/{path}")
-        return await self.s.forwarder.forward(request, found, f"{found.model.prefix}/{path}", None)
+        told = dispatched(request.method, f"/{path}")  # a probe is forwarded, not told
+        path = f"{found.model.prefix}/{path}"
+        return await self.s.forwarder.forward(request, found, path, None, told=told)
 
     def _ignored(self, w: Wrapper, path: str) -> bool:
         """Is ``path`` (after /upstream/MODEL/) one of upstream.ignorePaths, for a model

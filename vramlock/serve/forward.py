@@ -62,15 +62,17 @@ class Forwarder:
         path: str,
         body: Body | None,
         show_loading: bool = False,
+        told: bool = True,
     ) -> web.StreamResponse:
         """``request`` passed to ``w`` the exchange's way; with ``show_loading``, a
         streaming chat for a model that is not resident is answered at once with its
-        progress. Cancelled as llama-swap cancels."""
+        progress; ``told``: shown in flight (``Flights.start``). Cancelled as llama-swap
+        cancels."""
         sent = body if isinstance(body, bytes | bytearray) else None  # a Stream is not held
         peer = None if request.transport is None else request.transport.get_extra_info("peername")
         flights = self.exchange.flights
         flight = flights.start(w.model.name, request.method, _bare(path, w.model.prefix),
-                               request.headers.items(), peer, sent)  # fmt: skip
+                               request.headers.items(), peer, sent, told)  # fmt: skip
         flight.task = asyncio.current_task()
         flight.selector = request.get(SELECTOR)
         loading = None

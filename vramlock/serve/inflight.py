@@ -38,6 +38,22 @@ RECORDED = frozenset(
      "/v1/images/generations", "/sdapi/v1/txt2img", "/sdapi/v1/img2img", "/v1/tasks/run",
      "/audioapi/v1/tasks/run", "/v1/audio/transcriptions", "/v1/images/edits"}
 )  # fmt: skip
+# What llama-swap tells in flight of a request through /upstream/MODEL/PATH: a POST to
+# one of its model endpoints, a GET of one routed by ?model= (as the client names PATH).
+_TOLD_POST = frozenset(
+    {*(f"/v1{p}" for p in _JSON), *(f"/v{p}" for p in _JSON), "/rerank", "/reranking",
+     "/infill", "/completion", "/v1/audio/speech", "/v1/audio/voices", "/v1/images/generations",
+     "/sdapi/v1/txt2img", "/sdapi/v1/img2img", "/audioapi/v1/tasks/run",
+     "/v1/audio/transcriptions", "/v1/images/edits"}
+)  # fmt: skip
+_TOLD_GET = frozenset({"/v1/audio/voices", "/sdapi/v1/loras", "/props"})
+
+
+def dispatched(method: str, path: str) -> bool:
+    """Is ``method path`` (after /upstream/MODEL) a request llama-swap tells in flight?"""
+    bare = path.partition("?")[0]
+    return bare in (_TOLD_POST if method == "POST" else _TOLD_GET if method == "GET" else ())
+
 
 Headers = Iterable[tuple[str, str]]
 Peer = Any  # a transport's "peername": (host, port, ...), or None
@@ -91,7 +107,7 @@ class Flight:
     __slots__ = (
         "began", "body", "cancelled", "held", "id", "keep", "method", "model", "on_cancel",
         "parts", "path", "peer", "req_headers", "resp_bytes", "resp_headers", "said", "selector",
-        "status", "task", "trimmed", "wall", "why",
+        "status", "task", "told", "trimmed", "wall", "why",
     )  # fmt: skip
 
     def __init__(
@@ -109,6 +125,7 @@ class Flight:
         self.req_headers, self.peer, self.body, self.keep = headers, peer, body, keep
         self.wall = time.time()
         self.began = time.monotonic()
+        self.told = True  # in /api/events and the activity (a probe through /upstream: not)
         self.status = 0  # the answer's, once its head is sent
         self.resp_headers: Headers | None = None
         self.resp_bytes = 0
@@ -219,23 +236,28 @@ class Flights:
         headers: Headers,
         peer: Peer,
         body: bytes | bytearray | None,
+        told: bool = True,
     ) -> Flight:
+        """A request begins; ``told``: shown in /api/events (and its activity recorded),
+        as llama-swap shows those to its model endpoints. Every one is here, for serve's
+        end (``interrupt``)."""
         self._last += 1
         flight = Flight(str(self._last), model, method, path, headers, peer, body, self.keep())
+        flight.told = told
         self.now[flight.id] = flight
-        if self.tell is not None:
+        if self.tell is not None and told:
             self.tell({"operation": "upsert", "request": flight.entry()})
         return flight
 
     def started(self, flight: Flight) -> None:
         """``flight``'s answer began (its head): told at once."""
-        if self.tell is not None and flight.id in self.now:
+        if self.tell is not None and flight.told and flight.id in self.now:
             self.tell({"operation": "upsert", "request": flight.entry()})
 
     def end(self, flight: Flight, status: str) -> None:
         """``flight`` was answered (``status``: the HTTP status, or gone); its activity is
         recorded (a POST's to a model endpoint, as llama-swap records them)."""
-        if self.now.pop(flight.id, None) is None:
+        if self.now.pop(flight.id, None) is None or not flight.told:
             return
         if self.tell is not None:
             self.tell({"operation": "remove", "id": flight.id})
@@ -245,7 +267,7 @@ class Flights:
     def cancel(self, id: str) -> bool:
         """Cancel request ``id``; whether it is in progress."""
         flight = self.now.get(id)
-        if flight is None:
+        if flight is None or not flight.told:
             return False
         flight.cancel()
         return True
@@ -260,7 +282,8 @@ class Flights:
 
     def snapshot(self) -> dict[str, Any]:
         """Every request in progress, oldest first."""
-        flights = sorted(self.now.values(), key=lambda f: (f.wall, int(f.id)))
+        flights = sorted((f for f in self.now.values() if f.told),
+                         key=lambda f: (f.wall, int(f.id)))  # fmt: skip
         return {"operation": "snapshot", "requests": [f.entry() for f in flights]}
 
     def progress(self) -> None:
