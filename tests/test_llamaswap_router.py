@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers.conformance import Reply, Served, case, echo, refused, serving, xfail
+from helpers.conformance import Reply, Served, case, echo, refused, serving
 from helpers.net import free_ports
 from helpers.processes import wait_until
 from helpers.serve import sse
@@ -125,15 +125,7 @@ def both(served: Served, a: str, b: str) -> list[int]:
     return statuses
 
 
-TURNS = xfail(
-    "models of one arena take turns: the second model's load"
-    " waits for the first one's, where llama-swap loads both at once",
-)
-
-
-@pytest.mark.parametrize(
-    "_", [case("groups/cross-group-non-exclusive-parallel", None, fails=TURNS)]
-)
+@pytest.mark.parametrize("_", [case("groups/cross-group-non-exclusive-parallel", None)])
 def test_two_non_exclusive_groups_load_in_parallel(groups: Served, _: None) -> None:
     fresh(groups)
     assert both(groups, "p1", "p2") == [200, 200]

@@ -247,3 +247,28 @@ def test_a_websocket_through_upstream_evicts_as_a_request_does(
     conn.close()
     assert up(tmp_path) == {"b"}
     assert downs_before_up(tmp_path, {"a"}, "b")
+
+
+def test_an_exclusive_model_releases_a_non_exclusive_one_between_its_requests(
+    spawn: Spawn, tmp_path: Path, budget_arena: Path
+) -> None:
+    # The models of two non-exclusive groups are served side by side; an exclusive
+    # model releases them, but only once the request one of them is serving has ended.
+    groups = ("groups:\n  par1: {swap: true, exclusive: false, members: [p1]}\n"
+              "  par2: {swap: true, exclusive: false, members: [p2]}\n"
+              "  ex: {swap: true, exclusive: true, members: [x1]}\n")  # fmt: skip
+    # p1's request outlasts its unloadTimeout: released while serving it, it is cut
+    slow = 'env: ["DELAY=1.5"]\nunloadTimeout: 0.5'
+    models = fake_models(tmp_path, ["p1", "p2", "x1"], p1=slow)
+    port = start_serve(spawn, tmp_path, groups + models, budget_arena)
+    assert complete(port, "p2")["model"] == "p2"
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(complete, port, "p1")  # 1.5 s in p1's server
+        wait_until(lambda: "p1" in up(tmp_path), timeout=30)
+        assert up(tmp_path) == {"p1", "p2"}  # side by side
+        assert complete(port, "x1")["model"] == "x1"
+        assert asked.result(timeout=30)["model"] == "p1"  # answered, not cut
+    assert up(tmp_path) == {"x1"}
+    ended = {name: at for at, name, what in server_events(tmp_path) if what == "down"}
+    began = {name: at for at, name, what in server_events(tmp_path) if what == "up"}
+    assert ended["p1"] >= began["p1"] + 1.5  # its request was over before it was released

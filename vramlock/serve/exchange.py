@@ -37,6 +37,8 @@ class Refusal:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# Whose turns a request takes (``Exchange.lane``).
+Lane = tuple[str | None, str | None, str | None]
 NO_MODEL = Refusal(400, 'the request body must be JSON with a "model" field')
 # What a request body chose: the model's wrapper and the body to send it, or a refusal.
 Chosen = tuple[Wrapper, Body] | Refusal
@@ -54,8 +56,9 @@ class Exchange:
     ) -> None:
         self.config = config  # the router's, which --watch-config replaces
         self.wrappers, self.flights, self.requests = wrappers, flights, requests
-        self.turns: dict[tuple[str | None, str | None], Turns] = {}
-        self.served: dict[tuple[str | None, str | None], str] = {}  # per arena: its last model
+        # Per lane (an arena, its GPU, a non-exclusive group or None: ``lane``).
+        self.turns: dict[Lane, Turns] = {}
+        self.served: dict[Lane, str] = {}  # per lane: its last model
         self.pools: dict[str, Pool] = {}
         self.seen_resident: str | None = None  # the routing rules' last model found resident
 
@@ -67,7 +70,7 @@ class Exchange:
         return not (
             w.admitted >= model.concurrency
             or (self.config().routing.engine is not None and self.seen_resident != model.name)
-            or self.served.get((model.arena, model.gpu)) != model.name
+            or self.served.get(self.lane(w)) != model.name
         )
 
     def enter_now(self, w: Wrapper) -> Turns | None:
@@ -184,15 +187,32 @@ class Exchange:
             self.seen_resident = w.model.name
             return
         self.seen_resident = None
-        running = [n for n, o in self.wrappers.items()
-                   if o is not w and o.alive() and o.member_state() in HOLDING]  # fmt: skip
-        evicted = [self.wrappers[name] for name in rules.evict(w.model.name, running)]
-        for other in evicted:
-            other.info(f"releasing it for model {w.model.name} (routing)")
-        # Shielded: a request cancelled meanwhile leaves the releases to finish.
-        await asyncio.shield(
-            asyncio.gather(*(self.unload(other) for other in evicted), return_exceptions=True)
-        )
+        own = self.lane(w)
+        held: dict[Lane, Turns] = {own: self.turns_of(w)}  # w's, in its turn already
+        try:
+            while True:
+                running = [n for n, o in self.wrappers.items()
+                           if o is not w and o.alive() and o.member_state() in HOLDING]  # fmt: skip
+                evicted = [self.wrappers[name] for name in rules.evict(w.model.name, running)]
+                # A model of another lane (an exclusive model evicting a non-exclusive
+                # group's) is released in that lane's turn: none of its requests runs.
+                lanes = {self.lane(o) for o in evicted} - held.keys()
+                if not lanes:
+                    break
+                for lane in lanes:
+                    turns = self._turns(lane)
+                    await turns.enter(w.model.name)
+                    held[lane] = turns
+            for other in evicted:
+                other.info(f"releasing it for model {w.model.name} (routing)")
+            # Shielded: a request cancelled meanwhile leaves the releases to finish.
+            await asyncio.shield(
+                asyncio.gather(*(self.unload(other) for other in evicted), return_exceptions=True)
+            )
+        finally:
+            for lane, turns in held.items():
+                if lane != own:
+                    turns.leave()
 
     async def _make_room(self, w: Wrapper) -> None:
         """A model of ``w``'s arena that holds the GPU for good (``auto`` found no way
@@ -200,10 +220,11 @@ class Exchange:
         does to every model. Its turn is over (``Turns``): none of its requests runs.
         Looked for once a model of the arena takes over from another, not per request."""
         where = (w.model.arena, w.model.gpu)
-        last = self.served.get(where)
+        lane = self.lane(w)
+        last = self.served.get(lane)
         if last == w.model.name:
             return
-        self.served[where] = w.model.name
+        self.served[lane] = w.model.name
         if last is not None and last in self.pools:
             # Its kept-alive connections would keep its wrapper busy for its --idle
             # (run's 300 ms) after their last traffic: closed, it releases at once. Its
@@ -234,8 +255,17 @@ class Exchange:
                                                    header=bounds.header)  # fmt: skip
         return pool
 
+    def lane(self, w: Wrapper) -> Lane:
+        """Whose turns ``w``'s requests take: its arena's (on its GPU), or, for a model
+        of a non-exclusive group, that group's within it: models of two such groups are
+        resident together by the rules, and are served side by side, as llama-swap
+        serves them."""
+        return (w.model.arena, w.model.gpu, self.config().routing.lane(w.model.name))
+
     def turns_of(self, w: Wrapper) -> Turns:
-        where = (w.model.arena, w.model.gpu)
-        if where not in self.turns:
-            self.turns[where] = Turns(self.config().routing.priority)
-        return self.turns[where]
+        return self._turns(self.lane(w))
+
+    def _turns(self, lane: Lane) -> Turns:
+        if lane not in self.turns:
+            self.turns[lane] = Turns(self.config().routing.priority)
+        return self.turns[lane]

@@ -86,6 +86,15 @@ class Routing:
                     best, best_cost = combo, cost
         return [m for m in resident if best is None or m not in best]
 
+    def lane(self, model: str) -> str | None:
+        """The group whose models take turns apart from the rest of their arena: a
+        non-exclusive group's (llama-swap runs the models of two such groups side by
+        side), else None (the arena's one turn). Only ``use: group`` has them."""
+        if self.engine != "group":
+            return None
+        group = self._group(model)
+        return None if group.exclusive else group.name
+
     def together(self, a: str, b: str) -> bool:
         """May ``a`` and ``b`` be resident together by the rules?"""
         if self.engine is None:
