@@ -190,9 +190,9 @@ def test_the_open_doors_lead_nowhere_else(spawn: Spawn, tmp_path: Path, arena: P
     port, _ = _serve(spawn, tmp_path, arena)
     assert call(port, "GET", "/health")[::2] == (200, b"OK")
     status, headers, _ = call(port, "GET", "/")
-    assert (status, headers["Location"]) == (302, "/ui/")
+    assert (status, headers["Location"]) == (302, "/ui")
     status, headers, _ = call(port, "GET", "/upstream")
-    assert (status, headers["Location"]) == (302, "/ui/")
+    assert (status, headers["Location"]) == (302, "/ui/models")
     assert call(port, "GET", "/ui/")[0] == 401
 
 

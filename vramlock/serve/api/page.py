@@ -29,8 +29,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def to_ui(request: web.Request) -> web.Response:
-    """/ui and /upstream (as llama-swap's, which leads to its page's models)."""
+    """/ui: to the page."""
     raise web.HTTPFound("/ui/")
+
+
+async def to_models(request: web.Request) -> web.Response:
+    """/upstream: to the page's models, as llama-swap redirects it (the same page)."""
+    raise web.HTTPFound("/ui/models")
 
 
 async def root(request: web.Request) -> web.Response:
@@ -44,7 +49,7 @@ def ui_app(
     """``vramlock ui``'s page, of serve's arenas, with each model's state and requests,
     and serve's last ``LINES`` log lines. The models' states are read as /v1/models reads
     them (no wrapper is started)."""
-    from ...ui import Watch, app, merge
+    from ...ui import Watch, app, merge, page
 
     watches = []
     for w in places(wrappers.values()).values():
@@ -62,6 +67,12 @@ def ui_app(
             watch.arena.close()
 
     application = app(state)
+    html = page()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(text=html, content_type="text/html")
+
+    application.router.add_get("/models", models)  # llama-swap's view of its models
     application.on_cleanup.append(close)
     application.middlewares.append(_json_errors)
     return application
@@ -99,4 +110,4 @@ def register(app: web.Application, s: Serving, logs: Logs | None) -> None:
     get(app, "/ui", to_ui)
     app.add_subapp("/ui/", ui_app(s.wrappers, s.requests, logs))
     app.router.add_route("*", "/ui/{path:.*}", refuse_others("GET", "HEAD"))  # what it has not
-    get(app, "/upstream", to_ui)
+    get(app, "/upstream", to_models)
