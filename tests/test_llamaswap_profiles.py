@@ -26,7 +26,6 @@ from helpers.conformance import (
     peer_server,
     serving,
     status_of,
-    xfail,
 )
 from helpers.processes import kill_group, wait_until
 
@@ -320,16 +319,7 @@ def test_serve_without_a_configuration_is_a_usage_error(
     assert done.stderr.count("\n") == 1 and "configuration" in done.stderr
 
 
-@pytest.mark.parametrize(
-    "_",
-    [
-        case(
-            "main/sighup-reloads",
-            None,
-            fails=xfail("SIGHUP ends serve where llama-swap reads its configuration again"),
-        )
-    ],
-)
+@pytest.mark.parametrize("_", [case("main/sighup-reloads", None)])
 def test_sighup_reads_the_configuration_again(
     tmp_path_factory: pytest.TempPathFactory, _: None
 ) -> None:
