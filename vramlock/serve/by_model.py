@@ -260,7 +260,8 @@ class ByModel:
             remote = upstream_peer(self.s.config, rest)
             if remote is not None:
                 peer, model, path = remote
-                return await self.s.peers.forward(request, peer, model, model, None, path)
+                asked = rest[: len(rest) - len(path)]  # the name the path used
+                return await self.s.peers.forward(request, peer, model, asked, None, path)
         found = self.s.wrapper(request.match_info["model"] if name is None else name)
         if isinstance(found, web.Response):
             return found

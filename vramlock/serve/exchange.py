@@ -1,6 +1,7 @@
 """The one way a request to a local model goes: chosen (its model and the body to send
 it), let in by its arena's turn (``Turns``) and its model's concurrencyLimit, in flight
-(``inflight``), forwarded, counted (``Requests``), and its ttl armed once it ends.
+(``inflight``), forwarded, counted (``Requests``), and its ttl armed once it ends. A
+peer's request goes the same way but for the turn (``carry``): a peer has no arena.
 
 Both of serve's doors take it: front.py's common request (``fast``) and aiohttp's
 handlers (``forward``); each forwards in its own way, from a bytes-level connection or
@@ -99,28 +100,56 @@ class Exchange:
         ``send()``'s answer, ``busy(why)`` over the concurrencyLimit, ``cancelled()``
         once cancelled (POST /api/inflight/ID/cancel); ``settle(answer)`` before it is
         counted."""
+
+        def turn() -> Awaitable[T]:
+            return self.in_turn(w, send, busy)
+
+        return await self.carry(w.model.name, flight, shown, turn, status, cancelled, settle,
+                                w.info)  # fmt: skip
+
+    async def carry(
+        self,
+        name: str,
+        flight: Flight,
+        shown: str,
+        send: Callable[[], Awaitable[T]],
+        status: Callable[[T], int],
+        cancelled: Callable[[], Awaitable[T]],
+        settle: Callable[[T], None] | None = None,
+        info: Callable[[str], None] | None = None,
+    ) -> T:
+        """A request (in flight as ``flight``, counted as model ``name``'s) from its
+        sending to its count, with no turn: a local model's once ``take`` let it in, a
+        peer's (which has no arena) at once. ``send()``'s answer, ``cancelled()`` once
+        cancelled (``info`` says so); ``settle(answer)`` before it is counted."""
         began, said = time.monotonic(), GONE
         try:
             try:
-                out = await self.in_turn(w, send, busy)
+                out = await send()
             except asyncio.CancelledError:
                 if not flight.cancelled:
                     raise
                 uncancel()
-                w.info(f"{shown} cancelled")
+                if info is not None:
+                    info(f"{shown} cancelled")
                 out, shown = await cancelled(), ""
             if settle is not None:
                 settle(out)
             said = str(status(out))
-            if shown:
-                w.info(flight.line(shown, said))
+            if shown and info is not None:
+                info(flight.line(shown, said))
             return out
         finally:
-            self.ended(w, flight, said, began)
+            self.counted(name, flight, said, began)
 
     def ended(self, w: Wrapper, flight: Flight, status: str, began: float) -> None:
         """A request was answered (``status``: its HTTP status, or gone): counted."""
-        self.requests.add(w.model.name, status, time.monotonic() - began)
+        self.counted(w.model.name, flight, status, began)
+
+    def counted(self, name: str, flight: Flight, status: str, began: float) -> None:
+        """A request for model ``name`` (a local one's, or a peer's as it was asked
+        for) was answered (``status``: its HTTP status, or gone): counted."""
+        self.requests.add(name, status, time.monotonic() - began)
         self.flights.end(flight, status)
 
     def choose(

@@ -5,6 +5,8 @@ A peer has no process and no arena: its requests are passed on at once, to its
 peer's own name for it and its filters applied, with ``apiKey`` (when given) as
 ``Authorization: Bearer`` and ``x-api-key``. A peer model is named ``PEER/MODEL``, or
 ``MODEL`` alone when exactly one peer has it and no local model or alias is named so.
+Its requests go the exchange's way but for the turn: in flight (listed, cancellable)
+and counted under the name the client asked for, as llama-swap's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from aiohttp import web
 
 from .config import Config, Peer
 from .errors import error_response as _error
+from .exchange import Exchange
 from .forward import answer
+from .inflight import Flight
 from .upstream import Response
 
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the client library sets itself.
@@ -67,9 +71,11 @@ def entries(config: Config) -> list[dict[str, Any]]:
 
 
 class Peers:
-    """One HTTP client for every peer, kept while serve runs."""
+    """One HTTP client for every peer, kept while serve runs; each request taken the
+    exchange's way (in flight, counted), with no turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
         self._client: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -85,8 +91,38 @@ class Peers:
         doc: Any,
         path: str | None = None,
     ) -> web.StreamResponse:
-        """``request`` to ``peer`` as ``model``: its JSON body already read (``doc``), or
+        """``request`` to ``peer`` as ``model`` (listed and counted as ``asked``, the name
+        the client used, as llama-swap's): its JSON body already read (``doc``), or
         (None) passed through unread to ``path`` (/upstream's)."""
+        if isinstance(doc, dict):
+            body = json.dumps({**peer.filters.apply(doc, asked), "model": model}).encode()
+        else:
+            body = await request.read()
+        target = request.path_qs if path is None else path
+        where = None if request.transport is None else request.transport.get_extra_info("peername")
+        flights = self.exchange.flights
+        flight = flights.start(asked, request.method, target.partition("?")[0],
+                               request.headers.items(), where, body)  # fmt: skip
+        flight.task = asyncio.current_task()
+
+        async def send() -> web.StreamResponse:
+            return await self._send(request, peer, peer.base + target, body, flight)
+
+        async def cancelled() -> web.StreamResponse:
+            return _error(*flight.refusal())
+
+        def settle(out: web.StreamResponse) -> None:
+            answer = out.body if isinstance(out, web.Response) else None
+            if flight.resp_headers is None and isinstance(answer, bytes):  # serve's own
+                flight.answered(out.status, out.headers.items(), answer)
+
+        shown = f"{request.method} {request.path}"
+        return await self.exchange.carry(asked, flight, shown, send, _status, cancelled, settle)
+
+    async def _send(
+        self, request: web.Request, peer: Peer, url: str, body: bytes, flight: Flight
+    ) -> web.StreamResponse:
+        """``body`` sent to ``url``, and the peer's answer passed on (kept in ``flight``)."""
         if self._client is None:
             self._client = aiohttp.ClientSession(auto_decompress=False)
         bounds = peer.timeouts
@@ -98,11 +134,6 @@ class Peers:
         if peer.api_key:
             headers["Authorization"] = f"Bearer {peer.api_key}"
             headers["x-api-key"] = peer.api_key
-        if isinstance(doc, dict):
-            body = json.dumps({**peer.filters.apply(doc, asked), "model": model}).encode()
-        else:
-            body = await request.read()
-        url = peer.base + (request.path_qs if path is None else path)
         asking = self._client.request(
             request.method, url, headers=headers, data=body, timeout=timeout
         )
@@ -122,9 +153,19 @@ class Peers:
             kept = list(up.headers.items())
             if up.content_type == "text/event-stream":
                 kept.append(("X-Accel-Buffering", "no"))
-            length = up.content_length
-            passed = Response(up.status, up.reason or "", kept, length, _chunks(up))
-            return await answer(request, passed, f"peer {peer.name}")
+            chunks = _chunks(up)
+            passed = Response(up.status, up.reason or "", kept, up.content_length, chunks)
+            try:
+                return await answer(request, passed, f"peer {peer.name}", flight,
+                                    self.exchange.flights)  # fmt: skip
+            finally:
+                await chunks.aclose()
+                if not up.content.is_eof():
+                    up.close()  # cut short (a cancel, its client gone): the peer sees it end
+
+
+def _status(out: web.StreamResponse) -> int:
+    return out.status
 
 
 async def _chunks(up: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:

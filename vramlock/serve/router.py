@@ -68,7 +68,7 @@ class Router:
         self.hardware = Hardware(__version__)
         every = config.performance_every
         self.performance = None if every is None else Performance(every)
-        self.peers = Peers()
+        self.peers = Peers(self.exchange)
         self.resolver = Resolver(config, self._state_of)
         self.events = Events(self._model_status, self._active_profile, logs, self.flights,
                              self.activity, self._ui)  # fmt: skip
