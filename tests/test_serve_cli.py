@@ -49,8 +49,10 @@ def config(tmp_path: Path, text: str) -> Path:
         ("models:\n  m:\n    proxy: http://127.0.0.1:9\n", [":2: model 'm': no cmd"]),
         ("models:\n  m:\n    cmd: sleep ${PORT}\n    release: bogus\n",
          [":2: model 'm': unknown release strategy 'bogus'"]),
+        (GOOD + "selectors:\n  s:\n    strategy: pin\n    targets: [m, nope]\n",
+         [":8: selectors.s.targets[1] references unknown model 'nope'"]),
     ],
-    ids=["bad-yaml", "missing-cmd", "bad-release"],
+    ids=["bad-yaml", "missing-cmd", "bad-release", "selector-of-no-model"],
 )  # fmt: skip
 def test_bad_configuration(errcli: ErrCli, tmp_path: Path, text: str, fragments: list[str]) -> None:
     path = config(tmp_path, text)

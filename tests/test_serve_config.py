@@ -419,23 +419,13 @@ def test_a_value_that_aliases_make_huge_is_refused_at_once(tmp_path: Path) -> No
     assert len(small.models["m"].metadata["fine"]) == 9
 
 
-def test_selector_targets_and_pins_of_no_model_are_left_out_saying_so(tmp_path: Path) -> None:
-    """llama-swap's own example names models it does not define, in a selector's
-    targets and a profile's pins: left out, each said once, as a group's members are."""
-    text = ("selectors:\n  s: {strategy: pin, targets: [al, zz]}\n"
-            "  t: {strategy: warm, targets: [yy]}\n"
-            "profiles:\n  p: {pins: {x: zz, y: a}}\n" + ONE_MODEL)  # fmt: skip
+def test_a_pin_may_name_an_alias_a_selector_or_nothing(tmp_path: Path) -> None:
+    """As llama-swap takes them: a model's alias, a selector, or null (it answers 404)."""
+    text = ("selectors:\n  s: {strategy: pin, targets: [al]}\n"
+            "profiles:\n  p: {pins: {x: al, y: s, z: null}}\n" + ONE_MODEL)  # fmt: skip
     config = read(tmp_path, text)
-    assert config.selectors["s"].targets == ("al",)
-    assert "t" not in config.selectors
-    assert config.profiles["p"].pins == {"x": None, "y": "a"}
-    path = tmp_path / "config.yaml"
-    assert config.warnings == [
-        f"{path}:2: selectors.s.targets[1]: no model 'zz': left out",
-        f"{path}:3: selectors.t.targets[0]: no model 'yy': left out",
-        f"{path}:3: selectors.t: none of its targets is a model: left out",
-        f"{path}:5: profiles.p.pins.x: no model 'zz': it answers 404",
-    ]
+    assert config.profiles["p"].pins == {"x": "al", "y": "s", "z": None}
+    assert config.warnings == []
 
 
 # Each error a user can make in a configuration, by name: the text, the line the
@@ -518,6 +508,13 @@ ERRORS = [
      "selectors.s.targets[0]: warm picks local models only"),
     ("selector-twice", "selectors:\n  s: {strategy: spillover, targets: [a, al]}\n" + ONE_MODEL, 2,
      "selectors.s.targets: 'a' is there twice"),
+    ("selector-no-model",
+     "selectors:\n  s:\n    strategy: pin\n    targets:\n      - al\n      - zz\n" + ONE_MODEL, 6,
+     "selectors.s.targets[1] references unknown model 'zz'"),
+    ("pin-no-model", "profiles:\n  p:\n    pins:\n      y: a\n      x: zz\n" + ONE_MODEL, 5,
+     "profiles.p.pins.x references unknown model 'zz'"),
+    ("pin-of-a-pin", "profiles:\n  p:\n    pins:\n      y: a\n      x: y\n" + ONE_MODEL, 5,
+     "profiles.p.pins.x references unknown model 'y'"),
     ("profile-empty",
      "profiles:\n  p: {pins: {}}\n" + ONE_MODEL, 2, "profiles.p.pins must have at least one"),
     ("profile-list", "profiles:\n  p: [a]\n" + ONE_MODEL, 2,

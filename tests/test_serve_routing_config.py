@@ -126,15 +126,14 @@ def test_a_group_member_that_is_no_model_is_left_out_saying_so(tmp_path: Path) -
     ]
 
 
-def test_a_priority_of_no_model_is_left_out_saying_so(tmp_path: Path) -> None:
-    """llama-swap's own example gives priorities to models A to D, which it does not define."""
-    text = "routing:\n  scheduler:\n    settings:\n      fifo:\n        priority: {a: 3, A: 10}\n"
-    config = read(tmp_path, text)
-    assert config.routing.priority == {"a": 3}
-    assert config.warnings == [
-        f"{tmp_path / 'config.yaml'}:5: routing.scheduler.settings.fifo.priority: no model 'A':"
-        " left out"
-    ]
+def test_a_priority_of_an_alias_is_its_model_s(tmp_path: Path) -> None:
+    """llama-swap takes a model's alias as a priority's name, as it takes the model's."""
+    text = "routing:\n  scheduler:\n    settings:\n      fifo:\n        priority: {al: 3}\n"
+    models = "models:\n  a:\n    cmd: srv ${PORT}\n    aliases: [al]\n"
+    path = tmp_path / "config.yaml"
+    path.write_text(text + models)
+    config = load(str(path), parse_duration)
+    assert (config.routing.priority, config.warnings) == ({"a": 3}, [])
 
 
 @pytest.mark.parametrize(
@@ -172,13 +171,15 @@ def test_a_priority_of_no_model_is_left_out_saying_so(tmp_path: Path) -> None:
          "routing.scheduler.use: unknown scheduler 'lifo' (fifo)"),
         ("routing:\n  scheduler:\n    settings:\n      fifo:\n        priority:\n          a: hi\n",
          6, "priority: a's must be a whole number"),
+        ("routing:\n  scheduler:\n    settings:\n      fifo:\n        priority: {a: 3, A: 10}\n",
+         5, "routing.scheduler.settings.fifo.priority references unknown model 'A'"),
         ("unloadTimeout: -1\n", 1, "unloadTimeout must be a number of seconds, at least 0"),
     ],
     ids=["two-groups", "no-members", "bad-flag", "paren", "operator",
          "character", "unknown-ref", "cycle", "unknown-name", "var-name", "var-model",
          "cost-zero", "cost-unknown", "no-sets", "too-many", "groups-and-matrix",
          "legacy-and-routing", "unknown-router", "matrix-missing", "unknown-scheduler",
-         "priority-number", "unload-timeout"],
+         "priority-number", "priority-no-model", "unload-timeout"],
 )  # fmt: skip
 def test_routing_errors_name_file_and_line(
     tmp_path: Path, text: str, line: int, message: str

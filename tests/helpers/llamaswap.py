@@ -18,11 +18,6 @@ PROXY = "    proxy: http://localhost:8080\n"
 
 # Why serve's verdict differs, where it does (each also in docs/serve.md).
 CHECK = "checkEndpoint is a path: serve checks the model where its proxy is"
-EXAMPLE = (
-    "llama-swap's own example configuration names models it does not define (selector"
-    " targets, profile pins, fifo priorities): serve loads it, leaving those out with a"
-    " warning"
-)
 ARENA = (
     "without routing rules serve lets the arena decide which models are resident"
     " together (llama-swap swaps them all)"

@@ -13,8 +13,14 @@ ENGINES = ("group", "matrix")
 SCHEDULERS = ("fifo",)
 
 
-def read(reader: Reader, top: dict[str, tuple[yaml.Node, yaml.Node]], models: set[str]) -> Routing:
-    """``routing:``, ``groups:`` and ``matrix:`` of the file's top level."""
+def read(
+    reader: Reader,
+    top: dict[str, tuple[yaml.Node, yaml.Node]],
+    models: set[str],
+    aliases: dict[str, str] | None = None,
+) -> Routing:
+    """``routing:``, ``groups:`` and ``matrix:`` of the file's top level (``aliases``:
+    alias -> its model, for the priorities, which name either)."""
     router: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     scheduler: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     if "routing" in top:
@@ -33,7 +39,7 @@ def read(reader: Reader, top: dict[str, tuple[yaml.Node, yaml.Node]], models: se
                                              " top-level groups/matrix, not both")  # fmt: skip
     if len(legacy) == 2:
         raise reader.fail(top["matrix"][0], "matrix: give groups or matrix, not both")
-    priority = _scheduler(reader, scheduler, models)
+    priority = _scheduler(reader, scheduler, {**(aliases or {}), **{m: m for m in models}})
     if legacy:
         name = legacy[0]
         rules = _engine(reader, name if name == "matrix" else "group", top[name][1], models)
@@ -82,9 +88,10 @@ def _engine(reader: Reader, use: str, node: yaml.Node, models: set[str], what: s
 
 
 def _scheduler(
-    reader: Reader, scheduler: dict[str, tuple[yaml.Node, yaml.Node]], models: set[str]
+    reader: Reader, scheduler: dict[str, tuple[yaml.Node, yaml.Node]], names: dict[str, str]
 ) -> dict[str, int]:
-    """routing.scheduler: fifo (the only one), and its priorities."""
+    """routing.scheduler: fifo (the only one), and its priorities (``names``: each name
+    a priority may have, a model's or an alias, -> the model's)."""
     if "use" in scheduler:
         use = reader.text(scheduler["use"][1], "routing.scheduler.use")
         if use not in SCHEDULERS:
@@ -106,12 +113,9 @@ def _scheduler(
         number = reader.value(value)
         if not isinstance(number, int) or isinstance(number, bool):
             raise reader.fail(value, f"{where}.fifo.priority: {name}'s must be a whole number")
-        if name not in models:
-            # llama-swap's own example names models it does not define (A to D): a
-            # priority of no model can order nothing, so it is left out, said once.
-            reader.warn(key, f"{where}.fifo.priority: no model {name!r}: left out")
-            continue
-        out[name] = number
+        if name not in names:
+            raise reader.fail(key, f"{where}.fifo.priority references unknown model {name!r}")
+        out[names[name]] = number
     return out
 
 

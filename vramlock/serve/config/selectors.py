@@ -84,8 +84,6 @@ def read_selectors(
             raise reader.fail(f.get("strategy", (key, key))[1], f"{where}.strategy {what}")
         tnode = f["targets"][1] if "targets" in f else key
         targets = _targets(reader, tnode, where, strategy, names, selectors)
-        if targets is None:
-            continue
         if strategy == "spillover":
             _together(
                 reader, tnode, where, [t for t in targets if find(names.models, t)], names, rules
@@ -105,8 +103,8 @@ def read_selectors(
 
 def _targets(
     reader: Reader, node: yaml.Node, where: str, strategy: str, names: Names, selectors: set[str]
-) -> tuple[str, ...] | None:
-    """A selector's targets; None when none of them is a model (left out, said)."""
+) -> tuple[str, ...]:
+    """A selector's targets: each a model, alias or peer's model, as llama-swap wants."""
     listed = reader.strings(node, f"{where}.targets") if isinstance(node, yaml.SequenceNode) else []
     if not listed:
         raise reader.fail(node, f"{where}.targets must have at least one entry")
@@ -116,18 +114,14 @@ def _targets(
             raise reader.fail(node, f"{where}.targets[{i}]: {target!r} is a selector")
         found = names.resolve(target)
         if found is None:
-            # Divergence: llama-swap refuses; its own example has such targets.
-            reader.warn(node, f"{where}.targets[{i}]: no model {target!r}: left out")
-            continue
+            raise reader.fail(node.value[i], f"{where}.targets[{i}] references unknown model"
+                                             f" {target!r}")  # fmt: skip
         if strategy == "warm" and find(names.models, target) is None:
             raise reader.fail(node, f"{where}.targets[{i}]: warm picks local models only")
         if strategy == "spillover" and found in resolved:
             raise reader.fail(node, f"{where}.targets: {found!r} is there twice")
         targets.append(target)
         resolved.append(found)
-    if not targets:
-        reader.warn(node, f"{where}: none of its targets is a model: left out")
-        return None
     return tuple(targets)
 
 
@@ -178,11 +172,9 @@ def read_profiles(
             if pin in reserved:
                 raise reader.fail(pkey, f"{where}.pins: {pin!r} is a peer's model")
             text = None if reader.value(target) is None else reader.text(target, where)
-            if text and text not in known:
-                # Divergence: llama-swap refuses; its own example pins such names. The
-                # pin stays, answering 404 as a null one does.
-                reader.warn(target, f"{where}.pins.{pin}: no model {text!r}: it answers 404")
-                text = None
+            if text and text not in known:  # another pin's name too: pins do not chain
+                raise reader.fail(target, f"{where}.pins.{pin} references unknown model"
+                                          f" {text!r}")  # fmt: skip
             pins[pin] = text or None
         if not pins:
             raise reader.fail(pnode, f"{where}.pins must have at least one entry")

@@ -115,7 +115,8 @@ def load(path: str | None, duration: Duration, config_dir: str | None = None) ->
     unload = None
     if "unloadTimeout" in top:
         unload = read_unload_timeout(reader, top["unloadTimeout"][1], "unloadTimeout")
-    rules = routing.read(reader, top, set(models))
+    aliases = {a: m.name for m in models.values() for a in m.aliases}
+    rules = routing.read(reader, top, set(models), aliases)
     return Config(path=shown, models=models, health_timeout=health, warnings=reader.warnings,
                   routing=rules, unload_timeout=unload, **_access(reader, top, models),
                   **_newer(reader, top, models, rules))  # fmt: skip
