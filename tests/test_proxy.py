@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from helpers.commands import vramlock, who_json
@@ -583,6 +583,49 @@ def test_an_inherited_listening_socket_takes_the_clients(
         assert conn.getresponse().read().startswith(b"hello ")
         conn.close()
     assert [m.get("listen") for m in who_json(arena)] == [f"127.0.0.1:{port}"]
+
+
+class _Record:
+    """A member's record as ``run`` describes it, where the proxy's first report wins
+    the race with the rest of ``run``'s setup: ``run``'s change naming the listen address
+    lands only once the proxy's thread has reported its count."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, object] = {}
+        self.reported = threading.Event()
+
+    def describe(self, **changes: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.reported.set()  # the proxy's thread: its count
+        elif "listen" in changes:
+            assert self.reported.wait(10), "the proxy never reported its client"
+        self.fields.update(changes)
+
+    def working(self, busy: bool) -> None:
+        pass
+
+
+def test_a_client_in_the_backlog_before_the_proxy_runs_stays_counted() -> None:
+    """serve connects to a model's address before it starts the model's wrapper (it
+    passes the listener): the proxy takes that client as soon as its thread runs, and
+    reports 1 once, the count changing only then. ``run`` must not write its initial 0
+    over that report: who would show the model's kept-alive connection as none."""
+    from vramlock.run.options import RunOptions
+    from vramlock.run.runner import Runner
+
+    record = _Record()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname(), timeout=30):  # in the backlog
+            opts = RunOptions(command=["true"], demand="listen", upstream=str(free_ports(1)[0]),
+                              listen=f"fd:{os.dup(listener.fileno())}")  # fmt: skip
+            runner = Runner(opts)
+            runner.proxy = runner._listen(cast(Any, record))
+            try:
+                assert record.fields["connections"] == 1
+            finally:
+                runner._close()
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,10 @@ class Runner:
         from ..strategies.presets import ready_url
         from .proxy import Proxy, owner
 
+        # Before the proxy's thread starts: it may take a client at once (serve's
+        # connection waits in the backlog of the listener it passes), and its count,
+        # reported only when it changes, must not be overwritten by this 0.
+        member.describe(connections=0)
         proxy = Proxy(
             opts.listen,
             opts.upstream,
@@ -175,7 +179,7 @@ class Runner:
                                    f"port {proxy.upstream_port} is in use already, by {taken}:"
                                    " the command could not listen there, and its clients"
                                    " would reach that program")  # fmt: skip
-        member.describe(listen=proxy.address, connections=0)
+        member.describe(listen=proxy.address)
         return proxy
 
     def _close(self) -> None:
