@@ -7,6 +7,7 @@ the library at first use where a compiler is, and refuses (exit 125) where none 
 from __future__ import annotations
 
 import importlib.util
+import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
@@ -15,12 +16,14 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 
-def _swap_build(root: str, part: str = "swap") -> ModuleType:
+def _cbuild(root: str) -> ModuleType:
     # By path: the package itself (and its dependencies) need not be importable here.
-    path = Path(root, "vramlock", "gpu", part, "build.py")
-    spec = importlib.util.spec_from_file_location(f"_vramlock_{part}_build", path)
+    path = Path(root, "vramlock", "gpu", "cbuild.py")
+    spec = importlib.util.spec_from_file_location("_vramlock_cbuild", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered first: dataclasses looks its module up while making the classes.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -30,29 +33,26 @@ class SwapLibraryHook(BuildHookInterface):  # type: ignore[type-arg]
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if version == "editable":
-            return  # a checkout builds the library into the cache at first use
-        self._vulkan_layer(build_data)
-        swap = _swap_build(self.root)
-        target = Path(self.root, "build", "swap", swap.LIBRARY)
-        try:
-            swap.build(target)
-        except swap.BuildError as err:
-            self.app.display_warning(f"vramlock: no swap library in this wheel: {err}")
+            return  # a checkout builds the libraries into the cache at first use
+        cbuild = _cbuild(self.root)
+        # The Vulkan layer too, where a compiler and the Vulkan headers are; without
+        # them it is compiled at first use, as the swap library is.
+        self._build(cbuild, "vulkan", build_data)
+        if not self._build(cbuild, "swap", build_data):
             return
-        build_data["force_include"][str(target)] = f"vramlock/gpu/swap/{swap.LIBRARY}"
         build_data["pure_python"] = False
-        # Any Python 3, this platform only: the library does not link Python.
+        # Any Python 3, this platform only: the libraries do not link Python.
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
         build_data["tag"] = f"py3-none-{platform}"
 
-    def _vulkan_layer(self, build_data: dict[str, Any]) -> None:
-        """The Vulkan layer too, where a compiler and the Vulkan headers are; without
-        them it is compiled at first use, as the swap library is."""
-        vulkan = _swap_build(self.root, "vulkan")
-        target = Path(self.root, "build", "vulkan", vulkan.LIBRARY)
+    def _build(self, cbuild: ModuleType, part: str, build_data: dict[str, Any]) -> bool:
+        """Compile one library into the wheel; False (and a warning) where it cannot be."""
+        library = cbuild.LIBRARIES[part]
+        target = Path(self.root, "build", part, library.name)
         try:
-            vulkan.build(target)
-        except vulkan.BuildError as err:
-            self.app.display_warning(f"vramlock: no Vulkan layer in this wheel: {err}")
-            return
-        build_data["force_include"][str(target)] = f"vramlock/gpu/vulkan/{vulkan.LIBRARY}"
+            library.build(target)
+        except cbuild.BuildError as err:
+            self.app.display_warning(f"vramlock: {library.what} is not in this wheel: {err}")
+            return False
+        build_data["force_include"][str(target)] = f"vramlock/gpu/{part}/{library.name}"
+        return True

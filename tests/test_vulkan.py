@@ -24,12 +24,12 @@ from helpers.commands import vramlock
 from helpers.processes import Spawn, queued, wait_until
 from helpers.swap_rig import ask, read_line
 
-from vramlock.gpu.vulkan import build as layer_build
+from vramlock.gpu.cbuild import VULKAN, compiler
 from vramlock.gpu.vulkan import loader_here
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(layer_build.compiler() is None, reason="no C compiler"),
+    pytest.mark.skipif(compiler() is None, reason="no C compiler"),
     pytest.mark.skipif(not loader_here(), reason="no Vulkan loader (libvulkan.so.1)"),
 ]
 
@@ -62,7 +62,7 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     out = tmp_path_factory.mktemp("vulkan")
-    cc = layer_build.compiler()
+    cc = compiler()
     assert cc is not None
     made = subprocess.run(
         [cc, *STRICT, "-o", str(out / "vk_prog"), str(SOURCES / "vk_prog.c"), "-lvulkan"],
@@ -281,7 +281,7 @@ def test_a_layer_that_cannot_be_built_fails_before_the_command(arena: Path, tmp_
 
 
 def test_the_layer_compiles_without_warnings(tmp_path: Path) -> None:
-    layer_build.build(tmp_path / "layer.so", "-Werror")
+    VULKAN.build(tmp_path / "layer.so", "-Werror")
 
 
 @pytest.mark.parametrize(

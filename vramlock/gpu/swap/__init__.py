@@ -8,12 +8,11 @@ wheel built without a compiler) it is compiled once from its sources (``*.c``,
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from ...errors import StrategyError
-from .build import CFLAGS, HEADERS, HERE, LIBRARY, LIBS, SOURCES, BuildError, compiler
+from ..cbuild import SWAP, BuildError, compiler
 
 __all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]
 
@@ -28,10 +27,8 @@ class SwapUnavailable(StrategyError):
 
 def build(target: Path, *extra: str) -> None:
     """Compile the library to ``target``; SwapUnavailable when it cannot be."""
-    from .build import build as compile_to
-
     try:
-        compile_to(target, *extra)
+        SWAP.build(target, *extra)
     except BuildError as err:
         raise SwapUnavailable(f"the swap library is not built, and {err}") from None
 
@@ -43,16 +40,7 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     """The library to preload, built first if needed; SwapUnavailable when it cannot be."""
-    packaged = HERE / LIBRARY
-    if packaged.is_file():
-        return packaged
-    digest = hashlib.sha256(" ".join(CFLAGS + LIBS).encode())
     try:
-        for source in (*SOURCES, *HEADERS):
-            digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    except OSError as err:
-        raise SwapUnavailable(f"the swap library's source is missing ({err.strerror})") from None
-    cached = cache_dir() / f"libvramlock-swap-{digest.hexdigest()[:16]}.so"
-    if not cached.is_file():
-        build(cached)
-    return cached
+        return SWAP.path(cache_dir())
+    except BuildError as err:
+        raise SwapUnavailable(str(err)) from None

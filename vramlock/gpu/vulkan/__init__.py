@@ -12,14 +12,13 @@ its library: ``write_manifest`` makes one in a directory the run owns, which
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from ...errors import StrategyError
+from ..cbuild import VULKAN, BuildError
 from ..swap import cache_dir
-from .build import CFLAGS, HEADERS, HERE, LIBRARY, LIBS, SOURCES, BuildError
 
 __all__ = ["LAYER_NAME", "VulkanUnavailable", "layer_path", "loader_here", "write_manifest"]
 
@@ -46,24 +45,10 @@ def loader_here() -> bool:
 
 def layer_path() -> Path:
     """The layer's library, built first if needed; VulkanUnavailable when it cannot be."""
-    packaged = HERE / LIBRARY
-    if packaged.is_file():
-        return packaged
-    digest = hashlib.sha256(" ".join(CFLAGS + LIBS).encode())
     try:
-        for source in (*SOURCES, *HEADERS):
-            digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    except OSError as err:
-        raise VulkanUnavailable(f"the layer's source is missing ({err.strerror})") from None
-    cached = cache_dir() / f"libvramlock-vulkan-{digest.hexdigest()[:16]}.so"
-    if not cached.is_file():
-        from .build import build
-
-        try:
-            build(cached)
-        except BuildError as err:
-            raise VulkanUnavailable(f"the Vulkan layer is not built, and {err}") from None
-    return cached
+        return VULKAN.path(cache_dir())
+    except BuildError as err:
+        raise VulkanUnavailable(str(err)) from None
 
 
 def write_manifest(directory: str, library: Path) -> str:
