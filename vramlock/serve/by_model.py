@@ -6,6 +6,7 @@ way through the forwarder (.forward), a peer's through .peers."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .peers import Peers
     from .selectors import Resolver
 
+Done = Callable[[], None]
 # llama-swap's GET routes whose request names its model as ?model=NAME.
 BY_QUERY = ("/props", "/v1/audio/voices", "/sdapi/v1/loras")
 # Prefixes that llama-swap strips before a POST is routed by its model: /v/ (clients that
@@ -97,16 +99,26 @@ class ByModel:
         name = named(body)
         if name is None:
             return _error(NO_MODEL.status, NO_MODEL.message)
+        resolved = self._resolved(request, name)
+        if isinstance(resolved, web.Response):
+            return resolved
+        target, done = resolved
+        try:
+            return await self._by_name(request, name, target, body)
+        finally:
+            done()
+
+    def _resolved(self, request: web.Request, name: str) -> tuple[str, Done] | web.Response:
+        """The name that serves ``name`` (profiles and selectors applied) and what to call
+        once its request is done, the selector it reaches marked on ``request`` for its
+        activity; the refusal where the active profile disables ``name``."""
         try:
             target, done = self.s.resolver.resolve(name)
         except Refused as err:
             return _error(err.status, err.message)
         if (selector := self.s.resolver.selector_of(name)) is not None:
             request[SELECTOR] = selector
-        try:
-            return await self._by_name(request, name, target, body)
-        finally:
-            done()
+        return target, done
 
     async def _by_name(
         self, request: web.Request, name: str, target: str, body: bytes | bytearray
@@ -141,12 +153,10 @@ class ByModel:
         name = request.query.get("model")
         if not name:
             return _error(400, "the request must name its model: ?model=NAME")
-        try:
-            target, done = self.s.resolver.resolve(name)
-        except Refused as err:
-            return _error(err.status, err.message)
-        if (selector := self.s.resolver.selector_of(name)) is not None:
-            request[SELECTOR] = selector
+        resolved = self._resolved(request, name)
+        if isinstance(resolved, web.Response):
+            return resolved
+        target, done = resolved
         try:
             remote = resolve(self.s.config, target) if self.s.config.peers else None
             if remote is not None:
