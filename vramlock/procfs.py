@@ -157,6 +157,15 @@ def all_pids() -> list[int]:
         return []
 
 
+def descriptors(pid: int) -> list[str]:
+    """The paths (/proc/PID/fd/N) of the open descriptors of ``pid``: none where its
+    descriptors are not ours to list (another user's, or it has gone)."""
+    try:
+        return [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return []
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every living process whose process group is ``pgid`` (zombies left out)."""
     out = []
@@ -343,16 +352,12 @@ def lock_holders(dev: int, ino: int) -> list[int]:
     """
     found: list[int] = []
     for pid in all_pids():
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for path in descriptors(pid):
             try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(path)
                 if (st.st_dev, st.st_ino) != (dev, ino):
                     continue
-                with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                with open(path.replace("/fd/", "/fdinfo/", 1), "rb") as f:
                     info = f.read().decode(errors="replace")
             except OSError:
                 continue

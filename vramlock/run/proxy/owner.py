@@ -95,13 +95,9 @@ def holding(pids: list[int], inodes: set[int]) -> int | None:
     """The first of ``pids`` with a descriptor on one of the sockets ``inodes``."""
     names = {f"socket:[{i}]" for i in inodes}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for path in procfs.descriptors(pid):
             try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in names:
+                if os.readlink(path) in names:
                     return pid
             except OSError:
                 continue
