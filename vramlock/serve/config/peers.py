@@ -37,8 +37,7 @@ def read_peers(reader: Reader, node: yaml.Node, models: dict[str, Model]) -> dic
     made: dict[str, str] = {}  # PEER/MODEL -> the peer that makes it
     for name, key, value in reader.pairs(node, "peers"):
         where = f"peer {name!r}"
-        fields = reader.entries(value, where)
-        reader.check_keys(fields, PEER_KEYS, {}, f"{where}: ")
+        fields = reader.keyed(value, where, PEER_KEYS)
         if "proxy" not in fields:
             raise reader.fail(key, f"{where}: proxy is required")
         pnode = fields["proxy"][1]

@@ -198,6 +198,14 @@ class Reader:
         """``pairs`` as a mapping: name -> (key node, value node)."""
         return {name: (key, value) for name, key, value in self.pairs(node, what)}
 
+    def keyed(
+        self, node: yaml.Node, what: str, known: frozenset[str]
+    ) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """``entries``, with a warning for each key that is not ``known``."""
+        entries = self.entries(node, what)
+        self.check_keys(entries, known, {}, f"{what}: ")
+        return entries
+
     def text(self, node: yaml.Node, what: str) -> str:
         value = self.value(node)
         if not isinstance(value, str | int | float) or isinstance(value, bool):

@@ -24,11 +24,11 @@ def read(
     router: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     scheduler: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     if "routing" in top:
-        entries = reader.entries(top["routing"][1], "routing")
-        reader.check_keys(entries, frozenset({"router", "scheduler"}), {}, "routing: ")
+        entries = reader.keyed(top["routing"][1], "routing", frozenset({"router", "scheduler"}))
         if "router" in entries:
-            router = reader.entries(entries["router"][1], "routing.router")
-            reader.check_keys(router, frozenset({"use", "settings"}), {}, "routing.router: ")
+            router = reader.keyed(
+                entries["router"][1], "routing.router", frozenset({"use", "settings"})
+            )
         if "scheduler" in entries:
             scheduler = reader.entries(entries["scheduler"][1], "routing.scheduler")
             known = frozenset({"use", "settings"})
@@ -100,12 +100,10 @@ def _scheduler(
     if "settings" not in scheduler:
         return {}
     where = "routing.scheduler.settings"
-    settings = reader.entries(scheduler["settings"][1], where)
-    reader.check_keys(settings, frozenset({"fifo"}), {}, f"{where}: ")
+    settings = reader.keyed(scheduler["settings"][1], where, frozenset({"fifo"}))
     if "fifo" not in settings:
         return {}
-    fifo = reader.entries(settings["fifo"][1], f"{where}.fifo")
-    reader.check_keys(fifo, frozenset({"priority"}), {}, f"{where}.fifo: ")
+    fifo = reader.keyed(settings["fifo"][1], f"{where}.fifo", frozenset({"priority"}))
     if "priority" not in fifo:
         return {}
     out = {}
@@ -125,8 +123,7 @@ def _groups(reader: Reader, node: yaml.Node, models: set[str], what: str) -> tup
     known = frozenset({"swap", "exclusive", "persistent", "members"})
     for name, key, value in reader.pairs(node, what):
         where = f"{what}: group {name!r}"
-        fields = reader.entries(value, where)
-        reader.check_keys(fields, known, {}, f"{where}: ")
+        fields = reader.keyed(value, where, known)
         if "members" not in fields:
             raise reader.fail(key, f"{where}: no members")
         members = fields["members"][1]

@@ -76,8 +76,7 @@ def read_selectors(
             raise reader.fail(key, f"selectors: a selector's name cannot be blank ({name!r})")
         if name in names.local or name in names.full:
             raise reader.fail(key, f"{where}: a model, alias or peer model is named so")
-        f = reader.entries(value, where)
-        reader.check_keys(f, SELECTOR_KEYS, {}, f"{where}: ")
+        f = reader.keyed(value, where, SELECTOR_KEYS)
         strategy = reader.text(f["strategy"][1], f"{where}.strategy") if "strategy" in f else ""
         if strategy not in STRATEGIES:
             what = "is required" if not strategy else f"{strategy!r} is not warm, pin or spillover"
@@ -162,8 +161,7 @@ def read_profiles(
                               " mapping of description and pins")  # fmt: skip
         if not isinstance(value, yaml.MappingNode):
             raise reader.fail(value, f"{where}: a profile is a mapping of description and pins")
-        f = reader.entries(value, where)
-        reader.check_keys(f, frozenset({"description", "pins"}), {}, f"{where}: ")
+        f = reader.keyed(value, where, frozenset({"description", "pins"}))
         pins: dict[str, str | None] = {}
         pnode = f["pins"][1] if "pins" in f else key
         for pin, pkey, target in reader.pairs(pnode, f"{where}.pins") if "pins" in f else []:
