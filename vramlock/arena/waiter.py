@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 
 from ..errors import NotObtained, UsageError
+from ..threads import start_blocked
 from .directory import Arena
 from .member import Member, harmless_signals, join
 from .records import read_live
@@ -41,11 +41,7 @@ class Told:
         self.said: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vramlock-told", daemon=True)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        try:
-            self._thread.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        start_blocked(self._thread)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):

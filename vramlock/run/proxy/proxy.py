@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -11,6 +10,7 @@ from collections.abc import Callable
 
 from ...errors import AddressError
 from ...net.address import inherited, resolve, show
+from ...threads import start_blocked
 from .conn import Conn
 from .loop import READ, Loop
 from .owner import Guard
@@ -113,14 +113,7 @@ class Proxy:
         self._loop.watch(self._listener, self._on_listener, READ)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="vramlock-proxy", daemon=True)
-        # A handler that raises (an ending signal) in the middle of start() would leave the
-        # thread half registered: hold signals back meanwhile. The thread keeps them
-        # blocked; the main thread handles them, as Python does anyway.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        try:
-            self._thread.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        start_blocked(self._thread)
 
     @property
     def upstream_port(self) -> int:
