@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +47,15 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     # took its private slot directory with it.
     left = sorted(p.name for p in scratch.glob("vramlock-slots-*"))
     assert not left, f"slot directories left behind: {left}"
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory short enough a path for a socket's name (a browser's), unlike
+    tmp_path's."""
+    path = Path(tempfile.mkdtemp(prefix="vramlock-ui-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -12,10 +12,7 @@ import base64
 import http.client
 import json
 import re
-import shutil
 import socket
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -194,13 +191,6 @@ def test_the_open_doors_lead_nowhere_else(spawn: Spawn, tmp_path: Path, arena: P
     status, headers, _ = call(port, "GET", "/upstream")
     assert (status, headers["Location"]) == (302, "/ui/models")
     assert call(port, "GET", "/ui/")[0] == 401
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vramlock-ui-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_browser

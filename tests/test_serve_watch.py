@@ -7,11 +7,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,13 +144,6 @@ def test_metrics_count_requests_and_a_scrape_is_never_activity(
     assert _members(arena) == {"a": "released"}  # b, never asked, never started
     assert _value(fams["vramlock_serve_requests"], "vramlock_serve_requests_total",
                   model="a") == 1  # fmt: skip
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vramlock-ui-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_browser

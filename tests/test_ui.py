@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,13 +45,6 @@ SECOND = textwrap.dedent(
         sys.stdin.readline()
     """
 )
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vramlock-ui-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _started(spawn: Spawn, script: str, arena: Path) -> subprocess.Popen[str]:
