@@ -28,18 +28,15 @@ from helpers.swap_rig import (
     during,
     read_line,
     resumed,
+    swap_marks,
     swap_turns,
     take_turn,
 )
 
-from vramlock.gpu import swap
 from vramlock.procfs import descendants
 from vramlock.strategies.presets import PRESETS
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 def auto(rig: Rig, spawn: Spawn, *command: str, env: dict[str, str]) -> subprocess.Popen[str]:

@@ -28,22 +28,11 @@ from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 from helpers.serve import call
-from helpers.swap_rig import (
-    Rig,
-    ask,
-    read_line,
-    swap_turns,
-    take_turn,
-    turns_then_stop,
-)
+from helpers.swap_rig import Rig, ask, read_line, swap_marks, swap_turns, take_turn, turns_then_stop
 
-from vramlock.gpu import swap
 from vramlock.procfs import descendants
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 def test_the_program_runs_on_the_fake_driver_alone(rig: Rig) -> None:

@@ -25,6 +25,7 @@ from helpers.swap_rig import (
     ask,
     read_line,
     swap_copies,
+    swap_marks,
     take_turn,
     turns_then_stop,
 )
@@ -32,10 +33,7 @@ from helpers.swap_rig import (
 from vramlock.gpu import swap
 from vramlock.gpu.swap import gen_digest
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 SEGMENT = 256 << 10  # digest.h's DIGEST_SEGMENT
 MIB = 32

@@ -21,16 +21,14 @@ from helpers.swap_rig import (
     ran_after,
     read_line,
     stopped_stray,
+    swap_marks,
     swap_turns,
 )
 
 from vramlock.gpu import swap
 from vramlock.procfs import descendants, environ, mapped, state, stopped
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 @pytest.mark.parametrize(

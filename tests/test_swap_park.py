@@ -27,16 +27,21 @@ from helpers.commands import vramlock
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, token_free, wait_until
 from helpers.serve import call
-from helpers.swap_rig import Fakes, Rig, build_fakes, let_go, make_rig, read_line, stopped_stray
+from helpers.swap_rig import (
+    Fakes,
+    Rig,
+    build_fakes,
+    let_go,
+    make_rig,
+    read_line,
+    stopped_stray,
+    swap_marks,
+)
 
 from vramlock import procfs
-from vramlock.gpu import swap
 from vramlock.procfs import descendants
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 RUNNING, CHECKPOINTED = "0", "2"
 FAKE_NVML_TOTAL = 80 << 30  # tests/fake_nvml's one GPU

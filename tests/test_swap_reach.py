@@ -24,14 +24,11 @@ from pathlib import Path
 import pytest
 from helpers.commands import who_json
 from helpers.processes import Spawn, wait_until
-from helpers.swap_rig import Rig, during, let_go, read_line, swap_turns, take_turn
+from helpers.swap_rig import Rig, during, let_go, read_line, swap_marks, swap_turns, take_turn
 
 from vramlock.gpu import swap
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 NOBODY = 65534
 # The run's socket directory, hidden in the command's own mount namespace by a tmpfs

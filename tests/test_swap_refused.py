@@ -15,22 +15,11 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
-from helpers.swap_rig import (
-    Rig,
-    during,
-    let_go,
-    read_line,
-    resumed,
-    take_turn,
-)
+from helpers.swap_rig import Rig, during, let_go, read_line, resumed, swap_marks, take_turn
 
-from vramlock.gpu import swap
 from vramlock.strategies.swap import Hub
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 @pytest.mark.parametrize(

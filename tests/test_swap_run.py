@@ -19,12 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.commands import who_json
 from helpers.processes import Spawn, token_free, wait_until
-from helpers.swap_rig import (
-    DEAF_PEER,
-    Rig,
-    read_line,
-    resumed,
-)
+from helpers.swap_rig import DEAF_PEER, Rig, read_line, resumed, swap_marks
 
 from vramlock import procfs
 from vramlock.arena import records
@@ -32,10 +27,7 @@ from vramlock.gpu import swap
 from vramlock.procfs import descendants, environ, starttime
 from vramlock.strategies.swap import Hub
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 def check_orphan_record(arena: Path, pid: int) -> None:

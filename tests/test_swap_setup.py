@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock
 from helpers.processes import Spawn
-from helpers.swap_rig import (
-    Rig,
-    _driver_here,
-)
+from helpers.swap_rig import Rig, _driver_here, swap_marks
 
 from vramlock.gpu import swap
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
-]
+pytestmark = swap_marks()
 
 
 def test_a_library_that_cannot_be_built_fails_before_the_command(

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from helpers import ROOT
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
@@ -89,6 +91,15 @@ USER_PRELOAD = textwrap.dedent(
     }
     """
 )
+
+
+def swap_marks() -> list[pytest.MarkDecorator]:
+    """The marks of a module that runs the fakes: a timeout, and a skip where no C
+    compiler can build them."""
+    return [
+        pytest.mark.timeout(120),
+        pytest.mark.skipif(swap.compiler() is None, reason="no C compiler to build the fakes"),
+    ]
 
 
 @dataclass
