@@ -29,6 +29,7 @@ import pytest
 from helpers.commands import vramlock, who_json
 from helpers.net import free_ports
 from helpers.processes import Spawn, kill_group, token_free, wait_until
+from helpers.stamps import witness_script
 
 from vramlock import procfs
 from vramlock.net.address import same_socket
@@ -112,16 +113,12 @@ SERVER = textwrap.dedent(
     """
 )
 
-WITNESS = textwrap.dedent(
+WITNESS = witness_script(
     """
     import fcntl, os, socket, sys, time
     arena, out, hold, port = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-    want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
-    fcntl.flock(want, fcntl.LOCK_SH)
-    token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
-    fcntl.flock(token, fcntl.LOCK_EX)
-    t0 = time.monotonic()
-    fcntl.flock(want, fcntl.LOCK_UN)
+    """,
+    """
     try:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         server = "up"
@@ -132,7 +129,7 @@ WITNESS = textwrap.dedent(
     t1 = time.monotonic()
     with open(out, "w") as f:
         f.write(f"{t0} {t1} {server}")
-    """
+    """,
 )
 
 

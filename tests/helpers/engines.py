@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,21 +14,18 @@ from pathlib import Path
 from helpers import ROOT
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
+from helpers.stamps import witness_script
 
 FAKE = ROOT / "tests" / "fake_engine.py"
 
 
-WITNESS = textwrap.dedent(
+WITNESS = witness_script(
     """
     import fcntl, os, sys, time
     arena, out, hold, log = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     asked = time.monotonic()
-    want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
-    fcntl.flock(want, fcntl.LOCK_SH)
-    token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
-    fcntl.flock(token, fcntl.LOCK_EX)
-    t0 = time.monotonic()
-    fcntl.flock(want, fcntl.LOCK_UN)
+    """,
+    """
     alive = []  # the server's processes (logged at start) living now
     for line in open(log).read().splitlines():
         parts = line.split()
@@ -45,7 +41,7 @@ WITNESS = textwrap.dedent(
     time.sleep(hold)
     with open(out, "w") as f:
         f.write(f"{asked} {t0} {time.monotonic()} {','.join(alive)}")
-    """
+    """,
 )
 
 

@@ -12,22 +12,38 @@ from pathlib import Path
 
 from helpers.processes import wait_until
 
-WITNESS = textwrap.dedent(
+# A witness takes the token as a member does: it queues on want.lock, takes token.lock
+# (t0: when it holds it) and leaves the queue.
+TAKE_TOKEN = textwrap.dedent(
     """
-    import fcntl, os, sys, time
-    arena, out, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
     want = os.open(os.path.join(arena, "want.lock"), os.O_RDONLY)
     fcntl.flock(want, fcntl.LOCK_SH)
     token = os.open(os.path.join(arena, "token.lock"), os.O_RDONLY)
     fcntl.flock(token, fcntl.LOCK_EX)
     t0 = time.monotonic()
     fcntl.flock(want, fcntl.LOCK_UN)
+    """
+)
+
+
+def witness_script(head: str, tail: str) -> str:
+    """A witness's script: ``head`` (its imports, and its argv read into names, arena
+    first), the token taken, then ``tail``."""
+    return textwrap.dedent(head) + TAKE_TOKEN.lstrip("\n") + textwrap.dedent(tail).lstrip("\n")
+
+
+WITNESS = witness_script(
+    """
+    import fcntl, os, sys, time
+    arena, out, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    """,
+    """
     open(out + ".held", "w").close()
     time.sleep(hold)
     t1 = time.monotonic()
     with open(out, "w") as f:
         f.write(f"{t0} {t1}")
-    """
+    """,
 )
 
 # Stands in for GPU work: stamps a tick every 2 ms; ignores the signals named.
