@@ -26,6 +26,7 @@ from helpers.swap_rig import (
     Rig,
     _driver_here,
     during,
+    kept_the_gpu,
     read_line,
     resumed,
     swap_marks,
@@ -79,17 +80,9 @@ def test_auto_falls_back_when_swap_refuses_and_the_program_runs_on(rig: Rig, spa
     # No checkpoint API in the fake driver: after swap nothing is left, the waiter waits.
     job = auto(rig, spawn, str(rig.fakes.program), "3", "managed", env=rig.env)
     assert read_line(job) == ["ready"]
-    holder = rig.holder(spawn)  # queues; the command cannot let it in
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert out.split()[-2] == "done"  # every round ran, contents intact
-    lines = err.splitlines()
-    assert len(lines) == 1, err  # said once: no second word that the waiter waits
-    assert "cannot be swapped: it uses managed memory; it was left running" in lines[0]
-    assert lines[0].endswith("holding the GPU until it exits")
-    held = read_line(holder)
-    assert held[0] == "held"
-    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+    said = kept_the_gpu(rig, spawn, job)
+    assert "cannot be swapped: it uses managed memory; it was left running" in said
+    assert said.endswith("holding the GPU until it exits")
 
 
 def test_auto_keeps_swap_off_a_program_that_runs_cuda_without_the_library(

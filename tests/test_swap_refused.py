@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock
 from helpers.processes import Spawn, wait_until
-from helpers.swap_rig import Rig, during, let_go, read_line, resumed, swap_marks, take_turn
+from helpers.swap_rig import (
+    Rig,
+    during,
+    kept_the_gpu,
+    let_go,
+    read_line,
+    resumed,
+    swap_marks,
+    take_turn,
+)
 
 from vramlock.strategies.swap import Hub
 
@@ -34,17 +43,9 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
 ) -> None:
     job = rig.run(spawn, "2", what)
     assert read_line(job) == ["ready"]
-    holder = rig.holder(spawn)  # queues; the command cannot let it in
-    out, err = job.communicate(timeout=60)
-    assert job.returncode == 0, (out, err)
-    assert out.split()[-2] == "done"  # every round ran, contents intact
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert f"cannot be swapped: {why}; it was left running" in lines[0]
-    assert "holding the GPU until it exits" in lines[0]
-    held = read_line(holder)
-    assert held[0] == "held"
-    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+    said = kept_the_gpu(rig, spawn, job)
+    assert f"cannot be swapped: {why}; it was left running" in said
+    assert "holding the GPU until it exits" in said
 
 
 def test_legacy_cuda_ipc_fails_with_a_line_saying_what_to_do(rig: Rig, spawn: Spawn) -> None:

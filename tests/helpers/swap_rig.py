@@ -273,6 +273,22 @@ class Turn:
     phys: tuple[int, int]  # the fake driver's physical memory then, at both ends
 
 
+def kept_the_gpu(rig: Rig, spawn: Spawn, job: subprocess.Popen[str]) -> str:
+    """``job``, a program swap refused, with a holder queued behind it: the program
+    runs every round, its contents intact, and exits 0 having said one line on stderr
+    (returned); the holder gets the token only once the program is done."""
+    holder = rig.holder(spawn)  # queues; the command cannot let it in
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # every round ran, contents intact
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # said once
+    held = read_line(holder)
+    assert held[0] == "held"
+    assert int(held[1]) > max(e for _, e in rig.launches())  # only once the command was done
+    return lines[0]
+
+
 def take_turn(rig: Rig, spawn: Spawn) -> Turn:
     """Queue, hold the token a moment while the command runs on, let go."""
     holder = rig.holder(spawn)
