@@ -49,7 +49,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import NoReturn
@@ -449,6 +449,25 @@ def hub_of(ctx: Context) -> Hub | None:
     return _HUBS.get(ctx.child.env.get(ENV_SOCKET, ""))
 
 
+def open_hub(make: Callable[[str], Hub], env: dict[str, str], scratch: ExitStack) -> Hub:
+    """A hub made by ``make(socket path)`` in a directory of its own, named to the command
+    by ``env``'s ``VRAMLOCK_SWAP_SOCKET``, closed and its directory gone with ``scratch``."""
+    directory = socket_dir()
+    scratch.callback(shutil.rmtree, directory, ignore_errors=True)
+    path = os.path.join(directory, SOCKET_NAME)
+    hub = make(path)
+    _HUBS[path] = hub
+    scratch.callback(_HUBS.pop, path, None)
+    scratch.callback(hub.close)
+    env[ENV_SOCKET] = path
+    return hub
+
+
+def prepared_hub(env: Mapping[str, str]) -> Hub | None:
+    """The hub ``open_hub`` made for a command of ``env``, or None."""
+    return _HUBS.get(env.get(ENV_SOCKET, ""))
+
+
 class SwapStrategy(Strategy):
     """Swap every CUDA process of the command out to host memory, and back."""
 
@@ -497,14 +516,7 @@ class SwapStrategy(Strategy):
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         library = str(library_path())
-        directory = socket_dir()
-        scratch.callback(shutil.rmtree, directory, ignore_errors=True)
-        path = os.path.join(directory, SOCKET_NAME)
-        hub = Hub(path, library)
-        _HUBS[path] = hub
-        scratch.callback(_HUBS.pop, path, None)
-        scratch.callback(hub.close)
-        env[ENV_SOCKET] = path
+        hub = open_hub(lambda path: Hub(path, library), env, scratch)
         if hub.abstract:
             env[ENV_ABSTRACT] = hub.abstract
         env[ENV_UNREACHED] = "exit"  # auto says "run"

@@ -21,14 +21,13 @@ without the layer, and was not started to load it (``VulkanHub.unverified``).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from contextlib import ExitStack
 
 from .. import procfs
 from ..gpu.vulkan import LAYER_NAME, VulkanUnavailable, layer_path, loader_here, write_manifest
 from .base import Context, Settings
-from .swap import _HUBS, ENV_SOCKET, SOCKET_NAME, Hub, SwapStrategy, hub_of, socket_dir
+from .swap import ENV_SOCKET, Hub, SwapStrategy, hub_of, open_hub, prepared_hub
 
 ENV_LAYERS = "VK_INSTANCE_LAYERS"
 ENV_LAYER_PATH = "VK_ADD_LAYER_PATH"
@@ -101,16 +100,9 @@ class VulkanSwapStrategy(SwapStrategy):
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         library = layer_path()
-        path = env.get(ENV_SOCKET, "")
-        if path not in _HUBS:  # no CUDA hub made for the command: one of our own
-            directory = socket_dir()
-            scratch.callback(shutil.rmtree, directory, ignore_errors=True)
-            path = os.path.join(directory, SOCKET_NAME)
-            hub = VulkanHub(path, str(library))
-            _HUBS[path] = hub
-            scratch.callback(_HUBS.pop, path, None)
-            scratch.callback(hub.close)
-            env[ENV_SOCKET] = path
+        if prepared_hub(env) is None:  # no CUDA hub made for the command: one of our own
+            open_hub(lambda path: VulkanHub(path, str(library)), env, scratch)
+        path = env[ENV_SOCKET]
         write_manifest(os.path.dirname(path), library)
         # Ours first: nearest the program, it sees every handle the program holds.
         for name, value in ((ENV_LAYER_PATH, os.path.dirname(path)), (ENV_LAYERS, LAYER_NAME)):
