@@ -405,3 +405,37 @@ def test_mixed_members_never_go_over_budget_and_all_get_turns(room: Budgeted) ->
     for m in [*members, whole]:
         m.wait_for("resident", 2, timeout=DEADLINE)
     assert room.over() == []
+
+
+def test_a_records_units_are_believed_only_where_its_process_holds_their_claims(
+    room: Budgeted, spawn: Spawn
+) -> None:
+    """What serve asks of a model it unloads: the units its wrapper's record names,
+    each probed. A record naming a resident's units for another living process gets
+    none of them (asking for those would make the innocent resident step aside); the
+    resident's own are all found."""
+    from vramlock import procfs
+    from vramlock.arena.directory import Arena
+    from vramlock.arena.records import Record, record_name
+    from vramlock.arena.units import claimed_units
+
+    resident = room.member("r", 6)
+    resident.wait_for("resident")
+
+    def units() -> list[int]:
+        (row,) = [r for r in who_json(room.arena) if r["name"] == "r"]
+        return sorted(row["units"] or [])
+
+    wait_until(lambda: len(units()) == 6)  # its record says so a moment after
+    held = units()
+    decoy = spawn(["sleep", "60"])
+    forged = Record(pid=decoy.pid, name="forged", command=["sleep"], strategy="test",
+                    state="resident", since=1.0, starttime=procfs.starttime(decoy.pid) or 0,
+                    uid=os.geteuid(), units=held, hold_until=1e10)  # fmt: skip
+    (room.arena / "members" / record_name(forged.pid, forged.starttime)).write_bytes(forged.dump())
+    opened = Arena.open(str(room.arena))
+    try:
+        assert claimed_units(opened, decoy.pid, held) == []
+        assert claimed_units(opened, resident.proc.pid, [*held, 99]) == held
+    finally:
+        opened.close()

@@ -70,6 +70,29 @@ def _open_capacity(arena: Arena) -> int:
     return fd
 
 
+def claimed(capacity: int, pid: int, unit: int) -> bool:
+    """Does ``pid`` hold its claim byte for ``unit`` (``capacity``: capacity.lock)? A
+    record's word is not enough: anybody who may write in members/ could claim units
+    for a living process."""
+    try:
+        return lockfd.bytes_locked_elsewhere(capacity, claim_byte(pid, unit), write=True)
+    except ValueError:
+        return False
+
+
+def claimed_units(arena: Arena, pid: int, units: Iterable[int]) -> list[int]:
+    """Those of ``units`` (a record's word) that ``pid`` holds its claim bytes for:
+    what asking it to step aside may ask for, and nothing that others hold."""
+    wanted = sorted(set(units))
+    if not wanted:
+        return []
+    fd = _open(arena, CAPACITY)
+    try:
+        return [u for u in wanted if claimed(fd, pid, u)]
+    finally:
+        lockfd.close(fd)
+
+
 def _held_from(capacity: int, first: int) -> bool:
     """Is any unit from ``first`` on held by somebody?"""
     return lockfd.bytes_locked_elsewhere(capacity, first, 0, write=True)
@@ -387,7 +410,7 @@ class Units(Residency, Sized):
         free = self.budget.units - len(self.units) - len(held)
         out: list[Candidate] = []
         for rec in records:
-            units = [u for u in rec.units if u in held and self._claimed(rec.pid, u)]
+            units = [u for u in rec.units if u in held and claimed(self.capacity, rec.pid, u)]
             if units:
                 out.append(
                     Candidate(
@@ -401,14 +424,6 @@ class Units(Residency, Sized):
                 held -= set(units)
         out += [Candidate(units=[u], busy=True, used=0.0, known=False) for u in sorted(held)]
         return out, free
-
-    def _claimed(self, pid: int, unit: int) -> bool:
-        """Does ``pid`` hold its claim byte for ``unit``? A record's word is not enough:
-        anybody who may write in members/ could claim units for a living process."""
-        try:
-            return lockfd.bytes_locked_elsewhere(self.capacity, claim_byte(pid, unit), write=True)
-        except ValueError:
-            return False
 
     def _ask(self, units: set[int]) -> None:
         """Hold read locks on want.lock at exactly ``units`` (the kernel never refuses a

@@ -29,6 +29,7 @@ from ..arena.directory import Arena, parse_gpus
 from ..arena.member import TRANSITIONS
 from ..arena.records import HOLDING, State
 from ..arena.roster import Row, snapshot
+from ..arena.units import claimed_units
 from ..errors import InvalidTransition
 from ..net.address import parse
 from . import ending
@@ -581,12 +582,14 @@ async def _ask(w: Wrapper, path: str) -> bytes:
 async def _ask_aside(w: Wrapper, timeout: float) -> bool:
     """Ask for the model's budget units until it has given them up (its minimum
     hold and yield_within honoured, as for any budget waiter); the units asked for
-    follow its record (none while it gathers them, more once it grows)."""
+    follow its record (none while it gathers them, more once it grows), each probed:
+    only a unit its wrapper holds the claim byte of is asked for, so that a record
+    that lies never makes another resident step aside."""
     end = time.monotonic() + timeout
     asked: list[int] = []
     with contextlib.closing(w.arena()) as opened, contextlib.ExitStack() as asks:
         while (row := w._row() if w.alive() else None) and row.state in HOLDING:
-            units = sorted(row.units or [])
+            units = claimed_units(opened, row.pid, row.units or [])
             if units != asked:
                 asks.close()
                 asks.enter_context(asking(opened, units))
