@@ -24,6 +24,7 @@ from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import (
     Rig,
+    Turn,
     _driver_here,
     during,
     kept_the_gpu,
@@ -74,6 +75,34 @@ def test_auto_swaps_a_cuda_program(rig: Rig, spawn: Spawn) -> None:
     assert not during(rig.launches(), [first])
     assert out.split().count("done") == 1
     assert err == ""  # nothing said: auto chose, nothing failed
+
+
+def test_auto_swaps_a_program_that_reached_cuda_after_a_waiter_came(rig: Rig, spawn: Spawn) -> None:
+    """A waiter queues while the command is still starting (a framework's import takes
+    seconds before its first CUDA call): auto finds no way yet and says so, but once the
+    program's process joins the library it is swapped; the waiter does not wait until
+    the command exits (it waited for good before: a budget arena's released member
+    queues again at once, so the next command met a waiter from its start)."""
+    stop = rig.tmp / "stop"
+    late = script(rig.tmp / "bin" / "late", f"sleep 2; exec {rig.fakes.program} 60")
+    job = auto(rig, spawn, str(late), env=dict(rig.env, SWAP_PROG_STOP=str(stop)))
+    wait_until(lambda: [r["strategy"] for r in who_json(rig.arena) if r["member"]] == ["auto:none"])
+    holder = rig.holder(spawn)  # queues before the program reached CUDA
+    assert read_line(job) == ["ready"]
+    held = read_line(holder)
+    assert held[0] == "held", held
+    assert job.poll() is None, "the waiter got the GPU only once the command exited"
+    wait_until(lambda: strategy_of(rig) == "auto:swap")
+    assert holder.stdin is not None
+    holder.stdin.write("\n")
+    holder.stdin.close()
+    left = read_line(holder)
+    assert holder.wait(10) == 0
+    assert not during(rig.launches(), [Turn(int(held[1]), int(left[1]), (0, 0))])
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert out.split()[-2] == "done"  # every round ran, contents intact
 
 
 def test_auto_falls_back_when_swap_refuses_and_the_program_runs_on(rig: Rig, spawn: Spawn) -> None:

@@ -13,7 +13,8 @@ its mind as it learns more. It never picks a strategy that throws away a job's w
   preset is about to release it: the first of ``FOR_A_WAITER`` that finds work in it:
   ``swap`` once its CUDA processes joined the library (and none runs CUDA without it),
   its engine's preset, ``checkpoint`` for a CUDA program the driver can checkpoint.
-  When none does, the user is told once that the waiter waits.
+  When none does, the user is told once that the waiter waits, and auto looks again
+  every ``LOOK_AGAIN`` (a command still starting may join the library later).
 - A release is refused for good (a process that cannot be swapped, a checkpoint the
   driver refuses): the next of ``FOR_A_WAITER`` that finds work, else ``none``; a
   strategy refused is not tried again. The control channel broke: ``none``, until a
@@ -43,6 +44,8 @@ FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), Che
 # A command that has not said hello this long after it started is taken not to speak
 # the control protocol.
 HELLO_GRACE = 1.0
+# Told that a waiter waits, auto looks for a way again this often.
+LOOK_AGAIN = 0.5
 
 KEEPS = "somebody is waiting for the GPU, but this command keeps it until it exits"
 CANNOT_RELEASE = (
@@ -70,6 +73,7 @@ class AutoStrategy(Strategy):
         super().__init__(ctx, settings)
         self._started = time.monotonic()  # the command's (last) start: the hello grace
         self._told = False  # the user was told that the waiter will wait
+        self._look_again = 0.0  # told: when to look for a way again
         self._refused: set[type[Strategy]] = set()
         # Why the swap library could not reach the command (a process of it), for who.
         self._unreached: str | None = None
@@ -119,7 +123,8 @@ class AutoStrategy(Strategy):
 
     @property
     def undecided(self) -> bool:
-        return not self.current.releases and not self._told
+        # Told or not: a process of the command may join the swap library later.
+        return not self.current.releases
 
     @property
     def note(self) -> str | None:
@@ -135,8 +140,10 @@ class AutoStrategy(Strategy):
             return None
         if isinstance(self.current, Preset):
             return None  # swap is considered as it releases
-        if self._told or time.monotonic() - self._started < HELLO_GRACE or not wanted():
+        if time.monotonic() - self._started < HELLO_GRACE or not wanted():
             return None
+        if self._told:
+            return self._after_all()
         found = self._found()
         # Said once: with the cause where swap was out of reach of a process.
         cause = SwapStrategy.unreached(self.ctx)
@@ -151,6 +158,21 @@ class AutoStrategy(Strategy):
             f"{KEEPS}: {cause}, so it cannot be swapped, and --release auto found no other"
             " way to release it; see --release restart, stop or exec"
         )
+
+    def _after_all(self) -> str | None:
+        """Told that the waiter waits: look again, now and then. A command still starting
+        when the waiter came (a framework's import before its first CUDA call) may have
+        joined the swap library since."""
+        now = time.monotonic()
+        if now < self._look_again:
+            return None
+        self._look_again = now + LOOK_AGAIN
+        found = self._found()
+        if found is None:
+            return None
+        self.current = found(self.ctx, self.settings)
+        self._told = False
+        return f"--release auto found a way to release it after all: {found.name}"
 
     def _found(self) -> type[Strategy] | None:
         """The first of FOR_A_WAITER, not refused, that finds work in the command."""
