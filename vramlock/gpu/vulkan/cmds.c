@@ -47,6 +47,8 @@ static void set_state(struct vcb *c, int state)
 	if (state == RECORDING)
 		recording++;
 	c->state = state;
+	if (state != EXECUTABLE) /* recorded anew or reset: it writes nothing yet */
+		writes_clear(c->cb);
 }
 
 /* With `mu`. */
@@ -74,6 +76,7 @@ static void names(VkCommandBuffer cb)
 void record_submitted(VkCommandBuffer cb)
 {
 	struct vcb *c = cb_of(cb, 0);
+	writes_submitted(cb); /* what it writes counts as written from now */
 	if (c && c->once)
 		set_state(c, INITIAL); /* invalid once it ran: never submitted again */
 }
@@ -99,6 +102,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_cbs(VkDevice dev,
 static void forget(struct vcb *gone)
 {
 	set_state(gone, INITIAL);
+	writes_forget(gone->cb);
 	for (struct vcb **p = &cbs[slot(gone->cb)]; *p; p = &(*p)->next)
 		if (*p == gone) {
 			*p = gone->next;
@@ -222,6 +226,7 @@ static VKAPI_ATTR void VKAPI_CALL bind_sets(VkCommandBuffer cb, VkPipelineBindPo
 					    const uint32_t *dyn)
 {
 	CMD_PROLOGUE(CmdBindDescriptorSets, point, layout, first, n, sets, nd, dyn);
+	writes_bind_sets(cb, point, first, n, sets);
 	d->CmdBindDescriptorSets(cb, point, layout, first, n, sets, nd, dyn);
 }
 
@@ -245,6 +250,8 @@ static VKAPI_ATTR void VKAPI_CALL push_set(VkCommandBuffer cb, VkPipelineBindPoi
 		if (!w[k].pBufferInfo)
 			continue;
 		for (uint32_t i = 0; i < w[k].descriptorCount; i++) {
+			if (w[k].descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
+				writes_buffer(cb, w[k].pBufferInfo[i].buffer);
 			infos[at + i] = w[k].pBufferInfo[i];
 			infos[at + i].buffer = real_buf(w[k].pBufferInfo[i].buffer);
 		}
@@ -259,6 +266,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_buffer(VkCommandBuffer cb, VkBuffer src, 
 					      uint32_t n, const VkBufferCopy *r)
 {
 	CMD_PROLOGUE(CmdCopyBuffer, src, dst, n, r);
+	writes_buffer(cb, dst);
 	d->CmdCopyBuffer(cb, real_buf(src), real_buf(dst), n, r);
 }
 
@@ -275,6 +283,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_from_image(VkCommandBuffer cb, VkImage sr
 						  const VkBufferImageCopy *r)
 {
 	CMD_PROLOGUE(CmdCopyImageToBuffer, src, layout, dst, n, r);
+	writes_buffer(cb, dst);
 	d->CmdCopyImageToBuffer(cb, src, layout, real_buf(dst), n, r);
 }
 
@@ -283,6 +292,7 @@ static VKAPI_ATTR void VKAPI_CALL update_buffer(VkCommandBuffer cb, VkBuffer dst
 						const void *data)
 {
 	CMD_PROLOGUE(CmdUpdateBuffer, dst, offset, size, data);
+	writes_buffer(cb, dst);
 	d->CmdUpdateBuffer(cb, real_buf(dst), offset, size, data);
 }
 
@@ -290,6 +300,7 @@ static VKAPI_ATTR void VKAPI_CALL fill_buffer(VkCommandBuffer cb, VkBuffer dst, 
 					      VkDeviceSize size, uint32_t data)
 {
 	CMD_PROLOGUE(CmdFillBuffer, dst, offset, size, data);
+	writes_buffer(cb, dst);
 	d->CmdFillBuffer(cb, real_buf(dst), offset, size, data);
 }
 
@@ -338,6 +349,7 @@ static VKAPI_ATTR void VKAPI_CALL dispatch_indirect(VkCommandBuffer cb, VkBuffer
 						    VkDeviceSize offset)
 {
 	CMD_PROLOGUE(CmdDispatchIndirect, buf, offset);
+	writes_dispatch(cb);
 	d->CmdDispatchIndirect(cb, real_buf(buf), offset);
 }
 
@@ -404,6 +416,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_queries(VkCommandBuffer cb, VkQueryPool p
 					       VkQueryResultFlags flags)
 {
 	CMD_PROLOGUE(CmdCopyQueryPoolResults, pool, first, n, dst, offset, stride, flags);
+	writes_buffer(cb, dst);
 	d->CmdCopyQueryPoolResults(cb, pool, first, n, real_buf(dst), offset, stride, flags);
 }
 

@@ -1,9 +1,10 @@
 /*
  * engine.c: the gate that holds the program's GPU work (submits, recordings,
  * allocations) while released, and the swap: a release copies each allocation the
- * layer can make again to host memory and destroys it with its buffers; a restore
- * makes them again, copies the contents back, binds the buffers and writes again
- * every descriptor that named one.
+ * layer can make again to its host copy (only where written since that copy was last
+ * right: writes.c) and destroys it with its buffers; a restore makes them again,
+ * copies the contents back, binds the buffers and writes again every descriptor that
+ * named one. The copies themselves are stage.c's.
  */
 #include "vklayer.h"
 
@@ -134,12 +135,6 @@ void engine_hook(const char *name, PFN_vkVoidFunction *fn)
 
 /* ---- release ----------------------------------------------------------------- */
 
-static int host_visible(struct vmem *m)
-{
-	return !staging_forced && (m->d->props.memoryTypes[m->type].propertyFlags &
-				   VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
-}
-
 /* Why no release can ever work, or NULL. */
 static const char *cannot(void)
 {
@@ -185,30 +180,32 @@ static void drop_swapped(void)
 		}
 }
 
-/* Each swappable allocation's contents to host memory; 0, or -1 with `why`. */
-static int copy_out(char *why, size_t len, size_t *bytes)
+/* Each swappable allocation's contents to its host copy, where written since that
+ * was last right (or it has none), all copies made before any waited for; 0, or -1
+ * with `why`. `bytes`: what the release frees, `copied`: what it copied. */
+static int copy_out(char *why, size_t len, size_t *bytes, size_t *copied)
 {
-	for (struct vmem *m = mem_list(); m; m = m->next) {
+	VkResult r = VK_SUCCESS;
+	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next) {
 		if (!table_swappable(m))
 			continue;
-		void *p;
-		if (!m->host && !(m->host = malloc(m->size ? m->size : 1))) {
-			snprintf(why, len, "no host memory for %llu bytes", (unsigned long long)m->size);
-			return -1;
-		}
-		VkResult r = host_visible(m)
-				     ? m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p)
-				     : stage_copy(m, 1);
-		if (r != VK_SUCCESS) {
-			snprintf(why, len, "its memory could not be copied out (%d)", (int)r);
-			return -1;
-		}
-		if (host_visible(m)) {
-			memcpy(m->host, p, m->size);
-			m->d->UnmapMemory(m->d->dev, m->real);
-		}
 		*bytes += m->size;
+		if (!writes_since(m))
+			continue; /* its host copy is right: the memory is freed at once */
+		if ((r = stage_host(m)) != VK_SUCCESS) {
+			snprintf(why, len, "no host memory for %llu bytes (%d)",
+				 (unsigned long long)m->size, (int)r);
+			stage_flush(r);
+			return -1;
+		}
+		r = stage_copy(m, 1);
+		*copied += m->size;
 	}
+	if ((r = stage_flush(r)) != VK_SUCCESS) {
+		snprintf(why, len, "its memory could not be copied out (%d)", (int)r);
+		return -1;
+	}
+	writes_copied();
 	return 0;
 }
 
@@ -216,7 +213,7 @@ static int copy_out(char *why, size_t len, size_t *bytes)
 void do_release(char *answer, size_t len)
 {
 	const char *why = cannot();
-	size_t bytes = 0;
+	size_t bytes = 0, copied = 0;
 	if (released) {
 		snprintf(answer, len, "released");
 		return;
@@ -235,17 +232,17 @@ void do_release(char *answer, size_t len)
 		if (!d->passive)
 			d->DeviceWaitIdle(d->dev);
 	char failed[200];
-	if (copy_out(failed, sizeof failed, &bytes)) {
+	if (copy_out(failed, sizeof failed, &bytes, &copied)) {
 		gate_open_locked();
 		snprintf(answer, len, "failed %s", failed);
 		return;
 	}
 	for (struct vmem *m = mem_list(); m; m = m->next)
 		if (!table_swappable(m) && m->host) /* mapped since: stays */
-			free(m->host), m->host = NULL;
+			stage_host_free(m);
 	drop_swapped();
 	released = 1;
-	TRACE("released %zu bytes", bytes);
+	TRACE("released %zu bytes, %zu of them copied out", bytes, copied);
 	snprintf(answer, len, "released");
 }
 
@@ -266,19 +263,6 @@ static VkResult make_memory(struct vmem *m)
 	return r;
 }
 
-static VkResult copy_in(struct vmem *m)
-{
-	void *p;
-	if (!host_visible(m))
-		return stage_copy(m, 0);
-	VkResult r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
-	if (r == VK_SUCCESS) {
-		memcpy(p, m->host, m->size);
-		m->d->UnmapMemory(m->d->dev, m->real);
-	}
-	return r;
-}
-
 /* Buffers, memory, contents and bindings made again; VK_SUCCESS or the first error. */
 static VkResult remake(void)
 {
@@ -291,11 +275,21 @@ static VkResult remake(void)
 			r = make_memory(m);
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
 		if (m->host)
-			r = copy_in(m);
+			r = stage_copy(m, 0);
+	r = stage_flush(r); /* every copy in made, then waited for */
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
 		if (b->mem && b->mem->host)
 			r = b->d->BindBufferMemory(b->d->dev, b->real, b->mem->real, b->offset);
 	return r;
+}
+
+/* With `mu`: what a restore copied in (every host copy of memory made again). */
+static size_t restored_bytes(void)
+{
+	size_t n = 0;
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		n += m->host && m->real ? m->size : 0;
+	return n;
 }
 
 /* With `mu`, from vramlock run's `restore`. */
@@ -315,6 +309,6 @@ void do_restore(char *answer, size_t len)
 	record_rewrite();
 	released = 0;
 	gate_open_locked();
-	TRACE("restored");
+	TRACE("restored, %zu bytes copied in", restored_bytes());
 	snprintf(answer, len, "restored");
 }

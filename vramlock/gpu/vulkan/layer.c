@@ -313,6 +313,7 @@ static PFN_vkVoidFunction ours(const char *name)
 	sets_hook(name, &fn);
 	record_hook(name, &fn);
 	engine_hook(name, &fn);
+	writes_hook(name, &fn);
 	return fn;
 }
 

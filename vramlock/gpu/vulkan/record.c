@@ -17,12 +17,19 @@ struct entry {
 	VkDeviceSize offset, range;
 };
 
+/* A layout's bindings and their descriptor counts, in binding order. */
+struct counts {
+	uint32_t binding, count;
+};
+
 struct dset {
 	VkDescriptorSet set;
 	VkDescriptorPool pool;
 	struct vdev *d;
 	struct entry *e;
 	uint32_t n, cap;
+	struct counts *layout; /* its layout's, copied; NULL: not known */
+	uint32_t nlayout;
 	struct dset *next;
 };
 
@@ -61,7 +68,91 @@ static void drop_set(struct dset *gone)
 			break;
 		}
 	free(gone->e);
+	free(gone->layout);
 	free(gone);
+}
+
+/* ---- layouts: a write of several descriptors runs on into the next bindings once
+ * one is full (llama.cpp writes all of a set's in one): each descriptor's binding is
+ * found from the set's layout. ------------------------------------------------------ */
+
+struct layout {
+	VkDescriptorSetLayout handle;
+	struct counts *c;
+	uint32_t n;
+	struct layout *next;
+};
+
+static struct layout *layouts;
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_layout(VkDevice dev,
+						    const VkDescriptorSetLayoutCreateInfo *ci,
+						    const VkAllocationCallbacks *alloc,
+						    VkDescriptorSetLayout *out)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->CreateDescriptorSetLayout(dev, ci, alloc, out);
+	if (r != VK_SUCCESS || !is_ours(d))
+		return r;
+	struct layout *l = calloc(1, sizeof *l);
+	if (l && ci->bindingCount && !(l->c = malloc(sizeof *l->c * ci->bindingCount)))
+		free(l), l = NULL;
+	for (uint32_t k = 0; l && k < ci->bindingCount; k++) { /* sorted as they come */
+		struct counts c = {ci->pBindings[k].binding, ci->pBindings[k].descriptorCount};
+		uint32_t at = l->n++;
+		for (; at > 0 && l->c[at - 1].binding > c.binding; at--)
+			l->c[at] = l->c[at - 1];
+		l->c[at] = c;
+	}
+	pthread_mutex_lock(&mu);
+	if (l)
+		l->handle = *out, l->next = layouts, layouts = l;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_layout(VkDevice dev, VkDescriptorSetLayout layout,
+						 const VkAllocationCallbacks *alloc)
+{
+	struct vdev *d = dev_of(dev);
+	pthread_mutex_lock(&mu);
+	for (struct layout **p = &layouts; is_ours(d) && layout && *p; p = &(*p)->next)
+		if ((*p)->handle == layout) {
+			struct layout *gone = *p;
+			*p = gone->next;
+			free(gone->c), free(gone);
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	d->DestroyDescriptorSetLayout(dev, layout, alloc);
+}
+
+/* With `mu`: the set takes a copy of its layout's counts. */
+static void laid_out(struct dset *s, VkDescriptorSetLayout layout)
+{
+	free(s->layout);
+	s->layout = NULL, s->nlayout = 0;
+	struct layout *l = layouts;
+	while (l && l->handle != layout)
+		l = l->next;
+	if (l && l->n && (s->layout = malloc(sizeof *l->c * l->n))) {
+		memcpy(s->layout, l->c, sizeof *l->c * l->n);
+		s->nlayout = l->n;
+	}
+}
+
+/* The descriptor at (`*binding`, `*element`) of a write, run on to the next binding
+ * where this one is full. */
+static void run_on(const struct dset *s, uint32_t *binding, uint32_t *element)
+{
+	uint32_t k = 0;
+	while (s && k < s->nlayout && s->layout[k].binding < *binding)
+		k++;
+	if (!s || k == s->nlayout || s->layout[k].binding != *binding)
+		return; /* not known: as it says */
+	while (*element >= s->layout[k].count && k + 1 < s->nlayout)
+		k++, *element = 0;
+	*binding = s->layout[k].binding;
 }
 
 static int is_buffer_type(VkDescriptorType t)
@@ -98,10 +189,12 @@ static void remember(struct dset *s, const struct entry *e)
 static void translate_write(struct dset *s, const VkWriteDescriptorSet *w,
 			    VkDescriptorBufferInfo *infos)
 {
-	for (uint32_t k = 0; k < w->descriptorCount; k++) {
+	uint32_t binding = w->dstBinding, element = w->dstArrayElement;
+	for (uint32_t k = 0; k < w->descriptorCount; k++, element++) {
 		const VkDescriptorBufferInfo *in = &w->pBufferInfo[k];
-		struct entry e = {w->dstBinding, w->dstArrayElement + k, w->descriptorType,
-				  (struct vbuf *)in->buffer, in->offset, in->range};
+		run_on(s, &binding, &element);
+		struct entry e = {binding, element, w->descriptorType, (struct vbuf *)in->buffer,
+				  in->offset, in->range};
 		infos[k] = *in;
 		infos[k].buffer = real_buf(in->buffer);
 		if (s)
@@ -179,6 +272,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_sets(VkDevice dev,
 		if (s) {
 			s->pool = info->descriptorPool, s->d = d;
 			s->n = 0; /* a handle used before, freed with its pool */
+			laid_out(s, info->pSetLayouts[k]);
 		}
 	}
 	pthread_mutex_unlock(&mu);
@@ -248,6 +342,20 @@ void record_rewrite(void)
 			}
 }
 
+/* With `mu`, at a submit (writes.c): the memory under each storage buffer that the
+ * set names at `binding` (UINT32_MAX: at any) counts as written. */
+void record_mark_written(VkDescriptorSet set, uint32_t binding)
+{
+	struct dset *s = set_of(set, 0);
+	for (uint32_t k = 0; s && k < s->n; k++) {
+		struct entry *e = &s->e[k];
+		if ((binding == UINT32_MAX || e->binding == binding) && e->buf && e->buf->mem &&
+		    (e->type == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER ||
+		     e->type == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER_DYNAMIC))
+			e->buf->mem->written = 1;
+	}
+}
+
 /* A buffer destroyed: the writes that named it name nothing of ours any more. */
 void record_forget_buffer(struct vbuf *gone)
 {
@@ -272,6 +380,8 @@ void sets_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(FreeDescriptorSets, free_sets),
 		HOOK(ResetDescriptorPool, reset_pool),
 		HOOK(DestroyDescriptorPool, destroy_set_pool),
+		HOOK(CreateDescriptorSetLayout, create_layout),
+		HOOK(DestroyDescriptorSetLayout, destroy_layout),
 #undef HOOK
 	};
 	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)

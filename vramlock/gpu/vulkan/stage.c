@@ -1,37 +1,44 @@
 /*
- * stage.c: copies of the program's memory that the host cannot map (a discrete GPU's
- * device-local memory), out to its host copy and back in. Per device, made at the
- * first such copy and kept: a staging buffer of STAGE bytes in host-visible memory,
- * mapped; a command pool, a command buffer and a fence on the first queue family the
- * program asked for. A buffer of the layer's own covers the memory for the copy
- * (bound at offset 0, destroyed after it). Called with `mu`, the gate closed: no
- * submit of the program's is in flight on that queue.
+ * stage.c: each swapped allocation's host copy, and the copies between it and the
+ * device. Two ways:
+ *
+ *  - the device's (a GPU): where the device has host memory it can copy to
+ *    (HOST_VISIBLE and not DEVICE_LOCAL, HOST_CACHED preferred), the host copy is an
+ *    allocation of the layer's own in it, as large, mapped; the copies are the
+ *    device's (vkCmdCopyBuffer), no CPU on the way: buffers of the layer's cover both
+ *    sides in pieces of PIECE bytes (under any device's largest buffer), every piece
+ *    of every allocation of a batch goes into one command buffer, submitted once per
+ *    device and waited for once (stage_flush);
+ *  - the CPU's: elsewhere (lavapipe: one memory type with every flag) the host copy
+ *    is malloc'd and the program's memory, host-visible, mapped and copied at once.
+ *
+ * The host copy stays after a restore (it is what lets a release copy only what was
+ * written since, writes.c) and goes when the program frees its memory. Per device,
+ * made at its first copy the device's way and kept: a command pool, a command buffer
+ * and a fence on the first queue family the program asked for. Called with `mu`, the
+ * gate closed: no submit of the program's is in flight.
+ *
+ * VRAMLOCK_VULKAN_STAGING=1 (a test's hook) takes the device's way with any
+ * host-visible memory type, so that it runs on lavapipe.
  */
 #include "vklayer.h"
 
-#define STAGE (64ull << 20)
+#define PIECE (256ull << 20)
 
 struct stage {
 	VkQueue queue;
 	VkCommandPool pool;
 	VkCommandBuffer cb;
 	VkFence fence;
-	VkBuffer buf;
-	VkDeviceMemory mem;
-	void *host;
+	int type;	     /* host copies' memory type; -1: none, the CPU's way */
+	uint32_t cover;	     /* the memory types a buffer of the layer's can take */
+	VkDeviceSize align;  /* and the offsets it needs */
+	int recording, sent; /* a batch is being recorded into cb; it was submitted */
+	VkBuffer *made;	     /* the batch's buffers, destroyed after it */
+	size_t nmade, capmade;
 };
 
 int staging_forced;
-
-static int host_type(struct vdev *d, uint32_t bits)
-{
-	VkMemoryPropertyFlags want =
-		VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
-	for (uint32_t t = 0; t < d->props.memoryTypeCount; t++)
-		if ((bits & (1u << t)) && (d->props.memoryTypes[t].propertyFlags & want) == want)
-			return (int)t;
-	return -1;
-}
 
 /* A buffer of `size` bytes for copies, with its requirements. */
 static VkResult copy_buffer(struct vdev *d, VkDeviceSize size, VkBuffer *b,
@@ -47,22 +54,21 @@ static VkResult copy_buffer(struct vdev *d, VkDeviceSize size, VkBuffer *b,
 	return r;
 }
 
-static VkResult make_staging(struct vdev *d, struct stage *s)
+/* The memory type for host copies among `bits`, or -1. */
+static int host_type(struct vdev *d, uint32_t bits)
 {
-	VkMemoryRequirements req;
-	VkResult r = copy_buffer(d, STAGE, &s->buf, &req);
-	int type = r == VK_SUCCESS ? host_type(d, req.memoryTypeBits) : -1;
-	if (r == VK_SUCCESS && type < 0)
-		r = VK_ERROR_FEATURE_NOT_PRESENT;
-	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
-				   .allocationSize = req.size, .memoryTypeIndex = (uint32_t)type};
-	if (r == VK_SUCCESS)
-		r = d->AllocateMemory(d->dev, &ai, NULL, &s->mem);
-	if (r == VK_SUCCESS)
-		r = d->BindBufferMemory(d->dev, s->buf, s->mem, 0);
-	if (r == VK_SUCCESS)
-		r = d->MapMemory(d->dev, s->mem, 0, VK_WHOLE_SIZE, 0, &s->host);
-	return r;
+	int best = -1;
+	for (uint32_t t = 0; t < d->props.memoryTypeCount; t++) {
+		VkMemoryPropertyFlags f = d->props.memoryTypes[t].propertyFlags;
+		if (!(bits & (1u << t)) || !(f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) ||
+		    (!staging_forced && (f & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)))
+			continue;
+		if (best < 0 || (f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT))
+			best = (int)t;
+		if (f & VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
+			break;
+	}
+	return best;
 }
 
 static VkResult make_queue(struct vdev *d, struct stage *s)
@@ -89,83 +95,199 @@ static VkResult make_queue(struct vdev *d, struct stage *s)
 	return r;
 }
 
+/* Frees each host copy of the device's memory too (the device goes). */
 void stage_free(struct vdev *d)
 {
 	struct stage *s = d->stage;
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		if (m->d == d)
+			stage_host_free(m);
 	if (!s)
 		return;
 	if (s->fence)
 		d->DestroyFence(d->dev, s->fence, NULL);
 	if (s->pool)
 		d->DestroyCommandPool(d->dev, s->pool, NULL);
-	if (s->buf)
-		d->DestroyBuffer(d->dev, s->buf, NULL);
-	if (s->mem)
-		d->FreeMemory(d->dev, s->mem, NULL);
+	free(s->made);
 	free(s);
 	d->stage = NULL;
 }
 
-static struct stage *stage_of(struct vdev *d, VkResult *r)
+/* The device's copying state, made at first (its host type probed). */
+static struct stage *stage_of(struct vdev *d)
 {
 	if (d->stage)
 		return d->stage;
-	d->stage = calloc(1, sizeof *d->stage);
-	*r = d->stage ? make_staging(d, d->stage) : VK_ERROR_OUT_OF_HOST_MEMORY;
-	if (*r == VK_SUCCESS)
-		*r = make_queue(d, d->stage);
-	if (*r != VK_SUCCESS)
-		stage_free(d);
-	return d->stage;
+	struct stage *s = calloc(1, sizeof *s);
+	VkBuffer probe;
+	VkMemoryRequirements req;
+	if (!s || copy_buffer(d, 1, &probe, &req) != VK_SUCCESS) {
+		free(s);
+		return NULL;
+	}
+	d->DestroyBuffer(d->dev, probe, NULL);
+	s->cover = req.memoryTypeBits;
+	s->align = req.alignment ? req.alignment : 1;
+	s->type = host_type(d, s->cover);
+	if (s->type >= 0 && make_queue(d, s) != VK_SUCCESS)
+		s->type = -1; /* nothing to copy with: the CPU's way where it can */
+	return d->stage = s;
 }
 
-/* One copy of `n` bytes between `b` at `at` and the staging buffer, waited for. */
-static VkResult one_copy(struct vdev *d, struct stage *s, VkBuffer b, VkDeviceSize at,
-			 VkDeviceSize n, int out)
+/* Does `m` go the device's way? Its host copy, once made, decides. */
+static int by_device(struct vmem *m)
 {
-	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
-	VkBufferCopy region = {out ? at : 0, out ? 0 : at, n};
-	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
-			   .pCommandBuffers = &s->cb};
-	VkResult r = d->BeginCommandBuffer(s->cb, &bi);
-	if (r != VK_SUCCESS)
-		return r;
-	d->CmdCopyBuffer(s->cb, out ? b : s->buf, out ? s->buf : b, 1, &region);
-	r = d->EndCommandBuffer(s->cb);
+	if (m->host)
+		return m->host_mem != VK_NULL_HANDLE;
+	struct stage *s = stage_of(m->d);
+	return s && s->type >= 0 && (s->cover & (1u << m->type)) && !m->dedicated;
+}
+
+static int host_visible(struct vmem *m)
+{
+	return !!(m->d->props.memoryTypes[m->type].propertyFlags &
+		  VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
+}
+
+/* The host copy's size: whole pieces' buffers fit in it. */
+static VkDeviceSize host_size(struct vmem *m)
+{
+	VkDeviceSize a = m->d->stage->align > 65536 ? m->d->stage->align : 65536;
+	return (m->size + a - 1) / a * a;
+}
+
+VkResult stage_host(struct vmem *m)
+{
+	struct vdev *d = m->d;
+	if (m->host)
+		return VK_SUCCESS;
+	if (!by_device(m)) {
+		if (!host_visible(m))
+			return VK_ERROR_FEATURE_NOT_PRESENT; /* no way to copy it */
+		m->host = malloc(m->size ? m->size : 1);
+		return m->host ? VK_SUCCESS : VK_ERROR_OUT_OF_HOST_MEMORY;
+	}
+	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				   .allocationSize = host_size(m),
+				   .memoryTypeIndex = (uint32_t)d->stage->type};
+	VkResult r = d->AllocateMemory(d->dev, &ai, NULL, &m->host_mem);
 	if (r == VK_SUCCESS)
-		r = d->QueueSubmit(s->queue, 1, &si, s->fence);
-	if (r == VK_SUCCESS)
-		r = d->WaitForFences(d->dev, 1, &s->fence, VK_TRUE, UINT64_MAX);
-	if (r == VK_SUCCESS)
-		r = d->ResetFences(d->dev, 1, &s->fence);
-	if (r == VK_SUCCESS)
-		r = d->ResetCommandBuffer(s->cb, 0);
+		r = d->MapMemory(d->dev, m->host_mem, 0, VK_WHOLE_SIZE, 0, &m->host);
+	if (r != VK_SUCCESS) {
+		if (m->host_mem)
+			d->FreeMemory(d->dev, m->host_mem, NULL);
+		m->host_mem = VK_NULL_HANDLE, m->host = NULL;
+	}
 	return r;
 }
 
-VkResult stage_copy(struct vmem *m, int out)
+void stage_host_free(struct vmem *m)
+{
+	if (m->host_mem)
+		m->d->FreeMemory(m->d->dev, m->host_mem, NULL); /* unmapped with it */
+	else
+		free(m->host);
+	m->host_mem = VK_NULL_HANDLE, m->host = NULL;
+}
+
+/* A buffer of the layer's over `n` bytes of `mem` at `at`, kept for the batch. */
+static VkResult cover(struct vdev *d, struct stage *s, VkDeviceMemory mem, VkDeviceSize at,
+		      VkDeviceSize n, VkBuffer *b)
+{
+	VkMemoryRequirements req;
+	if (s->nmade == s->capmade) {
+		size_t cap = s->capmade ? 2 * s->capmade : 16;
+		VkBuffer *grown = realloc(s->made, sizeof *grown * cap);
+		if (!grown)
+			return VK_ERROR_OUT_OF_HOST_MEMORY;
+		s->made = grown, s->capmade = cap;
+	}
+	VkResult r = copy_buffer(d, n, b, &req);
+	if (r != VK_SUCCESS)
+		return r;
+	s->made[s->nmade++] = *b;
+	if (at % (req.alignment ? req.alignment : 1))
+		return VK_ERROR_FEATURE_NOT_PRESENT;
+	return d->BindBufferMemory(d->dev, *b, mem, at);
+}
+
+/* `m`'s pieces recorded into the device's batch. */
+static VkResult record_pieces(struct vmem *m, int out)
 {
 	struct vdev *d = m->d;
+	struct stage *s = d->stage;
 	VkResult r = VK_SUCCESS;
-	struct stage *s = stage_of(d, &r);
-	VkBuffer b = VK_NULL_HANDLE;
-	VkMemoryRequirements req;
-	if (r == VK_SUCCESS)
-		r = copy_buffer(d, m->size, &b, &req);
-	if (r == VK_SUCCESS && !(req.memoryTypeBits & (1u << m->type)))
-		r = VK_ERROR_FEATURE_NOT_PRESENT; /* no buffer can cover it */
-	if (r == VK_SUCCESS)
-		r = d->BindBufferMemory(d->dev, b, m->real, 0);
-	for (VkDeviceSize at = 0; r == VK_SUCCESS && at < m->size; at += STAGE) {
-		VkDeviceSize n = m->size - at < STAGE ? m->size - at : STAGE;
-		if (!out)
-			memcpy(s->host, (char *)m->host + at, n);
-		r = one_copy(d, s, b, at, n, out);
-		if (r == VK_SUCCESS && out)
-			memcpy((char *)m->host + at, s->host, n);
+	if (!s->recording) {
+		VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+					       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
+		r = d->BeginCommandBuffer(s->cb, &bi);
+		s->recording = r == VK_SUCCESS;
 	}
-	if (b)
-		d->DestroyBuffer(d->dev, b, NULL);
+	for (VkDeviceSize at = 0; r == VK_SUCCESS && at < m->size; at += PIECE) {
+		VkDeviceSize n = m->size - at < PIECE ? m->size - at : PIECE;
+		VkBuffer dev_side, host_side;
+		VkBufferCopy region = {0, 0, n};
+		r = cover(d, s, m->real, at, n, &dev_side);
+		if (r == VK_SUCCESS)
+			r = cover(d, s, m->host_mem, at, n, &host_side);
+		if (r == VK_SUCCESS)
+			d->CmdCopyBuffer(s->cb, out ? dev_side : host_side, out ? host_side : dev_side,
+					 1, &region);
+	}
+	return r;
+}
+
+/* `m`'s contents to its host copy (out) or back (!out): at once the CPU's way, into
+ * the device's batch the device's (done by stage_flush). */
+VkResult stage_copy(struct vmem *m, int out)
+{
+	void *p;
+	if (m->host_mem)
+		return record_pieces(m, out);
+	VkResult r = m->d->MapMemory(m->d->dev, m->real, 0, VK_WHOLE_SIZE, 0, &p);
+	if (r == VK_SUCCESS) {
+		memcpy(out ? m->host : p, out ? p : m->host, m->size);
+		m->d->UnmapMemory(m->d->dev, m->real);
+	}
+	return r;
+}
+
+/* The batch recorded: waited for where it was submitted, then dropped. */
+static VkResult finish(struct vdev *d, struct stage *s)
+{
+	VkResult r = VK_SUCCESS;
+	if (s->sent) {
+		r = d->WaitForFences(d->dev, 1, &s->fence, VK_TRUE, UINT64_MAX);
+		d->ResetFences(d->dev, 1, &s->fence);
+	}
+	d->ResetCommandBuffer(s->cb, 0);
+	for (size_t k = 0; k < s->nmade; k++)
+		d->DestroyBuffer(d->dev, s->made[k], NULL);
+	s->nmade = 0;
+	s->recording = s->sent = 0;
+	return r;
+}
+
+/* Every device's batch submitted, then each waited for: VK_SUCCESS or the first error
+ * (`r`: an error met while recording; the batches are then dropped unsent). */
+VkResult stage_flush(VkResult r)
+{
+	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1};
+	for (struct vdev *d = dev_list(); d; d = d->next) {
+		struct stage *s = d->stage;
+		if (!s || !s->recording)
+			continue;
+		VkResult e = d->EndCommandBuffer(s->cb);
+		si.pCommandBuffers = &s->cb;
+		if (e == VK_SUCCESS && r == VK_SUCCESS)
+			e = d->QueueSubmit(s->queue, 1, &si, s->fence);
+		s->sent = e == VK_SUCCESS && r == VK_SUCCESS;
+		r = r == VK_SUCCESS ? e : r;
+	}
+	for (struct vdev *d = dev_list(); d; d = d->next)
+		if (d->stage && d->stage->recording) {
+			VkResult e = finish(d, d->stage);
+			r = r == VK_SUCCESS ? e : r;
+		}
 	return r;
 }

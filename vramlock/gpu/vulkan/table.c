@@ -130,7 +130,7 @@ static VKAPI_ATTR void VKAPI_CALL free_memory(VkDevice dev, VkDeviceMemory mem,
 	if (m->real)
 		d->FreeMemory(dev, m->real, alloc);
 	pthread_mutex_unlock(&mu);
-	free(m->host);
+	stage_host_free(m);
 	free(m);
 }
 
@@ -146,7 +146,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL map_memory(VkDevice dev, VkDeviceMemory me
 	gate_enter(); /* its contents are on the device only while the gate is open */
 	VkResult r = d->MapMemory(dev, m->real, offset, size, flags, data);
 	if (r == VK_SUCCESS)
-		m->mapped = 1;
+		m->mapped = m->written = 1; /* the host may write it: its host copy is old */
 	gate_leave();
 	return r;
 }

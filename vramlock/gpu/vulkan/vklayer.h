@@ -16,8 +16,11 @@
  *             translated
  *  engine.c   the gate that holds GPU work while released; swapping out to host
  *             memory and back in
- *  stage.c    copies of memory the host cannot map, through a staging buffer and a
- *             queue of the device's
+ *  stage.c    host copies, and the copies between them and the device: the
+ *             device's own where it has host memory it can copy to
+ *  writes.c   which memory the program's GPU work may have written since the last
+ *             restore: only that is copied out again
+ *  spirv.c    which descriptor bindings a shader module may write
  *  control.c  the connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same
  *             conversation as the CUDA library's
  *
@@ -78,7 +81,11 @@ struct vmem {
 	 * image, or made with what the layer cannot make again. */
 	int mapped;
 	int kept;
-	void *host; /* its contents while released */
+	/* Its host copy (stage.c): its contents while released, kept after a restore;
+	 * the layer's own host-visible memory (host_mem, mapped at host) or malloc'd. */
+	void *host;
+	VkDeviceMemory host_mem;
+	int written; /* since its host copy was last right (writes.c) */
 	struct vmem *next;
 };
 
@@ -114,6 +121,9 @@ void sets_hook(const char *name, PFN_vkVoidFunction *fn);
 /* With `mu`, after a restore: every kept descriptor write naming a buffer made again. */
 void record_rewrite(void);
 void record_forget_buffer(struct vbuf *b);
+/* With `mu`: the memory of each storage buffer the set names at `binding`
+ * (UINT32_MAX: any) counts as written. */
+void record_mark_written(VkDescriptorSet set, uint32_t binding);
 
 /* cmds.c */
 void record_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -134,12 +144,42 @@ void do_release(char *answer, size_t len);
 void do_restore(char *answer, size_t len);
 extern int released;
 
-/* stage.c: `m`'s contents to its host copy (out) or back (!out), through a staging
- * buffer; VK_SUCCESS or the first error. */
+/* stage.c, with `mu`: `m`'s host copy made (if not yet); `m`'s contents to it (out)
+ * or back (!out), at once or into the device's batch; every batch submitted and
+ * waited for (given the first error so far, which drops them); VK_SUCCESS or the
+ * first error. */
+VkResult stage_host(struct vmem *m);
+void stage_host_free(struct vmem *m);
 VkResult stage_copy(struct vmem *m, int out);
+VkResult stage_flush(VkResult r);
 void stage_free(struct vdev *d);
-/* VRAMLOCK_VULKAN_STAGING=1 (a test's hook): every copy goes through the staging path. */
+/* VRAMLOCK_VULKAN_STAGING=1 (a test's hook): the device copies, into host copies of
+ * any host-visible memory type (lavapipe has no other). */
 extern int staging_forced;
+
+/* writes.c: what command buffers write, marked at submit (with `mu` where said). */
+void writes_hook(const char *name, PFN_vkVoidFunction *fn);
+void writes_buffer(VkCommandBuffer cb, VkBuffer buf); /* a command writes into buf */
+void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t first,
+		      uint32_t n, const VkDescriptorSet *sets);
+void writes_dispatch(VkCommandBuffer cb);
+void writes_clear(VkCommandBuffer cb);	   /* with `mu`: recorded anew, or reset */
+void writes_forget(VkCommandBuffer cb);	   /* with `mu`: freed */
+void writes_submitted(VkCommandBuffer cb); /* with `mu` */
+int writes_since(struct vmem *m);	   /* with `mu`: must it be copied out? */
+void writes_copied(void);		   /* with `mu`: every host copy right */
+
+/* spirv.c: the (set, binding)s a module's code may write; `all` where unsure. */
+struct spv_slot {
+	uint32_t set, binding;
+};
+struct spv_writes {
+	int all;
+	uint32_t n;
+	struct spv_slot *slots;
+};
+void spirv_writes(const uint32_t *code, size_t bytes, struct spv_writes *out);
+void spirv_writes_free(struct spv_writes *w);
 
 /* control.c */
 int control_setup(void);

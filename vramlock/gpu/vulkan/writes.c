@@ -1,0 +1,441 @@
+/*
+ * writes.c: which of the program's memory its GPU work may have written since the
+ * last restore, so that a release copies out only that (the rest has a host copy
+ * that is still right). A memory counts as written when a command buffer submitted
+ * (marks are made at vkQueueSubmit, from what the command buffer recorded):
+ *
+ *  - copies, fills or updates into a buffer bound to it (vkCmdCopyBuffer's
+ *    destination, vkCmdFillBuffer, vkCmdUpdateBuffer, vkCmdCopyImageToBuffer,
+ *    vkCmdCopyQueryPoolResults), or pushes it as a storage buffer descriptor;
+ *  - dispatches a compute pipeline whose shaders may write a binding (spirv.c) while
+ *    a descriptor set naming a buffer bound to it as a storage buffer is bound there
+ *    (the set's contents are read at the submit, as the GPU will see them);
+ *  - binds a descriptor set for graphics: every storage buffer it names (draws are
+ *    not followed);
+ *
+ * or when the program maps it (table.c), or when the layer lost track (out of host
+ * memory): then everything counts as written. While released no submit is made, so
+ * no write escapes.
+ */
+#include "vklayer.h"
+
+#define MAX_SETS 32
+#define ANY UINT32_MAX /* every binding of a set */
+
+/* ---- shader modules and pipelines: the bindings they may write ---------------- */
+
+struct shader {
+	uint64_t handle; /* a VkShaderModule or a VkPipeline */
+	struct spv_writes w;
+	struct shader *next;
+};
+
+#define BUCKETS 1024
+static struct shader *modules[BUCKETS], *pipelines[BUCKETS];
+static int lost; /* out of host memory once: every memory counts as written */
+
+static size_t slot(uint64_t h)
+{
+	return (size_t)((h * 0x9E3779B97F4A7C15ull) >> 54);
+}
+
+/* With `mu`. */
+static struct shader *find(struct shader **table, uint64_t handle)
+{
+	for (struct shader *s = table[slot(handle)]; s; s = s->next)
+		if (s->handle == handle)
+			return s;
+	return NULL;
+}
+
+/* With `mu`: `s` (its handle and writes set) kept in `table`. */
+static void keep(struct shader **table, struct shader *s)
+{
+	s->next = table[slot(s->handle)];
+	table[slot(s->handle)] = s;
+}
+
+static void drop(struct shader **table, uint64_t handle)
+{
+	pthread_mutex_lock(&mu);
+	for (struct shader **p = &table[slot(handle)]; *p; p = &(*p)->next)
+		if ((*p)->handle == handle) {
+			struct shader *gone = *p;
+			*p = gone->next;
+			spirv_writes_free(&gone->w);
+			free(gone);
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_module(VkDevice dev,
+						    const VkShaderModuleCreateInfo *ci,
+						    const VkAllocationCallbacks *alloc,
+						    VkShaderModule *out)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->CreateShaderModule(dev, ci, alloc, out);
+	if (r != VK_SUCCESS || !is_ours(d))
+		return r;
+	struct shader *s = calloc(1, sizeof *s);
+	if (s) {
+		s->handle = (uint64_t)(uintptr_t)*out;
+		spirv_writes(ci->pCode, ci->codeSize, &s->w);
+	}
+	pthread_mutex_lock(&mu);
+	if (s)
+		keep(modules, s);
+	else
+		lost = 1;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_module(VkDevice dev, VkShaderModule m,
+						 const VkAllocationCallbacks *alloc)
+{
+	struct vdev *d = dev_of(dev);
+	if (is_ours(d) && m)
+		drop(modules, (uint64_t)(uintptr_t)m);
+	d->DestroyShaderModule(dev, m, alloc);
+}
+
+/* With `mu`: what the stage's shader may write, added to `w`. */
+static void add_stage(struct spv_writes *w, const VkPipelineShaderStageCreateInfo *st)
+{
+	struct shader *m = st->module ? find(modules, (uint64_t)(uintptr_t)st->module) : NULL;
+	struct spv_writes inline_code = {.all = 1};
+	if (!st->module) /* the code in the stage's chain (VK_KHR_maintenance5) */
+		for (const VkBaseInStructure *s = st->pNext; s; s = s->pNext)
+			if (s->sType == VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO) {
+				const VkShaderModuleCreateInfo *ci = (const void *)s;
+				spirv_writes(ci->pCode, ci->codeSize, &inline_code);
+			}
+	const struct spv_writes *from = m ? &m->w : &inline_code;
+	w->all |= from->all;
+	for (uint32_t k = 0; k < from->n && !w->all; k++) {
+		struct spv_slot *grown = realloc(w->slots, sizeof *grown * (w->n + 1));
+		if (!grown)
+			w->all = 1;
+		else
+			w->slots = grown, w->slots[w->n++] = from->slots[k];
+	}
+	spirv_writes_free(&inline_code);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_compute(VkDevice dev, VkPipelineCache cache,
+						     uint32_t n,
+						     const VkComputePipelineCreateInfo *ci,
+						     const VkAllocationCallbacks *alloc,
+						     VkPipeline *out)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->CreateComputePipelines(dev, cache, n, ci, alloc, out);
+	if (!is_ours(d) || r < 0)
+		return r;
+	pthread_mutex_lock(&mu);
+	for (uint32_t k = 0; k < n; k++) {
+		struct shader *s = out[k] ? calloc(1, sizeof *s) : NULL;
+		if (!s) {
+			lost |= out[k] != VK_NULL_HANDLE;
+			continue;
+		}
+		s->handle = (uint64_t)(uintptr_t)out[k];
+		add_stage(&s->w, &ci[k].stage);
+		keep(pipelines, s);
+	}
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_pipeline(VkDevice dev, VkPipeline p,
+						   const VkAllocationCallbacks *alloc)
+{
+	struct vdev *d = dev_of(dev);
+	if (is_ours(d) && p)
+		drop(pipelines, (uint64_t)(uintptr_t)p);
+	d->DestroyPipeline(dev, p, alloc);
+}
+
+/* ---- command buffers: what each recorded --------------------------------------- */
+
+struct pair {
+	VkDescriptorSet set; /* VK_NULL_HANDLE: an empty slot */
+	uint32_t binding;    /* or ANY */
+};
+
+struct cbw {
+	VkCommandBuffer cb;
+	struct vmem **mems; /* written by transfers and pushed descriptors */
+	uint32_t nmems, capmems;
+	struct pair *pairs; /* storage bindings dispatches may write: a hash set */
+	uint32_t npairs, cappairs;
+	VkPipeline compute;
+	VkDescriptorSet sets[MAX_SETS]; /* bound for compute */
+	int all;			/* lost track: everything written */
+	struct cbw *next;
+};
+
+static struct cbw *cbws[BUCKETS];
+
+/* With `mu`. */
+static struct cbw *cbw_of(VkCommandBuffer cb, int make)
+{
+	struct cbw **head = &cbws[slot((uint64_t)(uintptr_t)cb)];
+	for (struct cbw *c = *head; c; c = c->next)
+		if (c->cb == cb)
+			return c;
+	struct cbw *c = make ? calloc(1, sizeof *c) : NULL;
+	if (c) {
+		c->cb = cb;
+		c->next = *head;
+		*head = c;
+	} else if (make) {
+		lost = 1;
+	}
+	return c;
+}
+
+/* With `mu`: `cb` recorded anew (or reset): it has written nothing. */
+void writes_clear(VkCommandBuffer cb)
+{
+	struct cbw *c = cbw_of(cb, 0);
+	if (!c)
+		return;
+	free(c->mems), free(c->pairs);
+	struct cbw *next = c->next;
+	memset(c, 0, sizeof *c);
+	c->cb = cb, c->next = next;
+}
+
+/* With `mu`: `cb` freed. */
+void writes_forget(VkCommandBuffer cb)
+{
+	struct cbw **head = &cbws[slot((uint64_t)(uintptr_t)cb)];
+	for (struct cbw **p = head; *p; p = &(*p)->next)
+		if ((*p)->cb == cb) {
+			struct cbw *gone = *p;
+			*p = gone->next;
+			free(gone->mems), free(gone->pairs), free(gone);
+			return;
+		}
+}
+
+static void add_mem(struct cbw *c, struct vmem *m)
+{
+	for (uint32_t k = 0; k < c->nmems; k++)
+		if (c->mems[k] == m)
+			return;
+	if (c->nmems == c->capmems) {
+		uint32_t cap = c->capmems ? 2 * c->capmems : 8;
+		struct vmem **grown = realloc(c->mems, sizeof *grown * cap);
+		if (!grown) {
+			c->all = 1;
+			return;
+		}
+		c->mems = grown, c->capmems = cap;
+	}
+	c->mems[c->nmems++] = m;
+}
+
+static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding);
+
+static void grow_pairs(struct cbw *c)
+{
+	struct pair *old = c->pairs;
+	uint32_t cap = old ? 2 * c->cappairs : 64;
+	c->pairs = calloc(cap, sizeof *c->pairs);
+	if (!c->pairs) {
+		c->pairs = old, c->all = 1;
+		return;
+	}
+	uint32_t was = c->cappairs;
+	c->cappairs = cap, c->npairs = 0;
+	for (uint32_t k = 0; k < was; k++)
+		if (old[k].set)
+			add_pair(c, old[k].set, old[k].binding);
+	free(old);
+}
+
+static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding)
+{
+	if (!set || c->all)
+		return;
+	if (2 * (c->npairs + 1) > c->cappairs)
+		grow_pairs(c);
+	if (c->all)
+		return;
+	uint64_t h = ((uint64_t)(uintptr_t)set ^ binding) * 0x9E3779B97F4A7C15ull;
+	for (uint32_t k = (uint32_t)(h >> 32) & (c->cappairs - 1);; k = (k + 1) & (c->cappairs - 1)) {
+		if (c->pairs[k].set == set && c->pairs[k].binding == binding)
+			return;
+		if (!c->pairs[k].set) {
+			c->pairs[k] = (struct pair){set, binding};
+			c->npairs++;
+			return;
+		}
+	}
+}
+
+/* A command of `cb` writes into `buf` (a buffer of ours, or NULL). */
+void writes_buffer(VkCommandBuffer cb, VkBuffer buf)
+{
+	struct vbuf *b = (struct vbuf *)buf;
+	pthread_mutex_lock(&mu);
+	struct cbw *c = cbw_of(cb, 1);
+	if (c && b && b->mem)
+		add_mem(c, b->mem);
+	else if (c && b)
+		c->all = 1; /* not bound yet: cannot be; be safe */
+	pthread_mutex_unlock(&mu);
+}
+
+/* Sets bound at `point`: for compute, kept for the dispatches; for graphics, every
+ * storage buffer they name counts as written. */
+void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t first,
+		      uint32_t n, const VkDescriptorSet *sets)
+{
+	pthread_mutex_lock(&mu);
+	struct cbw *c = cbw_of(cb, 1);
+	for (uint32_t k = 0; c && k < n; k++) {
+		if (point != VK_PIPELINE_BIND_POINT_COMPUTE)
+			add_pair(c, sets[k], ANY);
+		else if (first + k < MAX_SETS)
+			c->sets[first + k] = sets[k];
+		else
+			c->all = 1;
+	}
+	pthread_mutex_unlock(&mu);
+}
+
+/* With `mu`: a dispatch: the bound pipeline's written bindings in the bound sets. */
+static void dispatched(VkCommandBuffer cb)
+{
+	struct cbw *c = cbw_of(cb, 1);
+	if (!c)
+		return;
+	struct shader *p = c->compute ? find(pipelines, (uint64_t)(uintptr_t)c->compute) : NULL;
+	if (!p || p->w.all) {
+		for (uint32_t s = 0; s < MAX_SETS; s++)
+			add_pair(c, c->sets[s], ANY);
+		return;
+	}
+	for (uint32_t k = 0; k < p->w.n; k++)
+		if (p->w.slots[k].set < MAX_SETS)
+			add_pair(c, c->sets[p->w.slots[k].set], p->w.slots[k].binding);
+}
+
+void writes_dispatch(VkCommandBuffer cb)
+{
+	pthread_mutex_lock(&mu);
+	dispatched(cb);
+	pthread_mutex_unlock(&mu);
+}
+
+/* With `mu`: `cb` was submitted: what it writes counts as written. */
+void writes_submitted(VkCommandBuffer cb)
+{
+	struct cbw *c = cbw_of(cb, 0);
+	if (!c)
+		return;
+	if (c->all)
+		lost = 1;
+	for (uint32_t k = 0; k < c->nmems; k++)
+		c->mems[k]->written = 1;
+	for (uint32_t k = 0; k < c->cappairs; k++)
+		if (c->pairs[k].set)
+			record_mark_written(c->pairs[k].set, c->pairs[k].binding);
+}
+
+/* With `mu`, at a release: must `m`'s contents be copied out (its host copy is not
+ * known to be right)? */
+int writes_since(struct vmem *m)
+{
+	return lost || m->written || m->mapped || !m->host;
+}
+
+/* With `mu`: every swappable memory's host copy is right (a release copied all it
+ * had to). */
+void writes_copied(void)
+{
+	lost = 0;
+	for (struct vmem *m = mem_list(); m; m = m->next)
+		if (m->host && table_swappable(m))
+			m->written = 0;
+}
+
+/* ---- the commands that only this file follows -------------------------------- */
+
+static VKAPI_ATTR void VKAPI_CALL bind_pipeline(VkCommandBuffer cb, VkPipelineBindPoint point,
+						VkPipeline p)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d) && point == VK_PIPELINE_BIND_POINT_COMPUTE) {
+		pthread_mutex_lock(&mu);
+		struct cbw *c = cbw_of(cb, 1);
+		if (c)
+			c->compute = p;
+		pthread_mutex_unlock(&mu);
+	}
+	d->CmdBindPipeline(cb, point, p);
+}
+
+static VKAPI_ATTR void VKAPI_CALL dispatch(VkCommandBuffer cb, uint32_t x, uint32_t y, uint32_t z)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d))
+		writes_dispatch(cb);
+	d->CmdDispatch(cb, x, y, z);
+}
+
+static VKAPI_ATTR void VKAPI_CALL dispatch_base(VkCommandBuffer cb, uint32_t bx, uint32_t by,
+						uint32_t bz, uint32_t x, uint32_t y, uint32_t z)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d))
+		writes_dispatch(cb);
+	d->CmdDispatchBase(cb, bx, by, bz, x, y, z);
+}
+
+/* A primary command buffer that executes secondaries writes what they write. */
+static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const VkCommandBuffer *s)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d)) {
+		pthread_mutex_lock(&mu);
+		struct cbw *c = cbw_of(cb, 1);
+		for (uint32_t k = 0; c && k < n; k++) {
+			struct cbw *from = cbw_of(s[k], 0);
+			for (uint32_t i = 0; from && i < from->nmems; i++)
+				add_mem(c, from->mems[i]);
+			for (uint32_t i = 0; from && i < from->cappairs; i++)
+				add_pair(c, from->pairs[i].set, from->pairs[i].binding);
+			c->all |= from && from->all;
+		}
+		pthread_mutex_unlock(&mu);
+	}
+	d->CmdExecuteCommands(cb, n, s);
+}
+
+void writes_hook(const char *name, PFN_vkVoidFunction *fn)
+{
+	static const struct {
+		const char *name;
+		PFN_vkVoidFunction fn;
+	} hooks[] = {
+#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+		HOOK(CreateShaderModule, create_module),
+		HOOK(DestroyShaderModule, destroy_module),
+		HOOK(CreateComputePipelines, create_compute),
+		HOOK(DestroyPipeline, destroy_pipeline),
+		HOOK(CmdBindPipeline, bind_pipeline),
+		HOOK(CmdDispatch, dispatch),
+		HOOK(CmdDispatchBase, dispatch_base),
+		HOOK(CmdExecuteCommands, execute),
+#undef HOOK
+	};
+	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
+		if (!strcmp(hooks[k].name, name))
+			*fn = hooks[k].fn;
+}
