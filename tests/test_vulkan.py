@@ -192,12 +192,12 @@ def test_the_program_runs_on_the_driver_alone(rig: Rig) -> None:
 def test_contents_survive_swaps_and_no_work_runs_while_released(
     rig: Rig, spawn: Spawn, staged: bool
 ) -> None:
-    """Copied by mapping the memory (lavapipe's is all host-visible), or as memory the host
-    cannot map is (a discrete GPU's): through the layer's staging buffer (64 MiB, kept)
-    and copies on the device's queue, which VRAMLOCK_VULKAN_STAGING=1 forces."""
+    """Copied by mapping the memory (lavapipe's is all host-visible), or as a GPU's is:
+    by the device's own copies into a host copy of host-visible memory of the layer's
+    (kept: the data buffer's size), which VRAMLOCK_VULKAN_STAGING=1 forces."""
     extra = {"VRAMLOCK_VULKAN_STAGING": "1"} if staged else {}
     job = rig.run(spawn, "prog", "--min-hold", "0", "--release", "swap-vulkan", **extra)
-    held = 64 << 20 if staged else 0
+    held = BYTES if staged else 0
     assert turns_then_stop(rig, spawn, job, 5, held) == ""  # nothing said on the happy path
 
 

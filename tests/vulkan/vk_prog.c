@@ -11,6 +11,13 @@
  * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
  * recorded once and submitted every round (the layer must refuse to swap that); with
  * VK_PROG_ADDRESS=1 it takes its data buffer's device address.
+ *
+ * With VK_PROG_INPUT=ro it has an input buffer too (device memory, never mapped, twice
+ * the data buffer's size, its first half read), filled once with input(i): the kernel
+ * (add_in.comp) declares it readonly and adds input(i) to every word each round. With
+ * VK_PROG_INPUT=rw the kernel (add_in_rw.comp) declares it writable and adds one to
+ * each of its words before adding it: after r rounds a word is seed(i) + r * input(i)
+ * + r (r + 1) / 2, right only if the input kept every change.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -22,6 +29,8 @@
 
 #include <vulkan/vulkan.h>
 
+#include "add_in_rw_spv.h"
+#include "add_in_spv.h"
 #include "add_one_spv.h"
 
 #define CHECK(call)                                                            \
@@ -34,12 +43,28 @@
 	} while (0)
 
 static VkDevice dev;
+static VkBuffer in_buf; /* VK_PROG_INPUT's */
 static VkPhysicalDevice phys;
 static int address; /* VK_PROG_ADDRESS */
+static int input;   /* VK_PROG_INPUT: 0 none, 1 ro, 2 rw */
 
 static uint32_t seed(uint32_t i)
 {
 	return i * 2654435761u;
+}
+
+static uint32_t input_word(uint32_t i)
+{
+	return i % 7 + 1;
+}
+
+/* Word i after `rounds` rounds. */
+static uint32_t expected(uint32_t i, uint32_t rounds)
+{
+	if (!input)
+		return seed(i) + rounds;
+	uint32_t more = input == 2 ? rounds * (rounds + 1) / 2 : 0;
+	return seed(i) + rounds * input_word(i) + more;
 }
 
 static uint32_t memory_type(uint32_t bits, VkMemoryPropertyFlags want)
@@ -105,14 +130,16 @@ struct kernel {
 	VkDescriptorSet set;
 };
 
-static struct kernel make_kernel(VkBuffer data)
+static struct kernel make_kernel(VkBuffer data, VkBuffer in)
 {
 	struct kernel k;
-	VkDescriptorSetLayoutBinding b = {0, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1,
-					  VK_SHADER_STAGE_COMPUTE_BIT, NULL};
+	uint32_t nb = input ? 2 : 1;
+	VkDescriptorSetLayoutBinding b[2] = {
+		{0, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1, VK_SHADER_STAGE_COMPUTE_BIT, NULL},
+		{1, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1, VK_SHADER_STAGE_COMPUTE_BIT, NULL}};
 	VkDescriptorSetLayoutCreateInfo li = {
-		.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, .bindingCount = 1,
-		.pBindings = &b};
+		.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, .bindingCount = nb,
+		.pBindings = b};
 	VkDescriptorSetLayout sl;
 	CHECK(vkCreateDescriptorSetLayout(dev, &li, NULL, &sl));
 	VkPushConstantRange pc = {VK_SHADER_STAGE_COMPUTE_BIT, 0, 4};
@@ -122,6 +149,10 @@ static struct kernel make_kernel(VkBuffer data)
 	CHECK(vkCreatePipelineLayout(dev, &pli, NULL, &k.layout));
 	VkShaderModuleCreateInfo si = {.sType = VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
 				       .codeSize = sizeof ADD_ONE_SPV, .pCode = ADD_ONE_SPV};
+	if (input == 1)
+		si.codeSize = sizeof ADD_IN_SPV, si.pCode = ADD_IN_SPV;
+	else if (input == 2)
+		si.codeSize = sizeof ADD_IN_RW_SPV, si.pCode = ADD_IN_RW_SPV;
 	VkShaderModule sm;
 	CHECK(vkCreateShaderModule(dev, &si, NULL, &sm));
 	VkComputePipelineCreateInfo ci = {
@@ -130,7 +161,7 @@ static struct kernel make_kernel(VkBuffer data)
 			  .stage = VK_SHADER_STAGE_COMPUTE_BIT, .module = sm, .pName = "main"},
 		.layout = k.layout};
 	CHECK(vkCreateComputePipelines(dev, VK_NULL_HANDLE, 1, &ci, NULL, &k.pipe));
-	VkDescriptorPoolSize ps = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 1};
+	VkDescriptorPoolSize ps = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, nb};
 	VkDescriptorPoolCreateInfo pi = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
 					 .maxSets = 1, .poolSizeCount = 1, .pPoolSizes = &ps};
 	VkDescriptorPool pool;
@@ -139,11 +170,11 @@ static struct kernel make_kernel(VkBuffer data)
 					  .descriptorPool = pool, .descriptorSetCount = 1,
 					  .pSetLayouts = &sl};
 	CHECK(vkAllocateDescriptorSets(dev, &ai, &k.set));
-	VkDescriptorBufferInfo info = {data, 0, VK_WHOLE_SIZE};
+	VkDescriptorBufferInfo info[2] = {{data, 0, VK_WHOLE_SIZE}, {in, 0, VK_WHOLE_SIZE}};
 	VkWriteDescriptorSet w = {.sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET,
-				  .dstSet = k.set, .descriptorCount = 1,
+				  .dstSet = k.set, .descriptorCount = nb,
 				  .descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-				  .pBufferInfo = &info};
+				  .pBufferInfo = info};
 	vkUpdateDescriptorSets(dev, 1, &w, 0, NULL);
 	return k;
 }
@@ -173,17 +204,18 @@ static void record(VkCommandBuffer cb, struct kernel *k, VkBuffer data, VkBuffer
 	CHECK(vkEndCommandBuffer(cb));
 }
 
-/* The data buffer starts as seed(i): written through the staging buffer, copied. */
+/* The data buffer starts as seed(i), the input's words (from `at`) as input(i):
+ * written through the staging buffer, copied. */
 static void fill(VkQueue q, VkCommandBuffer cb, VkBuffer data, VkBuffer staging, uint32_t *seen,
-		 uint32_t words)
+		 uint32_t words, uint32_t at)
 {
 	for (uint32_t i = 0; i < words; i++)
-		seen[i] = seed(i);
+		seen[i] = data ? seed(i) : input_word(at + i);
 	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
 				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
 	CHECK(vkBeginCommandBuffer(cb, &bi));
-	VkBufferCopy region = {0, 0, (VkDeviceSize)words * 4};
-	vkCmdCopyBuffer(cb, staging, data, 1, &region);
+	VkBufferCopy region = {0, (VkDeviceSize)at * 4, (VkDeviceSize)words * 4};
+	vkCmdCopyBuffer(cb, staging, data ? data : in_buf, 1, &region);
 	CHECK(vkEndCommandBuffer(cb));
 	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
 			   .pCommandBuffers = &cb};
@@ -195,9 +227,9 @@ static void fill(VkQueue q, VkCommandBuffer cb, VkBuffer data, VkBuffer staging,
 static void check(const uint32_t *seen, uint32_t words, unsigned rounds)
 {
 	for (uint32_t i = 0; i < words; i++)
-		if (seen[i] != seed(i) + rounds) {
+		if (seen[i] != expected(i, rounds)) {
 			fprintf(stderr, "vk_prog: word %u is %u after %u rounds, not %u\n", i,
-				seen[i], rounds, seed(i) + rounds);
+				seen[i], rounds, expected(i, rounds));
 			exit(2);
 		}
 }
@@ -209,6 +241,8 @@ int main(int argc, char **argv)
 	int keep = getenv("VK_PROG_KEEP") && !strcmp(getenv("VK_PROG_KEEP"), "1");
 	int once = getenv("VK_PROG_ONCE") && !strcmp(getenv("VK_PROG_ONCE"), "1");
 	address = getenv("VK_PROG_ADDRESS") && !strcmp(getenv("VK_PROG_ADDRESS"), "1");
+	const char *in = getenv("VK_PROG_INPUT");
+	input = !in ? 0 : !strcmp(in, "ro") ? 1 : !strcmp(in, "rw") ? 2 : 0;
 	VkQueue q;
 	make_device(&q);
 	VkDeviceMemory data_mem, staging_mem;
@@ -239,8 +273,16 @@ int main(int argc, char **argv)
 					   .commandBufferCount = 1};
 	VkCommandBuffer cb;
 	CHECK(vkAllocateCommandBuffers(dev, &cai, &cb));
-	fill(q, cb, data, staging, seen, words);
-	struct kernel k = make_kernel(data);
+	VkDeviceMemory in_mem = VK_NULL_HANDLE;
+	if (input) {
+		in_buf = buffer((VkDeviceSize)words * 8,
+				VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+				&in_mem, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+		fill(q, cb, VK_NULL_HANDLE, staging, seen, words, 0);
+		fill(q, cb, VK_NULL_HANDLE, staging, seen, words, words);
+	}
+	fill(q, cb, data, staging, seen, words, 0);
+	struct kernel k = make_kernel(data, in_buf);
 	VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
 	VkFence fence;
 	CHECK(vkCreateFence(dev, &fi, NULL, &fence));
@@ -267,6 +309,10 @@ int main(int argc, char **argv)
 	vkDestroyFence(dev, fence, NULL);
 	vkDestroyBuffer(dev, data, NULL);
 	vkFreeMemory(dev, data_mem, NULL);
+	if (input) {
+		vkDestroyBuffer(dev, in_buf, NULL);
+		vkFreeMemory(dev, in_mem, NULL);
+	}
 	printf("done %u ok\n", rounds);
 	return 0;
 }

@@ -7,6 +7,8 @@
  *                      idle again at END (the layer waits for it: the work is done)
  *   memory NS BYTES    device memory the program holds at the driver, after a
  *                      vkAllocateMemory or vkFreeMemory
+ *   map NS BYTES       a vkMapMemory of an allocation of BYTES
+ *   copy NS BYTES      a vkCmdCopyBuffer of BYTES (its regions' sum) recorded
  *
  * It knows nothing of vramlock: a test that reads it learns what the driver saw. It also
  * makes (and keeps, uncounted) a buffer and an allocation of its own before each buffer
@@ -34,6 +36,8 @@ static PFN_vkQueueWaitIdle next_wait;
 static PFN_vkAllocateMemory next_alloc;
 static PFN_vkFreeMemory next_free;
 static PFN_vkCreateBuffer next_create_buffer;
+static PFN_vkMapMemory next_map;
+static PFN_vkCmdCopyBuffer next_copy;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct held {
 	VkDeviceMemory mem;
@@ -107,6 +111,30 @@ static VKAPI_ATTR void VKAPI_CALL release(VkDevice dev, VkDeviceMemory mem,
 	pthread_mutex_unlock(&mu);
 }
 
+static VKAPI_ATTR VkResult VKAPI_CALL map(VkDevice dev, VkDeviceMemory mem, VkDeviceSize offset,
+					  VkDeviceSize size, VkMemoryMapFlags flags, void **data)
+{
+	VkResult r = next_map(dev, mem, offset, size, flags, data);
+	pthread_mutex_lock(&mu);
+	for (struct held *h = helds; r == VK_SUCCESS && h; h = h->next)
+		if (h->mem == mem)
+			log_line("map", now(), h->size);
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR void VKAPI_CALL copy(VkCommandBuffer cb, VkBuffer src, VkBuffer dst, uint32_t n,
+				       const VkBufferCopy *regions)
+{
+	unsigned long long sum = 0;
+	for (uint32_t k = 0; k < n; k++)
+		sum += regions[k].size;
+	next_copy(cb, src, dst, n, regions);
+	pthread_mutex_lock(&mu);
+	log_line("copy", now(), sum);
+	pthread_mutex_unlock(&mu);
+}
+
 static VKAPI_ATTR VkResult VKAPI_CALL create_buffer(VkDevice dev, const VkBufferCreateInfo *ci,
 						    const VkAllocationCallbacks *cb, VkBuffer *out)
 {
@@ -150,6 +178,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	next_alloc = (PFN_vkAllocateMemory)next_gdpa(*out, "vkAllocateMemory");
 	next_free = (PFN_vkFreeMemory)next_gdpa(*out, "vkFreeMemory");
 	next_create_buffer = (PFN_vkCreateBuffer)next_gdpa(*out, "vkCreateBuffer");
+	next_map = (PFN_vkMapMemory)next_gdpa(*out, "vkMapMemory");
+	next_copy = (PFN_vkCmdCopyBuffer)next_gdpa(*out, "vkCmdCopyBuffer");
 	return r;
 }
 
@@ -165,6 +195,10 @@ static PFN_vkVoidFunction ours(const char *name)
 		return (PFN_vkVoidFunction)create_buffer;
 	if (!strcmp(name, "vkCreateDevice"))
 		return (PFN_vkVoidFunction)create_device;
+	if (!strcmp(name, "vkMapMemory"))
+		return (PFN_vkVoidFunction)map;
+	if (!strcmp(name, "vkCmdCopyBuffer"))
+		return (PFN_vkVoidFunction)copy;
 	return NULL;
 }
 
