@@ -193,8 +193,11 @@ static int copy_out(char *why, size_t len, size_t *bytes, size_t *copied)
 		if (!writes_since(m))
 			continue; /* its host copy is right: the memory is freed at once */
 		if ((r = stage_host(m)) != VK_SUCCESS) {
-			snprintf(why, len, "no host memory for %llu bytes (%d)",
-				 (unsigned long long)m->size, (int)r);
+			if (r == VK_ERROR_FEATURE_NOT_PRESENT)
+				snprintf(why, len, "the device cannot copy its memory to the host");
+			else
+				snprintf(why, len, "no host memory for %llu bytes (%d)",
+					 (unsigned long long)m->size, (int)r);
 			stage_flush(r);
 			return -1;
 		}
