@@ -201,6 +201,34 @@ def test_contents_survive_swaps_and_no_work_runs_while_released(
     assert turns_then_stop(rig, spawn, job, 5, held) == ""  # nothing said on the happy path
 
 
+def types_seen(rig: Rig, spawn: Spawn, *opts: str) -> list[str]:
+    """The memory types the program sees (``type INDEX FLAGS HEAP``) and what mapping its
+    data memory (device-local) returned (``map RESULT``): without vramlock when no
+    ``opts``, else under ``vramlock run OPTS``."""
+    env = rig.env("prog", VK_PROG_TYPES="1")
+    if not opts:
+        argv = [str(rig.built.program), "64"]
+    else:
+        argv = vramlock("run", "--arena", str(rig.arena), *opts, "--",
+                        str(rig.built.program), "64")  # fmt: skip
+    job = spawn(argv, env=env)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    return out.splitlines()
+
+
+def test_device_local_memory_is_shown_unmappable_and_host_memory_added(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """Lavapipe has one memory type with every flag (device-local, host-visible, coherent,
+    cached). Under the layer the program sees it device-local only, and cannot map memory
+    of it (VK_ERROR_MEMORY_MAP_FAILED, -5); a second type, host-visible, coherent and
+    cached but not device-local, in the same heap, is added for what it maps."""
+    assert types_seen(rig, spawn) == ["type 0 0xf 0", "map 0"]
+    shown = types_seen(rig, spawn, "--release", "swap-vulkan")
+    assert shown == ["type 0 0x1 0", "type 1 0xe 0", "map -5"]
+
+
 def programs(program: Path) -> list[int]:
     """The processes running ``program`` now."""
     found = []

@@ -10,7 +10,9 @@
  * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. With
  * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
  * recorded once and submitted every round (the layer must refuse to swap that); with
- * VK_PROG_ADDRESS=1 it takes its data buffer's device address.
+ * VK_PROG_ADDRESS=1 it takes its data buffer's device address. With VK_PROG_TYPES set
+ * it prints the memory types it sees (`type INDEX FLAGS HEAP`) and what vkMapMemory
+ * of its data memory returned (`map RESULT`), and exits.
  *
  * With VK_PROG_INPUT=ro it has an input buffer too (device memory, never mapped, twice
  * the data buffer's size, its first half read), filled once with input(i): the kernel
@@ -251,6 +253,16 @@ int main(int argc, char **argv)
 				       VK_BUFFER_USAGE_TRANSFER_DST_BIT |
 				       (address ? VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT : 0),
 			       &data_mem, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+	if (getenv("VK_PROG_TYPES")) { /* the memory types it sees, and a map of its data */
+		VkPhysicalDeviceMemoryProperties p;
+		void *at;
+		vkGetPhysicalDeviceMemoryProperties(phys, &p);
+		for (uint32_t t = 0; t < p.memoryTypeCount; t++)
+			printf("type %u %#x %u\n", t, (unsigned)p.memoryTypes[t].propertyFlags,
+			       p.memoryTypes[t].heapIndex);
+		printf("map %d\n", (int)vkMapMemory(dev, data_mem, 0, VK_WHOLE_SIZE, 0, &at));
+		return 0;
+	}
 	if (address) {
 		VkBufferDeviceAddressInfo where = {
 			.sType = VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO, .buffer = data};

@@ -117,7 +117,10 @@ VULKAN = Library(
     what="the Vulkan layer",
     here=HERE / "vulkan",
     # Its parts, and the headers they share (vklayer.h says what each holds).
-    parts=("layer", "table", "record", "cmds", "engine", "stage", "writes", "spirv", "control"),
+    parts=(
+        *("layer", "table", "record", "cmds", "engine", "stage", "writes", "spirv"),
+        *("control", "memtypes"),
+    ),
     headers=("vklayer.h", "vkfuncs.h"),
     name="libvramlock-vulkan.so",
     libs=("-Wl,-z,defs", "-lpthread"),

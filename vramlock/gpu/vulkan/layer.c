@@ -11,6 +11,8 @@ struct vinst {
 	PFN_vkGetInstanceProcAddr gipa;
 	PFN_vkDestroyInstance DestroyInstance;
 	PFN_vkGetPhysicalDeviceMemoryProperties GetPhysicalDeviceMemoryProperties;
+	PFN_vkGetPhysicalDeviceMemoryProperties2 GetPhysicalDeviceMemoryProperties2;
+	PFN_vkGetPhysicalDeviceMemoryProperties2KHR GetPhysicalDeviceMemoryProperties2KHR;
 	PFN_vkGetPhysicalDeviceFeatures2 GetPhysicalDeviceFeatures2;
 	PFN_vkGetPhysicalDeviceFeatures2KHR GetPhysicalDeviceFeatures2KHR;
 	struct vinst *next;
@@ -24,6 +26,7 @@ static void *key_of(const void *dispatchable)
 {
 	return *(void *const *)dispatchable;
 }
+
 
 static struct vinst *inst_of(const void *dispatchable)
 {
@@ -89,6 +92,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_instance(const VkInstanceCreateInfo
 #define INST_FN(name) i->name = (PFN_vk##name)gipa(*out, "vk" #name)
 	INST_FN(DestroyInstance);
 	INST_FN(GetPhysicalDeviceMemoryProperties);
+	INST_FN(GetPhysicalDeviceMemoryProperties2);
+	INST_FN(GetPhysicalDeviceMemoryProperties2KHR);
 	INST_FN(GetPhysicalDeviceFeatures2);
 	INST_FN(GetPhysicalDeviceFeatures2KHR);
 #undef INST_FN
@@ -114,6 +119,19 @@ static VKAPI_ATTR void VKAPI_CALL destroy_instance(VkInstance inst,
 		}
 	pthread_mutex_unlock(&list_mu);
 	free(i);
+}
+
+void driver_memory_properties(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties *p)
+{
+	inst_of(phys)->GetPhysicalDeviceMemoryProperties(phys, p);
+}
+
+void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties2 *p,
+			       int khr)
+{
+	struct vinst *i = inst_of(phys);
+	(khr ? i->GetPhysicalDeviceMemoryProperties2KHR : i->GetPhysicalDeviceMemoryProperties2)(
+		phys, p);
 }
 
 /* The driver cannot give a buffer made again the device address it had before (no
@@ -245,6 +263,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	d->set_loader_data = set_data;
 	d->family = ci->queueCreateInfoCount ? ci->pQueueCreateInfos[0].queueFamilyIndex : 0;
 	i->GetPhysicalDeviceMemoryProperties(phys, &d->props);
+	memtypes_build(&d->props, &d->shown);
 	const char *ext = unknown_extension(ci);
 	if (ext)
 		snprintf(d->why, sizeof d->why, "the program enables %s, which the layer does not"
@@ -310,6 +329,7 @@ static PFN_vkVoidFunction ours(const char *name)
 	if (!strcmp(name, "vkDestroyDevice"))
 		return (PFN_vkVoidFunction)destroy_device;
 	table_hook(name, &fn);
+	memtypes_hook(name, &fn);
 	sets_hook(name, &fn);
 	record_hook(name, &fn);
 	engine_hook(name, &fn);
@@ -337,7 +357,11 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL instance_proc(VkInstance inst, c
 		return (PFN_vkVoidFunction)features2_khr;
 	if (active && hidden(name))
 		return NULL;
-	PFN_vkVoidFunction fn = ours(name);
+	PFN_vkVoidFunction fn = NULL;
+	memtypes_instance_hook(name, &fn);
+	if (fn)
+		return fn;
+	fn = ours(name);
 	if (fn)
 		return fn;
 	struct vinst *i = inst ? inst_of(inst) : NULL;
@@ -351,8 +375,13 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL device_proc(VkDevice dev, const 
 		return NULL;
 	if (is_ours(d) && hidden(name))
 		return NULL;
-	PFN_vkVoidFunction fn = is_ours(d) || !strcmp(name, "vkDestroyDevice") ? ours(name) : NULL;
-	return fn ? fn : d->gdpa(dev, name);
+	/* A device left alone still has its memory types translated: the program saw them
+	 * before its device was made. */
+	int wrapped = is_ours(d) || !strcmp(name, "vkDestroyDevice") ||
+		      (active && memtypes_named(name));
+	PFN_vkVoidFunction next = d->gdpa(dev, name);
+	PFN_vkVoidFunction fn = wrapped && next ? ours(name) : NULL;
+	return fn ? fn : next;
 }
 
 EXPORT VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL vkGetInstanceProcAddr(VkInstance inst,

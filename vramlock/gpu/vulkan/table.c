@@ -77,14 +77,17 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_memory(VkDevice dev, const VkMemo
 						      VkDeviceMemory *out)
 {
 	struct vdev *d = dev_of(dev);
+	VkMemoryAllocateInfo driver = *info; /* the type the program saw, the driver's */
+	driver.memoryTypeIndex = memtypes_driver(d, info->memoryTypeIndex);
 	if (!is_ours(d))
-		return d->AllocateMemory(dev, info, alloc, out);
+		return d->AllocateMemory(dev, &driver, alloc, out);
 	struct vmem *m = calloc(1, sizeof *m);
 	if (!m)
 		return VK_ERROR_OUT_OF_HOST_MEMORY;
 	m->d = d;
 	m->size = info->allocationSize;
-	m->type = info->memoryTypeIndex;
+	m->type = driver.memoryTypeIndex;
+	m->shown = info->memoryTypeIndex;
 	VkMemoryDedicatedAllocateInfo *dedicated = NULL;
 	read_chain(m, info, &dedicated);
 	/* Memory the host cannot map is copied through a buffer of the layer's own
@@ -96,7 +99,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_memory(VkDevice dev, const VkMemo
 	VkBuffer theirs = dedicated ? dedicated->buffer : VK_NULL_HANDLE;
 	if (dedicated) /* the driver's buffer, for the call only */
 		dedicated->buffer = real_buf(theirs);
-	VkResult r = d->AllocateMemory(dev, info, alloc, &m->real);
+	VkResult r = d->AllocateMemory(dev, &driver, alloc, &m->real);
 	if (dedicated)
 		dedicated->buffer = theirs;
 	if (r == VK_SUCCESS) {
@@ -143,6 +146,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL map_memory(VkDevice dev, VkDeviceMemory me
 	if (!is_ours(d))
 		return d->MapMemory(dev, mem, offset, size, flags, data);
 	struct vmem *m = (struct vmem *)mem;
+	if (!memtypes_mappable(d, m->shown))
+		return VK_ERROR_MEMORY_MAP_FAILED; /* shown device-local only (memtypes.c) */
 	gate_enter(); /* its contents are on the device only while the gate is open */
 	VkResult r = d->MapMemory(dev, m->real, offset, size, flags, data);
 	if (r == VK_SUCCESS)
@@ -283,17 +288,21 @@ static VKAPI_ATTR void VKAPI_CALL buffer_requirements(VkDevice dev, VkBuffer buf
 	gate_enter();
 	d->GetBufferMemoryRequirements(dev, is_ours(d) ? real_buf(buf) : buf, req);
 	gate_leave();
+	req->memoryTypeBits = memtypes_bits(d, req->memoryTypeBits);
 }
 
 static void requirements2(PFN_vkGetBufferMemoryRequirements2 fn, VkDevice dev,
 			  const VkBufferMemoryRequirementsInfo2 *info, VkMemoryRequirements2 *req)
 {
 	VkBufferMemoryRequirementsInfo2 copy = *info;
-	if (is_ours(dev_of(dev)))
+	struct vdev *d = dev_of(dev);
+	if (is_ours(d))
 		copy.buffer = real_buf(info->buffer);
 	gate_enter();
 	fn(dev, &copy, req);
 	gate_leave();
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
 }
 
 static VKAPI_ATTR void VKAPI_CALL buffer_requirements2(VkDevice dev,

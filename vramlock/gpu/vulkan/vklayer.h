@@ -23,6 +23,8 @@
  *  spirv.c    which descriptor bindings a shader module may write
  *  control.c  the connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same
  *             conversation as the CUDA library's
+ *  memtypes.c the memory types the program sees: device-local ones it cannot map,
+ *             and where that leaves none it can, host ones the layer adds
  *
  * Without VRAMLOCK_SWAP_SOCKET the layer stays out of the way: it wraps nothing.
  */
@@ -46,13 +48,22 @@
 #define EXPORT __attribute__((visibility("default")))
 #define LAYER_NAME "VK_LAYER_VRAMLOCK_swap"
 
+/* ---- the memory types the program sees (memtypes.c) ---------------------------- */
+
+struct memmap {
+	uint32_t count;
+	VkMemoryType types[VK_MAX_MEMORY_TYPES];
+	uint32_t driver[VK_MAX_MEMORY_TYPES]; /* each one's driver type */
+};
+
 /* ---- per device: the next layer's entry points we call ------------------------ */
 
 struct vdev {
 	VkDevice dev;
 	VkPhysicalDevice phys;
 	PFN_vkGetDeviceProcAddr gdpa;
-	VkPhysicalDeviceMemoryProperties props;
+	VkPhysicalDeviceMemoryProperties props; /* the driver's */
+	struct memmap shown;			/* what the program sees */
 	/* The device enables what the layer cannot translate: it wraps nothing
 	 * (`passive`, with why), and a release is refused. */
 	int passive;
@@ -74,7 +85,8 @@ struct vmem {
 	VkDeviceMemory real; /* VK_NULL_HANDLE while released */
 	struct vdev *d;
 	VkDeviceSize size;
-	uint32_t type;
+	uint32_t type;	/* the driver's */
+	uint32_t shown; /* the type the program allocated (memtypes.c) */
 	VkMemoryAllocateFlags flags; /* VkMemoryAllocateFlagsInfo, where given */
 	struct vbuf *dedicated;	     /* VkMemoryDedicatedAllocateInfo's buffer */
 	/* Stays on the device through a release: mapped by the program, bound to an
@@ -107,6 +119,23 @@ VkBuffer real_buf(VkBuffer b);
 int is_ours(struct vdev *d);
 struct vdev *dev_of(VkDevice dev);
 struct vdev *dev_list(void);
+
+/* layer.c: the driver's memory properties (2: the core call, or the KHR one). */
+void driver_memory_properties(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties *p);
+void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties2 *p,
+			       int khr);
+
+/* memtypes.c: the types shown for the driver's (`map`); a driver's type bits as shown,
+ * a shown type's driver type, and may the program map memory of it? */
+void memtypes_build(const VkPhysicalDeviceMemoryProperties *driver, struct memmap *map);
+uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits);
+uint32_t memtypes_driver(const struct vdev *d, uint32_t shown);
+int memtypes_mappable(const struct vdev *d, uint32_t shown);
+void memtypes_instance_hook(const char *name, PFN_vkVoidFunction *fn);
+int memtypes_hook(const char *name, PFN_vkVoidFunction *fn);
+/* Is `name` an entry point that translates memory types (the program gets ours on a
+ * device the layer otherwise leaves alone)? */
+int memtypes_named(const char *name);
 
 /* table.c */
 void table_hook(const char *name, PFN_vkVoidFunction *fn);

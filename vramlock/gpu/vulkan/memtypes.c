@@ -1,0 +1,246 @@
+/*
+ * memtypes.c: the memory types the program sees. Memory a program keeps mapped stays
+ * on the device through a release (its pointer must stay valid), and a program that
+ * finds device-local memory it may map (resizable BAR on a discrete GPU; every memory
+ * of an integrated GPU or a CPU driver) keeps its data there: llama.cpp keeps its
+ * weights, its KV cache and its compute buffers in such memory, mapped for good. So
+ * while the layer acts:
+ *
+ *  - every driver type that is device-local is shown device-local only, without
+ *    HOST_VISIBLE, HOST_COHERENT or HOST_CACHED, under its own index: the program
+ *    cannot map it (vkMapMemory is refused) and copies through its own staging
+ *    memory, as without resizable BAR; the layer still maps it itself for its copies
+ *    where the driver's type is host-visible;
+ *  - where that leaves no host-visible type at all (one type with every flag:
+ *    lavapipe, integrated GPUs), one type is added for each device-local,
+ *    host-visible driver type: host-visible with the driver type's host flags, not
+ *    device-local, backed by that driver type. What the program maps is there: it
+ *    stays on the device through a release, but it is the host's memory on such a
+ *    device.
+ *
+ * Type indices and type bits are translated wherever they cross: the properties
+ * (vkGetPhysicalDeviceMemoryProperties, 2, 2KHR), the requirements of buffers and
+ * images (memoryTypeBits), a host pointer's properties, and vkAllocateMemory's
+ * index (table.c). Without VRAMLOCK_SWAP_SOCKET (`active` 0) the driver's types are
+ * shown as they are.
+ */
+#include "vklayer.h"
+
+#define HOST_FLAGS                                                                  \
+	(VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT | \
+	 VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
+
+void memtypes_build(const VkPhysicalDeviceMemoryProperties *driver, struct memmap *map)
+{
+	VkMemoryPropertyFlags host = 0;
+	map->count = driver->memoryTypeCount;
+	for (uint32_t t = 0; t < driver->memoryTypeCount; t++) {
+		VkMemoryType type = driver->memoryTypes[t];
+		if (type.propertyFlags & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
+			type.propertyFlags &= ~(VkMemoryPropertyFlags)HOST_FLAGS;
+		map->types[t] = type;
+		map->driver[t] = t;
+		host |= type.propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT;
+	}
+	for (uint32_t t = 0; !host && t < driver->memoryTypeCount; t++) {
+		VkMemoryType type = driver->memoryTypes[t];
+		if (!(type.propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) ||
+		    map->count == VK_MAX_MEMORY_TYPES)
+			continue;
+		type.propertyFlags &= HOST_FLAGS;
+		map->types[map->count] = type;
+		map->driver[map->count++] = t;
+	}
+}
+
+/* `p` (the driver's) as the program sees it. */
+static void present(VkPhysicalDeviceMemoryProperties *p)
+{
+	struct memmap map;
+	if (!active)
+		return;
+	memtypes_build(p, &map);
+	p->memoryTypeCount = map.count;
+	memcpy(p->memoryTypes, map.types, sizeof map.types[0] * map.count);
+}
+
+uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
+{
+	uint32_t shown = 0;
+	if (!active)
+		return driver_bits;
+	for (uint32_t i = 0; i < d->shown.count; i++)
+		if (driver_bits & (1u << d->shown.driver[i]))
+			shown |= 1u << i;
+	return shown;
+}
+
+uint32_t memtypes_driver(const struct vdev *d, uint32_t shown)
+{
+	return active && shown < d->shown.count ? d->shown.driver[shown] : shown;
+}
+
+int memtypes_mappable(const struct vdev *d, uint32_t shown)
+{
+	return !active || shown >= d->shown.count ||
+	       (d->shown.types[shown].propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
+}
+
+/* ---- the physical device's properties ---------------------------------------------- */
+
+static VKAPI_ATTR void VKAPI_CALL properties(VkPhysicalDevice phys,
+					     VkPhysicalDeviceMemoryProperties *p)
+{
+	driver_memory_properties(phys, p);
+	present(p);
+}
+
+static void properties2(int khr, VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties2 *p)
+{
+	driver_memory_properties2(phys, p, khr);
+	present(&p->memoryProperties); /* the chain (a budget: heaps) is the driver's */
+}
+
+static VKAPI_ATTR void VKAPI_CALL properties2_core(VkPhysicalDevice phys,
+						   VkPhysicalDeviceMemoryProperties2 *p)
+{
+	properties2(0, phys, p);
+}
+
+static VKAPI_ATTR void VKAPI_CALL properties2_khr(VkPhysicalDevice phys,
+						  VkPhysicalDeviceMemoryProperties2 *p)
+{
+	properties2(1, phys, p);
+}
+
+void memtypes_instance_hook(const char *name, PFN_vkVoidFunction *fn)
+{
+	if (!strcmp(name, "vkGetPhysicalDeviceMemoryProperties"))
+		*fn = (PFN_vkVoidFunction)properties;
+	else if (!strcmp(name, "vkGetPhysicalDeviceMemoryProperties2"))
+		*fn = (PFN_vkVoidFunction)properties2_core;
+	else if (!strcmp(name, "vkGetPhysicalDeviceMemoryProperties2KHR"))
+		*fn = (PFN_vkVoidFunction)properties2_khr;
+}
+
+/* ---- requirements that name no buffer of ours -------------------------------------- */
+
+static VKAPI_ATTR void VKAPI_CALL image_requirements(VkDevice dev, VkImage image,
+						     VkMemoryRequirements *req)
+{
+	struct vdev *d = dev_of(dev);
+	d->GetImageMemoryRequirements(dev, image, req);
+	req->memoryTypeBits = memtypes_bits(d, req->memoryTypeBits);
+}
+
+static void image_requirements2(PFN_vkGetImageMemoryRequirements2 fn, VkDevice dev,
+				const VkImageMemoryRequirementsInfo2 *info,
+				VkMemoryRequirements2 *req)
+{
+	fn(dev, info, req);
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(dev_of(dev), req->memoryRequirements.memoryTypeBits);
+}
+
+static VKAPI_ATTR void VKAPI_CALL image_requirements2_core(
+	VkDevice dev, const VkImageMemoryRequirementsInfo2 *info, VkMemoryRequirements2 *req)
+{
+	image_requirements2(dev_of(dev)->GetImageMemoryRequirements2, dev, info, req);
+}
+
+static VKAPI_ATTR void VKAPI_CALL image_requirements2_khr(
+	VkDevice dev, const VkImageMemoryRequirementsInfo2 *info, VkMemoryRequirements2 *req)
+{
+	image_requirements2(dev_of(dev)->GetImageMemoryRequirements2KHR, dev, info, req);
+}
+
+/* vkGetDevice{Buffer,Image}MemoryRequirements (Vulkan 1.3, VK_KHR_maintenance4): from a
+ * create information, no handle. */
+static VKAPI_ATTR void VKAPI_CALL device_buffer_requirements(
+	VkDevice dev, const VkDeviceBufferMemoryRequirements *info, VkMemoryRequirements2 *req)
+{
+	struct vdev *d = dev_of(dev);
+	d->GetDeviceBufferMemoryRequirements(dev, info, req);
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
+}
+
+static VKAPI_ATTR void VKAPI_CALL device_buffer_requirements_khr(
+	VkDevice dev, const VkDeviceBufferMemoryRequirements *info, VkMemoryRequirements2 *req)
+{
+	struct vdev *d = dev_of(dev);
+	d->GetDeviceBufferMemoryRequirementsKHR(dev, info, req);
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
+}
+
+static VKAPI_ATTR void VKAPI_CALL device_image_requirements(
+	VkDevice dev, const VkDeviceImageMemoryRequirements *info, VkMemoryRequirements2 *req)
+{
+	struct vdev *d = dev_of(dev);
+	d->GetDeviceImageMemoryRequirements(dev, info, req);
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
+}
+
+static VKAPI_ATTR void VKAPI_CALL device_image_requirements_khr(
+	VkDevice dev, const VkDeviceImageMemoryRequirements *info, VkMemoryRequirements2 *req)
+{
+	struct vdev *d = dev_of(dev);
+	d->GetDeviceImageMemoryRequirementsKHR(dev, info, req);
+	req->memoryRequirements.memoryTypeBits =
+		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
+}
+
+/* VK_EXT_external_memory_host: the types a host pointer may be imported as. */
+static VKAPI_ATTR VkResult VKAPI_CALL host_pointer_properties(
+	VkDevice dev, VkExternalMemoryHandleTypeFlagBits type, const void *ptr,
+	VkMemoryHostPointerPropertiesEXT *props)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = d->GetMemoryHostPointerPropertiesEXT(dev, type, ptr, props);
+	if (r == VK_SUCCESS)
+		props->memoryTypeBits = memtypes_bits(d, props->memoryTypeBits);
+	return r;
+}
+
+/* Entry points that name a memory type or type bits and no handle of ours: also the
+ * program's on a device the layer leaves alone (it saw the types shown). */
+int memtypes_hook(const char *name, PFN_vkVoidFunction *fn)
+{
+	static const struct {
+		const char *name;
+		PFN_vkVoidFunction fn;
+	} hooks[] = {
+#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+		HOOK(GetImageMemoryRequirements, image_requirements),
+		HOOK(GetImageMemoryRequirements2, image_requirements2_core),
+		HOOK(GetImageMemoryRequirements2KHR, image_requirements2_khr),
+		HOOK(GetDeviceBufferMemoryRequirements, device_buffer_requirements),
+		HOOK(GetDeviceBufferMemoryRequirementsKHR, device_buffer_requirements_khr),
+		HOOK(GetDeviceImageMemoryRequirements, device_image_requirements),
+		HOOK(GetDeviceImageMemoryRequirementsKHR, device_image_requirements_khr),
+		HOOK(GetMemoryHostPointerPropertiesEXT, host_pointer_properties),
+#undef HOOK
+	};
+	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
+		if (!strcmp(hooks[k].name, name)) {
+			*fn = hooks[k].fn;
+			return 1;
+		}
+	return 0;
+}
+
+/* Names table.c hooks that translate a type too, on any device. */
+int memtypes_named(const char *name)
+{
+	static const char *const also[] = {
+		"vkAllocateMemory", "vkGetBufferMemoryRequirements",
+		"vkGetBufferMemoryRequirements2", "vkGetBufferMemoryRequirements2KHR",
+	};
+	PFN_vkVoidFunction unused = NULL;
+	for (size_t k = 0; k < sizeof also / sizeof *also; k++)
+		if (!strcmp(also[k], name))
+			return 1;
+	return memtypes_hook(name, &unused);
+}
