@@ -156,8 +156,8 @@ def test_auto_adds_the_library_only_where_swap_can_work(
     found = preloaded(done)
     if where == "driver and library":
         assert found["LD_PRELOAD"].endswith(".so") and found["VRAMLOCK_SWAP_SOCKET"]
-    else:
-        assert found == {}
+    else:  # (the socket may be the Vulkan layer's: tests/test_vulkan.py)
+        assert "LD_PRELOAD" not in found
 
 
 @pytest.mark.parametrize(

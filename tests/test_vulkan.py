@@ -1,4 +1,4 @@
-"""``--release swap-vulkan`` on Mesa's lavapipe (a CPU Vulkan driver); ``auto`` leaves it out.
+"""``--release swap-vulkan`` on Mesa's lavapipe (a CPU Vulkan driver), named or taken by ``auto``.
 
 The program (tests/vulkan/vk_prog.c) keeps a buffer of device memory that a kernel
 adds one to every round, and checks every word of it each round. The witness is a
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
-from helpers.commands import vramlock
-from helpers.processes import Spawn, queued, wait_until
+from helpers.commands import vramlock, who_json
+from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import ask, read_line
 
 from vramlock.gpu.cbuild import VULKAN, compiler
@@ -242,35 +242,86 @@ def programs(program: Path) -> list[int]:
     return found
 
 
-def test_auto_does_not_give_a_vulkan_program_the_layer(rig: Rig, spawn: Spawn) -> None:
-    """Nothing named: ``auto`` leaves the layer out (memory a program keeps mapped stays on
-    the device, and the layer's cost is not measured on a GPU yet). Witnessed on the
-    program's process: the libraries the loader mapped into it (the test's witness layer,
-    no vramlock one) and the layers its environment names; and on the witness layer's log:
-    the program runs on through the test's member's wait, which gets the token only once
-    the program exits (nothing released it)."""
+def mapped_by(pid: int) -> set[str]:
+    return {ln.split()[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+
+
+def strategy_of(arena: Path) -> str:
+    (row,) = [r for r in who_json(arena) if r["member"]]
+    return str(row["strategy"])
+
+
+def test_auto_swaps_a_vulkan_program(rig: Rig, spawn: Spawn) -> None:
+    """Nothing named: ``auto`` puts the layer in front of the command (its process maps
+    vramlock's layer above the test's witness), and a waiter gets the program swapped:
+    no submit of it reaches the driver in the test's member's turns, its data memory is
+    gone then, and it runs on after each with its data right, nothing said."""
     job = rig.run(spawn, "prog", "--min-hold", "0")
     assert read_line(job) == ["ready"]
     (pid,) = programs(rig.built.program)
-    mapped = {ln.split()[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+    mapped = mapped_by(pid)
     assert str(rig.built.layers / "libwitness.so") in mapped
-    assert not [m for m in mapped if "vramlock" in os.path.basename(m)], mapped
-    env = dict(
-        kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv
-    )
-    assert env[b"VK_INSTANCE_LAYERS"] == b"VK_LAYER_VRAMLOCK_TEST_witness"
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
-    wait_until(lambda: queued(holder.pid))
+    assert [m for m in mapped if os.path.basename(m).startswith("libvramlock-vulkan")], mapped
+    turns = []
+    for _ in range(3):
+        before = submitted(rig, "prog")
+        wait_until(lambda: submitted(rig, "prog") > before + 3)  # noqa: B023
+        turns.append(take_turn(rig, spawn))
+    assert strategy_of(rig.arena) == "auto:swap-vulkan"
     seen = submitted(rig, "prog")
-    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs on, the member waiting
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs again after
     rig.stop("prog").touch()
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
+    assert err == ""
+    assert not overlapping(rig.lines("prog", "submit"), turns)
+    for start, end in turns:
+        assert rig.held_at("prog", start) == rig.held_at("prog", end) == BYTES
+
+
+def test_auto_takes_its_next_way_at_once_when_the_layer_refuses(rig: Rig, spawn: Spawn) -> None:
+    """A program that takes a buffer's device address cannot be swapped: under ``auto`` the
+    first release is refused, said once with the cause (in ``who`` too), and auto takes its
+    next way at once: none here (no preset knows the program), so the waiter gets the
+    token when the program exits, and nothing hangs."""
+    job = rig.run(spawn, "prog", "--min-hold", "0", VK_PROG_ADDRESS="1")
+    assert read_line(job) == ["ready"]
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    assert job.stderr is not None
+    said = job.stderr.readline()
+    assert said.startswith("vramlock: ") and said.endswith("holding the GPU until it exits\n")
+    assert "cannot be swapped: the program uses buffer device addresses" in said, said
+    (row,) = [r for r in who_json(rig.arena) if r["member"]]
+    assert row["strategy"] == "auto:none"
+    assert "swap-vulkan refused" in row["note"] and "device addresses" in row["note"], row
+    seen = submitted(rig, "prog")
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs on, refused
+    rig.stop("prog").touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
+    assert err == ""  # said once
     held = read_line(holder)
     assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
     ask(holder, "")
+
+
+def test_the_layer_says_nothing_in_a_command_that_makes_no_vulkan_device(
+    arena: Path, tmp_path: Path
+) -> None:
+    """``auto`` names the layer to every command where it can be used; one that loads the
+    Vulkan loader and makes an instance but no device is not held, asked or told."""
+    code = (
+        "import ctypes, os; v = ctypes.CDLL('libvulkan.so.1'); info = (ctypes.c_uint32 * 16)();"
+        " info[0] = 1; inst = ctypes.c_void_p();"
+        " assert v.vkCreateInstance(ctypes.byref(info), None, ctypes.byref(inst)) == 0;"
+        " v.vkDestroyInstance(inst, None); print(os.environ['VK_INSTANCE_LAYERS'])"
+    )
+    done = subprocess.run(vramlock("run", "--arena", str(arena), "--", "python3", "-c", code),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.split(":")[0].strip() == "VK_LAYER_VRAMLOCK_swap"
 
 
 def test_two_programs_take_turns(rig: Rig, spawn: Spawn) -> None:

@@ -6,19 +6,24 @@ its mind as it learns more. It never picks a strategy that throws away a job's w
   exits, as under ``flock(1)``, until one of the events below. Where ``swap`` can work
   here (a driver with virtual memory management, its library built or buildable), the
   library goes in front of the command as well, unless a preset sees the engine spread
-  over several GPU processes (they share memory in a way the library cannot serve).
+  over several GPU processes (they share memory in a way the library cannot serve); and
+  where the Vulkan layer can (a Vulkan loader, the layer built or buildable), the layer
+  too, on the same hub.
 - The command says hello on the control channel: ``signal`` (in place of ``none`` or a
   preset: a program that speaks the protocol knows best what to keep).
 - Somebody waits, and it has not said hello within ``HELLO_GRACE`` of its start, or its
   preset is about to release it: the first of ``FOR_A_WAITER`` that finds work in it:
-  ``swap`` once its CUDA processes joined the library (and none runs CUDA without it),
-  its engine's preset, ``checkpoint`` for a CUDA program the driver can checkpoint.
-  When none does, the user is told once that the waiter waits, and auto looks again
-  every ``LOOK_AGAIN`` (a command still starting may join the library later).
+  ``swap-vulkan`` once its Vulkan processes joined through the layer (and none runs
+  Vulkan or CUDA without it), ``swap`` once its CUDA processes joined the library (and
+  none runs CUDA without it), its engine's preset, ``checkpoint`` for a CUDA program the
+  driver can checkpoint. When none does, the user is told once that the waiter waits,
+  and auto looks again every ``LOOK_AGAIN`` (a command still starting may join the
+  library later).
 - A release is refused for good (a process that cannot be swapped, a checkpoint the
   driver refuses): the next of ``FOR_A_WAITER`` that finds work, else ``none``; a
-  strategy refused is not tried again. The control channel broke: ``none``, until a
-  new hello or the next waiter.
+  strategy refused is not tried again (``swap`` and ``swap-vulkan`` speak to the same
+  processes: one refused, both are), and the cause stays in ``who``. The control
+  channel broke: ``none``, until a new hello or the next waiter.
 """
 
 from __future__ import annotations
@@ -29,18 +34,28 @@ from contextlib import ExitStack
 
 from ..command.context import Context
 from ..errors import ControlError, Immovable
+from ..gpu.vulkan import layer_path
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
 from .none import NoneStrategy
 from .presets import PRESETS
 from .signal import SignalStrategy
-from .swap import ENV_UNREACHED, SwapStrategy
+from .swap import ENV_UNREACHED, Hub, SwapStrategy
 from .swap import usable as swap_usable
+from .vkswap import VulkanHub, VulkanSwapStrategy
+from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
 AT_START: tuple[type[Strategy], ...] = (*PRESETS.values(),)
-FOR_A_WAITER: tuple[type[Strategy], ...] = (SwapStrategy, *PRESETS.values(), CheckpointStrategy)
+FOR_A_WAITER: tuple[type[Strategy], ...] = (
+    VulkanSwapStrategy,
+    SwapStrategy,
+    *PRESETS.values(),
+    CheckpointStrategy,
+)
+# Strategies that release through the same hub: one refused, the other would be too.
+SWAPS = (SwapStrategy, VulkanSwapStrategy)
 # A command that has not said hello this long after it started is taken not to speak
 # the control protocol.
 HELLO_GRACE = 1.0
@@ -55,12 +70,16 @@ CANNOT_RELEASE = (
 )
 
 
+def spread(command: list[str]) -> bool:
+    """Does a preset see ``command``'s engine spread over several GPU processes? Neither
+    the swap library nor the Vulkan layer goes in front of it then."""
+    return any(engine.spreads(command) for engine in PRESETS.values())
+
+
 def swaps(command: list[str]) -> bool:
     """Does ``auto`` put the swap library in front of ``command``? Where it cannot work
     nothing is said: that is for an explicit ``--release swap``."""
-    if any(engine.spreads(command) for engine in PRESETS.values()):
-        return False
-    return swap_usable() is None
+    return not spread(command) and swap_usable() is None
 
 
 class AutoStrategy(Strategy):
@@ -90,9 +109,14 @@ class AutoStrategy(Strategy):
     @classmethod
     def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         prepared = cls.first(command).prepare(command, env, scratch)
+        # Said by nobody where it cannot: that is for an explicit --release swap-vulkan.
+        vulkan = not spread(command) and vulkan_usable() is None
         if swaps(command):
-            prepared = SwapStrategy.prepare(prepared, env, scratch)
+            kind = VulkanHub.maker(str(layer_path())) if vulkan else Hub
+            prepared = SwapStrategy.prepare(prepared, env, scratch, kind)
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
+        if vulkan:
+            prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
         return prepared
 
     # -- what the runner sees: the chosen strategy's facts -------------------------------
@@ -187,7 +211,10 @@ class AutoStrategy(Strategy):
         if isinstance(err, Immovable):
             self._refused.add(type(self.current))
             if isinstance(self.current, SwapStrategy):
+                self._refused.update(SWAPS)
                 self._unreached = SwapStrategy.unreached(self.ctx) or self._unreached
+            if isinstance(self.current, VulkanSwapStrategy):
+                self._unreached = f"swap-vulkan refused: {err}"
         found = self._found()
         if found is None:
             self.current = NoneStrategy(self.ctx, self.settings)

@@ -6,13 +6,14 @@ instance layers (``VK_INSTANCE_LAYERS``), and listens on the same kind of socket
 ``swap`` (``VRAMLOCK_SWAP_SOCKET``): the layer speaks the CUDA library's conversation
 (``hello``, ``release`` / ``released``, ``restore`` / ``restored``, ``refused``,
 ``failed``), so the release, its answers and the restore are ``swap``'s own. Where
-``swap`` made a hub for the command already, the layer joins it: one socket for both
-kinds of process.
+``swap`` made a hub for the command already (``auto`` makes it a ``VulkanHub``), the
+layer joins it: one socket for both kinds of process.
 
-Taken only when named: ``auto`` neither names the layer nor picks it, because memory a
-program keeps mapped stays on the device after a release (a Vulkan llama-server keeps
-its weights there, which the llama-server preset frees), and the layer's cost on a
-program that keeps the GPU has not been measured on a GPU.
+``auto`` puts the layer in front of every command where it can be used (a Vulkan loader
+here, the layer built or buildable); the layer costs nothing in a process that makes no
+Vulkan device. A command whose processes that joined the hub are all Vulkan ones (the
+layer mapped) is released with ``swap-vulkan`` when somebody waits: before the presets,
+so that a Vulkan llama-server is swapped rather than restarted.
 
 A release is refused while a process of the command has the Vulkan loader mapped
 without the layer, and was not started to load it (``VulkanHub.unverified``).
@@ -21,7 +22,7 @@ without the layer, and was not started to load it (``VulkanHub.unverified``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
 from .. import procfs
@@ -56,6 +57,25 @@ class VulkanHub(Hub):
     before it makes a device (its environment at start names this hub's socket and
     the layer)."""
 
+    def __init__(self, path: str, library: str, layer: str) -> None:
+        super().__init__(path, library)
+        self.layer = os.path.realpath(layer)  # as /proc/PID/maps names it
+
+    @classmethod
+    def maker(cls, layer: str) -> Callable[[str, str], Hub]:
+        """``swap``'s way to make its hub (``SwapStrategy.prepare``'s ``kind``) as one of
+        these, for the layer ``layer``."""
+        return lambda path, library: cls(path, library, layer)
+
+    def vulkan_peers(self) -> bool:
+        """Are the command's connected processes (one at least) all Vulkan ones, the layer
+        mapped? (Those of the CUDA library are ``swap``'s.)"""
+        if not self.joined():
+            return False
+        with self.lock:
+            pids = [p.pid for p in self.peers if not p.channel.closed]
+        return bool(pids) and all(self.layer in (procfs.mapped(pid) or ()) for pid in pids)
+
     def unverified(self, pids: list[int]) -> str | None:
         why = super().unverified(pids)
         if why is not None:
@@ -84,10 +104,12 @@ class VulkanSwapStrategy(SwapStrategy):
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
+        """Did the command's Vulkan processes join this run's hub, the layer in each, and
+        does none of them (nor any CUDA one) run without it? (For ``auto``.)"""
         hub = hub_of(ctx)
         return (
             isinstance(hub, VulkanHub)
-            and hub.joined()
+            and hub.vulkan_peers()
             and hub.unverified(ctx.child.processes()) is None
         )
 
@@ -98,10 +120,18 @@ class VulkanSwapStrategy(SwapStrategy):
             raise VulkanUnavailable(why)
 
     @classmethod
-    def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
+    def prepare(
+        cls,
+        command: list[str],
+        env: dict[str, str],
+        scratch: ExitStack,
+        kind: Callable[[str, str], Hub] | None = None,
+    ) -> list[str]:
+        """The layer before the command, on the hub made already, or on one of its own
+        (a ``VulkanHub`` whatever ``kind`` says)."""
         library = layer_path()
         if prepared_hub(env) is None:  # no CUDA hub made for the command: one of our own
-            open_hub(lambda path: VulkanHub(path, str(library)), env, scratch)
+            open_hub(lambda path: VulkanHub(path, str(library), str(library)), env, scratch)
         path = env[ENV_SOCKET]
         write_manifest(os.path.dirname(path), library)
         # Ours first: nearest the program, it sees every handle the program holds.
