@@ -96,8 +96,7 @@ ReleaseOpt = Annotated[
     typer.Option(
         metavar="STRATEGY",
         help="How the command gives the GPU back: auto, signal, checkpoint, swap,"
-        " swap-vulkan (only when named: auto never picks it), http, none, restart, stop,"
-        " exec.",
+        " swap-vulkan, http, none, restart, stop, exec.",
         autocompletion=_strategy_names,
     ),
 ]
