@@ -11,7 +11,6 @@ other member is a process the test owns, holding the token itself (HOLDER).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import time
@@ -19,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import ask, read_line
+from helpers.vulkan import SOURCES, STRICT, build_witness, held_at, logged, overlapping
 
 from vramlock.gpu.cbuild import VULKAN, compiler
 from vramlock.gpu.vulkan import loader_here
@@ -33,8 +32,6 @@ pytestmark = [
     pytest.mark.skipif(not loader_here(), reason="no Vulkan loader (libvulkan.so.1)"),
 ]
 
-SOURCES = ROOT / "tests" / "vulkan"
-STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
 WORDS = 1 << 18  # the program's buffer: 1 MiB, and as much again for its staging copy
 BYTES = WORDS * 4
 
@@ -71,16 +68,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     if made.returncode != 0 and "vulkan/vulkan.h" in made.stderr:
         pytest.skip("no Vulkan headers (libvulkan-dev)")
     assert made.returncode == 0, made.stderr
-    subprocess.run([cc, *STRICT, "-fPIC", "-shared", "-fvisibility=hidden", "-o",
-                    str(out / "libwitness.so"), str(SOURCES / "witness_layer.c")],
-                   check=True, timeout=120)  # fmt: skip
-    manifest = {
-        "file_format_version": "1.2.0",
-        "layer": {"name": "VK_LAYER_VRAMLOCK_TEST_witness", "type": "GLOBAL",
-                  "library_path": str(out / "libwitness.so"), "api_version": "1.3.0",
-                  "implementation_version": "1", "description": "the tests' witness"},
-    }  # fmt: skip
-    (out / "witness.json").write_text(json.dumps(manifest))
+    build_witness(cc, out)
     alone = subprocess.run([str(out / "vk_prog"), "64"], env=dict(os.environ, VK_PROG_STOP="/"),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     if alone.returncode != 0:
@@ -114,15 +102,11 @@ class Rig:
 
     def lines(self, name: str, kind: str) -> list[tuple[int, int]]:
         """The witness's lines of ``kind`` so far (complete lines only)."""
-        if not self.log(name).exists():
-            return []
-        text = self.log(name).read_text()
-        rows = (ln.split() for ln in text[: text.rfind("\n") + 1].splitlines())
-        return [(int(a), int(b)) for k, a, b in rows if k == kind]
+        return logged(self.log(name), kind)
 
     def held_at(self, name: str, ns: int) -> int:
         """The device memory the program held at the driver at ``ns``."""
-        return ([b for at, b in self.lines(name, "memory") if at <= ns] or [0])[-1]
+        return held_at(self.log(name), ns)
 
 
 @pytest.fixture
@@ -145,10 +129,6 @@ def take_turn(rig: Rig, spawn: Spawn) -> tuple[int, int]:
 
 def submitted(rig: Rig, name: str) -> int:
     return len(rig.lines(name, "submit"))
-
-
-def overlapping(work: list[tuple[int, int]], turns: list[tuple[int, int]]) -> list[object]:
-    return [(w, t) for w in work for t in turns if w[0] <= t[1] and w[1] >= t[0]]
 
 
 def turns_then_stop(
@@ -302,6 +282,35 @@ def test_auto_takes_its_next_way_at_once_when_the_layer_refuses(rig: Rig, spawn:
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
     assert err == ""  # said once
+    held = read_line(holder)
+    assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
+    ask(holder, "")
+
+
+def test_under_auto_a_process_that_cannot_reach_vramlock_runs_without_swap(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """Its process cannot reach the run's socket (here: the command points it elsewhere):
+    under ``auto`` it runs on, left alone by the layer (never blocked), a waiter is told
+    once why it keeps the GPU, and gets the token when the program exits."""
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--", "sh", "-c",
+                    'VRAMLOCK_SWAP_SOCKET=/nonexistent/control exec "$0" "$1"',
+                    str(rig.built.program), str(WORDS))  # fmt: skip
+    job = spawn(argv, env=rig.env("prog"))
+    assert read_line(job) == ["ready"]
+    script = rig.tmp / "holder.py"
+    script.write_text(HOLDER)
+    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    assert job.stderr is not None
+    said = job.stderr.readline()
+    assert said.startswith("vramlock: ") and "keeps it until it exits" in said, said
+    assert "could not reach vramlock run (No such file or directory)" in said, said
+    seen = submitted(rig, "prog")
+    wait_until(lambda: submitted(rig, "prog") > seen + 3)  # it runs on
+    rig.stop("prog").touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split()[-1] == "ok", (out, err)
+    assert err == ""
     held = read_line(holder)
     assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
     ask(holder, "")

@@ -117,6 +117,7 @@ class AutoStrategy(Strategy):
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
         if vulkan:
             prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
+            env[ENV_UNREACHED] = "run"  # nor does the layer hold one that cannot reach us
         return prepared
 
     # -- what the runner sees: the chosen strategy's facts -------------------------------

@@ -8,11 +8,13 @@
 #include "vklayer.h"
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
 int active;
 int tracing;
+int unreached;
 static int control_fd = -1;
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int greeted;
@@ -130,20 +132,43 @@ static int start_thread(void)
 	return e;
 }
 
+/* vramlock run cannot be reached (`err`): under auto (VRAMLOCK_SWAP_UNREACHED=run, as the
+ * CUDA library reads it) the process runs without swap, its devices left alone, and
+ * says so in a mapping vramlock run reads in /proc/PID/maps whatever this process's
+ * user or mount namespace ("vramlock-swap-unreached:<errno>", the CUDA library's name):
+ * a release is then refused, never waited for. Elsewhere its GPU work stays blocked. */
+static int run_unreached(int err)
+{
+	const char *setting = getenv("VRAMLOCK_SWAP_UNREACHED");
+	char name[64];
+	if (!setting || strcmp(setting, "run"))
+		return 0;
+	snprintf(name, sizeof name, "vramlock-swap-unreached:%d", err);
+	int fd = memfd_create(name, MFD_CLOEXEC);
+	if (fd >= 0 && !ftruncate(fd, 4096))
+		mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+	if (fd >= 0)
+		close(fd);
+	unreached = 1;
+	gate_open_locked();
+	return 1;
+}
+
 static void connect_control(void)
 {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
 	const char *why = NULL;
+	int err = 0;
 	char hello[64];
 	control_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (!sock_path[0])
-		why = "the socket path is too long";
+		why = "the socket path is too long", err = ENAMETOOLONG;
 	else if (control_fd < 0)
-		why = strerror(errno);
+		why = strerror(err = errno);
 	if (!why) {
 		memcpy(addr.sun_path, sock_path, sizeof addr.sun_path);
 		if (connect(control_fd, (struct sockaddr *)&addr, sizeof addr))
-			why = strerror(errno);
+			why = strerror(err = errno);
 	}
 	snprintf(hello, sizeof hello, "hello %d", (int)getpid());
 	if (!why && send_line(hello))
@@ -151,7 +176,11 @@ static void connect_control(void)
 	if (!why && start_thread())
 		why = "cannot start the control thread";
 	pthread_mutex_lock(&mu);
-	if (why) {
+	if (why && err && run_unreached(err)) {
+		TRACE("cannot reach vramlock run at %s (%s): this process runs without swap",
+		      sock_path, why);
+		greeted = 1;
+	} else if (why) {
 		say("cannot reach vramlock run at %s (%s): GPU work stays blocked", sock_path, why);
 		greeted = 1;
 	}

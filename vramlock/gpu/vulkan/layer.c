@@ -270,6 +270,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 			 " translate", ext);
 	else if (sparse_enabled(ci))
 		snprintf(d->why, sizeof d->why, "the program enables sparse binding");
+	else if (unreached)
+		snprintf(d->why, sizeof d->why, "the process could not reach vramlock run");
 	d->passive = d->why[0] != 0;
 	if (active && d->passive)
 		TRACE("device %p left alone: %s", (void *)*out, d->why);

@@ -214,6 +214,9 @@ void spirv_writes_free(struct spv_writes *w);
 int control_setup(void);
 void control_join(void); /* at the first instance: hello, and wait for the word */
 extern int active;
+/* vramlock run could not be reached and the process runs without swap (control.c): every
+ * device it makes is left alone. */
+extern int unreached;
 void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 extern int tracing;
 #define TRACE(...)                      \
