@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
-from helpers.swap_rig import ask, read_line
+from helpers.swap_rig import Fakes, ask, during, make_rig, read_line
+from helpers.swap_rig import take_turn as cuda_turn
 from helpers.vulkan import SOURCES, STRICT, build_witness, held_at, logged, overlapping
 
 from vramlock.gpu.cbuild import VULKAN, compiler
@@ -314,6 +315,46 @@ def test_under_auto_a_process_that_cannot_reach_vramlock_runs_without_swap(
     held = read_line(holder)
     assert held[0] == "held" and int(held[1]) > rig.lines("prog", "submit")[-1][1]
     ask(holder, "")
+
+
+def test_auto_swaps_cuda_and_vulkan_processes_of_one_command_together(
+    rig: Rig, spawn: Spawn, fakes: Fakes, tmp_path: Path
+) -> None:
+    """A command of a CUDA process (the fake driver's program) and a Vulkan one: auto puts
+    the library and the layer in front, both join one socket, and a waiter gets both
+    swapped by one release (``auto:swap``): in the test's member's turns no launch reaches
+    the fake driver and it holds no memory, no submit reaches lavapipe and the Vulkan
+    program holds only its mapped staging memory."""
+    (tmp_path / "cuda").mkdir()
+    cuda = make_rig(fakes, rig.arena, tmp_path / "cuda")
+    stop = tmp_path / "cuda.stop"
+    env = dict(rig.env("prog"), SWAP_PROG_STOP=str(stop))
+    env.update(
+        (k, cuda.env[k]) for k in ("LD_LIBRARY_PATH", "FAKE_CUDA_PHYS", "FAKE_CUDA_LAUNCH_LOG")
+    )
+    argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--", "sh", "-c",
+                    '"$0" 60 & "$1" "$2"; wait', str(fakes.program), str(rig.built.program),
+                    str(WORDS))  # fmt: skip
+    job = spawn(argv, env=env)
+    assert read_line(job) == read_line(job) == ["ready"]
+    turns = []
+    for _ in range(3):
+        before, launched = submitted(rig, "prog"), len(cuda.launches())
+        wait_until(lambda: submitted(rig, "prog") > before + 3)  # noqa: B023
+        wait_until(lambda: len(cuda.launches()) > launched + 20)  # noqa: B023
+        turns.append(cuda_turn(cuda, spawn))
+    assert strategy_of(rig.arena) == "auto:swap"
+    stop.touch()
+    rig.stop("prog").touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and out.split().count("ok") == 1, (out, err)
+    assert err == ""
+    assert all(t.phys == (0, 0) for t in turns), turns
+    assert not during(cuda.launches(), turns)
+    spans = [(t.start, t.end) for t in turns]
+    assert not overlapping(rig.lines("prog", "submit"), spans)
+    for start, end in spans:
+        assert rig.held_at("prog", start) == rig.held_at("prog", end) == BYTES
 
 
 def test_the_layer_says_nothing_in_a_command_that_makes_no_vulkan_device(
