@@ -322,7 +322,8 @@ def test_auto_swaps_cuda_and_vulkan_processes_of_one_command_together(
 ) -> None:
     """A command of a CUDA process (the fake driver's program) and a Vulkan one: auto puts
     the library and the layer in front, both join one socket, and a waiter gets both
-    swapped by one release (``auto:swap``): in the test's member's turns no launch reaches
+    swapped by one release (``auto:swap-vulkan``, which checks both kinds of process
+    before it releases): in the test's member's turns no launch reaches
     the fake driver and it holds no memory, no submit reaches lavapipe and the Vulkan
     program holds only its mapped staging memory."""
     (tmp_path / "cuda").mkdir()
@@ -343,7 +344,7 @@ def test_auto_swaps_cuda_and_vulkan_processes_of_one_command_together(
         wait_until(lambda: submitted(rig, "prog") > before + 3)  # noqa: B023
         wait_until(lambda: len(cuda.launches()) > launched + 20)  # noqa: B023
         turns.append(cuda_turn(cuda, spawn))
-    assert strategy_of(rig.arena) == "auto:swap"
+    assert strategy_of(rig.arena) == "auto:swap-vulkan"
     stop.touch()
     rig.stop("prog").touch()
     out, err = job.communicate(timeout=60)

@@ -13,12 +13,12 @@ its mind as it learns more. It never picks a strategy that throws away a job's w
   preset: a program that speaks the protocol knows best what to keep).
 - Somebody waits, and it has not said hello within ``HELLO_GRACE`` of its start, or its
   preset is about to release it: the first of ``FOR_A_WAITER`` that finds work in it:
-  ``swap-vulkan`` once its Vulkan processes joined through the layer (and none runs
-  Vulkan or CUDA without it), ``swap`` once its CUDA processes joined the library (and
-  none runs CUDA without it), its engine's preset, ``checkpoint`` for a CUDA program the
-  driver can checkpoint. When none does, the user is told once that the waiter waits,
-  and auto looks again every ``LOOK_AGAIN`` (a command still starting may join the
-  library later).
+  ``swap-vulkan`` once a Vulkan process joined through the layer (and none runs Vulkan
+  without the layer or CUDA without the library; CUDA processes are swapped with it),
+  ``swap`` once its CUDA processes joined the library (and none runs CUDA without it),
+  its engine's preset, ``checkpoint`` for a CUDA program the driver can checkpoint.
+  When none does, the user is told once that the waiter waits, and auto looks again
+  every ``LOOK_AGAIN`` (a command still starting may join the library later).
 - A release is refused for good (a process that cannot be swapped, a checkpoint the
   driver refuses): the next of ``FOR_A_WAITER`` that finds work, else ``none``; a
   strategy refused is not tried again (``swap`` and ``swap-vulkan`` speak to the same
@@ -34,16 +34,15 @@ from contextlib import ExitStack
 
 from ..command.context import Context
 from ..errors import ControlError, Immovable
-from ..gpu.vulkan import layer_path
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
 from .none import NoneStrategy
 from .presets import PRESETS
 from .signal import SignalStrategy
-from .swap import ENV_UNREACHED, Hub, SwapStrategy
+from .swap import ENV_UNREACHED, SwapStrategy
 from .swap import usable as swap_usable
-from .vkswap import VulkanHub, VulkanSwapStrategy
+from .vkswap import VulkanSwapStrategy
 from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
@@ -112,8 +111,7 @@ class AutoStrategy(Strategy):
         # Said by nobody where it cannot: that is for an explicit --release swap-vulkan.
         vulkan = not spread(command) and vulkan_usable() is None
         if swaps(command):
-            kind = VulkanHub.maker(str(layer_path())) if vulkan else Hub
-            prepared = SwapStrategy.prepare(prepared, env, scratch, kind)
+            prepared = SwapStrategy.prepare(prepared, env, scratch)
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
         if vulkan:
             prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)

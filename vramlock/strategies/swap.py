@@ -514,17 +514,9 @@ class SwapStrategy(Strategy):
             raise SwapUnavailable(why)
 
     @classmethod
-    def prepare(
-        cls,
-        command: list[str],
-        env: dict[str, str],
-        scratch: ExitStack,
-        kind: Callable[[str, str], Hub] = Hub,
-    ) -> list[str]:
-        """``kind`` makes the hub (its socket's path, the library's): ``auto`` gives one
-        that knows the command's Vulkan processes too, where the Vulkan layer joins it."""
+    def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         library = str(library_path())
-        hub = open_hub(lambda path: kind(path, library), env, scratch)
+        hub = open_hub(lambda path: Hub(path, library), env, scratch)
         if hub.abstract:
             env[ENV_ABSTRACT] = hub.abstract
         env[ENV_UNREACHED] = "exit"  # auto says "run"

@@ -6,23 +6,25 @@ instance layers (``VK_INSTANCE_LAYERS``), and listens on the same kind of socket
 ``swap`` (``VRAMLOCK_SWAP_SOCKET``): the layer speaks the CUDA library's conversation
 (``hello``, ``release`` / ``released``, ``restore`` / ``restored``, ``refused``,
 ``failed``), so the release, its answers and the restore are ``swap``'s own. Where
-``swap`` made a hub for the command already (``auto`` makes it a ``VulkanHub``), the
-layer joins it: one socket for both kinds of process.
+``swap`` made a hub for the command already, the layer joins it: one socket for both
+kinds of process.
 
 ``auto`` puts the layer in front of every command where it can be used (a Vulkan loader
 here, the layer built or buildable); the layer costs nothing in a process that makes no
-Vulkan device. A command whose processes that joined the hub are all Vulkan ones (the
-layer mapped) is released with ``swap-vulkan`` when somebody waits: before the presets,
-so that a Vulkan llama-server is swapped rather than restarted.
+Vulkan device. A command of which a Vulkan process (the layer mapped) joined the hub is
+released with ``swap-vulkan`` when somebody waits: before the presets, so that a Vulkan
+llama-server is swapped rather than restarted; a command of CUDA and Vulkan processes
+too (the release tells every process that joined, CUDA ones included).
 
 A release is refused while a process of the command has the Vulkan loader mapped
-without the layer, and was not started to load it (``VulkanHub.unverified``).
+without the layer, and was not started to load it (``vulkan_unverified``), as ``swap``'s
+is for CUDA.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 
 from .. import procfs
@@ -51,67 +53,61 @@ def _vulkan(paths: set[str]) -> bool:
     return any(os.path.basename(p).startswith(LOADER) for p in paths)
 
 
-class VulkanHub(Hub):
-    """``swap``'s hub, which also knows the command's Vulkan processes: each that has
-    the loader mapped must be a peer, or be one that will load the layer and join
-    before it makes a device (its environment at start names this hub's socket and
-    the layer)."""
+def vulkan_peers(hub: Hub) -> bool:
+    """Is one of the processes connected to ``hub`` a Vulkan one, the layer mapped?"""
+    if not hub.joined():
+        return False
+    with hub.lock:
+        pids = [p.pid for p in hub.peers if not p.channel.closed]
+    layer = os.path.realpath(layer_path())  # as /proc/PID/maps names it
+    return any(layer in (procfs.mapped(pid) or ()) for pid in pids)
 
-    def __init__(self, path: str, library: str, layer: str) -> None:
-        super().__init__(path, library)
-        self.layer = os.path.realpath(layer)  # as /proc/PID/maps names it
 
-    @classmethod
-    def maker(cls, layer: str) -> Callable[[str, str], Hub]:
-        """``swap``'s way to make its hub (``SwapStrategy.prepare``'s ``kind``) as one of
-        these, for the layer ``layer``."""
-        return lambda path, library: cls(path, library, layer)
-
-    def vulkan_peers(self) -> bool:
-        """Are the command's connected processes (one at least) all Vulkan ones, the layer
-        mapped? (Those of the CUDA library are ``swap``'s.)"""
-        if not self.joined():
-            return False
-        with self.lock:
-            pids = [p.pid for p in self.peers if not p.channel.closed]
-        return bool(pids) and all(self.layer in (procfs.mapped(pid) or ()) for pid in pids)
-
-    def unverified(self, pids: list[int]) -> str | None:
-        why = super().unverified(pids)
-        if why is not None:
-            return why
-        with self.lock:
-            peers = {p.pid for p in self.peers if not p.channel.closed}
-        for pid in pids:
-            paths = procfs.mapped(pid)
-            if pid in peers or paths is None or not _vulkan(paths):
-                continue
-            env = procfs.environ(pid)
-            layers = env.get(ENV_LAYERS, "").split(":")
-            if env.get(ENV_SOCKET) == self.path and LAYER_NAME in layers:
-                continue  # no device before it joins (told release if it does)
-            return (
-                f"process {pid} of the command uses Vulkan without the vramlock layer (were"
-                f" {ENV_LAYERS} or {ENV_SOCKET} changed on the way?)"
-            )
-        return None
+def vulkan_unverified(hub: Hub, pids: list[int]) -> str | None:
+    """Why a release through ``hub`` cannot reach every Vulkan process among ``pids``, or
+    None when it can: each that has the loader mapped must be connected, or be one that
+    will load the layer and join before it makes a device (its environment at start
+    names the hub's socket and the layer). ``hub.unverified`` says it for CUDA."""
+    with hub.lock:
+        peers = {p.pid for p in hub.peers if not p.channel.closed}
+    for pid in pids:
+        paths = procfs.mapped(pid)
+        if pid in peers or paths is None or not _vulkan(paths):
+            continue
+        env = procfs.environ(pid)
+        layers = env.get(ENV_LAYERS, "").split(":")
+        if env.get(ENV_SOCKET) == hub.path and LAYER_NAME in layers:
+            continue  # no device before it joins (told release if it does)
+        return (
+            f"process {pid} of the command uses Vulkan without the vramlock layer (were"
+            f" {ENV_LAYERS} or {ENV_SOCKET} changed on the way?)"
+        )
+    return None
 
 
 class VulkanSwapStrategy(SwapStrategy):
-    """Swap every Vulkan process of the command out to host memory, and back."""
+    """Swap every Vulkan process of the command out to host memory, and back (and every
+    CUDA one with them, where the swap library is in front of the command as well)."""
 
     name = "swap-vulkan"
 
     @classmethod
     def finds_work(cls, ctx: Context) -> bool:
-        """Did the command's Vulkan processes join this run's hub, the layer in each, and
-        does none of them (nor any CUDA one) run without it? (For ``auto``.)"""
+        """Did a Vulkan process of the command join this run's hub, and does none of its
+        processes run Vulkan without the layer, or CUDA without the library? (For
+        ``auto``.)"""
         hub = hub_of(ctx)
+        pids = ctx.child.processes()
         return (
-            isinstance(hub, VulkanHub)
-            and hub.vulkan_peers()
-            and hub.unverified(ctx.child.processes()) is None
+            hub is not None
+            and vulkan_peers(hub)
+            and hub.unverified(pids) is None
+            and vulkan_unverified(hub, pids) is None
         )
+
+    def _unverified(self, deadline: float | None) -> str | None:
+        why = super()._unverified(deadline)
+        return why if why is not None else vulkan_unverified(self.hub, self.ctx.child.processes())
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
@@ -120,18 +116,10 @@ class VulkanSwapStrategy(SwapStrategy):
             raise VulkanUnavailable(why)
 
     @classmethod
-    def prepare(
-        cls,
-        command: list[str],
-        env: dict[str, str],
-        scratch: ExitStack,
-        kind: Callable[[str, str], Hub] | None = None,
-    ) -> list[str]:
-        """The layer before the command, on the hub made already, or on one of its own
-        (a ``VulkanHub`` whatever ``kind`` says)."""
+    def prepare(cls, command: list[str], env: dict[str, str], scratch: ExitStack) -> list[str]:
         library = layer_path()
         if prepared_hub(env) is None:  # no CUDA hub made for the command: one of our own
-            open_hub(lambda path: VulkanHub(path, str(library), str(library)), env, scratch)
+            open_hub(lambda path: Hub(path, str(library)), env, scratch)
         path = env[ENV_SOCKET]
         write_manifest(os.path.dirname(path), library)
         # Ours first: nearest the program, it sees every handle the program holds.
