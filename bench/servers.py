@@ -1,9 +1,11 @@
 """Two real llama-servers taking turns behind ``--demand listen``: restart vs the preset,
-and on a GPU swap and checkpoint too.
+and on a GPU swap, checkpoint and the Vulkan layer too.
 
     python bench/servers.py [--alternations 50] [--ctx 4096] [--json PATH] [--timeout S] [--trace]
     python bench/servers.py --binary CUDA_SERVER --model GGUF --ngl 99 --ctx 8192 \
         --prompt-tokens 3900 --alternations 20 --modes swap,checkpoint,preset,restart
+    python bench/servers.py --binary VULKAN_SERVER --model GGUF --ngl 99 --ctx 8192 \
+        --prompt-tokens 3900 --alternations 20 --modes swap-vulkan,preset
 
 Each server's first release comes after its warm request and ``--settle`` idle seconds
 (under swap its host copies are made ready meanwhile): the *first switch* is the request
@@ -13,14 +15,16 @@ hold server 1's start too (its model's load), as server 1 may have taken the tok
 and loaded before server 0, or not (the JSON has it, as ``warm_s``). *Released keeps* is
 what NVML shows the server just released holding, after each request (a GPU only), and
 after ``--pause`` idle seconds, if given, before the next request goes to it (long enough
-under ``VRAMLOCK_PARK_AFTER=0`` for it to park: a cold parked return).
+under ``VRAMLOCK_PARK_AFTER=0`` for it to park: a cold parked return); the JSON has what
+the one that answered held then (``held``): the difference is what a restore copies back.
 
 By default it runs the CPU llama-server that ``tools/llama_server.py`` builds and caches,
 with the tiny model ``tools/tiny_gguf.py`` writes (``--binary`` and ``--model`` name
 others; ``--ngl`` puts that many layers on the GPU). For each of ``--modes`` (one after
 the other, in one run: ``restart`` is ``--release restart``, ``preset`` is ``--release
-http --preset llama-server``, ``swap`` and ``checkpoint`` are those releases), two
-servers are wrapped as
+http --preset llama-server``, ``swap``, ``checkpoint`` and ``swap-vulkan`` are those
+releases, ``auto`` names none: vramlock's default, which picks one), two servers are
+wrapped as
 
     vramlock run --demand listen --listen L --upstream U --min-hold 0 --idle 100ms ...
 
@@ -68,6 +72,9 @@ MODES = {
     "preset": ["--release", "http", "--preset", "llama-server"],
     "swap": ["--release", "swap"],
     "checkpoint": ["--release", "checkpoint"],
+    # A Vulkan llama-server (llama.cpp built with -DGGML_VULKAN=ON): the Vulkan layer.
+    "swap-vulkan": ["--release", "swap-vulkan"],
+    "auto": [],
 }
 
 
@@ -150,7 +157,7 @@ def alternate(
         warm.append(int(request(ports[i], prompts[i], timeout)["prompt_n"]))
         firsts.append(time.perf_counter() - t0)
         time.sleep(settle)
-    latency, prefill, cached, kept = [], [], [], []
+    latency, prefill, cached, kept, held = [], [], [], [], []
     for k in range(n):
         i = k % 2
         t0 = time.perf_counter()
@@ -161,12 +168,15 @@ def alternate(
         latency.append(time.perf_counter() - t0)
         prefill.append(float(timings["prompt_ms"]) / 1000)
         cached.append(int(timings.get("cache_n", 0)))
+        mine = held_by(procs[i].pid)  # the one that answered, resident
+        if mine is not None:
+            held.append(mine)
         time.sleep(pause)  # the one just released is asked next: idle that long
         other = held_by(procs[1 - i].pid)  # the one just released, as NVML sees it
         if other is not None:
             kept.append(other)
     return {"latency": latency, "prefill": prefill, "cache_n": cached, "prompt_n": warm,
-            "first": [latency[0]], "warm_s": firsts, "kept": kept}  # fmt: skip
+            "first": [latency[0]], "warm_s": firsts, "kept": kept, "held": held}  # fmt: skip
 
 
 def explain(mode: str, arena: str, logs: list[Path], env: dict[str, str]) -> None:
