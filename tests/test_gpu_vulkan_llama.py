@@ -197,13 +197,22 @@ def used_now() -> int:
     return sum(g.used for g in nvml.gpus())
 
 
+def quiet_base(timeout: float = 15.0) -> int:
+    """What the GPUs hold once no process is on them (past ``timeout``, with whatever
+    stays): the servers of the test before, or the bare one, may still be leaving."""
+    end = time.monotonic() + timeout
+    while nvml.processes() and time.monotonic() < end:
+        time.sleep(0.1)
+    return used_now()
+
+
 class DeviceUse(threading.Thread):
     """Every 20 ms, what the GPUs hold beyond what they held when it was made: a
     witness that does not rest on NVML's account of each process."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.base = used_now()
+        self.base = quiet_base()
         self.peak = 0
         self.stop = threading.Event()
 
