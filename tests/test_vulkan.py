@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,114 +20,24 @@ from helpers.commands import vramlock, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import Fakes, ask, during, make_rig, read_line
 from helpers.swap_rig import take_turn as cuda_turn
-from helpers.vulkan import SOURCES, STRICT, build_witness, held_at, logged, overlapping
+from helpers.vulkan import (
+    BYTES,
+    HOLDER,
+    MARKS,
+    WORDS,
+    Rig,
+    built,
+    overlapping,
+    rig,
+    submitted,
+    take_turn,
+)
 
-from vramlock.gpu.cbuild import VULKAN, compiler
-from vramlock.gpu.vulkan import loader_here
+from vramlock.gpu.cbuild import VULKAN
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(compiler() is None, reason="no C compiler"),
-    pytest.mark.skipif(not loader_here(), reason="no Vulkan loader (libvulkan.so.1)"),
-]
+__all__ = ["built", "rig"]  # fixtures
 
-WORDS = 1 << 18  # the program's buffer: 1 MiB, and as much again for its staging copy
-BYTES = WORDS * 4
-
-# A member the test owns: queues as any waiter, says when it holds the token and when
-# it lets go (monotonic ns), and lets go when told on stdin.
-HOLDER = """
-import fcntl, os, sys, time
-arena = sys.argv[1]
-want = os.open(os.path.join(arena, "want.lock"), os.O_RDWR | os.O_CLOEXEC)
-token = os.open(os.path.join(arena, "token.lock"), os.O_RDWR | os.O_CLOEXEC)
-fcntl.flock(want, fcntl.LOCK_SH)
-fcntl.flock(token, fcntl.LOCK_EX)
-print("held", time.monotonic_ns(), flush=True)
-sys.stdin.readline()
-print("leaving", time.monotonic_ns(), flush=True)
-"""
-
-
-@dataclass
-class Built:
-    program: Path
-    layers: Path  # the witness layer's manifest's directory
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    out = tmp_path_factory.mktemp("vulkan")
-    cc = compiler()
-    assert cc is not None
-    made = subprocess.run(
-        [cc, *STRICT, "-o", str(out / "vk_prog"), str(SOURCES / "vk_prog.c"), "-lvulkan"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    if made.returncode != 0 and "vulkan/vulkan.h" in made.stderr:
-        pytest.skip("no Vulkan headers (libvulkan-dev)")
-    assert made.returncode == 0, made.stderr
-    build_witness(cc, out)
-    alone = subprocess.run([str(out / "vk_prog"), "64"], env=dict(os.environ, VK_PROG_STOP="/"),
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
-    if alone.returncode != 0:
-        pytest.skip(f"no Vulkan device here (a CPU one: mesa-vulkan-drivers): {alone.stderr}")
-    return Built(out / "vk_prog", out)
-
-
-@dataclass
-class Rig:
-    built: Built
-    arena: Path
-    tmp: Path
-
-    def env(self, name: str, **extra: str) -> dict[str, str]:
-        env = dict(os.environ, VK_ADD_LAYER_PATH=str(self.built.layers),
-                   VK_INSTANCE_LAYERS="VK_LAYER_VRAMLOCK_TEST_witness",
-                   WITNESS_LOG=str(self.log(name)), VK_PROG_STOP=str(self.stop(name)))  # fmt: skip
-        env.update(extra)
-        return env
-
-    def log(self, name: str) -> Path:
-        return self.tmp / f"{name}.log"
-
-    def stop(self, name: str) -> Path:
-        return self.tmp / f"{name}.stop"
-
-    def run(self, spawn: Spawn, name: str, *opts: str, **extra: str) -> subprocess.Popen[str]:
-        argv = vramlock("run", "--arena", str(self.arena), *opts, "--",
-                        str(self.built.program), str(WORDS))  # fmt: skip
-        return spawn(argv, env=self.env(name, **extra))
-
-    def lines(self, name: str, kind: str) -> list[tuple[int, int]]:
-        """The witness's lines of ``kind`` so far (complete lines only)."""
-        return logged(self.log(name), kind)
-
-    def held_at(self, name: str, ns: int) -> int:
-        """The device memory the program held at the driver at ``ns``."""
-        return held_at(self.log(name), ns)
-
-
-@pytest.fixture
-def rig(built: Built, arena: Path, tmp_path: Path) -> Rig:
-    return Rig(built, arena, tmp_path)
-
-
-def take_turn(rig: Rig, spawn: Spawn) -> tuple[int, int]:
-    """The test's member queues, holds the token a moment, lets go: when it held it."""
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
-    held = read_line(holder)
-    assert held[0] == "held", held
-    time.sleep(0.3)  # the program keeps trying to submit meanwhile
-    left = ask(holder, "")
-    assert holder.wait(10) == 0
-    return int(held[1]), int(left[1])
-
-
-def submitted(rig: Rig, name: str) -> int:
-    return len(rig.lines(name, "submit"))
+pytestmark = MARKS
 
 
 def turns_then_stop(

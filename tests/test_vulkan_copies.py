@@ -21,9 +21,11 @@ import subprocess
 import pytest
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import read_line
-from test_vulkan import BYTES, Rig, built, pytestmark, rig, submitted, take_turn
+from helpers.vulkan import BYTES, MARKS, Rig, built, rig, submitted, take_turn
 
-__all__ = ["built", "pytestmark", "rig"]  # the fixtures and marks of test_vulkan
+__all__ = ["built", "rig"]  # fixtures
+
+pytestmark = MARKS
 
 TURNS = 4
 INPUT = 2 * BYTES  # the input buffer's allocation
