@@ -118,8 +118,8 @@ VULKAN = Library(
     here=HERE / "vulkan",
     # Its parts, and the headers they share (vklayer.h says what each holds).
     parts=(
-        *("layer", "table", "record", "cmds", "engine", "stage", "writes", "spirv"),
-        *("control", "memtypes"),
+        *("layer", "table", "record", "cmds", "cmds2", "engine", "stage", "writes"),
+        *("spirv", "control", "memtypes"),
     ),
     headers=("vklayer.h", "vkfuncs.h"),
     name="libvramlock-vulkan.so",

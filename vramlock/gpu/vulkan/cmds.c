@@ -64,7 +64,7 @@ const char *record_busy(void)
 }
 
 /* A command that names the program's buffers was recorded into `cb`. */
-static void names(VkCommandBuffer cb)
+void record_names(VkCommandBuffer cb)
 {
 	pthread_mutex_lock(&mu);
 	struct vcb *c = cb_of(cb, 1);
@@ -218,7 +218,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL reset_cb(VkCommandBuffer cb, VkCommandBuff
 		d->fn(cb, __VA_ARGS__);                    \
 		return;                                    \
 	}                                                  \
-	names(cb)
+	record_names(cb)
 
 static VKAPI_ATTR void VKAPI_CALL bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point,
 					    VkPipelineLayout layout, uint32_t first, uint32_t n,

@@ -15,6 +15,7 @@ struct vinst {
 	PFN_vkGetPhysicalDeviceMemoryProperties2KHR GetPhysicalDeviceMemoryProperties2KHR;
 	PFN_vkGetPhysicalDeviceFeatures2 GetPhysicalDeviceFeatures2;
 	PFN_vkGetPhysicalDeviceFeatures2KHR GetPhysicalDeviceFeatures2KHR;
+	int without_addresses; /* the program goes on without device addresses */
 	struct vinst *next;
 };
 
@@ -26,7 +27,6 @@ static void *key_of(const void *dispatchable)
 {
 	return *(void *const *)dispatchable;
 }
-
 
 static struct vinst *inst_of(const void *dispatchable)
 {
@@ -67,6 +67,22 @@ int is_ours(struct vdev *d)
 
 /* ---- instance ---------------------------------------------------------------- */
 
+/* Programs that take their way without buffer device addresses where the device has
+ * none, by the name they give Vulkan (VkApplicationInfo): llama.cpp's Vulkan backend
+ * (ggml-vulkan) uses them only for its im2col kernels, which have a form without, and
+ * for NVIDIA's cooperative matrices 2, which it then leaves for its other kernels. */
+static const char *const WITHOUT_ADDRESSES[] = {"ggml-vulkan"};
+
+static int goes_without_addresses(const VkInstanceCreateInfo *ci)
+{
+	const VkApplicationInfo *app = ci->pApplicationInfo;
+	for (size_t k = 0; app && k < sizeof WITHOUT_ADDRESSES / sizeof *WITHOUT_ADDRESSES; k++)
+		if ((app->pApplicationName && !strcmp(app->pApplicationName, WITHOUT_ADDRESSES[k])) ||
+		    (app->pEngineName && !strcmp(app->pEngineName, WITHOUT_ADDRESSES[k])))
+			return 1;
+	return 0;
+}
+
 static VKAPI_ATTR VkResult VKAPI_CALL create_instance(const VkInstanceCreateInfo *ci,
 						      const VkAllocationCallbacks *alloc,
 						      VkInstance *out)
@@ -89,6 +105,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_instance(const VkInstanceCreateInfo
 	i->key = key_of(*out);
 	i->inst = *out;
 	i->gipa = gipa;
+	i->without_addresses = goes_without_addresses(ci);
 #define INST_FN(name) i->name = (PFN_vk##name)gipa(*out, "vk" #name)
 	INST_FN(DestroyInstance);
 	INST_FN(GetPhysicalDeviceMemoryProperties);
@@ -134,12 +151,25 @@ void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProp
 		phys, p);
 }
 
-/* The driver cannot give a buffer made again the device address it had before (no
- * bufferDeviceAddressCaptureReplay is used yet): the program is told the feature is
- * not there, and takes its way without addresses (llama.cpp has one). */
-static void hide_addresses(const VkPhysicalDeviceFeatures2 *f)
+/* Under auto (VRAMLOCK_SWAP_UNREACHED=run: auto alone says it), or under an explicit
+ * --release swap-vulkan? */
+static int under_auto(void)
 {
-	if (!active)
+	const char *unreached = getenv("VRAMLOCK_SWAP_UNREACHED");
+	return unreached && !strcmp(unreached, "run");
+}
+
+/* The driver cannot give a buffer made again the device address it had before (no
+ * bufferDeviceAddressCaptureReplay is used yet), and a device that enables addresses
+ * is left alone (below). So that a program stays swappable, it is told the feature is
+ * not there: under an explicit --release swap-vulkan, every program; under auto, only
+ * one known to take its way without addresses (above). Any other program under auto
+ * sees every feature the driver has: it runs as without the layer, and where it enables
+ * addresses it runs unswapped. */
+static void hide_addresses(VkPhysicalDevice phys, const VkPhysicalDeviceFeatures2 *f)
+{
+	struct vinst *i = inst_of(phys);
+	if (!active || (under_auto() && !(i && i->without_addresses)))
 		return;
 	for (VkBaseOutStructure *s = (VkBaseOutStructure *)f->pNext; s; s = s->pNext) {
 		if (s->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES) {
@@ -157,14 +187,14 @@ static void hide_addresses(const VkPhysicalDeviceFeatures2 *f)
 static VKAPI_ATTR void VKAPI_CALL features2(VkPhysicalDevice phys, VkPhysicalDeviceFeatures2 *f)
 {
 	inst_of(phys)->GetPhysicalDeviceFeatures2(phys, f);
-	hide_addresses(f);
+	hide_addresses(phys, f);
 }
 
 static VKAPI_ATTR void VKAPI_CALL features2_khr(VkPhysicalDevice phys,
 						VkPhysicalDeviceFeatures2 *f)
 {
 	inst_of(phys)->GetPhysicalDeviceFeatures2KHR(phys, f);
-	hide_addresses(f);
+	hide_addresses(phys, f);
 }
 
 /* ---- device ------------------------------------------------------------------ */
@@ -189,7 +219,9 @@ static const char *const KNOWN[] = {
 	"VK_QCOM_cooperative_matrix_conversion", "VK_KHR_push_descriptor",
 	"VK_KHR_shader_atomic_int64", "VK_EXT_shader_atomic_float", "VK_KHR_driver_properties",
 	"VK_EXT_scalar_block_layout", "VK_KHR_uniform_buffer_standard_layout",
-	"VK_EXT_descriptor_indexing", "VK_KHR_shader_draw_parameters",
+	"VK_EXT_descriptor_indexing", "VK_KHR_shader_draw_parameters", "VK_KHR_synchronization2",
+	"VK_KHR_copy_commands2", "VK_KHR_descriptor_update_template",
+	"VK_EXT_extended_dynamic_state",
 };
 
 static const char *unknown_extension(const VkDeviceCreateInfo *ci)
@@ -202,6 +234,21 @@ static const char *unknown_extension(const VkDeviceCreateInfo *ci)
 			return ci->ppEnabledExtensionNames[e];
 	}
 	return NULL;
+}
+
+/* Buffer device addresses enabled: through the 1.2 features, or their own structure
+ * (core, KHR or EXT). */
+static int addresses_enabled(const VkDeviceCreateInfo *ci)
+{
+	for (const VkBaseInStructure *s = ci->pNext; s; s = s->pNext)
+		if ((s->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES &&
+		     ((const VkPhysicalDeviceVulkan12Features *)s)->bufferDeviceAddress) ||
+		    (s->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_BUFFER_DEVICE_ADDRESS_FEATURES &&
+		     ((const VkPhysicalDeviceBufferDeviceAddressFeatures *)s)->bufferDeviceAddress) ||
+		    (s->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_BUFFER_DEVICE_ADDRESS_FEATURES_EXT &&
+		     ((const VkPhysicalDeviceBufferDeviceAddressFeaturesEXT *)s)->bufferDeviceAddress))
+			return 1;
+	return 0;
 }
 
 static int sparse_enabled(const VkDeviceCreateInfo *ci)
@@ -270,6 +317,9 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 			 " translate", ext);
 	else if (sparse_enabled(ci))
 		snprintf(d->why, sizeof d->why, "the program enables sparse binding");
+	else if (addresses_enabled(ci))
+		snprintf(d->why, sizeof d->why, "the program uses buffer device addresses (it"
+			 " enables bufferDeviceAddress), which the layer cannot keep yet");
 	else if (unreached)
 		snprintf(d->why, sizeof d->why, "the process could not reach vramlock run");
 	d->passive = d->why[0] != 0;
@@ -300,28 +350,6 @@ static VKAPI_ATTR void VKAPI_CALL destroy_device(VkDevice dev, const VkAllocatio
 
 /* ---- entry points ------------------------------------------------------------ */
 
-/* Core entry points that name a buffer or device memory and that the layer does not
- * translate yet: a program that looks them up gets none while the layer acts. */
-static const char *const HIDDEN[] = {
-	"vkCmdCopyBuffer2", "vkCmdCopyBuffer2KHR", "vkCmdCopyBufferToImage2",
-	"vkCmdCopyBufferToImage2KHR", "vkCmdCopyImageToBuffer2", "vkCmdCopyImageToBuffer2KHR",
-	"vkCmdPipelineBarrier2", "vkCmdPipelineBarrier2KHR", "vkCmdWaitEvents2",
-	"vkCmdWaitEvents2KHR", "vkCmdSetEvent2", "vkCmdSetEvent2KHR", "vkCmdBindVertexBuffers2",
-	"vkCmdBindVertexBuffers2EXT", "vkGetBufferOpaqueCaptureAddress",
-	"vkGetBufferOpaqueCaptureAddressKHR", "vkGetDeviceMemoryOpaqueCaptureAddress",
-	"vkGetDeviceMemoryOpaqueCaptureAddressKHR", "vkUpdateDescriptorSetWithTemplate",
-	"vkUpdateDescriptorSetWithTemplateKHR", "vkCmdPushDescriptorSetWithTemplateKHR",
-	"vkQueueBindSparse",
-};
-
-static int hidden(const char *name)
-{
-	for (size_t k = 0; k < sizeof HIDDEN / sizeof *HIDDEN; k++)
-		if (!strcmp(HIDDEN[k], name))
-			return 1;
-	return 0;
-}
-
 /* Ours for `name`, or NULL. */
 static PFN_vkVoidFunction ours(const char *name)
 {
@@ -334,6 +362,7 @@ static PFN_vkVoidFunction ours(const char *name)
 	memtypes_hook(name, &fn);
 	sets_hook(name, &fn);
 	record_hook(name, &fn);
+	cmds2_hook(name, &fn);
 	engine_hook(name, &fn);
 	writes_hook(name, &fn);
 	return fn;
@@ -357,8 +386,6 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL instance_proc(VkInstance inst, c
 		return (PFN_vkVoidFunction)features2;
 	if (!strcmp(name, "vkGetPhysicalDeviceFeatures2KHR"))
 		return (PFN_vkVoidFunction)features2_khr;
-	if (active && hidden(name))
-		return NULL;
 	PFN_vkVoidFunction fn = NULL;
 	memtypes_instance_hook(name, &fn);
 	if (fn)
@@ -374,8 +401,6 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL device_proc(VkDevice dev, const 
 {
 	struct vdev *d = dev_of(dev);
 	if (!d)
-		return NULL;
-	if (is_ours(d) && hidden(name))
 		return NULL;
 	/* A device left alone still has its memory types translated: the program saw them
 	 * before its device was made. */

@@ -4,7 +4,8 @@
  * a restore (a program such as llama.cpp writes a set once and binds it for ever).
  * Command buffers are followed through their states: one recorded over the program's
  * buffers and not reset names buffers a release destroys, so no release is made
- * while one exists (record_busy).
+ * while one exists (record_busy). Descriptor update templates are followed too: an
+ * update through one is translated and kept as a write is.
  */
 #include "vklayer.h"
 
@@ -368,6 +369,205 @@ void record_forget_buffer(struct vbuf *gone)
 	pthread_mutex_unlock(&mu);
 }
 
+/* ---- descriptor update templates: each template's entries kept at its creation; an
+ * update through one is translated in a copy of its raw data, and its buffers kept as
+ * vkUpdateDescriptorSets' are (written again after a restore). --------------------- */
+
+struct tmpl {
+	VkDescriptorUpdateTemplate handle;
+	VkDescriptorUpdateTemplateEntry *e;
+	uint32_t n;
+	size_t size; /* how far its entries reach into the raw data */
+	struct tmpl *next;
+};
+
+static struct tmpl *templates;
+
+/* The bytes of one descriptor of type `t` in a template's raw data. */
+static size_t element_size(VkDescriptorType t)
+{
+	if (is_buffer_type(t))
+		return sizeof(VkDescriptorBufferInfo);
+	if (t == VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER ||
+	    t == VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER)
+		return sizeof(VkBufferView);
+	if (t == VK_DESCRIPTOR_TYPE_SAMPLER || t == VK_DESCRIPTOR_TYPE_COMBINED_IMAGE_SAMPLER ||
+	    t == VK_DESCRIPTOR_TYPE_SAMPLED_IMAGE || t == VK_DESCRIPTOR_TYPE_STORAGE_IMAGE ||
+	    t == VK_DESCRIPTOR_TYPE_INPUT_ATTACHMENT)
+		return sizeof(VkDescriptorImageInfo);
+	return sizeof(uint64_t); /* a handle (an acceleration structure) */
+}
+
+/* Where the entry's descriptors end in the raw data. */
+static size_t entry_end(const VkDescriptorUpdateTemplateEntry *e)
+{
+	if (e->descriptorType == VK_DESCRIPTOR_TYPE_INLINE_UNIFORM_BLOCK)
+		return e->offset + e->descriptorCount; /* its count is in bytes */
+	if (!e->descriptorCount)
+		return e->offset;
+	return e->offset + (size_t)(e->descriptorCount - 1) * e->stride +
+	       element_size(e->descriptorType);
+}
+
+static VkResult create_template(PFN_vkCreateDescriptorUpdateTemplate fn, VkDevice dev,
+				const VkDescriptorUpdateTemplateCreateInfo *ci,
+				const VkAllocationCallbacks *alloc, VkDescriptorUpdateTemplate *out)
+{
+	struct vdev *d = dev_of(dev);
+	VkResult r = fn(dev, ci, alloc, out);
+	if (r != VK_SUCCESS || !is_ours(d))
+		return r;
+	struct tmpl *t = calloc(1, sizeof *t);
+	uint32_t n = ci->descriptorUpdateEntryCount;
+	if (t && n && !(t->e = malloc(sizeof *t->e * n)))
+		free(t), t = NULL;
+	if (!t) {
+		refuse("out of host memory for a descriptor update template");
+		return r;
+	}
+	for (uint32_t k = 0; k < n; k++) {
+		t->e[k] = ci->pDescriptorUpdateEntries[k];
+		size_t end = entry_end(&t->e[k]);
+		t->size = end > t->size ? end : t->size;
+	}
+	t->n = n, t->handle = *out;
+	pthread_mutex_lock(&mu);
+	t->next = templates, templates = t;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_template_core(
+	VkDevice dev, const VkDescriptorUpdateTemplateCreateInfo *ci,
+	const VkAllocationCallbacks *alloc, VkDescriptorUpdateTemplate *out)
+{
+	return create_template(dev_of(dev)->CreateDescriptorUpdateTemplate, dev, ci, alloc, out);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL create_template_khr(
+	VkDevice dev, const VkDescriptorUpdateTemplateCreateInfo *ci,
+	const VkAllocationCallbacks *alloc, VkDescriptorUpdateTemplate *out)
+{
+	return create_template(dev_of(dev)->CreateDescriptorUpdateTemplateKHR, dev, ci, alloc, out);
+}
+
+static void destroy_template(PFN_vkDestroyDescriptorUpdateTemplate fn, VkDevice dev,
+			     VkDescriptorUpdateTemplate handle, const VkAllocationCallbacks *alloc)
+{
+	pthread_mutex_lock(&mu);
+	for (struct tmpl **p = &templates; handle && *p; p = &(*p)->next)
+		if ((*p)->handle == handle) {
+			struct tmpl *gone = *p;
+			*p = gone->next;
+			free(gone->e), free(gone);
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	fn(dev, handle, alloc);
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_template_core(VkDevice dev,
+							VkDescriptorUpdateTemplate t,
+							const VkAllocationCallbacks *alloc)
+{
+	destroy_template(dev_of(dev)->DestroyDescriptorUpdateTemplate, dev, t, alloc);
+}
+
+static VKAPI_ATTR void VKAPI_CALL destroy_template_khr(VkDevice dev,
+						       VkDescriptorUpdateTemplate t,
+						       const VkAllocationCallbacks *alloc)
+{
+	destroy_template(dev_of(dev)->DestroyDescriptorUpdateTemplateKHR, dev, t, alloc);
+}
+
+/* With `mu`: the buffer entries of `t` in `copy` (the raw data's copy) translated, each
+ * kept in `s` (where a set is written), each storage buffer written by `cb` (where
+ * pushed). */
+static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
+			       VkCommandBuffer cb)
+{
+	for (uint32_t k = 0; k < t->n; k++) {
+		const VkDescriptorUpdateTemplateEntry *te = &t->e[k];
+		if (!is_buffer_type(te->descriptorType))
+			continue;
+		uint32_t binding = te->dstBinding, element = te->dstArrayElement;
+		for (uint32_t i = 0; i < te->descriptorCount; i++, element++) {
+			VkDescriptorBufferInfo in;
+			char *at = copy + te->offset + (size_t)i * te->stride;
+			memcpy(&in, at, sizeof in); /* the raw data need not be aligned */
+			run_on(s, &binding, &element);
+			struct entry e = {binding, element, te->descriptorType,
+					  (struct vbuf *)in.buffer, in.offset, in.range};
+			if (s)
+				remember(s, &e);
+			if (cb && te->descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
+				writes_buffer_locked(cb, in.buffer);
+			in.buffer = real_buf(in.buffer);
+			memcpy(at, &in, sizeof in);
+		}
+	}
+}
+
+/* With `mu`: the raw data for `handle` translated into a copy, or NULL (refused). */
+static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, struct dset *s,
+			   VkCommandBuffer cb)
+{
+	struct tmpl *t = templates;
+	while (t && t->handle != handle)
+		t = t->next;
+	char *copy = t ? malloc(t->size ? t->size : 1) : NULL;
+	if (!copy) {
+		if (!refused[0]) /* refuse() takes `mu`: said here */
+			snprintf(refused, sizeof refused, "%s",
+				 t ? "out of host memory for its descriptor writes"
+				   : "a descriptor update template the layer did not see made");
+		return NULL;
+	}
+	memcpy(copy, data, t->size);
+	translate_template(t, copy, s, cb);
+	return copy;
+}
+
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb)
+{
+	return template_copy(t, data, NULL, cb);
+}
+
+static void update_template(PFN_vkUpdateDescriptorSetWithTemplate fn, VkDevice dev,
+			    VkDescriptorSet set, VkDescriptorUpdateTemplate t, const void *data)
+{
+	struct vdev *d = dev_of(dev);
+	if (!is_ours(d)) {
+		fn(dev, set, t, data);
+		return;
+	}
+	gate_enter();
+	pthread_mutex_lock(&mu);
+	struct dset *s = set_of(set, 1);
+	if (s)
+		s->d = d;
+	void *copy = template_copy(t, data, s, VK_NULL_HANDLE);
+	if (copy)
+		fn(dev, set, t, copy);
+	pthread_mutex_unlock(&mu);
+	gate_leave();
+	free(copy);
+}
+
+static VKAPI_ATTR void VKAPI_CALL update_template_core(VkDevice dev, VkDescriptorSet set,
+						       VkDescriptorUpdateTemplate t,
+						       const void *data)
+{
+	update_template(dev_of(dev)->UpdateDescriptorSetWithTemplate, dev, set, t, data);
+}
+
+static VKAPI_ATTR void VKAPI_CALL update_template_khr(VkDevice dev, VkDescriptorSet set,
+						      VkDescriptorUpdateTemplate t,
+						      const void *data)
+{
+	update_template(dev_of(dev)->UpdateDescriptorSetWithTemplateKHR, dev, set, t, data);
+}
+
 void sets_hook(const char *name, PFN_vkVoidFunction *fn)
 {
 	static const struct {
@@ -382,6 +582,12 @@ void sets_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(DestroyDescriptorPool, destroy_set_pool),
 		HOOK(CreateDescriptorSetLayout, create_layout),
 		HOOK(DestroyDescriptorSetLayout, destroy_layout),
+		HOOK(CreateDescriptorUpdateTemplate, create_template_core),
+		HOOK(CreateDescriptorUpdateTemplateKHR, create_template_khr),
+		HOOK(DestroyDescriptorUpdateTemplate, destroy_template_core),
+		HOOK(DestroyDescriptorUpdateTemplateKHR, destroy_template_khr),
+		HOOK(UpdateDescriptorSetWithTemplate, update_template_core),
+		HOOK(UpdateDescriptorSetWithTemplateKHR, update_template_khr),
 #undef HOOK
 	};
 	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)

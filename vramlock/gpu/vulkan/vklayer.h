@@ -14,6 +14,8 @@
  *             written again after a restore
  *  cmds.c     command buffers: their states, and the commands that name a buffer,
  *             translated
+ *  cmds2.c    their later forms (synchronization2, copy_commands2), pushed update
+ *             templates, and what only a device left alone may use (sparse binds)
  *  engine.c   the gate that holds GPU work while released; swapping out to host
  *             memory and back in
  *  stage.c    host copies, and the copies between them and the device: the
@@ -153,6 +155,9 @@ void record_forget_buffer(struct vbuf *b);
 /* With `mu`: the memory of each storage buffer the set names at `binding`
  * (UINT32_MAX: any) counts as written. */
 void record_mark_written(VkDescriptorSet set, uint32_t binding);
+/* With `mu`: a copy of an update template's raw data naming the driver's buffers (free
+ * it), each storage buffer it names written by `cb` (pushed), or NULL (refused). */
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb);
 
 /* cmds.c */
 void record_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -161,6 +166,11 @@ void record_hook(const char *name, PFN_vkVoidFunction *fn);
 const char *record_busy(void);
 /* With `mu`: `cb` was submitted (a one-time command buffer is spent). */
 void record_submitted(VkCommandBuffer cb);
+/* A command that names the program's buffers was recorded into `cb`. */
+void record_names(VkCommandBuffer cb);
+
+/* cmds2.c */
+void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
 
 /* engine.c: the gate, and the swap itself. */
 extern pthread_mutex_t mu;
@@ -189,6 +199,7 @@ extern int staging_forced;
 /* writes.c: what command buffers write, marked at submit (with `mu` where said). */
 void writes_hook(const char *name, PFN_vkVoidFunction *fn);
 void writes_buffer(VkCommandBuffer cb, VkBuffer buf); /* a command writes into buf */
+void writes_buffer_locked(VkCommandBuffer cb, VkBuffer buf); /* the same, with `mu` */
 void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t first,
 		      uint32_t n, const VkDescriptorSet *sets);
 void writes_dispatch(VkCommandBuffer cb);

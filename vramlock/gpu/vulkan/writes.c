@@ -278,16 +278,21 @@ static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding)
 	}
 }
 
-/* A command of `cb` writes into `buf` (a buffer of ours, or NULL). */
-void writes_buffer(VkCommandBuffer cb, VkBuffer buf)
+/* With `mu`: a command of `cb` writes into `buf` (a buffer of ours, or NULL). */
+void writes_buffer_locked(VkCommandBuffer cb, VkBuffer buf)
 {
 	struct vbuf *b = (struct vbuf *)buf;
-	pthread_mutex_lock(&mu);
 	struct cbw *c = cbw_of(cb, 1);
 	if (c && b && b->mem)
 		add_mem(c, b->mem);
 	else if (c && b)
 		c->all = 1; /* not bound yet: cannot be; be safe */
+}
+
+void writes_buffer(VkCommandBuffer cb, VkBuffer buf)
+{
+	pthread_mutex_lock(&mu);
+	writes_buffer_locked(cb, buf);
 	pthread_mutex_unlock(&mu);
 }
 
