@@ -10,7 +10,12 @@
  * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. With
  * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
  * recorded once and submitted every round (the layer must refuse to swap that); with
- * VK_PROG_ADDRESS=1 it takes its data buffer's device address. With VK_PROG_TYPES set
+ * VK_PROG_ADDRESS=1 it takes its data buffer's device address (VK_PROG_ADDRESS=12: the
+ * same, bufferDeviceAddress asked through the 1.2 features, and first looked for there:
+ * without it the program exits 4 with a line; VK_PROG_ADDRESS=opt: the same where the
+ * device shows it, else none, as llama.cpp does; it then says `ready addresses` where
+ * it took one). VK_PROG_APP names the program to Vulkan (VkApplicationInfo). With
+ * VK_PROG_TYPES set
  * it prints the memory types it sees (`type INDEX FLAGS HEAP`) and what vkMapMemory
  * of its data memory returned (`map RESULT`), and exits.
  *
@@ -20,6 +25,13 @@
  * VK_PROG_INPUT=rw the kernel (add_in_rw.comp) declares it writable and adds one to
  * each of its words before adding it: after r rounds a word is seed(i) + r * input(i)
  * + r (r + 1) / 2, right only if the input kept every change.
+ *
+ * With VK_PROG_SYNC2=1 it takes Vulkan 1.3's ways (synchronization2 enabled): its
+ * descriptor set is written through a descriptor update template, and each round the
+ * kernel's output goes through a mirror buffer (device memory, never mapped, twice the
+ * data buffer's size, its first half written only by vkCmdCopyBuffer2) to the staging
+ * buffer, with vkCmdPipelineBarrier2 between, submitted with vkQueueSubmit2. An entry
+ * point it does not get exits 4 with a line.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -47,7 +59,8 @@
 static VkDevice dev;
 static VkBuffer in_buf; /* VK_PROG_INPUT's */
 static VkPhysicalDevice phys;
-static int address; /* VK_PROG_ADDRESS */
+static int address; /* VK_PROG_ADDRESS: 1, or 12 (through the 1.2 features), 13: opt */
+static int sync2;   /* VK_PROG_SYNC2 */
 static int input;   /* VK_PROG_INPUT: 0 none, 1 ro, 2 rw */
 
 static uint32_t seed(uint32_t i)
@@ -100,10 +113,33 @@ static VkBuffer buffer(VkDeviceSize size, VkBufferUsageFlags usage, VkDeviceMemo
 	return b;
 }
 
+/* bufferDeviceAddress through the 1.2 features: looked for, and enabled. */
+static void *addresses_12(VkPhysicalDeviceVulkan12Features *v12)
+{
+	VkPhysicalDeviceFeatures2 f = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2,
+				       .pNext = v12};
+	memset(v12, 0, sizeof *v12);
+	v12->sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES;
+	vkGetPhysicalDeviceFeatures2(phys, &f);
+	if (!v12->bufferDeviceAddress && address == 13) {
+		address = 0; /* none shown: it goes on without */
+		return NULL;
+	}
+	if (!v12->bufferDeviceAddress) {
+		fprintf(stderr, "vk_prog: the device shows no bufferDeviceAddress\n");
+		exit(4);
+	}
+	memset(v12, 0, sizeof *v12);
+	v12->sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES;
+	v12->bufferDeviceAddress = VK_TRUE;
+	return v12;
+}
+
 static void make_device(VkQueue *queue)
 {
 	VkApplicationInfo app = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO,
-				 .apiVersion = VK_API_VERSION_1_2};
+				 .pApplicationName = getenv("VK_PROG_APP"),
+				 .apiVersion = sync2 ? VK_API_VERSION_1_3 : VK_API_VERSION_1_2};
 	VkInstanceCreateInfo ici = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
 				    .pApplicationInfo = &app};
 	VkInstance inst;
@@ -119,11 +155,48 @@ static void make_device(VkQueue *queue)
 	VkPhysicalDeviceBufferDeviceAddressFeatures bda = {
 		.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_BUFFER_DEVICE_ADDRESS_FEATURES,
 		.bufferDeviceAddress = VK_TRUE};
+	VkPhysicalDeviceVulkan12Features v12;
+	VkPhysicalDeviceVulkan13Features v13 = {
+		.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+		.synchronization2 = VK_TRUE};
 	VkDeviceCreateInfo dci = {.sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
-				  .pNext = address ? &bda : NULL, .queueCreateInfoCount = 1,
-				  .pQueueCreateInfos = &q};
+				  .pNext = address >= 12 ? addresses_12(&v12)
+					   : address    ? (void *)&bda
+					   : sync2      ? (void *)&v13
+							: NULL,
+				  .queueCreateInfoCount = 1, .pQueueCreateInfos = &q};
 	CHECK(vkCreateDevice(phys, &dci, NULL, &dev));
 	vkGetDeviceQueue(dev, 0, 0, queue);
+}
+
+/* Vulkan 1.3's entry points (VK_PROG_SYNC2), each from vkGetDeviceProcAddr. */
+static struct {
+	PFN_vkCmdCopyBuffer2 copy;
+	PFN_vkCmdPipelineBarrier2 barrier;
+	PFN_vkQueueSubmit2 submit;
+	PFN_vkCreateDescriptorUpdateTemplate create_template;
+	PFN_vkUpdateDescriptorSetWithTemplate update;
+} v13;
+
+static PFN_vkVoidFunction entry(const char *name)
+{
+	PFN_vkVoidFunction fn = vkGetDeviceProcAddr(dev, name);
+	if (!fn) {
+		fprintf(stderr, "vk_prog: no %s\n", name);
+		exit(4);
+	}
+	return fn;
+}
+
+static void load_v13(void)
+{
+	v13.copy = (PFN_vkCmdCopyBuffer2)entry("vkCmdCopyBuffer2");
+	v13.barrier = (PFN_vkCmdPipelineBarrier2)entry("vkCmdPipelineBarrier2");
+	v13.submit = (PFN_vkQueueSubmit2)entry("vkQueueSubmit2");
+	v13.create_template =
+		(PFN_vkCreateDescriptorUpdateTemplate)entry("vkCreateDescriptorUpdateTemplate");
+	v13.update =
+		(PFN_vkUpdateDescriptorSetWithTemplate)entry("vkUpdateDescriptorSetWithTemplate");
 }
 
 struct kernel {
@@ -131,6 +204,29 @@ struct kernel {
 	VkPipelineLayout layout;
 	VkDescriptorSet set;
 };
+
+/* The set's `nb` buffers written through an update template, from raw data where each
+ * buffer's info sits at 8 bytes into a record of 32. */
+static void write_by_template(VkDescriptorSet set, VkDescriptorSetLayout layout,
+			      const VkDescriptorBufferInfo *info, uint32_t nb)
+{
+	struct {
+		uint64_t pad;
+		VkDescriptorBufferInfo info;
+	} raw[2];
+	for (uint32_t i = 0; i < nb; i++)
+		raw[i].pad = 0, raw[i].info = info[i];
+	VkDescriptorUpdateTemplateEntry e = {0, 0, nb, VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 8,
+					     sizeof raw[0]};
+	VkDescriptorUpdateTemplateCreateInfo ci = {
+		.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_UPDATE_TEMPLATE_CREATE_INFO,
+		.descriptorUpdateEntryCount = 1, .pDescriptorUpdateEntries = &e,
+		.templateType = VK_DESCRIPTOR_UPDATE_TEMPLATE_TYPE_DESCRIPTOR_SET,
+		.descriptorSetLayout = layout};
+	VkDescriptorUpdateTemplate t;
+	CHECK(v13.create_template(dev, &ci, NULL, &t));
+	v13.update(dev, set, t, raw);
+}
 
 static struct kernel make_kernel(VkBuffer data, VkBuffer in)
 {
@@ -173,6 +269,10 @@ static struct kernel make_kernel(VkBuffer data, VkBuffer in)
 					  .pSetLayouts = &sl};
 	CHECK(vkAllocateDescriptorSets(dev, &ai, &k.set));
 	VkDescriptorBufferInfo info[2] = {{data, 0, VK_WHOLE_SIZE}, {in, 0, VK_WHOLE_SIZE}};
+	if (sync2) {
+		write_by_template(k.set, sl, info, nb);
+		return k;
+	}
 	VkWriteDescriptorSet w = {.sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET,
 				  .dstSet = k.set, .descriptorCount = nb,
 				  .descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
@@ -204,6 +304,63 @@ static void record(VkCommandBuffer cb, struct kernel *k, VkBuffer data, VkBuffer
 	VkBufferCopy region = {0, 0, (VkDeviceSize)words * 4};
 	vkCmdCopyBuffer(cb, data, staging, 1, &region);
 	CHECK(vkEndCommandBuffer(cb));
+}
+
+static void barrier2(VkCommandBuffer cb, VkBuffer buf, VkPipelineStageFlags2 src_stage,
+		     VkAccessFlags2 src)
+{
+	VkBufferMemoryBarrier2 bar = {.sType = VK_STRUCTURE_TYPE_BUFFER_MEMORY_BARRIER_2,
+				      .srcStageMask = src_stage, .srcAccessMask = src,
+				      .dstStageMask = VK_PIPELINE_STAGE_2_COPY_BIT,
+				      .dstAccessMask = VK_ACCESS_2_TRANSFER_READ_BIT,
+				      .srcQueueFamilyIndex = VK_QUEUE_FAMILY_IGNORED,
+				      .dstQueueFamilyIndex = VK_QUEUE_FAMILY_IGNORED,
+				      .buffer = buf, .size = VK_WHOLE_SIZE};
+	VkDependencyInfo dep = {.sType = VK_STRUCTURE_TYPE_DEPENDENCY_INFO,
+				.bufferMemoryBarrierCount = 1, .pBufferMemoryBarriers = &bar};
+	v13.barrier(cb, &dep);
+}
+
+static void copy2(VkCommandBuffer cb, VkBuffer src, VkBuffer dst, VkDeviceSize bytes)
+{
+	VkBufferCopy2 region = {.sType = VK_STRUCTURE_TYPE_BUFFER_COPY_2, .size = bytes};
+	VkCopyBufferInfo2 info = {.sType = VK_STRUCTURE_TYPE_COPY_BUFFER_INFO_2, .srcBuffer = src,
+				  .dstBuffer = dst, .regionCount = 1, .pRegions = &region};
+	v13.copy(cb, &info);
+}
+
+/* One round the 1.3 way (VK_PROG_SYNC2): add one to every word, copy the buffer to
+ * the mirror, the mirror to `staging`. */
+static void record2(VkCommandBuffer cb, struct kernel *k, VkBuffer data, VkBuffer mirror,
+		    VkBuffer staging, uint32_t words)
+{
+	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+	CHECK(vkBeginCommandBuffer(cb, &bi));
+	vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->pipe);
+	vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->layout, 0, 1, &k->set, 0,
+				NULL);
+	vkCmdPushConstants(cb, k->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 4, &words);
+	vkCmdDispatch(cb, (words + 63) / 64, 1, 1);
+	barrier2(cb, data, VK_PIPELINE_STAGE_2_COMPUTE_SHADER_BIT, VK_ACCESS_2_SHADER_WRITE_BIT);
+	copy2(cb, data, mirror, (VkDeviceSize)words * 4);
+	barrier2(cb, mirror, VK_PIPELINE_STAGE_2_COPY_BIT, VK_ACCESS_2_TRANSFER_WRITE_BIT);
+	copy2(cb, mirror, staging, (VkDeviceSize)words * 4);
+	CHECK(vkEndCommandBuffer(cb));
+}
+
+static void submit(VkQueue q, VkCommandBuffer cb, VkFence fence)
+{
+	if (!sync2) {
+		VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO,
+				   .commandBufferCount = 1, .pCommandBuffers = &cb};
+		CHECK(vkQueueSubmit(q, 1, &si, fence));
+		return;
+	}
+	VkCommandBufferSubmitInfo ci = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_SUBMIT_INFO,
+					.commandBuffer = cb};
+	VkSubmitInfo2 si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO_2,
+			    .commandBufferInfoCount = 1, .pCommandBufferInfos = &ci};
+	CHECK(v13.submit(q, 1, &si, fence));
 }
 
 /* The data buffer starts as seed(i), the input's words (from `at`) as input(i):
@@ -242,11 +399,19 @@ int main(int argc, char **argv)
 	const char *stop = getenv("VK_PROG_STOP");
 	int keep = getenv("VK_PROG_KEEP") && !strcmp(getenv("VK_PROG_KEEP"), "1");
 	int once = getenv("VK_PROG_ONCE") && !strcmp(getenv("VK_PROG_ONCE"), "1");
-	address = getenv("VK_PROG_ADDRESS") && !strcmp(getenv("VK_PROG_ADDRESS"), "1");
+	const char *wants = getenv("VK_PROG_ADDRESS");
+	address = !wants		 ? 0
+		  : !strcmp(wants, "1")	 ? 1
+		  : !strcmp(wants, "12") ? 12
+		  : !strcmp(wants, "opt") ? 13
+					 : 0;
+	sync2 = getenv("VK_PROG_SYNC2") && !strcmp(getenv("VK_PROG_SYNC2"), "1");
 	const char *in = getenv("VK_PROG_INPUT");
 	input = !in ? 0 : !strcmp(in, "ro") ? 1 : !strcmp(in, "rw") ? 2 : 0;
 	VkQueue q;
 	make_device(&q);
+	if (sync2)
+		load_v13();
 	VkDeviceMemory data_mem, staging_mem;
 	VkBuffer data = buffer((VkDeviceSize)words * 4,
 			       VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
@@ -294,22 +459,28 @@ int main(int argc, char **argv)
 		fill(q, cb, VK_NULL_HANDLE, staging, seen, words, words);
 	}
 	fill(q, cb, data, staging, seen, words, 0);
+	VkDeviceMemory mirror_mem = VK_NULL_HANDLE;
+	VkBuffer mirror = VK_NULL_HANDLE;
+	if (sync2)
+		mirror = buffer((VkDeviceSize)words * 8,
+				VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+				&mirror_mem, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
 	struct kernel k = make_kernel(data, in_buf);
 	VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
 	VkFence fence;
 	CHECK(vkCreateFence(dev, &fi, NULL, &fence));
-	printf("ready\n");
+	printf(wants && !strcmp(wants, "opt") && address ? "ready addresses\n" : "ready\n");
 	fflush(stdout);
 	unsigned rounds = 0;
 	int flags = once ? VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT : 0;
 	if (keep)
 		record(cb, &k, data, staging, words, 0);
 	do { /* one round at least */
-		if (!keep)
+		if (sync2)
+			record2(cb, &k, data, mirror, staging, words);
+		else if (!keep)
 			record(cb, &k, data, staging, words, flags);
-		VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO,
-				   .commandBufferCount = 1, .pCommandBuffers = &cb};
-		CHECK(vkQueueSubmit(q, 1, &si, fence));
+		submit(q, cb, fence);
 		CHECK(vkWaitForFences(dev, 1, &fence, VK_TRUE, UINT64_MAX));
 		CHECK(vkResetFences(dev, 1, &fence));
 		if (!keep)
@@ -321,6 +492,10 @@ int main(int argc, char **argv)
 	vkDestroyFence(dev, fence, NULL);
 	vkDestroyBuffer(dev, data, NULL);
 	vkFreeMemory(dev, data_mem, NULL);
+	if (sync2) {
+		vkDestroyBuffer(dev, mirror, NULL);
+		vkFreeMemory(dev, mirror_mem, NULL);
+	}
 	if (input) {
 		vkDestroyBuffer(dev, in_buf, NULL);
 		vkFreeMemory(dev, in_mem, NULL);

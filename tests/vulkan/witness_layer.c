@@ -3,7 +3,7 @@
  * below vramlock's, next to the driver. It sees what reaches the driver, and writes
  * it where the test looks ($WITNESS_LOG, one line each, monotonic ns):
  *
- *   submit START END   a vkQueueSubmit reached the driver at START; the queue was
+ *   submit START END   a vkQueueSubmit (or 2) reached the driver at START; the queue was
  *                      idle again at END (the layer waits for it: the work is done)
  *   memory NS BYTES    device memory the program holds at the driver, after a
  *                      vkAllocateMemory or vkFreeMemory
@@ -32,6 +32,7 @@
 static PFN_vkGetInstanceProcAddr next_gipa;
 static PFN_vkGetDeviceProcAddr next_gdpa;
 static PFN_vkQueueSubmit next_submit;
+static PFN_vkQueueSubmit2 next_submit2;
 static PFN_vkQueueWaitIdle next_wait;
 static PFN_vkAllocateMemory next_alloc;
 static PFN_vkFreeMemory next_free;
@@ -68,6 +69,19 @@ static VKAPI_ATTR VkResult VKAPI_CALL submit(VkQueue q, uint32_t n, const VkSubm
 {
 	unsigned long long start = now();
 	VkResult r = next_submit(q, n, s, fence);
+	if (r == VK_SUCCESS)
+		r = next_wait(q);
+	pthread_mutex_lock(&mu);
+	log_line("submit", start, now());
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL submit2(VkQueue q, uint32_t n, const VkSubmitInfo2 *s,
+					      VkFence fence)
+{
+	unsigned long long start = now();
+	VkResult r = next_submit2(q, n, s, fence);
 	if (r == VK_SUCCESS)
 		r = next_wait(q);
 	pthread_mutex_lock(&mu);
@@ -174,6 +188,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	if (r != VK_SUCCESS)
 		return r;
 	next_submit = (PFN_vkQueueSubmit)next_gdpa(*out, "vkQueueSubmit");
+	next_submit2 = (PFN_vkQueueSubmit2)next_gdpa(*out, "vkQueueSubmit2");
 	next_wait = (PFN_vkQueueWaitIdle)next_gdpa(*out, "vkQueueWaitIdle");
 	next_alloc = (PFN_vkAllocateMemory)next_gdpa(*out, "vkAllocateMemory");
 	next_free = (PFN_vkFreeMemory)next_gdpa(*out, "vkFreeMemory");
@@ -187,6 +202,8 @@ static PFN_vkVoidFunction ours(const char *name)
 {
 	if (!strcmp(name, "vkQueueSubmit"))
 		return (PFN_vkVoidFunction)submit;
+	if (!strcmp(name, "vkQueueSubmit2") && next_submit2)
+		return (PFN_vkVoidFunction)submit2;
 	if (!strcmp(name, "vkAllocateMemory"))
 		return (PFN_vkVoidFunction)alloc;
 	if (!strcmp(name, "vkFreeMemory"))
