@@ -95,6 +95,20 @@ def request(port: int, prompt: str, timeout: float = 120.0, **fields: object) ->
     return timings
 
 
+def warm_request(port: int, prompt: str, timeout: float) -> dict[str, Any]:
+    """``request``, again while the server answers 503 (loading its model: under swap
+    the proxy lets a client in once the port accepts, which llama-server does as it
+    loads)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return request(port, prompt, max(1.0, end - time.monotonic()))
+        except RuntimeError as err:
+            if not str(err).startswith("HTTP 503") or time.monotonic() > end:
+                raise
+        time.sleep(0.2)
+
+
 def held_by(wrapper: int) -> int | None:
     """What NVML shows the wrapper's command holding on the GPU (None: no NVML here)."""
     from vramlock.gpu import nvml
@@ -154,7 +168,7 @@ def alternate(
     warm, firsts = [], []
     for i in range(2):
         t0 = time.perf_counter()
-        warm.append(int(request(ports[i], prompts[i], timeout)["prompt_n"]))
+        warm.append(int(warm_request(ports[i], prompts[i], timeout)["prompt_n"]))
         firsts.append(time.perf_counter() - t0)
         time.sleep(settle)
     latency, prefill, cached, kept, held = [], [], [], [], []

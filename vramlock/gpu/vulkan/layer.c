@@ -67,10 +67,12 @@ int is_ours(struct vdev *d)
 
 /* ---- instance ---------------------------------------------------------------- */
 
-/* Programs that take their way without buffer device addresses where the device has
- * none, by the name they give Vulkan (VkApplicationInfo): llama.cpp's Vulkan backend
- * (ggml-vulkan) uses them only for its im2col kernels, which have a form without, and
- * for NVIDIA's cooperative matrices 2, which it then leaves for its other kernels. */
+/* Programs that take their way without buffer device addresses and sparse binding
+ * where the device has none, by the name they give Vulkan (VkApplicationInfo):
+ * llama.cpp's Vulkan backend (ggml-vulkan) uses addresses only for its im2col kernels,
+ * which have a form without, and for NVIDIA's cooperative matrices 2, which it then
+ * leaves for its other kernels; it never makes a sparse resource, but enables every
+ * feature the device reports (NVIDIA's drivers report sparse binding). */
 static const char *const WITHOUT_ADDRESSES[] = {"ggml-vulkan"};
 
 static int goes_without_addresses(const VkInstanceCreateInfo *ci)
@@ -160,17 +162,23 @@ static int under_auto(void)
 }
 
 /* The driver cannot give a buffer made again the device address it had before (no
- * bufferDeviceAddressCaptureReplay is used yet), and a device that enables addresses
- * is left alone (below). So that a program stays swappable, it is told the feature is
+ * bufferDeviceAddressCaptureReplay is used yet), nor keep memory bound to a sparse
+ * resource, and a device that enables addresses or sparse binding is left alone
+ * (below). So that a program stays swappable, it is told the feature is
  * not there: under an explicit --release swap-vulkan, every program; under auto, only
  * one known to take its way without addresses (above). Any other program under auto
  * sees every feature the driver has: it runs as without the layer, and where it enables
  * addresses it runs unswapped. */
-static void hide_addresses(VkPhysicalDevice phys, const VkPhysicalDeviceFeatures2 *f)
+static void hide_unkeepable(VkPhysicalDevice phys, VkPhysicalDeviceFeatures2 *f)
 {
 	struct vinst *i = inst_of(phys);
 	if (!active || (under_auto() && !(i && i->without_addresses)))
 		return;
+	VkPhysicalDeviceFeatures *core = (VkPhysicalDeviceFeatures *)&f->features;
+	core->sparseBinding = core->sparseResidencyBuffer = core->sparseResidencyImage2D = VK_FALSE;
+	core->sparseResidencyImage3D = core->sparseResidencyAliased = VK_FALSE;
+	core->sparseResidency2Samples = core->sparseResidency4Samples = VK_FALSE;
+	core->sparseResidency8Samples = core->sparseResidency16Samples = VK_FALSE;
 	for (VkBaseOutStructure *s = (VkBaseOutStructure *)f->pNext; s; s = s->pNext) {
 		if (s->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES) {
 			VkPhysicalDeviceVulkan12Features *v = (void *)s;
@@ -187,14 +195,14 @@ static void hide_addresses(VkPhysicalDevice phys, const VkPhysicalDeviceFeatures
 static VKAPI_ATTR void VKAPI_CALL features2(VkPhysicalDevice phys, VkPhysicalDeviceFeatures2 *f)
 {
 	inst_of(phys)->GetPhysicalDeviceFeatures2(phys, f);
-	hide_addresses(phys, f);
+	hide_unkeepable(phys, f);
 }
 
 static VKAPI_ATTR void VKAPI_CALL features2_khr(VkPhysicalDevice phys,
 						VkPhysicalDeviceFeatures2 *f)
 {
 	inst_of(phys)->GetPhysicalDeviceFeatures2KHR(phys, f);
-	hide_addresses(phys, f);
+	hide_unkeepable(phys, f);
 }
 
 /* ---- device ------------------------------------------------------------------ */
