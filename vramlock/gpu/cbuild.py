@@ -2,7 +2,10 @@
 (at first use) and by the wheel build hook (at install), so it imports nothing but the
 standard library.
 
-Each library is a ``Library`` below: its sources, headers and link flags. A wheel built
+Each library is a ``Library`` below: its sources, headers and link flags. Both are built
+from the engine's core (``core/``: the process's state, the gate, the connection to
+vramlock run, host memory) and a front end of their own, each with its own copy of the
+core. A wheel built
 where a C compiler exists carries it beside its sources; anywhere else ``Library.path``
 compiles it once into a cache directory, under a name that changes with any source.
 """
@@ -33,9 +36,9 @@ def compiler() -> str | None:
 @dataclass(frozen=True)
 class Library:
     what: str  # in messages: "the swap library"
-    here: Path  # the directory of its sources, where a wheel puts it too
-    parts: tuple[str, ...]  # its .c files
-    headers: tuple[str, ...]
+    here: Path  # the directory of its front end, where a wheel puts it too
+    parts: tuple[str, ...]  # its .c files, from this directory (HERE)
+    headers: tuple[str, ...]  # and its headers
     name: str  # the shared object's file name
     libs: tuple[str, ...]
     # A compiler error that names the first: the second says what is missing.
@@ -43,7 +46,7 @@ class Library:
 
     @property
     def sources(self) -> tuple[Path, ...]:
-        return tuple(self.here / f"{part}.c" for part in self.parts)
+        return tuple(HERE / f"{part}.c" for part in self.parts)
 
     def build(self, target: Path, *extra: str) -> None:
         """Compile the library to ``target``, atomically: a concurrent reader sees the
@@ -83,8 +86,9 @@ class Library:
             return packaged
         digest = hashlib.sha256(" ".join(CFLAGS + self.libs).encode())
         try:
-            for source in (*self.sources, *(self.here / name for name in self.headers)):
-                digest.update(source.name.encode() + b"\0" + source.read_bytes())
+            for source in (*self.sources, *(HERE / name for name in self.headers)):
+                name = source.relative_to(HERE).as_posix()
+                digest.update(name.encode() + b"\0" + source.read_bytes())
         except OSError as err:
             raise BuildError(f"{self.what}'s source is missing ({err.strerror})") from None
         cached = cache / f"{self.name.removesuffix('.so')}-{digest.hexdigest()[:16]}.so"
@@ -96,18 +100,30 @@ class Library:
         return cached
 
 
+# The engine's core, in both libraries (core/state.h draws the states).
+CORE_PARTS = tuple(
+    f"core/{part}" for part in ("state", "gate", "control", "proc", "hostmem", "record")
+)
+CORE_HEADERS = tuple(
+    f"core/{name}.h" for name in ("state", "gate", "control", "proc", "hostmem", "record")
+)
+
 SWAP = Library(
     what="the swap library",
     here=HERE / "swap",
-    # Its parts, and the one header they share (swap.h says what each holds).
+    # Its parts, and the headers they share (swap.h says what each holds).
     parts=(
-        *("entry", "hooks", "gate", "table", "engine", "delta", "hostmem", "prepare"),
-        *("exec", "control", "record"),
+        *CORE_PARTS,
+        *(f"swap/{part}" for part in ("entry", "exec", "hooks", "start", "engine", "prepare")),
+        *(f"swap/{part}" for part in ("delta", "copy", "table", "hostcopy", "driver")),
     ),
-    # swap.h, and the digest's arithmetic and kernel (digest.h; digest_ptx.h, made by
-    # gen_digest.py from digest.cu). No CUDA headers or libraries: the library declares
-    # the driver types it uses and finds the driver at run time.
-    headers=("swap.h", "digest.h", "digest_ptx.h"),
+    # swap.h and hooks.h, and the digest's arithmetic and kernel (digest.h; digest_ptx.h,
+    # made by gen_digest.py from digest.cu). No CUDA headers or libraries: the library
+    # declares the driver types it uses and finds the driver at run time.
+    headers=(
+        *CORE_HEADERS,
+        *(f"swap/{name}" for name in ("swap.h", "hooks.h", "digest.h", "digest_ptx.h")),
+    ),
     name="libvramlock-swap.so",
     # -z defs: a name one part uses and none defines fails here, not at load.
     libs=("-Wl,-z,defs", "-ldl", "-lpthread"),
@@ -117,11 +133,12 @@ VULKAN = Library(
     what="the Vulkan layer",
     here=HERE / "vulkan",
     # Its parts, and the headers they share (vklayer.h says what each holds).
-    parts=(
-        *("layer", "table", "record", "cmds", "cmds2", "engine", "stage", "writes"),
-        *("spirv", "control", "memtypes"),
-    ),
-    headers=("vklayer.h", "vkfuncs.h"),
+    parts=tuple(
+        f"vulkan/{part}"
+        for part in ("layer", "table", "record", "cmds", "cmds2", "engine", "stage", "writes")
+    )
+    + ("vulkan/spirv", "vulkan/control", "vulkan/memtypes"),
+    headers=("vulkan/vklayer.h", "vulkan/vkfuncs.h"),
     name="libvramlock-vulkan.so",
     libs=("-Wl,-z,defs", "-lpthread"),
     # The Vulkan headers (Debian's libvulkan-dev) are needed to build, not the loader:

@@ -7,17 +7,6 @@
 
 /* ---- swapping --------------------------------------------------------------- */
 
-atomic_int captures;
-
-#define COPY_STREAMS 2
-
-/* Streams of our own in each context the copies go through, made once. */
-static struct {
-	CUcontext ctx;
-	CUstream stream[COPY_STREAMS];
-} copy_ctx[MAX_CONTEXTS];
-static size_t ncopy_ctx;
-
 /* The contexts whose stack limit a release lowered, and what it was (below). */
 int stack_wanted = 1;
 static struct {
@@ -26,90 +15,6 @@ static struct {
 } lowered[MAX_CONTEXTS];
 static size_t nlowered;
 
-/* In a forked child: the streams are its parent's. */
-void engine_forget(void)
-{
-	ncopy_ctx = 0;
-	nlowered = 0;
-	atomic_store(&captures, 0);
-	delta_forget();
-}
-
-CUresult streams_of(CUcontext ctx, CUstream **out)
-{
-	for (size_t i = 0; i < ncopy_ctx; i++)
-		if (copy_ctx[i].ctx == ctx) {
-			*out = copy_ctx[i].stream;
-			return CUDA_SUCCESS;
-		}
-	if (ncopy_ctx == MAX_CONTEXTS)
-		return CUDA_ERROR_INVALID_CONTEXT;
-	CUresult r = real_cuCtxSetCurrent(ctx);
-	for (int k = 0; !r && k < COPY_STREAMS; k++)
-		r = real_cuStreamCreate(&copy_ctx[ncopy_ctx].stream[k], CU_STREAM_NON_BLOCKING);
-	if (r)
-		return r;
-	copy_ctx[ncopy_ctx].ctx = ctx;
-	*out = copy_ctx[ncopy_ctx++].stream;
-	return CUDA_SUCCESS;
-}
-
-/* The contexts that own tracked memory, each once, into `seen`: how many. */
-static size_t memory_contexts(CUcontext seen[MAX_CONTEXTS])
-{
-	size_t n = 0;
-	for (struct phys *p = physes; p; p = p->next) {
-		size_t k = 0;
-		while (k < n && seen[k] != p->ctx)
-			k++;
-		if (k == n && n < MAX_CONTEXTS)
-			seen[n++] = p->ctx;
-	}
-	return n;
-}
-
-/* Syncs every context that owns tracked memory, and every stream of ours. */
-CUresult sync_all(int ours_only)
-{
-	CUresult r = CUDA_SUCCESS;
-	if (!ours_only) {
-		CUcontext seen[MAX_CONTEXTS];
-		size_t n = memory_contexts(seen);
-		for (size_t i = 0; i < n && !r; i++) {
-			r = real_cuCtxSetCurrent(seen[i]);
-			if (!r)
-				r = real_cuCtxSynchronize();
-		}
-	}
-	for (size_t i = 0; i < ncopy_ctx && !r; i++) {
-		r = real_cuCtxSetCurrent(copy_ctx[i].ctx);
-		for (int k = 0; !r && k < COPY_STREAMS; k++)
-			r = real_cuStreamSynchronize(copy_ctx[i].stream[k]);
-	}
-	return r;
-}
-
-/* Queues the copy of bytes [off, off + len) of `p` (at its copy place), in chunks on
- * two streams taken in turns (`turn`): one stream alone leaves the link idle between
- * copies. `out`: device to host, else back. */
-CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn)
-{
-	CUstream *streams;
-	CUresult r = streams_of(p->ctx, &streams);
-	if (!r)
-		r = real_cuCtxSetCurrent(p->ctx);
-	for (size_t end = off + len, n; !r && off < end; off += n) {
-		n = COPY_CHUNK - off % COPY_CHUNK; /* up to the next multiple: one locked chunk */
-		n = end - off < n ? end - off : n;
-		CUstream s = streams[(*turn)++ % COPY_STREAMS];
-		char *host = (char *)p->host + off;
-		if (p->pinned < off + n && p->host == p->prep_base)
-			host_pin_to(p, off + n); /* unlocked while parked: locked again here */
-		r = out ? real_cuMemcpyDtoHAsync_v2(host, p->copy_va + off, n, s)
-			: real_cuMemcpyHtoDAsync_v2(p->copy_va + off, host, n, s);
-	}
-	return r;
-}
 
 /* Every allocation, whole, queued back from host memory (sync_all(1) waits for it). */
 static CUresult queue_all_back(void)
@@ -298,15 +203,6 @@ static CUresult stack_back(void)
 	return CUDA_SUCCESS;
 }
 
-double now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-unsigned long release_count;
-
 /* The bytes the last release copied (of `bytes`: what changed, delta.c). */
 static size_t copied_out;
 
@@ -324,6 +220,25 @@ static CUresult pin(struct phys *p)
 	if (r)
 		p->host = NULL;
 	return r;
+}
+
+/* Whether the release may pin what it needs: CUDA_SUCCESS, or CUDA_ERROR_OUT_OF_MEMORY
+ * with *step saying why (core/hostmem.c). With `mu` held. */
+static CUresult hostmem_check(const char **step)
+{
+	unsigned long long need = 0;
+	for (struct phys *p = physes; p; p = p->next)
+		if (!p->host)
+			need += p->size - p->prep_done; /* hostcopy.c's chunks are pinned already */
+	return hostmem_spare(need, step) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Every host copy locked again (hostcopy.c). With `mu` held. */
+static void host_pin_all(void)
+{
+	for (struct phys *p = physes; p; p = p->next)
+		host_pin_to(p, p->prep_done);
+	real_cuCtxSetCurrent(NULL);
 }
 
 /* Copies every allocation to pinned host memory (pinned once, kept): the step it
@@ -355,24 +270,46 @@ static CUresult copy_out(const char **step, size_t *bytes)
 	return r;
 }
 
+/* A release that failed at `step` (`r`): back as it was, resident, or where that
+ * cannot be, released with its GPU calls blocked for good. */
+static void release_failed(const char *step, CUresult r, int stay_closed)
+{
+	say("release failed while %s: %s; the program keeps its GPU memory", step, errname(r));
+	CUresult u = undo_release();
+	if (u) {
+		say("and could not be put back as it was (%s): GPU calls stay blocked", errname(u));
+		/* never let the program run on memory that is not there */
+		transition(STATE_RELEASING, STATE_RELEASED);
+		return;
+	}
+	transition(STATE_RELEASING, STATE_RESIDENT);
+	if (!stay_closed)
+		gate_open_locked();
+}
+
 /* Answers a `release`. With `mu` held. A release that fails opens the gate again,
  * unless `stay_closed`. */
-void do_release(char *answer, size_t len, int stay_closed)
+static void do_release(char *answer, size_t len, int stay_closed)
 {
-	if (released) {
+	if (is_released()) {
 		snprintf(answer, len, "released");
 		return;
 	}
-	if (refused[0]) {
-		snprintf(answer, len, "refused %s", refused);
+	if (engine.refused[0]) {
+		snprintf(answer, len, "refused %s", engine.refused);
+		return;
+	}
+	if (transition(STATE_RESIDENT, STATE_RELEASING)) {
+		snprintf(answer, len, "failed the process is %s", state_name(engine.state));
 		return;
 	}
 	double t0 = now_ms();
-	release_count++;
+	engine.releases++;
 	gate_close_locked();
 	if (atomic_load(&captures) > 0) {
 		/* Synchronizing would invalidate the capture: the program's graph would be
 		 * lost. Captures are short; the wrapper asks again. */
+		transition(STATE_RELEASING, STATE_RESIDENT);
 		if (!stay_closed)
 			gate_open_locked();
 		snprintf(answer, len, "failed a CUDA graph is being captured");
@@ -389,18 +326,11 @@ void do_release(char *answer, size_t len, int stay_closed)
 		r = let_go();
 	}
 	if (r) {
-		say("release failed while %s: %s; the program keeps its GPU memory", step, errname(r));
-		CUresult u = undo_release();
-		if (u) {
-			say("and could not be put back as it was (%s): GPU calls stay blocked", errname(u));
-			released = 1; /* never let the program run on memory that is not there */
-		} else if (!stay_closed) {
-			gate_open_locked();
-		}
+		release_failed(step, r, stay_closed);
 		snprintf(answer, len, "failed %s: %s", step, errname(r));
 		return;
 	}
-	released = 1;
+	transition(STATE_RELEASING, STATE_RELEASED);
 	double t2 = now_ms();
 	stack_lower();
 	real_cuCtxSetCurrent(NULL);
@@ -409,34 +339,30 @@ void do_release(char *answer, size_t len, int stay_closed)
 	snprintf(answer, len, "released");
 }
 
-/* Answers a `restore`. With `mu` held and the gate closed. */
-void do_restore(char *answer, size_t len)
+/* Creates, maps and copies back every allocation: CUDA_SUCCESS, or the error with the
+ * step it failed at in `step`. */
+static CUresult bring_back(const char **step)
 {
-	if (!released) {
-		snprintf(answer, len, "restored");
-		return;
-	}
-	double t0 = now_ms();
-	const char *step = "creating and mapping";
+	*step = "creating and mapping";
 	CUresult r = take_back();
 	if (!r) {
-		step = "finding the allocations";
+		*step = "finding the allocations";
 		r = find_copy_places();
 	}
 	if (!r) {
-		step = "mapping an unmapped allocation";
+		*step = "mapping an unmapped allocation";
 		r = map_temps();
 	}
 	if (!r) {
-		step = "copying back";
+		*step = "copying back";
 		r = queue_all_back();
 	}
 	if (!r) {
-		step = "setting the stack limit back"; /* while the copies run */
+		*step = "setting the stack limit back"; /* while the copies run */
 		r = stack_back();
 	}
 	if (!r) {
-		step = "copying back";
+		*step = "copying back";
 		r = sync_all(1);
 	}
 	if (!r)
@@ -444,6 +370,19 @@ void do_restore(char *answer, size_t len)
 	else
 		sync_all(1); /* no copy of ours left running on what is given back below */
 	drop_temps();
+	return r;
+}
+
+/* Answers a `restore`. With `mu` held and the gate closed. */
+static void do_restore(char *answer, size_t len)
+{
+	if (!is_released() || transition(engine.state, STATE_RESTORING)) {
+		snprintf(answer, len, "restored");
+		return;
+	}
+	double t0 = now_ms();
+	const char *step;
+	CUresult r = bring_back(&step);
 	if (r) {
 		/* The memory is not all there: the program must not run. Give back what was
 		 * taken so a later restore starts clean. */
@@ -453,12 +392,45 @@ void do_restore(char *answer, size_t len)
 		for (struct phys *p = physes; p; p = p->next)
 			if (p->real && real_cuMemRelease(p->real) == CUDA_SUCCESS)
 				p->real = 0;
+		transition(STATE_RESTORING, STATE_RELEASED);
 		snprintf(answer, len, "failed %s: %s", step, errname(r));
 		return;
 	}
 	real_cuCtxSetCurrent(NULL);
-	released = 0;
+	transition(STATE_RESTORING, STATE_RESIDENT);
 	gate_open_locked();
 	TRACE("restored in %.1f ms", now_ms() - t0);
 	snprintf(answer, len, "restored");
 }
+
+/* ---- what the wrapper's words do (core/control.h) --------------------------------- */
+
+/* `unpin`: every host copy of ours unlocked (hostcopy.c); the bytes unlocked. */
+static size_t unpin_all(void)
+{
+	size_t n = 0;
+	for (struct phys *p = physes; p; p = p->next)
+		n += host_unpin(p);
+	real_cuCtxSetCurrent(NULL);
+	return n;
+}
+
+/* In a forked child: the parent's tables, streams and threads are not its own. */
+static void forget(void)
+{
+	table_forget();
+	copy_forget();
+	nlowered = 0;
+	atomic_store(&captures, 0);
+	delta_forget();
+	prepare_forget();
+}
+
+const struct engine_ops cuda_engine = {
+	.release = do_release,
+	.restore = do_restore,
+	.unpin = unpin_all,
+	.pin = host_pin_all,
+	.resident = prepare_start,
+	.forget = forget,
+};

@@ -40,8 +40,8 @@ static spawn_fn real_posix_spawn, real_posix_spawnp;
 static system_fn real_system;
 static popen_fn real_popen;
 
-/* From setup, with the real dlsym: what the hooks pass on, and where they go. */
-void exec_setup(void *(*lookup)(void *, const char *))
+/* At set-up, with the real dlsym: what the hooks pass on, and where they go. */
+static void exec_setup(void *(*lookup)(void *, const char *))
 {
 	Dl_info info;
 	if (dladdr((void *)exec_setup, &info) && info.dli_fname &&
@@ -90,7 +90,7 @@ static int names_self(const char *value)
 /* Is `envp` missing anything the library needs passed on? */
 static int lacking(char *const envp[])
 {
-	if (!active || !self_path[0])
+	if (!engine.active || !self_path[0])
 		return 0;
 	int preload = 0, have[NKEPT] = {0};
 	for (char *const *e = envp; e && *e; e++) {
@@ -251,11 +251,24 @@ static void done(struct copy *c)
 	char *fixed##_stack[on_stack(pointers(fixed##_need))];                              \
 	struct copy fixed = with_library(envp, fixed##_need, fixed##_stack)
 
+static pthread_once_t exec_once = PTHREAD_ONCE_INIT;
+
+static void exec_init(void)
+{
+	library_setup();
+	exec_setup(real_dlsym);
+}
+
+__attribute__((constructor)) static void init(void)
+{
+	pthread_once(&exec_once, exec_init);
+}
+
 /* Before our constructor (another library's constructor execs): set up first. */
 static void ready_to_exec(void)
 {
 	if (!real_execve)
-		library_setup();
+		pthread_once(&exec_once, exec_init);
 }
 
 static int missing(void)

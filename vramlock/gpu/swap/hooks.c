@@ -1,13 +1,13 @@
 /*
  * hooks.c: our wrappers of the driver's entry points. Calls that touch device
  * memory pass the gate; allocations are served by table.c; what cannot be swapped
- * makes a release refused from then on. At the end, the table entry.c hooks by.
+ * makes a release refused from then on. At the end, the table entry.c hooks by, and
+ * how it is filled.
  */
-#include "swap.h"
+#include "hooks.h"
 
-/* Defined here, once, with the hooks' own (the same pointers for those hooked). */
-#define DEFINE_DRIVER(name, params, optional) CUresult(*real_##name) params;
-DRIVER(DEFINE_DRIVER)
+/* The driver's own entry point behind each wrapper is next_<name> (the library's own
+ * calls use driver.c's real_<name>, the same function). */
 
 /* Calls that touch device memory: through the gate, nothing else. */
 #define P_LAUNCH CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sm, CUstream s, void **kp, void **ex
@@ -183,13 +183,13 @@ DRIVER(DEFINE_DRIVER)
 	  (n, attrs, data, p))
 
 #define DEFINE_GATED(name, params, args)                     \
-	CUresult(*real_##name) params;                       \
+	CUresult(*next_##name) params;                       \
 	EXPORT CUresult name params                          \
 	{                                                    \
-		if (!ready() || !real_##name)                \
+		if (!ready() || !next_##name)                \
 			return CUDA_ERROR_NOT_FOUND;         \
 		gate_enter();                                \
-		CUresult r = real_##name args;               \
+		CUresult r = next_##name args;               \
 		gate_leave();                                \
 		return r;                                    \
 	}
@@ -240,17 +240,17 @@ static void refusing_failed(const char *name, CUresult r)
 	  (void *list, unsigned n, CUstream s), (list, n, s))
 
 #define DEFINE_REFUSING(name, why, params, args)              \
-	CUresult(*real_##name) params;                        \
+	CUresult(*next_##name) params;                        \
 	EXPORT CUresult name params                           \
 	{                                                     \
-		if (!ready() || !real_##name)                 \
+		if (!ready() || !next_##name)                 \
 			return CUDA_ERROR_NOT_FOUND;          \
 		gate_enter();                                 \
-		CUresult r = real_##name args;                \
+		CUresult r = next_##name args;                \
 		gate_leave();                                 \
-		if (r == CUDA_SUCCESS && active)              \
-			refuse(why);                          \
-		else if (active)                              \
+		if (r == CUDA_SUCCESS && engine.active)              \
+			refuse("%s", why);                    \
+		else if (engine.active)                              \
 			refusing_failed(#name, r);            \
 		return r;                                     \
 	}
@@ -258,15 +258,15 @@ REFUSING(DEFINE_REFUSING)
 
 /* Allocations: ours, through the gate (an allocation while released waits). */
 
-#define REAL_OF(name, params) CUresult(*real_##name) params
+#define REAL_OF(name, params) CUresult(*next_##name) params
 
 REAL_OF(cuMemAlloc_v2, (CUdeviceptr *, size_t));
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!active)
-		return real_cuMemAlloc_v2(dptr, size);
+	if (!engine.active)
+		return next_cuMemAlloc_v2(dptr, size);
 	gate_enter();
 	CUresult r = own_alloc(dptr, size);
 	gate_leave();
@@ -279,8 +279,8 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t widt
 {
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!active)
-		return real_cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+	if (!engine.active)
+		return next_cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
 	if (!pitch || !width || !height || (elem != 4 && elem != 8 && elem != 16))
 		return CUDA_ERROR_INVALID_VALUE;
 	/* The driver pads rows for texture access; 512 is what it uses on current GPUs. */
@@ -296,14 +296,14 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr)
 {
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!active)
-		return real_cuMemFree_v2(ptr);
+	if (!engine.active)
+		return next_cuMemFree_v2(ptr);
 	gate_enter();
 	/* cudaFree waits for the device; a freed range may be handed out again at once.
 	 * (A thread without a context has nothing to wait for.) */
 	if (ptr)
 		real_cuCtxSynchronize();
-	CUresult r = own_free(ptr) ? CUDA_SUCCESS : real_cuMemFree_v2(ptr);
+	CUresult r = own_free(ptr) ? CUDA_SUCCESS : next_cuMemFree_v2(ptr);
 	gate_leave();
 	return r;
 }
@@ -347,12 +347,12 @@ static CUresult free_async(CUdeviceptr ptr, CUstream s, CUresult (*real)(CUdevic
 	REAL_OF(name, (CUdeviceptr *, size_t, CUstream));                         \
 	EXPORT CUresult name(CUdeviceptr *dptr, size_t size, CUstream s)          \
 	{                                                                         \
-		if (!ready() || !real_##name)                                     \
+		if (!ready() || !next_##name)                                     \
 			return CUDA_ERROR_NOT_FOUND;                              \
-		if (!active)                                                      \
-			return real_##name(dptr, size, s);                        \
+		if (!engine.active)                                                      \
+			return next_##name(dptr, size, s);                        \
 		gate_enter();                                                     \
-		CUresult r = alloc_async(dptr, size, s, real_##name);             \
+		CUresult r = alloc_async(dptr, size, s, next_##name);             \
 		gate_leave();                                                     \
 		return r;                                                         \
 	}
@@ -363,12 +363,12 @@ ASYNC_ALLOC(cuMemAllocAsync_ptsz)
 	REAL_OF(name, (CUdeviceptr, CUstream));                       \
 	EXPORT CUresult name(CUdeviceptr ptr, CUstream s)             \
 	{                                                             \
-		if (!ready() || !real_##name)                         \
+		if (!ready() || !next_##name)                         \
 			return CUDA_ERROR_NOT_FOUND;                  \
-		if (!active)                                          \
-			return real_##name(ptr, s);                   \
+		if (!engine.active)                                          \
+			return next_##name(ptr, s);                   \
 		gate_enter();                                         \
-		CUresult r = free_async(ptr, s, real_##name);         \
+		CUresult r = free_async(ptr, s, next_##name);         \
 		gate_leave();                                         \
 		return r;                                             \
 	}
@@ -379,14 +379,14 @@ ASYNC_FREE(cuMemFreeAsync_ptsz)
 	REAL_OF(name, (CUdeviceptr *, size_t, CUmemoryPool, CUstream));                      \
 	EXPORT CUresult name(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)  \
 	{                                                                                    \
-		if (!ready() || !real_##name)                                                \
+		if (!ready() || !next_##name)                                                \
 			return CUDA_ERROR_NOT_FOUND;                                         \
-		if (!active)                                                                 \
-			return real_##name(dptr, size, pool, s);                             \
+		if (!engine.active)                                                                 \
+			return next_##name(dptr, size, pool, s);                             \
 		gate_enter();                                                                \
 		CUresult r;                                                                  \
 		if (capturing(s)) {                                                          \
-			r = real_##name(dptr, size, pool, s);                                \
+			r = next_##name(dptr, size, pool, s);                                \
 			if (r == CUDA_SUCCESS)                                               \
 				refuse("its CUDA graphs allocate memory");                   \
 		} else {                                                                     \
@@ -405,10 +405,10 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevic
 {
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (active && region_of(p, base, size))
+	if (engine.active && region_of(p, base, size))
 		return CUDA_SUCCESS;
 	gate_enter();
-	CUresult r = real_cuMemGetAddressRange_v2(base, size, p);
+	CUresult r = next_cuMemGetAddressRange_v2(base, size, p);
 	gate_leave();
 	return r;
 }
@@ -438,7 +438,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 {
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
-	if (!active || !h || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+	if (!engine.active || !h || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
 		return real_cuMemCreate(h, size, prop, flags);
 	gate_enter();
 	CUcontext ctx = NULL;
@@ -472,7 +472,7 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 		return CUDA_ERROR_NOT_INITIALIZED;
 	gate_enter();
 	pthread_mutex_lock(&mu);
-	struct phys *p = active ? phys_by_handle(h) : NULL;
+	struct phys *p = engine.active ? phys_by_handle(h) : NULL;
 	CUresult r = CUDA_SUCCESS;
 	if (p && p->refs > 0) {
 		/* Mapped, it lives on until unmapped, as with the driver. */
@@ -495,7 +495,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGeneri
 		return CUDA_ERROR_NOT_INITIALIZED;
 	gate_enter();
 	pthread_mutex_lock(&mu);
-	struct phys *p = active ? phys_by_handle(h) : NULL;
+	struct phys *p = engine.active ? phys_by_handle(h) : NULL;
 	CUresult r = real_cuMemMap(va, size, offset, p ? p->real : h, flags);
 	if (!r && p && add_mapping(va, size, offset, p)) {
 		real_cuMemUnmap(va, size);
@@ -542,11 +542,11 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDes
 REAL_OF(cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle *, void *));
 EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
 {
-	if (!ready() || !real_cuMemRetainAllocationHandle)
+	if (!ready() || !next_cuMemRetainAllocationHandle)
 		return CUDA_ERROR_NOT_FOUND;
 	gate_enter();
 	pthread_mutex_lock(&mu);
-	struct mapping *m = active ? mapping_at((CUdeviceptr)(uintptr_t)addr) : NULL;
+	struct mapping *m = engine.active ? mapping_at((CUdeviceptr)(uintptr_t)addr) : NULL;
 	CUresult r = CUDA_SUCCESS;
 	if (m && m->phys->handle) {
 		m->phys->refs++;
@@ -554,7 +554,7 @@ EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, voi
 	} else if (m) {
 		r = CUDA_ERROR_INVALID_VALUE; /* a cudaMalloc pointer has no handle to give */
 	} else {
-		r = real_cuMemRetainAllocationHandle(h, addr);
+		r = next_cuMemRetainAllocationHandle(h, addr);
 	}
 	pthread_mutex_unlock(&mu);
 	gate_leave();
@@ -565,29 +565,29 @@ REAL_OF(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGen
 EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
 						       CUmemGenericAllocationHandle h)
 {
-	if (!ready() || !real_cuMemGetAllocationPropertiesFromHandle)
+	if (!ready() || !next_cuMemGetAllocationPropertiesFromHandle)
 		return CUDA_ERROR_NOT_FOUND;
 	pthread_mutex_lock(&mu);
-	struct phys *p = active ? phys_by_handle(h) : NULL;
+	struct phys *p = engine.active ? phys_by_handle(h) : NULL;
 	if (p && prop)
 		*prop = p->prop;
 	pthread_mutex_unlock(&mu);
-	return p ? CUDA_SUCCESS : real_cuMemGetAllocationPropertiesFromHandle(prop, h);
+	return p ? CUDA_SUCCESS : next_cuMemGetAllocationPropertiesFromHandle(prop, h);
 }
 
 REAL_OF(cuMemExportToShareableHandle, (void *, CUmemGenericAllocationHandle, int, unsigned long long));
 EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
 					     unsigned long long flags)
 {
-	if (!ready() || !real_cuMemExportToShareableHandle)
+	if (!ready() || !next_cuMemExportToShareableHandle)
 		return CUDA_ERROR_NOT_FOUND;
 	gate_enter();
 	pthread_mutex_lock(&mu);
-	struct phys *p = active ? phys_by_handle(h) : NULL;
-	CUresult r = real_cuMemExportToShareableHandle(out, p ? p->real : h, type, flags);
+	struct phys *p = engine.active ? phys_by_handle(h) : NULL;
+	CUresult r = next_cuMemExportToShareableHandle(out, p ? p->real : h, type, flags);
 	pthread_mutex_unlock(&mu);
 	gate_leave();
-	if (r == CUDA_SUCCESS && active)
+	if (r == CUDA_SUCCESS && engine.active)
 		refuse("it shares GPU memory with another process (exported handle)");
 	return r;
 }
@@ -601,11 +601,11 @@ EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHa
 	REAL_OF(name, params);                                 \
 	EXPORT CUresult name params                            \
 	{                                                      \
-		if (!ready() || !real_##name)                  \
+		if (!ready() || !next_##name)                  \
 			return CUDA_ERROR_NOT_FOUND;           \
 		gate_enter();                                  \
 		pthread_mutex_lock(&mu);                       \
-		CUresult r = real_##name args;                 \
+		CUresult r = next_##name args;                 \
 		if (r == CUDA_SUCCESS)                         \
 			atomic_fetch_add(&captures, 1);        \
 		pthread_mutex_unlock(&mu);                     \
@@ -624,10 +624,10 @@ BEGIN_CAPTURE(cuStreamBeginCaptureToGraph_ptsz, (P_TOGRAPH), (s, g, deps, data, 
 	REAL_OF(name, (CUstream, void **));                              \
 	EXPORT CUresult name(CUstream s, void **graph)                   \
 	{                                                                \
-		if (!ready() || !real_##name)                            \
+		if (!ready() || !next_##name)                            \
 			return CUDA_ERROR_NOT_FOUND;                     \
 		int was = capturing(s); /* invalidated counts: it ends */ \
-		CUresult r = real_##name(s, graph);                      \
+		CUresult r = next_##name(s, graph);                      \
 		if (was)                                                 \
 			atomic_fetch_sub(&captures, 1);                  \
 		return r;                                                \
@@ -642,8 +642,8 @@ EXPORT CUresult cuInit(unsigned flags)
 	if (!ready())
 		return CUDA_ERROR_NOT_INITIALIZED;
 	CUresult r = real_cuInit(flags);
-	if (r == CUDA_SUCCESS && active) {
-		pthread_once(&connect_once, connect_control);
+	if (r == CUDA_SUCCESS && engine.active) {
+		control_join();
 		gate_enter();
 		gate_leave();
 	}
@@ -653,42 +653,65 @@ EXPORT CUresult cuInit(unsigned flags)
 
 /* ---- the table entry.c finds the driver's entry points by ------------------- */
 
-#define ENTRY_GATED(name, params, args) {#name, (void *)name, (void **)&real_##name},
-#define ENTRY_REFUSING(name, why, params, args) {#name, (void *)name, (void **)&real_##name},
+#define ENTRY_GATED(name, params, args) {#name, (void *)name, (void **)&next_##name},
+#define ENTRY_REFUSING(name, why, params, args) {#name, (void *)name, (void **)&next_##name},
 #define ENTRY(name, real) {#name, (void *)name, (void **)&real},
 
 struct hook hooks[] = {
 	GATED(ENTRY_GATED)
 	REFUSING(ENTRY_REFUSING)
-	ENTRY(cuMemAlloc_v2, real_cuMemAlloc_v2)
-	ENTRY(cuMemAllocPitch_v2, real_cuMemAllocPitch_v2)
-	ENTRY(cuMemFree_v2, real_cuMemFree_v2)
-	ENTRY(cuMemAllocAsync, real_cuMemAllocAsync)
-	ENTRY(cuMemAllocAsync_ptsz, real_cuMemAllocAsync_ptsz)
-	ENTRY(cuMemFreeAsync, real_cuMemFreeAsync)
-	ENTRY(cuMemFreeAsync_ptsz, real_cuMemFreeAsync_ptsz)
-	ENTRY(cuMemAllocFromPoolAsync, real_cuMemAllocFromPoolAsync)
-	ENTRY(cuMemAllocFromPoolAsync_ptsz, real_cuMemAllocFromPoolAsync_ptsz)
-	ENTRY(cuMemGetAddressRange_v2, real_cuMemGetAddressRange_v2)
+	ENTRY(cuMemAlloc_v2, next_cuMemAlloc_v2)
+	ENTRY(cuMemAllocPitch_v2, next_cuMemAllocPitch_v2)
+	ENTRY(cuMemFree_v2, next_cuMemFree_v2)
+	ENTRY(cuMemAllocAsync, next_cuMemAllocAsync)
+	ENTRY(cuMemAllocAsync_ptsz, next_cuMemAllocAsync_ptsz)
+	ENTRY(cuMemFreeAsync, next_cuMemFreeAsync)
+	ENTRY(cuMemFreeAsync_ptsz, next_cuMemFreeAsync_ptsz)
+	ENTRY(cuMemAllocFromPoolAsync, next_cuMemAllocFromPoolAsync)
+	ENTRY(cuMemAllocFromPoolAsync_ptsz, next_cuMemAllocFromPoolAsync_ptsz)
+	ENTRY(cuMemGetAddressRange_v2, next_cuMemGetAddressRange_v2)
 	ENTRY(cuMemCreate, real_cuMemCreate)
 	ENTRY(cuMemRelease, real_cuMemRelease)
 	ENTRY(cuMemMap, real_cuMemMap)
 	ENTRY(cuMemUnmap, real_cuMemUnmap)
 	ENTRY(cuMemSetAccess, real_cuMemSetAccess)
-	ENTRY(cuMemRetainAllocationHandle, real_cuMemRetainAllocationHandle)
-	ENTRY(cuMemGetAllocationPropertiesFromHandle, real_cuMemGetAllocationPropertiesFromHandle)
-	ENTRY(cuMemExportToShareableHandle, real_cuMemExportToShareableHandle)
-	ENTRY(cuStreamBeginCapture, real_cuStreamBeginCapture)
-	ENTRY(cuStreamBeginCapture_ptsz, real_cuStreamBeginCapture_ptsz)
-	ENTRY(cuStreamBeginCapture_v2, real_cuStreamBeginCapture_v2)
-	ENTRY(cuStreamBeginCapture_v2_ptsz, real_cuStreamBeginCapture_v2_ptsz)
-	ENTRY(cuStreamBeginCaptureToGraph, real_cuStreamBeginCaptureToGraph)
-	ENTRY(cuStreamBeginCaptureToGraph_ptsz, real_cuStreamBeginCaptureToGraph_ptsz)
-	ENTRY(cuStreamEndCapture, real_cuStreamEndCapture)
-	ENTRY(cuStreamEndCapture_ptsz, real_cuStreamEndCapture_ptsz)
+	ENTRY(cuMemRetainAllocationHandle, next_cuMemRetainAllocationHandle)
+	ENTRY(cuMemGetAllocationPropertiesFromHandle, next_cuMemGetAllocationPropertiesFromHandle)
+	ENTRY(cuMemExportToShareableHandle, next_cuMemExportToShareableHandle)
+	ENTRY(cuStreamBeginCapture, next_cuStreamBeginCapture)
+	ENTRY(cuStreamBeginCapture_ptsz, next_cuStreamBeginCapture_ptsz)
+	ENTRY(cuStreamBeginCapture_v2, next_cuStreamBeginCapture_v2)
+	ENTRY(cuStreamBeginCapture_v2_ptsz, next_cuStreamBeginCapture_v2_ptsz)
+	ENTRY(cuStreamBeginCaptureToGraph, next_cuStreamBeginCaptureToGraph)
+	ENTRY(cuStreamBeginCaptureToGraph_ptsz, next_cuStreamBeginCaptureToGraph_ptsz)
+	ENTRY(cuStreamEndCapture, next_cuStreamEndCapture)
+	ENTRY(cuStreamEndCapture_ptsz, next_cuStreamEndCapture_ptsz)
 	ENTRY(cuInit, real_cuInit)
-	ENTRY(cuGetProcAddress, real_cuGetProcAddress)
-	ENTRY(cuGetProcAddress_v2, real_cuGetProcAddress_v2)
 };
 const size_t nhooks = sizeof hooks / sizeof *hooks;
 
+atomic_int is_ready;
+static pthread_once_t fill_once = PTHREAD_ONCE_INIT;
+static void *driver;
+
+static void fill(void)
+{
+	for (size_t i = 0; i < nhooks; i++)
+		*hooks[i].real = real_dlsym(driver, hooks[i].name);
+}
+
+int hooks_found(void *lib, int load)
+{
+	void *found = find_driver(lib, load);
+	if (!found || driver_resolving())
+		return found != NULL;
+	driver = found;
+	pthread_once(&fill_once, fill);
+	atomic_store_explicit(&is_ready, 1, memory_order_release);
+	return 1;
+}
+
+int get_ready(void)
+{
+	return hooks_found(NULL, 1);
+}

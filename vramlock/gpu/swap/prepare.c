@@ -8,14 +8,13 @@
  *
  * So once the program's allocations have stood still a while and it is idle (no GPU
  * call in flight, none begun for IDLE_MS), a thread of the library's own makes the
- * host copies ready, a step at a time: it maps each with transparent huge pages asked
- * for (a 2 MiB page is one fault where 4 KiB pages are 512), touches a chunk and locks
- * it (cuMemHostRegister). Then it copies the memory into them (below). Each step holds `mu`, so a release
- * never sees a chunk half made, and lasts a few milliseconds; between steps the
+ * host copies ready, a step at a time (hostcopy.c's prepare_step: a chunk mapped,
+ * touched and locked). Then it copies the memory into them (below). Each step holds
+ * `mu`, so a release never sees a chunk half made, and lasts a few milliseconds; between steps the
  * thread waits for the program to be idle again, so that a resident that works is
  * not slowed down. A release finishes whatever is left of an allocation itself.
  *
- * Host memory is finite: an allocation is made ready only where hostmem.c says the
+ * Host memory is finite: an allocation is made ready only where core/hostmem.c says the
  * host can spare it, and VRAMLOCK_SWAP_PREPARE=0 in the command's environment turns
  * this off (the first release then pays, as before).
  */
@@ -30,154 +29,9 @@
 #define QUIET_MS 1000.0
 #define TICK_NS 20000000L   /* how often the thread looks, while it has work */
 #define REST_NS 200000000L  /* and while it has none */
-#define HUGE_PAGE (2ULL << 20)
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
 
-atomic_ulong gate_entries;
-double table_changed_ms;
 int prepare_wanted = 1;
 static int started;
-/* The control thread waits for `mu` (a release, a restore): the thread takes no step
- * meanwhile. A mutex is not fair: taken again at once after each step, it may go to the
- * thread again and again (a waiter was seen kept out for seconds by steps of 4 ms). */
-static atomic_int control_waits;
-
-void control_lock(void)
-{
-	atomic_fetch_add(&control_waits, 1);
-	pthread_mutex_lock(&mu);
-	atomic_fetch_sub(&control_waits, 1);
-}
-
-/* Touches [p, p + n): MADV_POPULATE_WRITE (Linux 5.14), else a write to every page. */
-static void populate(char *p, size_t n)
-{
-	if (!madvise(p, n, MADV_POPULATE_WRITE))
-		return;
-	long page = sysconf(_SC_PAGESIZE);
-	for (size_t off = 0; off < n; off += (size_t)(page > 0 ? page : 4096))
-		((volatile char *)p)[off] = 0;
-}
-
-/* Locks bytes [off, off + n) of `p`'s host copy, one piece (PREP_CHUNK at most), in
- * `p`'s context: what a release copies into, and the digest kernel reads. */
-static CUresult lock_piece(struct phys *p, size_t off, size_t n)
-{
-	CUresult r = real_cuCtxSetCurrent(p->ctx);
-	return r ? r : real_cuMemHostRegister_v2((char *)p->prep_base + off, n,
-						 CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-}
-
-/* Unlocks every piece of `p`'s host copy that is locked (the context is the caller's). */
-static void unlock_pieces(struct phys *p)
-{
-	for (size_t off = 0; off < p->pinned; off += PREP_CHUNK)
-		real_cuMemHostUnregister((char *)p->prep_base + off);
-	p->pinned = 0;
-}
-
-/* One more chunk of `p`'s host copy: mapped (the first time), touched and locked;
- * once it is whole, it is `p->host`. With `mu` held. */
-CUresult prepare_step(struct phys *p)
-{
-	if (p->host)
-		return CUDA_SUCCESS;
-	if (!p->prep_base) {
-		size_t len = round_up(p->size, HUGE_PAGE);
-		void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-		if (m == MAP_FAILED)
-			return CUDA_ERROR_OUT_OF_MEMORY;
-		madvise(m, len, MADV_HUGEPAGE); /* a hint: 4 KiB pages work too */
-		/* A forked child (a data loader's worker) must not share pages the GPU writes
-		 * into: copy-on-write would leave the parent's copy behind the driver's back. */
-		madvise(m, len, MADV_DONTFORK);
-		p->prep_base = m;
-		p->prep_len = len;
-		p->prep_done = 0;
-	}
-	size_t n = p->size - p->prep_done < PREP_CHUNK ? p->size - p->prep_done : PREP_CHUNK;
-	populate((char *)p->prep_base + p->prep_done, n);
-	CUresult r = lock_piece(p, p->prep_done, n);
-	if (r)
-		return r;
-	p->prep_done += n;
-	p->pinned = p->prep_done;
-	if (p->prep_done == p->size)
-		p->host = p->prep_base;
-	return CUDA_SUCCESS;
-}
-
-/* ---- host copies unlocked while parked ------------------------------------------
- * The driver's checkpoint of a process takes its locked host memory along, and its
- * restore locks it again: on an H100, restoring a context took 0.24 s alone, 0.50 s
- * with 5 GiB of host memory registered and 1.13 s with 16 GiB (bench/park.py), where
- * locking it ourselves takes ~0.02 s a GiB (transparent huge pages, already touched).
- * So before a park the wrapper has the library unlock its host copies (`unpin`: their
- * contents stay, as memory of the process), and they are locked again piece by piece
- * as the restore copies each piece back (copy_span: the locking of one piece overlaps
- * the copy of the one before), or all at once when the wrapper says `pin` (the
- * contexts came back before the token: docs/swap.md). Only while released. */
-
-/* Unlocks every host copy of ours; the bytes unlocked. With `mu` held, released. */
-size_t host_unpin_all(void)
-{
-	size_t n = 0;
-	for (struct phys *p = physes; p; p = p->next) {
-		if (!p->prep_base || !p->pinned || real_cuCtxSetCurrent(p->ctx))
-			continue;
-		n += p->pinned;
-		unlock_pieces(p);
-	}
-	real_cuCtxSetCurrent(NULL);
-	return n;
-}
-
-/* `p`'s host copy locked again through byte `end` (whole pieces, as prepare_step
- * locked them). Where that fails, copies from it still work, only slower. With `mu`. */
-void host_pin_to(struct phys *p, size_t end)
-{
-	CUresult r = CUDA_SUCCESS;
-	end = end < p->prep_done ? end : p->prep_done;
-	while (p->prep_base && !r && p->pinned < end) {
-		size_t n = p->prep_done - p->pinned < PREP_CHUNK ? p->prep_done - p->pinned : PREP_CHUNK;
-		if (!(r = lock_piece(p, p->pinned, n)))
-			p->pinned += n;
-	}
-	if (r)
-		TRACE("host copy not locked again: %s; copied from unlocked memory", errname(r));
-}
-
-/* Every host copy locked again. With `mu` held. */
-void host_pin_all(void)
-{
-	for (struct phys *p = physes; p; p = p->next)
-		host_pin_to(p, p->prep_done);
-	real_cuCtxSetCurrent(NULL);
-}
-
-/* `p`'s host copy, whole: what prepare_step has not done yet. With `mu` held. */
-CUresult prepare_all(struct phys *p)
-{
-	CUresult r = CUDA_SUCCESS;
-	while (!p->host && !r)
-		r = prepare_step(p);
-	return r;
-}
-
-/* Frees `p`'s host copy, whichever way it was made. With `mu` held. */
-void host_free(struct phys *p)
-{
-	if (p->prep_base) {
-		unlock_pieces(p);
-		munmap(p->prep_base, p->prep_len);
-	} else if (p->host) {
-		real_cuMemFreeHost(p->host);
-	}
-	p->host = p->prep_base = NULL;
-	p->prep_len = p->prep_done = 0;
-}
 
 /* ---- copies made ahead ----------------------------------------------------------
  * Once its host copy is ready, an allocation the program has mapped is copied into it
@@ -235,7 +89,7 @@ static int ahead_wanted(struct phys *p)
 {
 	if (!p->host || p->digest || p->pre_failed || !p->real)
 		return 0;
-	if (p->pre_len && p->pre_release != release_count)
+	if (p->pre_len && p->pre_release != engine.releases)
 		ahead_drop(p); /* a release came in between: it made the host copy anew */
 	return 1;
 }
@@ -255,7 +109,7 @@ static CUresult ahead_step(struct phys *p)
 		if (!(p->pre_digest = malloc(n * sizeof *p->pre_digest)))
 			return CUDA_ERROR_OUT_OF_MEMORY;
 		p->pre_len = len;
-		p->pre_release = release_count;
+		p->pre_release = engine.releases;
 	}
 	if (p->pre_done < len) {
 		CUstream *streams;
@@ -382,10 +236,10 @@ static void *preparer(void *arg)
 			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
-		if (released || atomic_load(&closed) || atomic_load(&captures) > 0 ||
-		    (!refused[0] && now - table_changed_ms < QUIET_MS)) {
-			rest = released;
-		} else if (refused[0]) {
+		if (is_released() || atomic_load(&closed) || atomic_load(&captures) > 0 ||
+		    (!engine.refused[0] && now - table_changed_ms < QUIET_MS)) {
+			rest = is_released();
+		} else if (engine.refused[0]) {
 			/* No release will use the copies: pinned, they are memory nobody else has. */
 			worked = give_back();
 			rest = !worked;
@@ -432,5 +286,4 @@ void prepare_start(void)
 void prepare_forget(void)
 {
 	started = 0;
-	atomic_store(&control_waits, 0);
 }

@@ -6,19 +6,27 @@
  * `vramlock run --release swap`, lets the program give its device memory back
  * while it keeps running, and take it back later at the same addresses:
  *
- *  entry.c   set-up, finding the driver, dlsym and cuGetProcAddress: the program
- *            gets our wrappers for the entry points we care about
- *  hooks.c   the wrappers: through the gate, allocations served by table.c, and
- *            what makes a process impossible to swap (refused)
- *  gate.c    the in-flight counter that blocks GPU work while released
- *  table.c   allocations (virtual memory management, slabs) and their tables
- *  engine.c  swapping out to pinned host memory and back in
- *  delta.c   what a release copies: only the segments that changed (digest.h)
- *  hostmem.c whether the host has the memory a release would pin
- *  prepare.c the host copies made ready ahead of the first release
- *  exec.c    what the process execs or spawns keeps the library
- *  control.c the connection to the wrapper (VRAMLOCK_SWAP_SOCKET)
- *  record.c  the member record a process writes when its wrapper is gone
+ * Its parts, from the top (what the program calls) down; each calls only those
+ * below it:
+ *
+ *  entry.c    dlsym and cuGetProcAddress: the program gets our wrappers for the
+ *             entry points we care about
+ *  exec.c     what the process execs or spawns keeps the library
+ *  hooks.c    the wrappers (hooks.h): through the gate, allocations served by table.c,
+ *             and what makes a process impossible to swap (refused)
+ *  start.c    set-up: the engine registered with control, the driver found
+ *  engine.c   swapping out to pinned host memory and back in: what each word of the
+ *             wrapper does (core/control.h's engine_ops)
+ *  prepare.c  the host copies made ready, and copied, ahead of a release
+ *  delta.c    what a release copies: only the segments that changed (digest.h)
+ *  copy.c     the copies themselves, on streams of our own
+ *  table.c    allocations (virtual memory management, slabs) and their tables
+ *  hostcopy.c each allocation's pinned host copy: made, locked, unlocked, freed
+ *  driver.c   the driver's entry points the library calls itself
+ *
+ * and, below them all, the engine's core, the Vulkan layer's too (../core): the
+ * process's state and its transitions, the gate, the connection to the wrapper
+ * (VRAMLOCK_SWAP_SOCKET), host memory, the member record of an orphan.
  *
  * Without VRAMLOCK_SWAP_SOCKET the library stays out of the way: every hook
  * passes straight to the driver.
@@ -45,6 +53,12 @@
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "../core/control.h"
+#include "../core/gate.h"
+#include "../core/hostmem.h"
+#include "../core/proc.h"
+#include "../core/state.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -108,49 +122,22 @@ enum {
 	CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2,
 };
 
-/* ---- diagnostics: on failure only, or with VRAMLOCK_SWAP_DEBUG=1 ----------- */
+/* ---- driver.c: the driver's entry points ----------------------------------------- */
 
-extern int debug_on;
-void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-#define TRACE(...)                      \
-	do {                            \
-		if (debug_on)           \
-			say(__VA_ARGS__); \
-	} while (0)
-
-/* ---- entry.c: finding the driver ---------------------------------------------- */
-
-/* Every hooked entry point: the name the driver exports, our wrapper, and where
- * the real one is kept (hooks.c's table). Filled once libcuda is there. */
-struct hook {
-	const char *name;
-	void *wrapper;
-	void **real;
-};
-extern struct hook hooks[];
-extern const size_t nhooks;
-
-/* Set when the library is to act (VRAMLOCK_SWAP_SOCKET given). */
-extern int active;
 const char *errname(CUresult r);
-int get_ready(void);
-extern atomic_int is_ready;
-EXPORT CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
-EXPORT CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, int *);
-extern CUresult (*real_cuGetProcAddress)(const char *, void **, int, cuuint64_t);
-extern CUresult (*real_cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t, int *);
+/* At set-up: the C library's own dlsym found. */
+void driver_setup(void);
+/* The C library's dlsym (ours is the program's), from driver_setup on. */
+extern void *(*real_dlsym)(void *, const char *);
+/* Finds the driver: loaded already, `lib` when it is one, or (`load`) loaded now;
+ * its handle, or NULL. */
+void *driver_find(void *lib, int load);
+/* Whether this thread is finding the driver (dlopen may look names up itself). */
+int driver_resolving(void);
 
-/* Every hook asks first: one load once set up (a launch-bound program calls hooks
- * some hundred thousand times a second). */
-static inline __attribute__((always_inline)) int ready(void)
-{
-	return __builtin_expect(atomic_load_explicit(&is_ready, memory_order_acquire), 1) ||
-	       get_ready();
-}
-
-/* Real driver entry points the library calls itself; the hooked ones among them
- * are the same pointers as the hook table's (defined in hooks.c). */
+/* Real driver entry points the library calls itself (defined in driver.c). Those the
+ * program's calls go through are hooks.c's, the same functions: the library's own
+ * calls never pass the gate. */
 #define DRIVER(X)                                                                                   \
 	X(cuInit, (unsigned), 0)                                                                    \
 	X(cuCtxGetCurrent, (CUcontext *), 0)                                                        \
@@ -182,72 +169,24 @@ static inline __attribute__((always_inline)) int ready(void)
 	X(cuMemcpyHtoDAsync_v2, (CUdeviceptr, const void *, size_t, CUstream), 0)                   \
 	X(cuGetErrorString, (CUresult, const char **), 0)                                          \
 	X(cuModuleGetFunction, (CUfunction *, void *, const char *), 1)                             \
-	X(cuMemHostGetDevicePointer_v2, (CUdeviceptr *, void *, unsigned), 1)
+	X(cuMemHostGetDevicePointer_v2, (CUdeviceptr *, void *, unsigned), 1)                       \
+	X(cuModuleLoadData, (void **, const void *), 1)                                             \
+	X(cuCtxGetLimit, (size_t *, int), 1)                                                        \
+	X(cuCtxSetLimit, (int, size_t), 1)                                                          \
+	X(cuLaunchKernel, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,  \
+			   unsigned, CUstream, void **, void **), 1)                                \
+	X(cuGetProcAddress, (const char *, void **, int, cuuint64_t), 1)                            \
+	X(cuGetProcAddress_v2, (const char *, void **, int, cuuint64_t, int *), 1)
 
 #define DECLARE_DRIVER(name, params, optional) extern CUresult(*real_##name) params;
 DRIVER(DECLARE_DRIVER)
 
-/* Hooked (hooks.c's GATED): the library's own calls of these go to the driver direct. */
-extern CUresult (*real_cuModuleLoadData)(void **, const void *);
-extern CUresult (*real_cuCtxGetLimit)(size_t *, int);
-extern CUresult (*real_cuCtxSetLimit)(int, size_t);
-extern CUresult (*real_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
-				       unsigned, unsigned, unsigned, CUstream, void **, void **);
-
-/* ---- gate.c ------------------------------------------------------------------
- * Open: a call increments `inflight`, sees the gate open and goes on, no lock.
- * A release sets `closed`, then waits for `inflight` to reach 0. Both sides use
- * sequentially consistent atomics, so either the caller sees `closed` (and steps
- * back out) or the releaser sees the caller in flight (and waits for it). */
-
-extern pthread_mutex_t mu; /* the gate's waits and every table */
-extern atomic_int closed;
-extern atomic_long inflight;
-/* Calls that entered the gate, ever: prepare.c tells an idle program by it. */
-extern atomic_ulong gate_entries;
-
-/* The fast paths are inlined into every hook; what waits is not. */
-#define INLINE static inline __attribute__((always_inline))
-
-void wake_releaser(void);
-void wait_for_open_gate(void);
-void gate_close_locked(void);
-void gate_open_locked(void);
-/* The name of gate_unjoined's mapping (vramlock/strategies/swap.py looks for it). */
-#define UNJOINED "vramlock-swap-unjoined"
-/* The name of gate_set_up's mapping: the library has set up in this image (kept until
- * exec; a process without it may still be running other libraries' constructors). */
-#define SET_UP "vramlock-swap-set-up"
-/* The name of gate_unreached's mapping, ":<errno>" after it: the process could not reach
- * the wrapper and runs without swap (kept until exec; a forked child keeps it too). */
-#define UNREACHED "vramlock-swap-unreached"
-/* The exit status of a process that cannot reach the wrapper under --release swap. */
-#define UNREACHED_STATUS 1
-void gate_set_up(void);
-void gate_unreached(int err);
-void gate_unjoined(void);
-void gate_joined_locked(int resident);
-void gate_break(void);
-void gate_after_fork(int join);
-
-INLINE void gate_leave(void)
-{
-	if (__builtin_expect(atomic_fetch_sub(&inflight, 1) == 1 && atomic_load(&closed), 0))
-		wake_releaser();
-}
-
-INLINE void gate_enter(void)
-{
-	atomic_fetch_add_explicit(&gate_entries, 1, memory_order_relaxed);
-	for (;;) {
-		atomic_fetch_add(&inflight, 1);
-		if (__builtin_expect(!atomic_load(&closed), 1))
-			return;
-		wait_for_open_gate();
-	}
-}
-
 /* ---- table.c: what the library keeps track of -------------------------------- */
+
+static inline size_t round_up(size_t n, size_t to)
+{
+	return (n + to - 1) / to * to;
+}
 
 /* One physical allocation: the unit that is copied out and released. */
 struct phys {
@@ -301,10 +240,9 @@ extern struct phys *physes;
 extern double table_changed_ms; /* when an allocation last came or went (prepare.c) */
 extern struct mapping *maps;
 extern size_t nmaps;
-extern int released;
-extern char refused[160]; /* why this process cannot be swapped, once known */
+/* Streams capturing a CUDA graph now (a capture starts at the gate only). */
+extern atomic_int captures;
 
-void refuse(const char *why);
 size_t map_index(CUdeviceptr key);
 struct mapping *mapping_at(CUdeviceptr p);
 int device_reads(const struct mapping *m, CUdevice dev);
@@ -316,81 +254,59 @@ struct phys *phys_new(size_t size, const CUmemAllocationProp *prop, CUcontext ct
 void phys_destroy(struct phys *p);
 CUmemAccessDesc device_access(CUdevice dev);
 CUresult granularity(CUdevice dev, size_t *g);
-size_t round_up(size_t n, size_t to);
 int region_of(CUdeviceptr p, CUdeviceptr *base, size_t *size);
 int is_own(CUdeviceptr ptr);
 CUresult own_alloc(CUdeviceptr *dptr, size_t size);
 int own_free(CUdeviceptr ptr);
 void table_forget(void);
 
-/* ---- engine.c: swapping ------------------------------------------------------- */
+/* ---- hostcopy.c: each allocation's pinned host copy ----------------------------- */
 
 /* The most one copy moves: copies never cross a multiple of it in an allocation, so
- * that each lies in one locked chunk of a host copy (prepare.c). */
+ * that each lies in one locked chunk of a host copy. */
 #define COPY_CHUNK (32ULL << 20)
 
-/* Streams capturing a CUDA graph now (a capture starts at the gate only). */
-extern atomic_int captures;
+CUresult prepare_step(struct phys *p);
+CUresult prepare_all(struct phys *p);
+void host_free(struct phys *p);
+size_t host_unpin(struct phys *p);
+void host_pin_to(struct phys *p, size_t end);
 
-extern int stack_wanted; /* VRAMLOCK_SWAP_STACK is not 0 (read at start) */
-void do_release(char *answer, size_t len, int stay_closed);
-void engine_forget(void);
-void do_restore(char *answer, size_t len);
+/* ---- copy.c: the copies, on streams of our own ---------------------------------- */
+
 CUresult streams_of(CUcontext ctx, CUstream **out);
 CUresult sync_all(int ours_only);
 CUresult copy_span(struct phys *p, size_t off, size_t len, int out, size_t *turn);
-double now_ms(void);
+/* The contexts that own tracked memory, each once, into `seen`: how many. */
+size_t memory_contexts(CUcontext seen[MAX_CONTEXTS]);
+void copy_forget(void);
 
-/* delta.c: copies out what changed since the host copy was made (all of it the first
- * time, or when the digest kernel cannot run); the bytes copied in `copied`. */
+/* ---- delta.c: what a release copies ---------------------------------------------- */
+
+/* Copies out what changed since the host copy was made (all of it the first time, or
+ * when the digest kernel cannot run); the bytes copied in `copied`. */
 CUresult copy_changed(size_t *copied);
 void delta_forget(void);
 const uint64_t *delta_keys(void);
 int delta_warm(CUcontext ctx);
 CUresult delta_digest_host(CUcontext ctx, const void *host, size_t n, uint64_t *out);
-/* Releases begun so far (engine.c): what was made ahead of one is stale after it. */
-extern unsigned long release_count;
 
-/* ---- hostmem.c: host memory before pinning ------------------------------------- */
-
-/* CUDA_SUCCESS when the release may pin the host memory it needs (allocations without
- * a pinned copy yet), else CUDA_ERROR_OUT_OF_MEMORY with *step saying why. */
-CUresult hostmem_check(const char **step);
-/* Whether `need` more bytes may be pinned (else why, in *why when not NULL). */
-int hostmem_spare(unsigned long long need, const char **why);
-
-/* ---- prepare.c: host copies made ready ahead ----------------------------------- */
+/* ---- prepare.c: host copies made ready, and copied, ahead ------------------------- */
 
 extern int prepare_wanted; /* VRAMLOCK_SWAP_PREPARE is not 0 (read at start) */
-CUresult prepare_step(struct phys *p);
-CUresult prepare_all(struct phys *p);
-void host_free(struct phys *p);
-size_t host_unpin_all(void);
-void host_pin_to(struct phys *p, size_t end);
-void host_pin_all(void);
 void prepare_start(void);
 void prepare_forget(void);
-/* `mu` for the control thread: it goes before the preparer's next step. */
-void control_lock(void);
 
-/* ---- exec.c: the library kept across exec ------------------------------------- */
+/* ---- engine.c: swapping ------------------------------------------------------------ */
 
-void library_setup(void); /* entry.c: once, before anything else */
-void exec_setup(void *(*lookup)(void *, const char *));
+extern int stack_wanted; /* VRAMLOCK_SWAP_STACK is not 0 (read at start) */
+/* What the wrapper's words do (core/control.h), registered by start.c. */
+extern const struct engine_ops cuda_engine;
 
-/* ---- control.c and record.c ---------------------------------------------------- */
+/* ---- start.c and exec.c ------------------------------------------------------------ */
 
-extern pthread_once_t connect_once;
-int control_setup(void);
-const char *setting(const char *name, char *buf, size_t size);
-void connect_control(void);
-int start_thread(void *(*fn)(void *));
-void join_now(void);
-void before_fork(void);
-void after_fork_parent(void);
-void after_fork_child(void);
-void write_orphan_record(void);
-ssize_t read_proc(const char *path, char *buf, size_t size);
-int proc_stat(int pid, char *state, unsigned long long *start);
+void library_setup(void); /* start.c: once, before anything else */
+/* Set up, and the driver found (`lib`, `load`: driver_find's): its handle, or NULL. */
+void *find_driver(void *lib, int load);
 
 #endif

@@ -39,20 +39,10 @@ static size_t capmaps;
 static struct region *regions;
 static size_t nregions, capregions;
 static struct slab *slabs;
-int released;
-char refused[160]; /* why this process cannot be swapped, once known */
+atomic_int captures;
+double table_changed_ms; /* when an allocation last came or went (prepare.c) */
 
 static size_t granularity_of[MAX_DEVICES];
-
-void refuse(const char *why)
-{
-	pthread_mutex_lock(&mu);
-	if (!refused[0]) {
-		snprintf(refused, sizeof refused, "%s", why);
-		TRACE("cannot be swapped from now on: %s", why);
-	}
-	pthread_mutex_unlock(&mu);
-}
 
 static int grow(void **array, size_t *cap, size_t need, size_t elem)
 {
@@ -285,11 +275,6 @@ CUresult granularity(CUdevice dev, size_t *g)
 	return CUDA_SUCCESS;
 }
 
-size_t round_up(size_t n, size_t to)
-{
-	return (n + to - 1) / to * to;
-}
-
 /* Reserves, creates, maps and opens `size` bytes (a multiple of the granularity)
  * on `dev`: the backing of our own allocations and of slabs. With `mu` held. */
 static CUresult map_new(size_t size, CUdevice dev, CUcontext ctx, CUdeviceptr *va, struct phys **out)
@@ -503,8 +488,6 @@ void table_forget(void)
 	regions = NULL;
 	nregions = capregions = 0;
 	slabs = NULL;
-	released = 0;
-	refused[0] = 0;
 }
 
 /* The allocation holding `p` (its base and size): 1 when there is one. */

@@ -1,13 +1,31 @@
 /*
- * control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET, else its abstract
- * socket VRAMLOCK_SWAP_ABSTRACT): `hello <pid>` at cuInit, then a thread of its own
- * answering `release` and `restore` (and `unpin` and `pin` around a park). Where
- * neither can be reached, VRAMLOCK_SWAP_UNREACHED says what the process does: `run`
- * without swap (auto), or `exit` before its GPU work (--release swap).
+ * core/control.c: the connection to the wrapper (VRAMLOCK_SWAP_SOCKET, else its
+ * abstract socket VRAMLOCK_SWAP_ABSTRACT), for both front ends: `hello <pid>` when the
+ * process joins, then a thread of its own answering `release` and `restore` (and
+ * `unpin` and `pin` around a park) by the engine the front end registered
+ * (control.h). Where neither socket can be reached, VRAMLOCK_SWAP_UNREACHED says what
+ * the process does: `run` without swap (auto), or `exit` before its GPU work (--release
+ * swap). The words are those of vramlock/gpu/core/protocol.py.
  */
-#include "swap.h"
+#define _GNU_SOURCE
+#include "control.h"
 
+#include "gate.h"
+#include "proc.h"
+#include "record.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ---- control ------------------------------------------------------------------ */
 
@@ -21,7 +39,9 @@ static int wrapper_pid; /* the process listening at sock_path, as the kernel saw
 static unsigned long long wrapper_start;
 static int greeted; /* the wrapper said where we stand */
 static pthread_cond_t greet_cv = PTHREAD_COND_INITIALIZER;
-pthread_once_t connect_once = PTHREAD_ONCE_INIT;
+static pthread_once_t connect_once = PTHREAD_ONCE_INIT;
+/* The engine: what each word runs (control.h). */
+static const struct engine_ops *ops;
 /* The wrapper's abstract socket's name (no NUL before it here), and the process that
  * must be listening there: its pid and start time, from the name itself. */
 static char abstract_name[sizeof sock_path - 1];
@@ -89,12 +109,17 @@ static int parked_mark(void)
 	return !access(path, F_OK);
 }
 
+void control_register(const struct engine_ops *engine_ops)
+{
+	ops = engine_ops;
+}
+
 /* With `mu` and the token: the program runs on, its memory back first. */
 static int resume_locked(void)
 {
 	char answer[256] = "restored";
-	if (released)
-		do_restore(answer, sizeof answer);
+	if (is_released())
+		ops->restore(answer, sizeof answer);
 	else
 		gate_open_locked();
 	return !strcmp(answer, "restored");
@@ -114,10 +139,12 @@ static void orphaned(void)
 {
 	int said = 0;
 	control_lock();
-	int was_released = released;
+	int was_released = is_released();
 	if (!greeted) {
+		/* A release with nothing to copy: nothing is on the GPU yet. */
 		atomic_store(&closed, 1);
-		released = 1;
+		if (!transition(STATE_RESIDENT, STATE_RELEASING))
+			transition(STATE_RELEASING, STATE_RELEASED);
 	}
 	greeted = 1;
 	pthread_cond_broadcast(&greet_cv);
@@ -125,7 +152,7 @@ static void orphaned(void)
 		int held = token_held();
 		/* Released only: a process running on the token keeps it (a mark left over
 		 * cannot take the token from under a program that is on the GPU). */
-		if (released && parked_mark()) {
+		if (is_released() && parked_mark()) {
 			if (held == 1)
 				flock(token_fd, LOCK_UN);
 			say("vramlock run went away while the command was parked: this process's GPU"
@@ -140,11 +167,11 @@ static void orphaned(void)
 				    " this process's GPU calls go on");
 			break;
 		}
-		if (held < 0 && !released)
+		if (held < 0 && !is_released())
 			break; /* resident, and cannot tell: as before, the next release is refused */
-		if (!released) {
+		if (!is_released()) {
 			char answer[256];
-			do_release(answer, sizeof answer, 1);
+			ops->release(answer, sizeof answer, 1);
 		}
 		/* Nobody can hand the token back: the wrapper is gone, or the token cannot
 		 * be seen (it may still be exiting: what closed the connection). */
@@ -164,15 +191,21 @@ static void orphaned(void)
 }
 
 /* `unpin` (about to be parked) and `pin` (back from a park before the turn): the host
- * copies unlocked and locked again (prepare.c), only while released. */
+ * copies unlocked and locked again by the engine, only while released. */
 static void pin_word(const char *word, char *answer, size_t len)
 {
-	if (!released) {
+	if (!is_released()) {
 		snprintf(answer, len, "failed not released");
 	} else if (!strcmp(word, "unpin")) {
-		snprintf(answer, len, "unpinned %zu", host_unpin_all());
+		size_t n = ops->unpin ? ops->unpin() : 0;
+		if (engine.state == STATE_RELEASED)
+			transition(STATE_RELEASED, STATE_PARKED);
+		snprintf(answer, len, "unpinned %zu", n);
 	} else {
-		host_pin_all();
+		if (ops->pin)
+			ops->pin();
+		if (engine.state == STATE_PARKED)
+			transition(STATE_PARKED, STATE_RELEASED);
 		snprintf(answer, len, "pinned");
 	}
 }
@@ -183,17 +216,17 @@ static void handle(const char *word)
 	TRACE("vramlock run says %s", word);
 	control_lock();
 	if (!strcmp(word, "release"))
-		do_release(answer, sizeof answer, 0);
+		ops->release(answer, sizeof answer, 0);
 	else if (!strcmp(word, "restore"))
-		do_restore(answer, sizeof answer);
+		ops->restore(answer, sizeof answer);
 	else if (!strcmp(word, "unpin") || !strcmp(word, "pin"))
 		pin_word(word, answer, sizeof answer);
 	/* `resident` asks nothing: the first word only says the gate may stay open. */
 	if (!greeted)
 		gate_joined_locked(!strcmp(word, "resident"));
 	greeted = 1;
-	if (!released && !refused[0])
-		prepare_start(); /* resident: the host copies can be made ready meanwhile */
+	if (!is_released() && !engine.refused[0] && ops->resident)
+		ops->resident(); /* resident: the engine may make ready for the next release */
 	pthread_cond_broadcast(&greet_cv);
 	pthread_mutex_unlock(&mu);
 	if (answer[0] && send_line(answer))
@@ -225,50 +258,6 @@ static void *control_thread(void *arg)
 	}
 	orphaned();
 	return NULL;
-}
-
-/* `name`'s value in the environment the process was started with, as the wrapper reads
- * it (/proc/PID/environ: the first entry of that name, as getenv takes it), into `out`
- * (`size` bytes, cut short where longer); 0 when it has none or cannot be read. */
-static int started_with(const char *name, char *out, size_t size)
-{
-	char buf[4096];
-	size_t len = strlen(name), at = 0, n = 0; /* where in the entry, how much copied */
-	int same = 1, found = 0;		  /* the entry so far is "name=..." */
-	ssize_t got;
-	int fd = open("/proc/self/environ", O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return 0;
-	while (!found && (got = read(fd, buf, sizeof buf)) > 0) {
-		for (ssize_t i = 0; i < got && !found; i++, at++) {
-			char c = buf[i];
-			if (!c && same && at > len) {
-				found = 1;
-			} else if (!c) {
-				at = (size_t)-1, same = 1, n = 0; /* the next entry */
-			} else if (at <= len) {
-				same = same && c == (at < len ? name[at] : '=');
-			} else if (same && n + 1 < size) {
-				out[n++] = c;
-			}
-		}
-	}
-	close(fd);
-	out[n] = '\0';
-	return found;
-}
-
-/* One of the variables that reach the library: its value, or where the process's own
- * environment has none (or an empty one), the one it was started with, kept in `buf`
- * (`size` bytes). The wrapper reads that environment: a process it names this run's
- * socket to, not set up yet, is one that will join (strategies/swap.py), even where
- * another library's constructor took the name out before ours ran. NULL: none. */
-const char *setting(const char *name, char *buf, size_t size)
-{
-	const char *v = getenv(name);
-	if ((!v || !*v) && started_with(name, buf, size))
-		v = buf;
-	return v;
 }
 
 /* Out of the low numbers a program or a shell may expect to be free. */
@@ -316,18 +305,17 @@ static void abstract_setup(const char *name)
  * the wrapper listens, and which descriptor holds the command's token. */
 int control_setup(void)
 {
-	char at_start[6][sizeof sock_path + 1]; /* one more: too long a path stays too long */
+	char at_start[4][sizeof sock_path + 1]; /* one more: too long a path stays too long */
 	const char *path = setting("VRAMLOCK_SWAP_SOCKET", at_start[0], sizeof at_start[0]);
 	const char *fd = setting("VRAMLOCK_TOKEN_FD", at_start[1], sizeof at_start[1]);
-	const char *prepare = setting("VRAMLOCK_SWAP_PREPARE", at_start[2], sizeof at_start[2]);
-	const char *stack = setting("VRAMLOCK_SWAP_STACK", at_start[3], sizeof at_start[3]);
-	const char *name = setting("VRAMLOCK_SWAP_ABSTRACT", at_start[4], sizeof at_start[4]);
-	const char *unreached = setting("VRAMLOCK_SWAP_UNREACHED", at_start[5], sizeof at_start[5]);
+	const char *name = setting("VRAMLOCK_SWAP_ABSTRACT", at_start[2], sizeof at_start[2]);
+	const char *unreached = setting("VRAMLOCK_SWAP_UNREACHED", at_start[3], sizeof at_start[3]);
+	const char *debug = getenv("VRAMLOCK_SWAP_DEBUG");
 	struct stat st;
+	debug_on = debug && *debug && strcmp(debug, "0");
 	if (!path || !*path)
 		return 0;
-	prepare_wanted = !prepare || strcmp(prepare, "0");
-	stack_wanted = !stack || strcmp(stack, "0");
+	gate_on_join(control_join);
 	unreached_runs = unreached && !strcmp(unreached, "run");
 	abstract_setup(name);
 	make_reserve();
@@ -341,27 +329,6 @@ int control_setup(void)
 		token_fd = -1;
 	}
 	return 1;
-}
-
-/* Starts `fn` on a detached thread of the library's own, every signal blocked there: the
- * program's signals are the program's threads' (one that blocks a signal to take it with
- * sigwait would otherwise see it taken here, its default action ending the process).
- * 0, or an errno. */
-int start_thread(void *(*fn)(void *))
-{
-	pthread_t t;
-	pthread_attr_t attr;
-	sigset_t all, was;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &was);
-	int e = pthread_attr_init(&attr);
-	if (!e) {
-		pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-		e = pthread_create(&t, &attr, fn, NULL);
-		pthread_attr_destroy(&attr);
-	}
-	pthread_sigmask(SIG_SETMASK, &was, NULL);
-	return e;
 }
 
 /* Connects `fd` to the wrapper's socket at `path`: 0, or an errno. */
@@ -428,7 +395,7 @@ static void unreached(int err, const char *why)
 
 /* Connects to the wrapper, at its socket's path, else at its abstract socket, and
  * waits for its first word; where neither can be reached, `unreached`. */
-void connect_control(void)
+static void connect_control(void)
 {
 	char why[256], abstract_why[128] = "", hello[64];
 	int err = 0;
@@ -477,8 +444,7 @@ void connect_control(void)
 	pthread_mutex_unlock(&mu);
 }
 
-/* Joins now, at a forked child's first CUDA use (see after_fork_child). */
-void join_now(void)
+void control_join(void)
 {
 	pthread_once(&connect_once, connect_control);
 }
@@ -510,11 +476,11 @@ void after_fork_child(void)
 	pthread_cond_init(&greet_cv, NULL);
 	connect_once = (pthread_once_t)PTHREAD_ONCE_INIT;
 	greeted = 0;
-	if (active) {
-		table_forget();
-		engine_forget();
-		prepare_forget();
+	if (engine.active) {
+		state_reset();
+		if (ops->forget)
+			ops->forget();
 	}
-	gate_after_fork(active);
+	gate_after_fork(engine.active);
 	pthread_mutex_unlock(&mu);
 }

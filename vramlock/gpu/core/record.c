@@ -1,38 +1,19 @@
 /*
- * record.c: the member record a process writes into the arena when its wrapper is
+ * core/record.c: the member record a process writes into the arena when its wrapper is
  * gone while it is released. Its fields are those of vramlock/arena/records.py
  * (tests/test_swap_run.py reads one back with that module).
  */
-#include "swap.h"
+#define _GNU_SOURCE
+#include "record.h"
 
-/* Reads a small /proc file whole; its length, or -1. */
-ssize_t read_proc(const char *path, char *buf, size_t size)
-{
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return -1;
-	ssize_t n = read(fd, buf, size - 1);
-	close(fd);
-	if (n >= 0)
-		buf[n] = 0;
-	return n;
-}
+#include "proc.h"
 
-/* The state letter and start time (field 22) of process `pid`: 0, or -1 when gone. */
-int proc_stat(int pid, char *state, unsigned long long *start)
-{
-	char path[64], line[1024];
-	snprintf(path, sizeof path, "/proc/%d/stat", pid);
-	if (read_proc(path, line, sizeof line) <= 0)
-		return -1;
-	/* Counting from the state (3), after the command name's closing parenthesis. */
-	char *field = strrchr(line, ')');
-	if (!field || sscanf(field + 1, " %c", state) != 1)
-		return -1;
-	for (int k = 2; field && k < 22; k++)
-		field = strchr(field + 1, ' ');
-	return field && sscanf(field + 1, "%llu", start) == 1 ? 0 : -1;
-}
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* `s` as a JSON string (bytes >= 0x80 as Latin-1: the record stays valid UTF-8). */
 static void json_string(FILE *f, const char *s, size_t len)

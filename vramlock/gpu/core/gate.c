@@ -1,16 +1,26 @@
 /*
- * gate.c: the gate every GPU call passes (swap.h says how it works): what waits
+ * core/gate.c: the gate every GPU call passes (gate.h says how it works): what waits
  * for it to open, and what closes and opens it.
  */
-#include "swap.h"
+#define _GNU_SOURCE
+#include "gate.h"
 
-pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER; /* the gate's waits and every table */
+#include <errno.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
 static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
 static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
 atomic_int closed;
+atomic_int draining;
 atomic_long inflight;
-/* Not joined yet: the first call through the gate joins. */
+atomic_ulong gate_entries;
+atomic_int control_waits;
+/* Not joined yet: the first call through the gate joins, by `join`. */
 static atomic_int must_join;
+static void (*join)(void);
 /* The driver lacks what a swap needs: the gate never opens. */
 static int broken;
 /* A mapping whose name tells the wrapper, which reads /proc/PID/maps, that this
@@ -24,18 +34,22 @@ void wake_releaser(void)
 	pthread_mutex_unlock(&mu);
 }
 
-void wait_for_open_gate(void)
+void gate_on_join(void (*fn)(void))
+{
+	join = fn;
+}
+
+void wait_for_open_gate(int recording)
 {
 	gate_leave();
-	if (atomic_load(&must_join))
-		join_now();
+	if (atomic_load(&must_join) && join)
+		join();
 	pthread_mutex_lock(&mu);
-	while (atomic_load(&closed))
+	while (atomic_load(&closed) || (recording && atomic_load(&draining)))
 		pthread_cond_wait(&gate_cv, &mu);
 	pthread_mutex_unlock(&mu);
 }
 
-/* With `mu` held: close the gate and wait for every call inside to leave. */
 void gate_close_locked(void)
 {
 	atomic_store(&closed, 1);
@@ -43,10 +57,31 @@ void gate_close_locked(void)
 		pthread_cond_wait(&drain_cv, &mu);
 }
 
+int gate_close_within(int seconds)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += seconds;
+	atomic_store(&closed, 1);
+	while (atomic_load(&inflight) > 0)
+		if (pthread_cond_timedwait(&drain_cv, &mu, &until) == ETIMEDOUT &&
+		    atomic_load(&inflight) > 0) {
+			gate_open_locked();
+			return -1;
+		}
+	return 0;
+}
+
 void gate_open_locked(void)
 {
 	atomic_store(&closed, 0);
+	atomic_store(&draining, 0);
 	pthread_cond_broadcast(&gate_cv);
+}
+
+void gate_hold_recordings(void)
+{
+	atomic_store(&draining, 1);
 }
 
 /* A mapping named `name`, kept (a page of a memfd); NULL where it cannot be made. */
@@ -102,7 +137,7 @@ void gate_unreached(int err)
 	char name[64];
 	snprintf(name, sizeof name, "%s:%d", UNREACHED, err);
 	named_mapping(name);
-	active = 0;
+	engine.active = 0;
 	gate_joined_locked(1);
 	gate_open_locked(); /* a driver that cannot be swapped runs unswapped as well */
 }
@@ -116,11 +151,19 @@ void gate_break(void)
 
 /* In a forked child (only the forking thread lives on): no call is in flight, nobody
  * waits, and a child that is to join keeps the gate closed until it has. */
-void gate_after_fork(int join)
+void gate_after_fork(int join_later)
 {
 	pthread_cond_init(&gate_cv, NULL);
 	pthread_cond_init(&drain_cv, NULL);
 	atomic_store(&inflight, 0);
-	if (join)
+	atomic_store(&control_waits, 0);
+	if (join_later)
 		gate_unjoined();
+}
+
+void control_lock(void)
+{
+	atomic_fetch_add(&control_waits, 1);
+	pthread_mutex_lock(&mu);
+	atomic_fetch_sub(&control_waits, 1);
 }

@@ -1,6 +1,6 @@
 /*
- * Host memory before a release pins more of it: pinned pages cannot be swapped or
- * reclaimed, so pinning more than the host has free would wake the kernel's OOM
+ * core/hostmem.c: host memory before a release pins more of it. Pinned pages cannot
+ * be swapped or reclaimed, so pinning more than the host has free would wake the kernel's OOM
  * killer, which may take this program (a model) or any other. A release that needs
  * new pinned memory goes ahead only while MemAvailable (/proc/meminfo) stays above a
  * margin afterwards: max(1 GiB, 5 % of MemTotal). Otherwise that release fails, with
@@ -14,7 +14,14 @@
  * VRAMLOCK_SWAP_MEMINFO names another file to read instead of /proc/meminfo: a hook
  * for the tests, which cannot make the host short of memory.
  */
-#include "swap.h"
+#define _GNU_SOURCE
+#include "hostmem.h"
+
+#include "proc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define GIB (1024.0 * 1024 * 1024)
 #define MARGIN_MIN (1ULL << 30)
@@ -69,15 +76,4 @@ int hostmem_spare(unsigned long long need, const char **why_not)
 	if (why_not)
 		*why_not = why;
 	return 0;
-}
-
-/* Whether the release may pin what it needs: CUDA_SUCCESS, or CUDA_ERROR_OUT_OF_MEMORY
- * with *step saying why. With `mu` held. */
-CUresult hostmem_check(const char **step)
-{
-	unsigned long long need = 0;
-	for (struct phys *p = physes; p; p = p->next)
-		if (!p->host)
-			need += p->size - p->prep_done; /* prepare.c's chunks are pinned already */
-	return hostmem_spare(need, step) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }

@@ -1,0 +1,2 @@
+"""The swap engine's core, shared by the CUDA library (../swap) and the Vulkan layer
+(../vulkan): C sources each library compiles in (cbuild.py)."""
