@@ -199,11 +199,13 @@ def test_auto_takes_its_next_way_at_once_when_the_layer_refuses(rig: Rig, spawn:
 def test_under_auto_a_process_that_cannot_reach_vramlock_runs_without_swap(
     rig: Rig, spawn: Spawn
 ) -> None:
-    """Its process cannot reach the run's socket (here: the command points it elsewhere):
-    under ``auto`` it runs on, left alone by the layer (never blocked), a waiter is told
-    once why it keeps the GPU, and gets the token when the program exits."""
+    """Its process cannot reach the run's sockets (here: the command points it elsewhere,
+    and names it no abstract one): under ``auto`` it runs on, the layer stepping aside
+    (never blocked), a waiter is told once why it keeps the GPU, and gets the token when
+    the program exits."""
     argv = vramlock("run", "--arena", str(rig.arena), "--min-hold", "0", "--", "sh", "-c",
-                    'VRAMLOCK_SWAP_SOCKET=/nonexistent/control exec "$0" "$1"',
+                    "unset VRAMLOCK_SWAP_ABSTRACT;"
+                    ' VRAMLOCK_SWAP_SOCKET=/nonexistent/control exec "$0" "$1"',
                     str(rig.built.program), str(WORDS))  # fmt: skip
     job = spawn(argv, env=rig.env("prog"))
     assert read_line(job) == ["ready"]

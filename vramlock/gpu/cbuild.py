@@ -133,12 +133,12 @@ VULKAN = Library(
     what="the Vulkan layer",
     here=HERE / "vulkan",
     # Its parts, and the headers they share (vklayer.h says what each holds).
-    parts=tuple(
-        f"vulkan/{part}"
-        for part in ("layer", "table", "record", "cmds", "cmds2", "engine", "stage", "writes")
-    )
-    + ("vulkan/spirv", "vulkan/control", "vulkan/memtypes"),
-    headers=("vulkan/vklayer.h", "vulkan/vkfuncs.h"),
+    parts=(
+        *CORE_PARTS,
+        *(f"vulkan/{part}" for part in ("layer", "table", "record", "cmds", "cmds2", "engine")),
+        *(f"vulkan/{part}" for part in ("stage", "writes", "spirv", "memtypes", "start")),
+    ),
+    headers=(*CORE_HEADERS, "vulkan/vklayer.h", "vulkan/vkfuncs.h"),
     name="libvramlock-vulkan.so",
     libs=("-Wl,-z,defs", "-lpthread"),
     # The Vulkan headers (Debian's libvulkan-dev) are needed to build, not the loader:

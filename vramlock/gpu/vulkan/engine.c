@@ -1,80 +1,17 @@
 /*
- * engine.c: the gate that holds the program's GPU work (submits, recordings,
- * allocations) while released, and the swap: a release copies each allocation the
- * layer can make again to its host copy (only where written since that copy was last
- * right: writes.c) and destroys it with its buffers; a restore makes them again,
- * copies the contents back, binds the buffers and writes again every descriptor that
- * named one. The copies themselves are stage.c's.
+ * engine.c: submits through the gate (core/gate.h: it holds the program's GPU work,
+ * submits, recordings, allocations, while released), and the swap: a release copies
+ * each allocation the layer can make again to its host copy (only where written since
+ * that copy was last right: writes.c) and destroys it with its buffers; a restore
+ * makes them again, copies the contents back, binds the buffers and writes again every
+ * descriptor that named one. The copies themselves are stage.c's.
  */
 #include "vklayer.h"
 
 #include <time.h>
 
-pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t open_cv = PTHREAD_COND_INITIALIZER;  /* the gate opened */
-static pthread_cond_t drain_cv = PTHREAD_COND_INITIALIZER; /* the last call left */
-static int closed = 1; /* until vramlock run said where the command stands */
-/* A release waits for the command buffers recorded to be spent: no new recording
- * begins meanwhile, what is recorded may still be submitted. */
-static int draining;
-static long inflight;
-int released;
 /* How long a release waits for the program's calls in flight to return. */
 #define DRAIN_SECONDS 2
-
-static void enter(int recording)
-{
-	if (!active)
-		return;
-	pthread_mutex_lock(&mu);
-	while (closed || (recording && draining))
-		pthread_cond_wait(&open_cv, &mu);
-	inflight++;
-	pthread_mutex_unlock(&mu);
-}
-
-void gate_enter(void)
-{
-	enter(0);
-}
-
-void gate_enter_recording(void)
-{
-	enter(1);
-}
-
-void gate_leave(void)
-{
-	if (!active)
-		return;
-	pthread_mutex_lock(&mu);
-	if (--inflight == 0)
-		pthread_cond_broadcast(&drain_cv);
-	pthread_mutex_unlock(&mu);
-}
-
-/* With `mu`. */
-void gate_open_locked(void)
-{
-	closed = draining = 0;
-	pthread_cond_broadcast(&open_cv);
-}
-
-/* With `mu`: closed, and every call inside returned (0), or not within DRAIN_SECONDS
- * (-1, the gate open again). */
-static int gate_close_locked(void)
-{
-	struct timespec until;
-	clock_gettime(CLOCK_REALTIME, &until);
-	until.tv_sec += DRAIN_SECONDS;
-	closed = 1;
-	while (inflight > 0)
-		if (pthread_cond_timedwait(&drain_cv, &mu, &until) == ETIMEDOUT && inflight > 0) {
-			gate_open_locked();
-			return -1;
-		}
-	return 0;
-}
 
 /* ---- submits ----------------------------------------------------------------- */
 
@@ -138,8 +75,8 @@ void engine_hook(const char *name, PFN_vkVoidFunction *fn)
 /* Why no release can ever work, or NULL. */
 static const char *cannot(void)
 {
-	if (refused[0])
-		return refused;
+	if (engine.refused[0])
+		return engine.refused;
 	for (struct vdev *d = dev_list(); d; d = d->next)
 		if (d->passive && strcmp(d->why, "destroyed"))
 			return d->why;
@@ -152,7 +89,7 @@ static const char *cannot(void)
 static const char *spent(void)
 {
 	const char *why;
-	draining = 1;
+	gate_hold_recordings();
 	for (int ms = 0; (why = record_busy()) && ms < DRAIN_SECONDS * 1000; ms++) {
 		struct timespec tick = {0, 1000000};
 		pthread_mutex_unlock(&mu);
@@ -212,12 +149,21 @@ static int copy_out(char *why, size_t len, size_t *bytes, size_t *copied)
 	return 0;
 }
 
+/* A release that failed: resident again, the gate open (unless `stay_closed`). */
+static void release_failed(char *answer, size_t len, const char *why, int stay_closed)
+{
+	transition(STATE_RELEASING, STATE_RESIDENT);
+	if (!stay_closed)
+		gate_open_locked();
+	snprintf(answer, len, "failed %s", why);
+}
+
 /* With `mu`, from vramlock run's `release`. */
-void do_release(char *answer, size_t len)
+static void do_release(char *answer, size_t len, int stay_closed)
 {
 	const char *why = cannot();
 	size_t bytes = 0, copied = 0;
-	if (released) {
+	if (is_released()) {
 		snprintf(answer, len, "released");
 		return;
 	}
@@ -225,10 +171,15 @@ void do_release(char *answer, size_t len)
 		snprintf(answer, len, "refused %s", why);
 		return;
 	}
-	if ((why = spent()) || (why = gate_close_locked() ? "its GPU calls did not return" : NULL) ||
+	if (transition(STATE_RESIDENT, STATE_RELEASING)) {
+		snprintf(answer, len, "failed the process is %s", state_name(engine.state));
+		return;
+	}
+	engine.releases++;
+	if ((why = spent()) ||
+	    (why = gate_close_within(DRAIN_SECONDS) ? "its GPU calls did not return" : NULL) ||
 	    (why = record_busy())) {
-		gate_open_locked();
-		snprintf(answer, len, "failed %s", why);
+		release_failed(answer, len, why, stay_closed);
 		return;
 	}
 	for (struct vdev *d = dev_list(); d; d = d->next)
@@ -236,15 +187,14 @@ void do_release(char *answer, size_t len)
 			d->DeviceWaitIdle(d->dev);
 	char failed[200];
 	if (copy_out(failed, sizeof failed, &bytes, &copied)) {
-		gate_open_locked();
-		snprintf(answer, len, "failed %s", failed);
+		release_failed(answer, len, failed, stay_closed);
 		return;
 	}
 	for (struct vmem *m = mem_list(); m; m = m->next)
 		if (!table_swappable(m) && m->host) /* mapped since: stays */
 			stage_host_free(m);
 	drop_swapped();
-	released = 1;
+	transition(STATE_RELEASING, STATE_RELEASED);
 	TRACE("released %zu bytes, %zu of them copied out", bytes, copied);
 	snprintf(answer, len, "released");
 }
@@ -296,9 +246,9 @@ static size_t restored_bytes(void)
 }
 
 /* With `mu`, from vramlock run's `restore`. */
-void do_restore(char *answer, size_t len)
+static void do_restore(char *answer, size_t len)
 {
-	if (!released) {
+	if (!is_released() || transition(engine.state, STATE_RESTORING)) {
 		gate_open_locked();
 		snprintf(answer, len, "restored");
 		return;
@@ -306,12 +256,20 @@ void do_restore(char *answer, size_t len)
 	VkResult r = remake();
 	if (r != VK_SUCCESS) {
 		drop_swapped(); /* released as before: the member gives the GPU back */
+		transition(STATE_RESTORING, STATE_RELEASED);
 		snprintf(answer, len, "failed the device has no memory for it (%d)", (int)r);
 		return;
 	}
 	record_rewrite();
-	released = 0;
+	transition(STATE_RESTORING, STATE_RESIDENT);
 	gate_open_locked();
 	TRACE("restored, %zu bytes copied in", restored_bytes());
 	snprintf(answer, len, "restored");
 }
+
+/* What the wrapper's words do (core/control.h): no host copy is locked, so `unpin`
+ * and `pin` have nothing to do; a forked child does not join. */
+const struct engine_ops vulkan_engine = {
+	.release = do_release,
+	.restore = do_restore,
+};

@@ -62,7 +62,7 @@ struct vdev *dev_list(void)
 
 int is_ours(struct vdev *d)
 {
-	return active && d && !d->passive;
+	return engine.active && d && !d->passive;
 }
 
 /* ---- instance ---------------------------------------------------------------- */
@@ -172,7 +172,7 @@ static int under_auto(void)
 static void hide_unkeepable(VkPhysicalDevice phys, VkPhysicalDeviceFeatures2 *f)
 {
 	struct vinst *i = inst_of(phys);
-	if (!active || (under_auto() && !(i && i->without_addresses)))
+	if (!engine.active || (under_auto() && !(i && i->without_addresses)))
 		return;
 	VkPhysicalDeviceFeatures *core = (VkPhysicalDeviceFeatures *)&f->features;
 	core->sparseBinding = core->sparseResidencyBuffer = core->sparseResidencyImage2D = VK_FALSE;
@@ -304,7 +304,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	PFN_vkGetDeviceProcAddr gdpa = link->u.pLayerInfo->pfnNextGetDeviceProcAddr;
 	link->u.pLayerInfo = link->u.pLayerInfo->pNext;
 	PFN_vkSetDeviceLoaderData set_data = loader_data(ci);
-	if (active)
+	if (engine.active)
 		control_join(); /* no device is made before vramlock run said where we stand */
 	PFN_vkCreateDevice create = (PFN_vkCreateDevice)gipa(i->inst, "vkCreateDevice");
 	VkResult r = create(phys, ci, alloc, out);
@@ -328,10 +328,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	else if (addresses_enabled(ci))
 		snprintf(d->why, sizeof d->why, "the program uses buffer device addresses (it"
 			 " enables bufferDeviceAddress), which the layer cannot keep yet");
-	else if (unreached)
-		snprintf(d->why, sizeof d->why, "the process could not reach vramlock run");
 	d->passive = d->why[0] != 0;
-	if (active && d->passive)
+	if (engine.active && d->passive)
 		TRACE("device %p left alone: %s", (void *)*out, d->why);
 	pthread_mutex_lock(&list_mu);
 	d->next = devices;
@@ -413,7 +411,7 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL device_proc(VkDevice dev, const 
 	/* A device left alone still has its memory types translated: the program saw them
 	 * before its device was made. */
 	int wrapped = is_ours(d) || !strcmp(name, "vkDestroyDevice") ||
-		      (active && memtypes_named(name));
+		      (engine.active && memtypes_named(name));
 	PFN_vkVoidFunction next = d->gdpa(dev, name);
 	PFN_vkVoidFunction fn = wrapped && next ? ours(name) : NULL;
 	return fn ? fn : next;

@@ -21,7 +21,7 @@
  * Type indices and type bits are translated wherever they cross: the properties
  * (vkGetPhysicalDeviceMemoryProperties, 2, 2KHR), the requirements of buffers and
  * images (memoryTypeBits), a host pointer's properties, and vkAllocateMemory's
- * index (table.c). Without VRAMLOCK_SWAP_SOCKET (`active` 0) the driver's types are
+ * index (table.c). Without VRAMLOCK_SWAP_SOCKET (`engine.active` 0) the driver's types are
  * shown as they are.
  */
 #include "vklayer.h"
@@ -57,7 +57,7 @@ void memtypes_build(const VkPhysicalDeviceMemoryProperties *driver, struct memma
 static void present(VkPhysicalDeviceMemoryProperties *p)
 {
 	struct memmap map;
-	if (!active)
+	if (!engine.active)
 		return;
 	memtypes_build(p, &map);
 	p->memoryTypeCount = map.count;
@@ -67,7 +67,7 @@ static void present(VkPhysicalDeviceMemoryProperties *p)
 uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
 {
 	uint32_t shown = 0;
-	if (!active)
+	if (!engine.active)
 		return driver_bits;
 	for (uint32_t i = 0; i < d->shown.count; i++)
 		if (driver_bits & (1u << d->shown.driver[i]))
@@ -77,12 +77,12 @@ uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
 
 uint32_t memtypes_driver(const struct vdev *d, uint32_t shown)
 {
-	return active && shown < d->shown.count ? d->shown.driver[shown] : shown;
+	return engine.active && shown < d->shown.count ? d->shown.driver[shown] : shown;
 }
 
 int memtypes_mappable(const struct vdev *d, uint32_t shown)
 {
-	return !active || shown >= d->shown.count ||
+	return !engine.active || shown >= d->shown.count ||
 	       (d->shown.types[shown].propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
 }
 

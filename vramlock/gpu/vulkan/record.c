@@ -517,8 +517,8 @@ static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, 
 		t = t->next;
 	char *copy = t ? malloc(t->size ? t->size : 1) : NULL;
 	if (!copy) {
-		if (!refused[0]) /* refuse() takes `mu`: said here */
-			snprintf(refused, sizeof refused, "%s",
+		if (!engine.refused[0]) /* refuse() takes `mu`: said here */
+			snprintf(engine.refused, sizeof engine.refused, "%s",
 				 t ? "out of host memory for its descriptor writes"
 				   : "a descriptor update template the layer did not see made");
 		return NULL;

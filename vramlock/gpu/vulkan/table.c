@@ -2,26 +2,12 @@
  * table.c: the program's device memory and buffers. The handles it holds are ours
  * (struct vmem, struct vbuf), each naming the driver's object of the moment; a
  * release destroys those, a restore makes them again (engine.c). Also what makes a
- * process impossible to swap: refused.
+ * process impossible to swap: refused (core/state.h).
  */
 #include "vklayer.h"
 
 static struct vmem *mems;
 static struct vbuf *bufs;
-char refused[256];
-
-void refuse(const char *fmt, ...)
-{
-	va_list ap;
-	pthread_mutex_lock(&mu);
-	if (!refused[0]) {
-		va_start(ap, fmt);
-		vsnprintf(refused, sizeof refused, fmt, ap);
-		va_end(ap);
-		TRACE("cannot be swapped from now on: %s", refused);
-	}
-	pthread_mutex_unlock(&mu);
-}
 
 struct vmem *mem_list(void)
 {

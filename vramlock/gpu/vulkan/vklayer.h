@@ -16,17 +16,22 @@
  *             translated
  *  cmds2.c    their later forms (synchronization2, copy_commands2), pushed update
  *             templates, and what only a device left alone may use (sparse binds)
- *  engine.c   the gate that holds GPU work while released; swapping out to host
- *             memory and back in
+ *  engine.c   submits through the gate; swapping out to host memory and back in:
+ *             what each word of vramlock run does (core/control.h's engine_ops)
  *  stage.c    host copies, and the copies between them and the device: the
  *             device's own where it has host memory it can copy to
  *  writes.c   which memory the program's GPU work may have written since the last
  *             restore: only that is copied out again
  *  spirv.c    which descriptor bindings a shader module may write
- *  control.c  the connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same
- *             conversation as the CUDA library's
  *  memtypes.c the memory types the program sees: device-local ones it cannot map,
  *             and where that leaves none it can, host ones the layer adds
+ *  start.c    set-up: the engine registered with control, the gate closed until the
+ *             process joins
+ *
+ * and below them the engine's core, the CUDA library's too (../core): the process's
+ * state and its checked transitions, the gate that holds GPU work while released, the
+ * connection to vramlock run (VRAMLOCK_SWAP_SOCKET), the same conversation as the
+ * CUDA library's.
  *
  * Without VRAMLOCK_SWAP_SOCKET the layer stays out of the way: it wraps nothing.
  */
@@ -46,6 +51,10 @@
 
 #include <vulkan/vk_layer.h>
 #include <vulkan/vulkan.h>
+
+#include "../core/control.h"
+#include "../core/gate.h"
+#include "../core/state.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define LAYER_NAME "VK_LAYER_VRAMLOCK_swap"
@@ -144,8 +153,6 @@ void table_hook(const char *name, PFN_vkVoidFunction *fn);
 int table_swappable(struct vmem *m);
 struct vmem *mem_list(void);
 struct vbuf *buf_list(void);
-extern char refused[256]; /* set once: why no release can ever work */
-void refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* record.c */
 void sets_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -172,16 +179,9 @@ void record_names(VkCommandBuffer cb);
 /* cmds2.c */
 void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
 
-/* engine.c: the gate, and the swap itself. */
-extern pthread_mutex_t mu;
-void gate_enter(void);
-void gate_enter_recording(void); /* held too while a release waits for recordings */
-void gate_leave(void);
-void gate_open_locked(void); /* with `mu` */
+/* engine.c: submits through the gate (core/gate.h), and the swap itself. */
 void engine_hook(const char *name, PFN_vkVoidFunction *fn);
-void do_release(char *answer, size_t len);
-void do_restore(char *answer, size_t len);
-extern int released;
+extern const struct engine_ops vulkan_engine;
 
 /* stage.c, with `mu`: `m`'s host copy made (if not yet); `m`'s contents to it (out)
  * or back (!out), at once or into the device's batch; every batch submitted and
@@ -221,19 +221,6 @@ struct spv_writes {
 void spirv_writes(const uint32_t *code, size_t bytes, struct spv_writes *out);
 void spirv_writes_free(struct spv_writes *w);
 
-/* control.c */
-int control_setup(void);
-void control_join(void); /* at the first instance: hello, and wait for the word */
-extern int active;
-/* vramlock run could not be reached and the process runs without swap (control.c): every
- * device it makes is left alone. */
-extern int unreached;
-void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-extern int tracing;
-#define TRACE(...)                      \
-	do {                            \
-		if (tracing)            \
-			say(__VA_ARGS__); \
-	} while (0)
+/* start.c: the constructor; core/control.h's control_join at the first instance. */
 
 #endif
