@@ -34,13 +34,14 @@ from contextlib import ExitStack
 
 from ..command.context import Context
 from ..errors import ControlError, Immovable
+from ..gpu.core.protocol import ENV_UNREACHED
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
 from .none import NoneStrategy
 from .presets import PRESETS
 from .signal import SignalStrategy
-from .swap import ENV_UNREACHED, SwapStrategy
+from .swap import SwapStrategy
 from .swap import usable as swap_usable
 from .vkswap import VulkanSwapStrategy
 from .vkswap import usable as vulkan_usable

@@ -1,24 +1,11 @@
 """``swap``: a preloaded library moves the command's GPU memory to pinned host memory.
 
 ``prepare`` puts the swap library in front of the command (``LD_PRELOAD``, before
-any the user set) and listens on a unix socket in a private directory, named to
-the command by ``VRAMLOCK_SWAP_SOCKET``. Each process of the command that
-initialises CUDA connects once and says ``hello <pid>``; the hub keeps it only when
-the kernel's pid for the connection (``SO_PEERCRED``) is that pid and a process of
-this run, and answers ``resident``, or ``release`` when the command is released at
-that moment, so a process that starts while another member holds the token never
-touches the GPU. A release is refused while a process of the command has the driver
-loaded without being a connected peer, or cannot be seen (its memory map unreadable).
-The hub listens on an abstract socket too (``VRAMLOCK_SWAP_ABSTRACT``), for a process
-that cannot reach the path (another user after a privilege drop, a private /tmp); one
-that reaches neither runs without swap under ``auto`` (``VRAMLOCK_SWAP_UNREACHED``) and
-says so in a mapping of its own (``UNREACHED``), or exits under ``--release swap``.
-
-A release says ``release`` to every process and waits for each to answer:
-
-    released          its memory is in host memory, its GPU calls blocked
-    refused <why>     it cannot be swapped (managed memory, IPC, ...): it runs on
-    failed <why>      it tried and could not; it runs on, memory kept
+any the user set) and opens a hub for it (vramlock/gpu/core/protocol.py: the socket,
+its words and their answers). A release is refused while a process of the command has
+the driver loaded without being a connected peer, or cannot be seen (its memory map
+unreadable); a process that reaches neither of the hub's sockets runs without swap
+under ``auto`` (``VRAMLOCK_SWAP_UNREACHED``), or exits under ``--release swap``.
 
 A refusal makes the member hold the GPU until the command exits, as a driver
 checkpoint that is not supported does; after a failure it stays resident and
@@ -40,52 +27,40 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import secrets
 import select
-import shutil
-import socket
-import struct
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import NoReturn
 
 from .. import procfs
-from ..command.control import LineChannel
 from ..errors import Immovable, StrategyError
 from ..gpu import cuda, nvml
+from ..gpu.core import protocol
+from ..gpu.core.protocol import (
+    ENV_ABSTRACT,
+    ENV_SOCKET,
+    ENV_UNREACHED,
+    PARKED,
+    SET_UP,
+    UNJOINED,
+    Peer,
+    image,
+    open_hub,
+    prepared_hub,
+    unreached,
+)
 from ..gpu.swap import SwapUnavailable, library_path
 from . import deadline as deadlines
 from .base import ChildExited, Context, ReleaseTimeout, Settings, Strategy
 from .checkpoint import RESTORE_MARGIN, VramTaken, footprint, short_of
 from .checkpoint import usable as checkpoint_usable
 
-ENV_SOCKET = "VRAMLOCK_SWAP_SOCKET"
-# The hub's abstract socket, for a process that cannot reach the path: another user's
-# (a privilege drop), another mount namespace's (a private /tmp). "vramlock-swap/<our
-# pid>/<our start time>/<random>": the library checks that we are who listens there.
-ENV_ABSTRACT = "VRAMLOCK_SWAP_ABSTRACT"
-# What a process that reaches neither does: "run" without swap (auto), or "exit" before
-# its GPU work (--release swap).
-ENV_UNREACHED = "VRAMLOCK_SWAP_UNREACHED"
-# A process that connected says hello at once; one told to release as it joins has
-# nothing to copy yet.
-HELLO_WITHIN = 2.0
-JOIN_WITHIN = 5.0
 # A process whose connection closed without an answer, and still there this much later,
 # did not exit: it closed the connection itself.
 EXIT_WITHIN = 1.0
 CLOSED = "it closed its connection to vramlock"
-# The name of the mapping the library keeps while its process has not joined (swap.h).
-UNJOINED = "vramlock-swap-unjoined"
-SET_UP = "vramlock-swap-set-up"  # the library's mapping once it has set up (gate.c)
-# The library's mapping in a process that could reach neither socket and runs without
-# swap: "vramlock-swap-unreached:<errno>" (gate.c).
-UNREACHED = re.compile(r"vramlock-swap-unreached:(\d+)")
 # How long a process that cannot be verified may take to become one that can (it was
 # caught starting) before the release is refused.
 VERIFY_WITHIN = 0.5
@@ -94,10 +69,6 @@ VERIFY_WITHIN = 0.5
 GIVE_UP_AFTER = 3
 # Virtual memory management came with CUDA 10.2.
 VMM_VERSION = 10020
-SOCKET_NAME = "control"
-# Beside the socket while a process of the command may be checkpointed (parked): the
-# library's word for it too (control.c).
-PARKED = "parked"
 # Released this long, a member's processes' CUDA contexts leave the GPU too (parked);
 # at once when a GPU it uses has less than SHORT_OF_ROOM free, looked at every LOOK_EVERY.
 # VRAMLOCK_PARK_AFTER (seconds, or "off") in vramlock run's environment says otherwise.
@@ -112,8 +83,16 @@ PIN_WITHIN = 5.0
 KEEP_EARLY = 30.0
 # A released command runs no GPU work: its lock is taken at once, or not at all.
 PARK_LOCK_TIMEOUT = 5.0
-MAX_SOCKET_PATH = 108  # a unix socket's address, its final NUL included
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+__all__ = [
+    "ENV_SOCKET",
+    "ENV_UNREACHED",
+    "Hub",
+    "SwapStrategy",
+    "hub_of",
+    "open_hub",
+    "prepared_hub",
+]
 
 
 class Refused(Immovable):
@@ -135,85 +114,13 @@ class NotRestored(VramTaken):
         self.pid = pid
 
 
-@dataclass
-class Peer:
-    """One CUDA process of the command, connected to the hub."""
-
-    pid: int
-    channel: LineChannel
-
-
-class Hub:
-    """The socket the command's CUDA processes join, and the word to all of them.
-
-    ``released`` and the list of peers change under ``lock`` only, so a process
-    either is among those a release speaks to, or joins after it and is told to
-    release as it joins.
-    """
+class Hub(protocol.Hub):
+    """The hub of a command the swap library is in front of: who may run on the GPU
+    without the hub's word is checked here (the conversation is protocol.Hub's)."""
 
     def __init__(self, path: str, library: str) -> None:
-        self.path = path
         self.library = os.path.realpath(library)  # as /proc/PID/maps names it
-        self.lock = threading.Lock()
-        self.peers: list[Peer] = []
-        self.released = False
-        # Each process that connected, with the program it ran then (``_image``): it had
-        # set up, whether or not its mark shows.
-        self._connected: dict[int, tuple[int, ...]] = {}
-        self._socks = [_listening(path)]
-        self.abstract = _abstract_name()
-        with contextlib.suppress(OSError):  # taken (by chance, or by malice): the path only
-            self._socks.append(_listening(f"\0{self.abstract}"))
-        if len(self._socks) == 1:
-            self.abstract = ""
-        self._threads = [
-            threading.Thread(target=self._serve, args=(s,), name="vramlock-swap", daemon=True)
-            for s in self._socks
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed: the run is over
-            pid = _peer_pid(conn)
-            if pid is None or pid not in procfs.descendants(os.getpid()):
-                conn.close()  # a stranger: nothing it says counts
-                continue
-            image = _image(pid)
-            if image is not None:
-                with self.lock:
-                    self._connected = {p: i for p, i in self._connected.items() if procfs.living(p)}
-                    self._connected[pid] = image
-            self._join(pid, LineChannel(conn))
-
-    def _join(self, pid: int, channel: LineChannel) -> None:
-        lines = channel.wait_lines(HELLO_WITHIN)
-        if lines[:1] != [f"hello {pid}"]:
-            channel.close()  # not ours; if it was, it stays blocked: the safe side
-            return
-        peer = Peer(pid, channel)
-        with self.lock:
-            if not self.released:
-                channel.send("resident")
-            else:
-                channel.send("release")
-                answer = channel.wait_lines(JOIN_WITHIN)
-                if answer[:1] != ["released"]:
-                    channel.close()  # it cannot run unless we say so
-                    return
-            self.peers.append(peer)
-
-    def joined(self) -> bool:
-        """Is a process of the command connected (those that exited are dropped)?"""
-        with self.lock:
-            for peer in self.peers:
-                peer.channel.read_lines()  # stale: each answer is read after its word
-            self.peers = [p for p in self.peers if not p.channel.closed]
-            return bool(self.peers)
+        super().__init__(path)
 
     def unverified(self, pids: list[int]) -> str | None:
         """Why a release cannot reach every CUDA process among ``pids``, or None when it
@@ -221,10 +128,7 @@ class Hub:
         must be connected now as a verified peer, or have the library saying it has not
         joined yet (its GPU calls wait for the join), or be still starting with it
         (``_starting``). One that is none of these would run on without the token."""
-        with self.lock:
-            for peer in self.peers:
-                peer.channel.read_lines()  # stale; notices a connection that closed
-            peers = {p.pid for p in self.peers if not p.channel.closed}
+        peers = self.connected()
         for pid in pids:
             if pid in peers:
                 continue
@@ -257,10 +161,7 @@ class Hub:
         and those without it that have not mapped the driver yet (a program exec'd by
         the system call itself, or a static one, or one whose library was not given the
         socket's name), which could."""
-        with self.lock:
-            for peer in self.peers:
-                peer.channel.read_lines()  # stale; notices a connection that closed (exec)
-            peers = {p.pid for p in self.peers if not p.channel.closed}
+        peers = self.connected()  # (a connection that closed on exec noticed)
         loose: list[int] = []
         suspects: list[int] = []
         for pid in pids:
@@ -284,9 +185,8 @@ class Hub:
         though its mark may not show (it could not be made: no descriptor left, say)."""
         if any(SET_UP in p for p in paths):
             return False
-        with self.lock:
-            seen = self._connected.get(pid)
-        if seen is not None and seen == _image(pid):
+        seen = self.connected_at_once(pid)
+        if seen is not None and seen == image(pid):
             return False
         return procfs.environ(pid).get(ENV_SOCKET) == self.path
 
@@ -305,44 +205,11 @@ class Hub:
             return True
         return procfs.environ(pid).get(ENV_SOCKET) == self.path
 
-    def tell(self, word: str, *, released: bool) -> list[Peer]:
-        """Say ``word`` to every process, with ``released`` as the new state for any
-        that joins from now on; the processes told (stale lines dropped first)."""
-        with self.lock:
-            self.released = released
-            live = []
-            for peer in self.peers:
-                peer.channel.read_lines()
-                if not peer.channel.closed and peer.channel.send(word):
-                    live.append(peer)
-            self.peers = live
-            return list(live)
 
-    def stopped(self) -> list[int]:
-        """The connected processes that are stopped (SIGSTOP, a debugger): they cannot
-        answer until continued."""
-        with self.lock:
-            return [p.pid for p in self.peers if procfs.state(p.pid) in ("T", "t")]
-
-    def reset(self) -> None:
-        """The command was ended: what joins next is a fresh start, resident."""
-        with self.lock:
-            for peer in self.peers:
-                peer.channel.close()
-            self.peers = []
-            self.released = False
-
-    def close(self) -> None:
-        # shutdown wakes the accepting thread (close alone would leave it blocked on
-        # a socket that still takes connections).
-        for sock in self._socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(1.0)
-        for sock in self._socks:
-            sock.close()
-        self.reset()
+def hub_of(ctx: Context) -> Hub | None:
+    """The hub ``prepare`` made for the command, or None: it was started without one."""
+    hub = prepared_hub(ctx.child.env)
+    return hub if isinstance(hub, Hub) else None
 
 
 def park_after() -> float | None:
@@ -379,93 +246,6 @@ def usable() -> str | None:
     if any(c in library for c in " :"):  # LD_PRELOAD splits at both
         return f"the swap library's path {library!r} cannot go in LD_PRELOAD"
     return None
-
-
-def _image(pid: int) -> tuple[int, ...] | None:
-    """The program ``pid`` runs, told from any it exec'd before or after: its start time,
-    and where the kernel laid that program out (``procfs.layout``, its size left out);
-    None when it is gone or cannot be read."""
-    start, layout = procfs.starttime(pid), procfs.layout(pid)
-    if start is None or layout is None or not any(layout[1:]):
-        return None
-    return (start, *layout[1:])
-
-
-def _listening(address: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(address)
-        sock.listen(64)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _abstract_name() -> str:
-    """A name for the hub's abstract socket that says who listens there (the library
-    checks it against the kernel's word), and that nobody can guess to take first."""
-    start = procfs.starttime(os.getpid())
-    return f"vramlock-swap/{os.getpid()}/{start}/{secrets.token_hex(16)}"
-
-
-def unreached(paths: set[str]) -> str | None:
-    """Why the process that has ``paths`` mapped could not reach the hub and runs without
-    swap (the library's mapping says so), or None."""
-    for path in paths:
-        found = UNREACHED.search(path)
-        if found:
-            code = int(found.group(1))
-            return os.strerror(code) if code else "no reason given"
-    return None
-
-
-def _peer_pid(conn: socket.socket) -> int | None:
-    """The pid of the process at the other end, as the kernel saw it connect."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except OSError:
-        return None
-    pid: int = _UCRED.unpack(creds)[0]
-    return pid if pid > 0 else None
-
-
-def socket_dir() -> str:
-    """A private directory (mode 0700) for the hub's socket, in the temporary directory
-    where its path fits a unix socket's address, else in /tmp."""
-    for base in (None, "/tmp"):
-        directory = tempfile.mkdtemp(prefix="vramlock-swap-", dir=base)
-        if len(os.path.join(directory, SOCKET_NAME).encode()) < MAX_SOCKET_PATH:
-            return directory
-        os.rmdir(directory)
-    raise SwapUnavailable("no directory for its socket has a path short enough")
-
-
-_HUBS: dict[str, Hub] = {}
-
-
-def hub_of(ctx: Context) -> Hub | None:
-    """The hub ``prepare`` made for the command, or None: it was started without one."""
-    return _HUBS.get(ctx.child.env.get(ENV_SOCKET, ""))
-
-
-def open_hub(make: Callable[[str], Hub], env: dict[str, str], scratch: ExitStack) -> Hub:
-    """A hub made by ``make(socket path)`` in a directory of its own, named to the command
-    by ``env``'s ``VRAMLOCK_SWAP_SOCKET``, closed and its directory gone with ``scratch``."""
-    directory = socket_dir()
-    scratch.callback(shutil.rmtree, directory, ignore_errors=True)
-    path = os.path.join(directory, SOCKET_NAME)
-    hub = make(path)
-    _HUBS[path] = hub
-    scratch.callback(_HUBS.pop, path, None)
-    scratch.callback(hub.close)
-    env[ENV_SOCKET] = path
-    return hub
-
-
-def prepared_hub(env: Mapping[str, str]) -> Hub | None:
-    """The hub ``open_hub`` made for a command of ``env``, or None."""
-    return _HUBS.get(env.get(ENV_SOCKET, ""))
 
 
 class SwapStrategy(Strategy):
@@ -532,7 +312,7 @@ class SwapStrategy(Strategy):
         for pid in self.hub.stopped():
             raise deadlines.stopped(pid)
         within = self.settings.release_within or deadlines.RELEASE_WITHIN
-        bad = self._tell("release", "released", deadline, time.monotonic() + within)
+        bad = self._tell(protocol.RELEASE, protocol.RELEASED, deadline, time.monotonic() + within)
         # A process that could not reach us while the others released runs on its own.
         late = None if bad else self.unreached(self.ctx)
         if not bad and late is None:
@@ -542,7 +322,7 @@ class SwapStrategy(Strategy):
         # Whoever released comes back: one process cannot be swapped, so none is. One
         # that did not answer is told too, and not waited for: it answers when it can.
         deaf = [pid for pid, word, _ in bad if word == deadlines.UNANSWERED]
-        back = self._tell("restore", "restored", None, time.monotonic() + within)
+        back = self._tell(protocol.RESTORE, protocol.RESTORED, None, time.monotonic() + within)
         if [pid for pid, _, _ in back if pid not in deaf]:
             raise StrategyError("the command could be neither swapped out nor restored")
         if late is not None:
@@ -550,7 +330,7 @@ class SwapStrategy(Strategy):
         if deaf:
             raise deadlines.unanswered(deaf[0], within)
         pid, word, why = bad[0]
-        if word == "refused":
+        if word == protocol.REFUSED:
             raise Refused(
                 f"process {pid} of the command cannot be swapped: {why}; it was left running"
             )
@@ -632,7 +412,7 @@ class SwapStrategy(Strategy):
         with 5 GiB locked). A process that does not answer is parked as it is (and a
         command that ended is not parked: the checkpoint finds it gone)."""
         with contextlib.suppress(ReleaseTimeout, ChildExited):
-            self._tell("unpin", "unpinned", time.monotonic() + PIN_WITHIN)
+            self._tell(protocol.UNPIN, protocol.UNPINNED, time.monotonic() + PIN_WITHIN)
 
     def _mark_parked(self, parked: bool) -> None:
         """The mark the library looks for when this run is gone (``PARKED``, beside the
@@ -704,7 +484,8 @@ class SwapStrategy(Strategy):
             # before the contexts are back, so that no look in between finds a park due.
             self._park_not_before = time.monotonic() + KEEP_EARLY
             self._unpark()
-            self._tell("pin", "pinned", time.monotonic() + PIN_WITHIN)  # host copies too
+            # The host copies too.
+            self._tell(protocol.PIN, protocol.PINNED, time.monotonic() + PIN_WITHIN)
 
     def _early_done(self) -> None:
         """Wait for the contexts coming back early (``come_back_early``), if they are."""
@@ -734,11 +515,11 @@ class SwapStrategy(Strategy):
         if self._parked:
             self._unpark()
         self._released_at = None
-        bad = self._tell("restore", "restored", None)
+        bad = self._tell(protocol.RESTORE, protocol.RESTORED, None)
         if not bad:
             return
         # Those that came back must not run without the token we are about to give back.
-        if self._tell("release", "released", None):
+        if self._tell(protocol.RELEASE, protocol.RELEASED, None):
             raise StrategyError("the command could be neither restored nor released again")
         pid, _, why = bad[0]
         raise NotRestored(pid, why)
@@ -748,7 +529,7 @@ class SwapStrategy(Strategy):
     ) -> list[tuple[int, str, str]]:
         """Say ``word`` to every process and wait for them all: (pid, first word, the
         rest) of each that did not answer ``answer`` (UNANSWERED: not by ``answer_by``)."""
-        peers = self.hub.tell(word, released=word != "restore")
+        peers = self.hub.tell(word, released=word != protocol.RESTORE)
         return [
             (pid, words[0], " ".join(words[1:]) or "no reason given")
             for pid, words in self._answers(peers, deadline, answer_by).items()
@@ -778,7 +559,7 @@ class SwapStrategy(Strategy):
                 raise ReleaseTimeout
             if answer_by is not None and time.monotonic() >= answer_by:
                 answers.update((p.pid, [deadlines.UNANSWERED]) for p in waiting.values())
-                answers.update((pid, ["refused", *CLOSED.split()]) for pid in closing)
+                answers.update((pid, [protocol.REFUSED, *CLOSED.split()]) for pid in closing)
                 return answers
             step = 0.05 if left is None else min(0.05, left)
             ready, _, _ = select.select(list(waiting), [], [], step)
@@ -795,6 +576,6 @@ class SwapStrategy(Strategy):
                 if not self.ctx.child.owns(pid):
                     del closing[pid]
                 elif time.monotonic() > until:
-                    answers[pid] = ["refused", *CLOSED.split()]
+                    answers[pid] = [protocol.REFUSED, *CLOSED.split()]
                     del closing[pid]
         return answers

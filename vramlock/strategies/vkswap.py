@@ -3,9 +3,9 @@
 ``prepare`` writes the layer's manifest into the run's private directory, names that
 directory to the Vulkan loader (``VK_ADD_LAYER_PATH``) and the layer first among the
 instance layers (``VK_INSTANCE_LAYERS``), and listens on the same kind of socket as
-``swap`` (``VRAMLOCK_SWAP_SOCKET``): the layer speaks the CUDA library's conversation
-(``hello``, ``release`` / ``released``, ``restore`` / ``restored``, ``refused``,
-``failed``), so the release, its answers and the restore are ``swap``'s own. Where
+``swap`` (``VRAMLOCK_SWAP_SOCKET``): the layer runs the CUDA library's engine core and
+speaks its conversation (vramlock/gpu/core/protocol.py), so the release, its answers
+and the restore are ``swap``'s own. Where
 ``swap`` made a hub for the command already, the layer joins it: one socket for both
 kinds of process.
 
@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 
 from .. import procfs
+from ..gpu.core.protocol import ENV_SOCKET, open_hub, prepared_hub
 from ..gpu.vulkan import LAYER_NAME, VulkanUnavailable, layer_path, loader_here, write_manifest
 from .base import Context, Settings
-from .swap import ENV_SOCKET, Hub, SwapStrategy, hub_of, open_hub, prepared_hub
+from .swap import Hub, SwapStrategy, hub_of
 
 ENV_LAYERS = "VK_INSTANCE_LAYERS"
 ENV_LAYER_PATH = "VK_ADD_LAYER_PATH"
