@@ -199,7 +199,7 @@ struct phys {
 	int refs;                           /* the program's references to `handle` */
 	int maps;                           /* mappings of it */
 	void *host;                         /* pinned copy, kept from one release to the next */
-	void *prep_base;                    /* host memory of ours (prepare.c), else NULL */
+	void *prep_base;                    /* host memory of ours (hostcopy.c), else NULL */
 	size_t prep_len, prep_done;         /* its length, and the bytes locked so far */
 	size_t pinned;                      /* of those, locked now (host_unpin_all undoes it) */
 	int prep_failed;                    /* could not be made ready ahead: the release will */
