@@ -136,7 +136,8 @@ VULKAN = Library(
     parts=(
         *CORE_PARTS,
         *(f"vulkan/{part}" for part in ("layer", "table", "record", "cmds", "cmds2", "engine")),
-        *(f"vulkan/{part}" for part in ("stage", "writes", "spirv", "memtypes", "start")),
+        *(f"vulkan/{part}" for part in ("stage", "writes", "spirv", "memtypes", "devices")),
+        "vulkan/start",
     ),
     headers=(*CORE_HEADERS, "vulkan/vklayer.h", "vulkan/vkfuncs.h"),
     name="libvramlock-vulkan.so",

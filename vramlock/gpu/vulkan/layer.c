@@ -21,7 +21,6 @@ struct vinst {
 
 static pthread_mutex_t list_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct vinst *instances;
-static struct vdev *devices;
 
 static void *key_of(const void *dispatchable)
 {
@@ -37,32 +36,6 @@ static struct vinst *inst_of(const void *dispatchable)
 		i = i->next;
 	pthread_mutex_unlock(&list_mu);
 	return i;
-}
-
-/* Any handle the device made that the loader dispatches (device, queue, command
- * buffer) shares its dispatch key. */
-struct vdev *dev_of(VkDevice dev)
-{
-	void *key = key_of(dev);
-	pthread_mutex_lock(&list_mu);
-	struct vdev *d = devices;
-	while (d && key_of(d->dev) != key)
-		d = d->next;
-	pthread_mutex_unlock(&list_mu);
-	return d;
-}
-
-struct vdev *dev_list(void)
-{
-	pthread_mutex_lock(&list_mu);
-	struct vdev *d = devices;
-	pthread_mutex_unlock(&list_mu);
-	return d;
-}
-
-int is_ours(struct vdev *d)
-{
-	return engine.active && d && !d->passive;
 }
 
 /* ---- instance ---------------------------------------------------------------- */
@@ -331,10 +304,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	d->passive = d->why[0] != 0;
 	if (engine.active && d->passive)
 		TRACE("device %p left alone: %s", (void *)*out, d->why);
-	pthread_mutex_lock(&list_mu);
-	d->next = devices;
-	devices = d;
-	pthread_mutex_unlock(&list_mu);
+	dev_add(d);
 	return VK_SUCCESS;
 }
 
@@ -344,6 +314,7 @@ static VKAPI_ATTR void VKAPI_CALL destroy_device(VkDevice dev, const VkAllocatio
 	if (!d)
 		return;
 	pthread_mutex_lock(&mu);
+	table_device_gone(d);
 	stage_free(d);
 	pthread_mutex_unlock(&mu);
 	d->DestroyDevice(dev, alloc);

@@ -95,13 +95,11 @@ static VkResult make_queue(struct vdev *d, struct stage *s)
 	return r;
 }
 
-/* Frees each host copy of the device's memory too (the device goes). */
+/* The device's copying state freed (the device goes; table_device_gone has freed its
+ * memory's host copies). */
 void stage_free(struct vdev *d)
 {
 	struct stage *s = d->stage;
-	for (struct vmem *m = mem_list(); m; m = m->next)
-		if (m->d == d)
-			stage_host_free(m);
 	if (!s)
 		return;
 	if (s->fence)

@@ -19,14 +19,11 @@ struct vbuf *buf_list(void)
 	return bufs;
 }
 
-VkDeviceMemory real_mem(VkDeviceMemory m)
+void table_device_gone(struct vdev *d)
 {
-	return m ? ((struct vmem *)m)->real : VK_NULL_HANDLE;
-}
-
-VkBuffer real_buf(VkBuffer b)
-{
-	return b ? ((struct vbuf *)b)->real : VK_NULL_HANDLE;
+	for (struct vmem *m = mems; m; m = m->next)
+		if (m->d == d)
+			stage_host_free(m);
 }
 
 /* Does a release move this memory to the host? */

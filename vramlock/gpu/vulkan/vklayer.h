@@ -7,6 +7,7 @@
  *
  *  layer.c    the loader's interface: instance and device creation, the dispatch
  *             tables, and which entry points the program gets from us
+ *  devices.c  the devices made, found by any handle they dispatch
  *  table.c    the program's device memory and buffers: the handles it holds are ours,
  *             each naming the driver's object of the moment (and what makes a process
  *             impossible to swap: refused)
@@ -124,12 +125,26 @@ struct vbuf {
 };
 
 /* Calls from the program: a handle of ours, the driver's now (NULL stays NULL). */
-VkDeviceMemory real_mem(VkDeviceMemory m);
-VkBuffer real_buf(VkBuffer b);
+static inline VkDeviceMemory real_mem(VkDeviceMemory m)
+{
+	return m ? ((struct vmem *)m)->real : VK_NULL_HANDLE;
+}
+
+static inline VkBuffer real_buf(VkBuffer b)
+{
+	return b ? ((struct vbuf *)b)->real : VK_NULL_HANDLE;
+}
+
 /* Is this (a handle the program passed) one of ours? */
-int is_ours(struct vdev *d);
+static inline int is_ours(struct vdev *d)
+{
+	return engine.active && d && !d->passive;
+}
+
+/* devices.c: every device the layer made, found by any handle it dispatches. */
 struct vdev *dev_of(VkDevice dev);
 struct vdev *dev_list(void);
+void dev_add(struct vdev *d);
 
 /* layer.c: the driver's memory properties (2: the core call, or the KHR one). */
 void driver_memory_properties(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties *p);
@@ -151,6 +166,8 @@ int memtypes_named(const char *name);
 /* table.c */
 void table_hook(const char *name, PFN_vkVoidFunction *fn);
 int table_swappable(struct vmem *m);
+/* With `mu`: the host copies of `d`'s memory freed (the device goes). */
+void table_device_gone(struct vdev *d);
 struct vmem *mem_list(void);
 struct vbuf *buf_list(void);
 
