@@ -46,7 +46,17 @@ from typing import TypeVar
 
 from ... import procfs
 from ...command.control import LineChannel
-from ..swap import SwapUnavailable
+from ...errors import StrategyError
+
+
+class SwapUnavailable(StrategyError):
+    """The engine cannot be used here: its library is not there and cannot be built, or
+    its socket has no place."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"--release swap cannot be used here: {reason}")
+        self.reason = reason
+
 
 # The words (core/control.c).
 HELLO = "hello"

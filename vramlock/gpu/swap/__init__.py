@@ -11,18 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import StrategyError
 from ..cbuild import SWAP, BuildError, compiler
+from ..core.protocol import SwapUnavailable
 
 __all__ = ["SwapUnavailable", "build", "cache_dir", "compiler", "library_path"]
-
-
-class SwapUnavailable(StrategyError):
-    """The preload library is not there and cannot be built here."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"--release swap cannot be used here: {reason}")
-        self.reason = reason
 
 
 def build(target: Path, *extra: str) -> None:
