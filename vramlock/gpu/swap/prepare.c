@@ -94,6 +94,81 @@ static int ahead_wanted(struct phys *p)
 	return 1;
 }
 
+/* The next AHEAD_CHUNK of `p` (mapped at `va`, `len` bytes) copied into its host copy. */
+static CUresult ahead_copy(struct phys *p, CUdeviceptr va, size_t len)
+{
+	CUstream *streams;
+	size_t n = len - p->pre_done < AHEAD_CHUNK ? len - p->pre_done : AHEAD_CHUNK;
+	CUresult r = streams_of(p->ctx, &streams);
+	for (size_t off = 0, c; !r && off < n; off += c) {
+		c = n - off < COPY_CHUNK ? n - off : COPY_CHUNK;
+		r = real_cuMemcpyDtoHAsync_v2((char *)p->host + p->pre_done + off,
+					      va + p->pre_done + off, c, streams[0]);
+	}
+	if (!r)
+		r = real_cuStreamSynchronize(streams[0]);
+	if (!r)
+		p->pre_done += n;
+	return r;
+}
+
+/* The next AHEAD_CHUNK of `p`'s host copy digested by the kernel: 0, or -1 when the
+ * kernel cannot read it (the digests are then made on the CPU, from the start). */
+static int ahead_gpu_digest(struct phys *p, size_t len)
+{
+	/* The kernel digests the host copy, a registered piece (PREP_CHUNK) at a time:
+	 * one piece's device address says nothing of the next's. */
+	size_t end = p->pre_hashed + AHEAD_CHUNK < len ? p->pre_hashed + AHEAD_CHUNK : len;
+	CUresult r = p->host == p->prep_base ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+	double t0 = now_ms();
+	for (size_t off = p->pre_hashed, stop; off < end && !r; off = stop) {
+		stop = off / PREP_CHUNK * PREP_CHUNK + PREP_CHUNK;
+		stop = stop < end ? stop : end;
+		r = delta_digest_host(p->ctx, (char *)p->host + off, stop - off,
+				      p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
+	}
+	if (!r) {
+		p->pre_hashed = end;
+		p->pre_ms += now_ms() - t0;
+		return 0;
+	}
+	TRACE("host copy digested on the CPU: the kernel cannot read it (%s)", errname(r));
+	p->pre_cpu = 1;
+	p->pre_hashed = 0;
+	return -1;
+}
+
+/* The next HASH_CHUNK of `p`'s host copy digested here, with `keys`. */
+static void ahead_cpu_digest(struct phys *p, size_t len, const uint64_t *keys)
+{
+	const uint32_t *w = (const uint32_t *)p->host;
+	size_t words = len / 4, end = p->pre_hashed + HASH_CHUNK;
+	double t0 = now_ms();
+	for (size_t off = p->pre_hashed; off < len && off < end; off += DIGEST_SEGMENT) {
+		size_t first = off / 4, left = words - first, seg = DIGEST_SEGMENT / 4;
+		host_digest(w + first, left < seg ? left : seg, keys,
+			    p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
+	}
+	p->pre_hashed = end < len ? end : len;
+	p->pre_ms += now_ms() - t0;
+}
+
+/* `p`'s copy made ahead and digested (`len` bytes): its digests are what its host copy
+ * holds. */
+static void ahead_done(struct phys *p, size_t len)
+{
+	free(p->digest);
+	p->digest = p->pre_digest;
+	p->digest_len = len;
+	p->digest_host = p->host;
+	p->pre_digest = NULL;
+	TRACE("host copy of %zu bytes made ahead (digested in %.1f ms, %s)", len, p->pre_ms,
+	      p->pre_cpu ? "CPU" : "GPU");
+	p->pre_done = p->pre_hashed = p->pre_len = 0;
+	p->pre_cpu = 0;
+	p->pre_ms = 0;
+}
+
 /* One step of `p`'s copy ahead: a piece copied, or a piece digested, or, all done,
  * the digests handed to delta.c as those of the host copy. With `mu` held. */
 static CUresult ahead_step(struct phys *p)
@@ -111,65 +186,15 @@ static CUresult ahead_step(struct phys *p)
 		p->pre_len = len;
 		p->pre_release = engine.releases;
 	}
-	if (p->pre_done < len) {
-		CUstream *streams;
-		size_t n = len - p->pre_done < AHEAD_CHUNK ? len - p->pre_done : AHEAD_CHUNK;
-		CUresult r = streams_of(p->ctx, &streams);
-		for (size_t off = 0, c; !r && off < n; off += c) {
-			c = n - off < COPY_CHUNK ? n - off : COPY_CHUNK;
-			r = real_cuMemcpyDtoHAsync_v2((char *)p->host + p->pre_done + off,
-						      va + p->pre_done + off, c, streams[0]);
-		}
-		if (!r)
-			r = real_cuStreamSynchronize(streams[0]);
-		if (!r)
-			p->pre_done += n;
-		return r;
-	}
-	if (p->pre_hashed < len && !p->pre_cpu) {
-		/* The kernel digests the host copy, a registered piece (PREP_CHUNK) at a time:
-		 * one piece's device address says nothing of the next's. */
-		size_t end = p->pre_hashed + AHEAD_CHUNK < len ? p->pre_hashed + AHEAD_CHUNK : len;
-		CUresult r = p->host == p->prep_base ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
-		double t0 = now_ms();
-		for (size_t off = p->pre_hashed, stop; off < end && !r; off = stop) {
-			stop = off / PREP_CHUNK * PREP_CHUNK + PREP_CHUNK;
-			stop = stop < end ? stop : end;
-			r = delta_digest_host(p->ctx, (char *)p->host + off, stop - off,
-					      p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
-		}
-		if (!r) {
-			p->pre_hashed = end;
-			p->pre_ms += now_ms() - t0;
-			return CUDA_SUCCESS;
-		}
-		TRACE("host copy digested on the CPU: the kernel cannot read it (%s)", errname(r));
-		p->pre_cpu = 1;
-		p->pre_hashed = 0;
-	}
+	if (p->pre_done < len)
+		return ahead_copy(p, va, len);
+	if (p->pre_hashed < len && !p->pre_cpu && !ahead_gpu_digest(p, len))
+		return CUDA_SUCCESS;
 	if (p->pre_hashed < len) {
-		const uint32_t *w = (const uint32_t *)p->host;
-		size_t words = len / 4, end = p->pre_hashed + HASH_CHUNK;
-		double t0 = now_ms();
-		for (size_t off = p->pre_hashed; off < len && off < end; off += DIGEST_SEGMENT) {
-			size_t first = off / 4, left = words - first, seg = DIGEST_SEGMENT / 4;
-			host_digest(w + first, left < seg ? left : seg, keys,
-				    p->pre_digest + off / DIGEST_SEGMENT * DIGEST_LANES);
-		}
-		p->pre_hashed = end < len ? end : len;
-		p->pre_ms += now_ms() - t0;
+		ahead_cpu_digest(p, len, keys);
 		return CUDA_SUCCESS;
 	}
-	free(p->digest);
-	p->digest = p->pre_digest;
-	p->digest_len = len;
-	p->digest_host = p->host;
-	p->pre_digest = NULL;
-	TRACE("host copy of %zu bytes made ahead (digested in %.1f ms, %s)", len, p->pre_ms,
-	      p->pre_cpu ? "CPU" : "GPU");
-	p->pre_done = p->pre_hashed = p->pre_len = 0;
-	p->pre_cpu = 0;
-	p->pre_ms = 0;
+	ahead_done(p, len);
 	return CUDA_SUCCESS;
 }
 
