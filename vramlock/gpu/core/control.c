@@ -377,9 +377,9 @@ static int connect_abstract(int fd, char *why, size_t len)
 static void unreached(int err, const char *why)
 {
 	if (!unreached_runs) {
-		say("cannot reach vramlock run (%s): --release swap cannot release this process,"
-		    " so it ends before its GPU work (--release auto would run it without swap)",
-		    why);
+		say("cannot reach vramlock run (%s): %s cannot release this process, so it ends"
+		    " before its GPU work (--release auto would run it without swap)",
+		    why, engine.option);
 		_exit(UNREACHED_STATUS);
 	}
 	TRACE("cannot reach vramlock run (%s): this process runs without swap", why);

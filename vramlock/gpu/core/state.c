@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-struct engine engine;
+struct engine engine = {.option = "--release swap"};
 pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 int debug_on;
 const char *say_prefix = "vramlock";

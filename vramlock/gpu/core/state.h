@@ -45,6 +45,8 @@ struct engine {
 	char refused[256];
 	/* Releases begun so far: what was made ahead of one is stale after it. */
 	unsigned long releases;
+	/* The option that swaps the process, as messages name it ("--release swap"). */
+	const char *option;
 };
 
 /* The one per process. */

@@ -10,6 +10,7 @@ __attribute__((constructor)) static void setup(void)
 {
 	const char *staging = getenv("VRAMLOCK_VULKAN_STAGING");
 	say_prefix = "vramlock-vulkan";
+	engine.option = "--release swap-vulkan";
 	staging_forced = staging && !strcmp(staging, "1");
 	engine.active = control_setup();
 	if (engine.active) {
