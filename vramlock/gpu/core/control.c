@@ -30,7 +30,7 @@
 /* ---- control ------------------------------------------------------------------ */
 
 static int control_fd = -1;
-/* Read at start: the program may clear its environment before it uses CUDA. */
+/* Read at start: the program may clear its environment before it uses the GPU. */
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static int token_fd = -1;
 static dev_t token_dev;
@@ -49,8 +49,9 @@ static int abstract_pid;
 static unsigned long long abstract_start;
 static int unreached_runs; /* VRAMLOCK_SWAP_UNREACHED=run */
 /* A socket made at set-up, kept for the connection: a program that used up its
- * descriptors before cuInit still reaches the wrapper. Its inode tells whether the
- * descriptor is still ours (the program may have closed it, its number reused). */
+ * descriptors before it joins (cuInit, its first Vulkan instance) still reaches the
+ * wrapper. Its inode tells whether the descriptor is still ours (the program may have
+ * closed it, its number reused). */
 static int reserve_fd = -1;
 static ino_t reserve_ino;
 
@@ -462,7 +463,7 @@ void after_fork_parent(void)
 
 /* A forked child is a process of its own: its parent's connection and memory are
  * not its to answer for (the copies of the tables are forgotten, not freed). It
- * joins as its own peer at its first CUDA use, and no GPU call passes before the
+ * joins as its own peer at its first GPU call, and no GPU call passes before the
  * wrapper has said where the command stands. Only the forking thread lives on. */
 void after_fork_child(void)
 {

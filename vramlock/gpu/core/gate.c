@@ -106,8 +106,9 @@ void gate_set_up(void)
 	named_mapping(SET_UP);
 }
 
-/* Until it joins, a process runs no GPU call: its first one joins (cuInit, or any
- * call through the gate), and waits for the wrapper's first word. */
+/* Until it joins, a process runs no GPU call: its first one joins (cuInit, a first
+ * Vulkan instance, or any call through the gate), and waits for the wrapper's first
+ * word. */
 void gate_unjoined(void)
 {
 	atomic_store(&must_join, 1);

@@ -56,7 +56,7 @@ void gate_joined_locked(int resident);
 void gate_break(void);
 void gate_after_fork(int join);
 /* `mu` for the control thread: it goes before a thread of the front end's that takes
- * `mu` again and again (prepare.c's steps) looks at `control_waits`. */
+ * `mu` again and again (the swap library's preparer) looks at `control_waits`. */
 void control_lock(void);
 
 INLINE void gate_leave(void)
