@@ -5,39 +5,6 @@
  */
 #include "vklayer.h"
 
-struct vinst {
-	void *key; /* the loader's dispatch key: the first word of every handle it made */
-	VkInstance inst;
-	PFN_vkGetInstanceProcAddr gipa;
-	PFN_vkDestroyInstance DestroyInstance;
-	PFN_vkGetPhysicalDeviceMemoryProperties GetPhysicalDeviceMemoryProperties;
-	PFN_vkGetPhysicalDeviceMemoryProperties2 GetPhysicalDeviceMemoryProperties2;
-	PFN_vkGetPhysicalDeviceMemoryProperties2KHR GetPhysicalDeviceMemoryProperties2KHR;
-	PFN_vkGetPhysicalDeviceFeatures2 GetPhysicalDeviceFeatures2;
-	PFN_vkGetPhysicalDeviceFeatures2KHR GetPhysicalDeviceFeatures2KHR;
-	int without_addresses; /* the program goes on without device addresses */
-	struct vinst *next;
-};
-
-static pthread_mutex_t list_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct vinst *instances;
-
-static void *key_of(const void *dispatchable)
-{
-	return *(void *const *)dispatchable;
-}
-
-static struct vinst *inst_of(const void *dispatchable)
-{
-	void *key = key_of(dispatchable);
-	pthread_mutex_lock(&list_mu);
-	struct vinst *i = instances;
-	while (i && i->key != key)
-		i = i->next;
-	pthread_mutex_unlock(&list_mu);
-	return i;
-}
-
 /* ---- instance ---------------------------------------------------------------- */
 
 /* Programs that take their way without buffer device addresses and sparse binding
@@ -89,10 +56,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_instance(const VkInstanceCreateInfo
 	INST_FN(GetPhysicalDeviceFeatures2);
 	INST_FN(GetPhysicalDeviceFeatures2KHR);
 #undef INST_FN
-	pthread_mutex_lock(&list_mu);
-	i->next = instances;
-	instances = i;
-	pthread_mutex_unlock(&list_mu);
+	inst_add(i);
 	return VK_SUCCESS;
 }
 
@@ -103,27 +67,8 @@ static VKAPI_ATTR void VKAPI_CALL destroy_instance(VkInstance inst,
 	if (!i)
 		return;
 	i->DestroyInstance(inst, alloc);
-	pthread_mutex_lock(&list_mu);
-	for (struct vinst **p = &instances; *p; p = &(*p)->next)
-		if (*p == i) {
-			*p = i->next;
-			break;
-		}
-	pthread_mutex_unlock(&list_mu);
+	inst_remove(i);
 	free(i);
-}
-
-void driver_memory_properties(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties *p)
-{
-	inst_of(phys)->GetPhysicalDeviceMemoryProperties(phys, p);
-}
-
-void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties2 *p,
-			       int khr)
-{
-	struct vinst *i = inst_of(phys);
-	(khr ? i->GetPhysicalDeviceMemoryProperties2KHR : i->GetPhysicalDeviceMemoryProperties2)(
-		phys, p);
 }
 
 /* Under auto (VRAMLOCK_SWAP_UNREACHED=run: auto alone says it), or under an explicit

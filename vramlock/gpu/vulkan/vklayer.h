@@ -7,7 +7,7 @@
  *
  *  layer.c    the loader's interface: instance and device creation, the dispatch
  *             tables, and which entry points the program gets from us
- *  devices.c  the devices made, found by any handle they dispatch
+ *  devices.c  the instances and devices made, found by any handle they dispatch
  *  table.c    the program's device memory and buffers: the handles it holds are ours,
  *             each naming the driver's object of the moment (and what makes a process
  *             impossible to swap: refused)
@@ -141,12 +141,35 @@ static inline int is_ours(struct vdev *d)
 	return engine.active && d && !d->passive;
 }
 
-/* devices.c: every device the layer made, found by any handle it dispatches. */
+/* devices.c: every instance and device the layer made, found by any handle it
+ * dispatches: they share the loader's dispatch key, its first word. */
+struct vinst {
+	void *key; /* the loader's dispatch key: the first word of every handle it made */
+	VkInstance inst;
+	PFN_vkGetInstanceProcAddr gipa;
+	PFN_vkDestroyInstance DestroyInstance;
+	PFN_vkGetPhysicalDeviceMemoryProperties GetPhysicalDeviceMemoryProperties;
+	PFN_vkGetPhysicalDeviceMemoryProperties2 GetPhysicalDeviceMemoryProperties2;
+	PFN_vkGetPhysicalDeviceMemoryProperties2KHR GetPhysicalDeviceMemoryProperties2KHR;
+	PFN_vkGetPhysicalDeviceFeatures2 GetPhysicalDeviceFeatures2;
+	PFN_vkGetPhysicalDeviceFeatures2KHR GetPhysicalDeviceFeatures2KHR;
+	int without_addresses; /* the program goes on without device addresses */
+	struct vinst *next;
+};
+
+static inline void *key_of(const void *dispatchable)
+{
+	return *(void *const *)dispatchable;
+}
+
+struct vinst *inst_of(const void *dispatchable);
+void inst_add(struct vinst *i);
+void inst_remove(struct vinst *i);
 struct vdev *dev_of(VkDevice dev);
 struct vdev *dev_list(void);
 void dev_add(struct vdev *d);
 
-/* layer.c: the driver's memory properties (2: the core call, or the KHR one). */
+/* devices.c: the driver's memory properties (2: the core call, or the KHR one). */
 void driver_memory_properties(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties *p);
 void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProperties2 *p,
 			       int khr);
