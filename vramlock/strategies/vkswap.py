@@ -58,8 +58,7 @@ def vulkan_peers(hub: Hub) -> bool:
     """Is one of the processes connected to ``hub`` a Vulkan one, the layer mapped?"""
     if not hub.joined():
         return False
-    with hub.lock:
-        pids = [p.pid for p in hub.peers if not p.channel.closed]
+    pids = hub.connected()
     layer = os.path.realpath(layer_path())  # as /proc/PID/maps names it
     return any(layer in (procfs.mapped(pid) or ()) for pid in pids)
 
@@ -69,8 +68,7 @@ def vulkan_unverified(hub: Hub, pids: list[int]) -> str | None:
     None when it can: each that has the loader mapped must be connected, or be one that
     will load the layer and join before it makes a device (its environment at start
     names the hub's socket and the layer). ``hub.unverified`` says it for CUDA."""
-    with hub.lock:
-        peers = {p.pid for p in hub.peers if not p.channel.closed}
+    peers = hub.connected()
     for pid in pids:
         paths = procfs.mapped(pid)
         if pid in peers or paths is None or not _vulkan(paths):
