@@ -144,7 +144,7 @@ static VKAPI_ATTR void VKAPI_CALL push_template(VkCommandBuffer cb,
 {
 	CMD_PROLOGUE(d->CmdPushDescriptorSetWithTemplateKHR, cb, t, layout, set, data);
 	pthread_mutex_lock(&mu);
-	void *copy = template_data(t, data, cb);
+	void *copy = template_data(t, data, cb, writes_buffer_locked);
 	pthread_mutex_unlock(&mu);
 	if (copy)
 		d->CmdPushDescriptorSetWithTemplateKHR(cb, t, layout, set, copy);

@@ -481,10 +481,10 @@ static VKAPI_ATTR void VKAPI_CALL destroy_template_khr(VkDevice dev,
 }
 
 /* With `mu`: the buffer entries of `t` in `copy` (the raw data's copy) translated, each
- * kept in `s` (where a set is written), each storage buffer written by `cb` (where
- * pushed). */
+ * kept in `s` (where a set is written), `written` told each storage buffer `cb` writes
+ * (where pushed). */
 static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
-			       VkCommandBuffer cb)
+			       VkCommandBuffer cb, void (*written)(VkCommandBuffer, VkBuffer))
 {
 	for (uint32_t k = 0; k < t->n; k++) {
 		const VkDescriptorUpdateTemplateEntry *te = &t->e[k];
@@ -500,8 +500,8 @@ static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
 					  (struct vbuf *)in.buffer, in.offset, in.range};
 			if (s)
 				remember(s, &e);
-			if (cb && te->descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
-				writes_buffer_locked(cb, in.buffer);
+			if (written && te->descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
+				written(cb, in.buffer);
 			in.buffer = real_buf(in.buffer);
 			memcpy(at, &in, sizeof in);
 		}
@@ -510,7 +510,7 @@ static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
 
 /* With `mu`: the raw data for `handle` translated into a copy, or NULL (refused). */
 static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, struct dset *s,
-			   VkCommandBuffer cb)
+			   VkCommandBuffer cb, void (*written)(VkCommandBuffer, VkBuffer))
 {
 	struct tmpl *t = templates;
 	while (t && t->handle != handle)
@@ -524,13 +524,14 @@ static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, 
 		return NULL;
 	}
 	memcpy(copy, data, t->size);
-	translate_template(t, copy, s, cb);
+	translate_template(t, copy, s, cb, written);
 	return copy;
 }
 
-void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb)
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb,
+		    void (*written)(VkCommandBuffer, VkBuffer))
 {
-	return template_copy(t, data, NULL, cb);
+	return template_copy(t, data, NULL, cb, written);
 }
 
 static void update_template(PFN_vkUpdateDescriptorSetWithTemplate fn, VkDevice dev,
@@ -546,7 +547,7 @@ static void update_template(PFN_vkUpdateDescriptorSetWithTemplate fn, VkDevice d
 	struct dset *s = set_of(set, 1);
 	if (s)
 		s->d = d;
-	void *copy = template_copy(t, data, s, VK_NULL_HANDLE);
+	void *copy = template_copy(t, data, s, VK_NULL_HANDLE, NULL);
 	if (copy)
 		fn(dev, set, t, copy);
 	pthread_mutex_unlock(&mu);

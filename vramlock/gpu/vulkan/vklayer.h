@@ -203,8 +203,10 @@ void record_forget_buffer(struct vbuf *b);
  * (UINT32_MAX: any) counts as written. */
 void record_mark_written(VkDescriptorSet set, uint32_t binding);
 /* With `mu`: a copy of an update template's raw data naming the driver's buffers (free
- * it), each storage buffer it names written by `cb` (pushed), or NULL (refused). */
-void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb);
+ * it), or NULL (refused); `written(cb, buffer)` is told each storage buffer it names
+ * (pushed by `cb`: the caller's way to writes.c, which record.c does not call). */
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb,
+		    void (*written)(VkCommandBuffer, VkBuffer));
 
 /* cmds.c */
 void record_hook(const char *name, PFN_vkVoidFunction *fn);
