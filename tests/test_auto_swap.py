@@ -105,6 +105,32 @@ def test_auto_swaps_a_program_that_reached_cuda_after_a_waiter_came(rig: Rig, sp
     assert out.split()[-2] == "done"  # every round ran, contents intact
 
 
+def test_a_vulkan_layer_that_cannot_be_built_costs_a_cuda_program_nothing(
+    rig: Rig, spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap library is cached, the Vulkan layer cannot be built (no compiler): auto
+    swaps the CUDA program as ever. (A cluster's read-only cache did this: the command
+    ended in 'the Vulkan layer is not built' the first time somebody waited.)"""
+    from vramlock.gpu import swap
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    swap.library_path()  # built where the command will find it
+    stop = rig.tmp / "stop"
+    env = dict(rig.env, SWAP_PROG_STOP=str(stop), XDG_CACHE_HOME=str(cache),
+               CC=str(tmp_path / "no-such-cc"))  # fmt: skip
+    job = auto(rig, spawn, str(rig.fakes.program), "60", env=env)
+    assert read_line(job) == ["ready"]
+    turn = take_turn(rig, spawn)
+    assert turn.phys == (0, 0)  # its memory gone while the test's member held the GPU
+    wait_until(resumed(rig, len(rig.launches())))
+    stop.touch()
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert err == ""  # nothing said: auto chose, nothing failed
+    assert not during(rig.launches(), [turn])
+
+
 def test_auto_falls_back_when_swap_refuses_and_the_program_runs_on(rig: Rig, spawn: Spawn) -> None:
     # No checkpoint API in the fake driver: after swap nothing is left, the waiter waits.
     job = auto(rig, spawn, str(rig.fakes.program), "3", "managed", env=rig.env)

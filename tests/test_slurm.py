@@ -134,8 +134,9 @@ def test_two_users_jobs_on_one_gpu_take_turns(gpu: Gpu, spawn: Spawn) -> None:
     logs = [log for _, log in jobs]
     wait_until(lambda: all(len(launches(log)) > 0 for log in logs), timeout=60, step=0.1)
     held_quietly(gpu, spawn, logs)
-    for job, _ in jobs:
-        assert gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60) == "COMPLETED"
+    for job, log in jobs:
+        state = gpu.cluster.wait_state(job, "COMPLETED", "FAILED", timeout=60)
+        assert state == "COMPLETED", log.with_suffix(".out").read_text()
         assert "run --arena" not in gpu.cluster.cmd("squeue", "-h", "-j", job, "-o", "%o").stdout
     # Turns, not launches interleaved: the GPU changed jobs seldom (a third job, the one
     # over its time limit, takes turns too).
