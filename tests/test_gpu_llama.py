@@ -33,40 +33,21 @@ from typing import Any
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.gpu import GIB, REQUEST_TIMEOUT, call, end_in_turn, gpu, watched
+from helpers.gpu_llama import PROMPT_A, PROMPT_B, REQUEST, TOLERANCE, binary, deviation
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 
 from vramlock.gpu import nvml
 
-LLAMA = os.environ.get("VRAMLOCK_LLAMA_CUDA", "")
-
-
-def _llama_missing() -> str | None:
-    """Why there is no CUDA llama-server to run, or None."""
-    if not LLAMA:
-        return "set VRAMLOCK_LLAMA_CUDA to the path of a llama-server built with CUDA"
-    if not (os.path.isfile(LLAMA) and os.access(LLAMA, os.X_OK)):
-        return f"VRAMLOCK_LLAMA_CUDA={LLAMA!r} is not an executable file"
-    return None
-
-
-_NO_LLAMA = _llama_missing()
+LLAMA, NEEDS_LLAMA = binary("VRAMLOCK_LLAMA_CUDA", "CUDA")
 
 pytestmark = [
     gpu,
-    pytest.mark.skipif(_NO_LLAMA is not None, reason=f"needs a CUDA llama-server: {_NO_LLAMA}"),
+    NEEDS_LLAMA,
     pytest.mark.timeout(300),
 ]
 
 ROUNDS = 3
-# Several hundred tokens each, and different, so a reused prefix is unmistakable.
-PROMPT_A = "The quick brown fox jumps over the lazy dog. " * 40
-PROMPT_B = "Pack my box with five dozen liquor jugs. " * 40
-# Greedy and seeded: the same prompt gives the same answer.
-REQUEST = {"n_predict": 8, "temperature": 0, "seed": 42, "cache_prompt": True, "n_probs": 5}
-# The same computation on the same KV cache gives the same numbers; far below what a
-# changed cache or weights would move a log-probability by.
-TOLERANCE = 1e-4
 READY_TIMEOUT = 120.0
 # How much more than a released server (under swap) a resident one must hold, at least:
 # the tiny model's weights, KV cache and compute buffers come to more.
@@ -129,27 +110,6 @@ def healthy(port: int) -> None:
             return
         assert reply.status == 503 and time.monotonic() < end, (reply.status, text)
         time.sleep(0.05)
-
-
-def numbers(value: object) -> list[float]:
-    """Every number in a JSON value, in order (token ids, log-probabilities, bytes)."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    if isinstance(value, dict):
-        return [n for key in sorted(value) for n in numbers(value[key])]
-    if isinstance(value, list):
-        return [n for item in value for n in numbers(item)]
-    return []
-
-
-def deviation(got: dict[str, Any], ref: dict[str, Any]) -> float:
-    """The largest difference between two answers' token probabilities."""
-    mine = numbers(got["completion_probabilities"])
-    theirs = numbers(ref["completion_probabilities"])
-    assert mine and len(mine) == len(theirs), (got, ref)
-    return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
 
 
 def as_started(arena: Path, label: str, before: str, how: str) -> tuple[int, int, tuple[int, int]]:

@@ -43,41 +43,22 @@ from typing import Any
 import pytest
 from helpers.commands import vramlock, who_json
 from helpers.gpu import GIB, REQUEST_TIMEOUT, call, end_in_turn, gpu, watched
+from helpers.gpu_llama import PROMPT_A, PROMPT_B, REQUEST, TOLERANCE, binary, deviation
 from helpers.net import accepts, free_ports
 from helpers.processes import Spawn, wait_until
 
 from vramlock.gpu import nvml
 
-LLAMA = os.environ.get("VRAMLOCK_LLAMA_VULKAN", "")
-
-
-def _llama_missing() -> str | None:
-    """Why there is no Vulkan llama-server to run, or None."""
-    if not LLAMA:
-        return "set VRAMLOCK_LLAMA_VULKAN to the path of a llama-server built with Vulkan"
-    if not (os.path.isfile(LLAMA) and os.access(LLAMA, os.X_OK)):
-        return f"VRAMLOCK_LLAMA_VULKAN={LLAMA!r} is not an executable file"
-    return None
-
-
-_NO_LLAMA = _llama_missing()
+LLAMA, NEEDS_LLAMA = binary("VRAMLOCK_LLAMA_VULKAN", "Vulkan")
 
 pytestmark = [
     gpu,
-    pytest.mark.skipif(_NO_LLAMA is not None, reason=f"needs a Vulkan llama-server: {_NO_LLAMA}"),
+    NEEDS_LLAMA,
     pytest.mark.timeout(240),
 ]
 
 # Requests to the server just released, after each server's first two.
 SWITCHES = 20
-# Several hundred tokens each, and different, so a reused prefix is unmistakable.
-PROMPT_A = "The quick brown fox jumps over the lazy dog. " * 40
-PROMPT_B = "Pack my box with five dozen liquor jugs. " * 40
-# Greedy and seeded: the same prompt gives the same answer.
-REQUEST = {"n_predict": 8, "temperature": 0, "seed": 42, "cache_prompt": True, "n_probs": 5}
-# The same computation on the same KV cache gives the same numbers; far below what a
-# changed cache or weights would move a probability by.
-TOLERANCE = 1e-4
 # What a released server may hold on the GPU: its device, queues and pipelines.
 RELEASED_KEEPS = GIB
 READY_TIMEOUT = 180.0
@@ -126,27 +107,6 @@ def healthy(port: int) -> None:
 
 def ask(port: int, prompt: str) -> dict[str, Any]:
     return call(port, "POST", "/completion", {"prompt": prompt, **REQUEST})
-
-
-def numbers(value: object) -> list[float]:
-    """Every number in a JSON value, in order (token ids, probabilities, bytes)."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    if isinstance(value, dict):
-        return [n for key in sorted(value) for n in numbers(value[key])]
-    if isinstance(value, list):
-        return [n for item in value for n in numbers(item)]
-    return []
-
-
-def deviation(got: dict[str, Any], ref: dict[str, Any]) -> float:
-    """The largest difference between two answers' token probabilities (and ids)."""
-    mine = numbers(got["completion_probabilities"])
-    theirs = numbers(ref["completion_probabilities"])
-    assert mine and len(mine) == len(theirs), (got, ref)
-    return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
 
 
 @pytest.fixture(scope="module")
