@@ -13,19 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers.vulkan import MARKS, build_program
 
-from vramlock.gpu.cbuild import compiler
-from vramlock.gpu.vulkan import LAYER_NAME, layer_path, loader_here, write_manifest
+from vramlock.gpu.vulkan import LAYER_NAME, layer_path, write_manifest
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(compiler() is None, reason="no C compiler"),
-    pytest.mark.skipif(not loader_here(), reason="no Vulkan loader (libvulkan.so.1)"),
-]
-
-SOURCES = ROOT / "tests" / "vulkan"
-STRICT = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror")
+pytestmark = MARKS
 
 
 @dataclass
@@ -37,21 +29,9 @@ class Layer:
 @pytest.fixture(scope="module")
 def layer(tmp_path_factory: pytest.TempPathFactory) -> Layer:
     out = tmp_path_factory.mktemp("vulkan-engine")
-    cc = compiler()
-    assert cc is not None
-    made = subprocess.run(
-        [cc, *STRICT, "-o", str(out / "vk_prog"), str(SOURCES / "vk_prog.c"), "-lvulkan"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    if made.returncode != 0 and "vulkan/vulkan.h" in made.stderr:
-        pytest.skip("no Vulkan headers (libvulkan-dev)")
-    assert made.returncode == 0, made.stderr
-    alone = subprocess.run([str(out / "vk_prog"), "64"], env=dict(os.environ, VK_PROG_STOP="/"),
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
-    if alone.returncode != 0:
-        pytest.skip(f"no Vulkan device here (a CPU one: mesa-vulkan-drivers): {alone.stderr}")
+    program = build_program(out)
     write_manifest(str(out), layer_path())
-    return Layer(out / "vk_prog", out)
+    return Layer(program, out)
 
 
 def _unreached(layer: Layer, tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:

@@ -95,9 +95,9 @@ class Built:
     layers: Path  # the witness layer's manifest's directory
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    out = tmp_path_factory.mktemp("vulkan")
+def build_program(out: Path) -> Path:
+    """The tests' program compiled into ``out``, having run once alone on the driver;
+    the test is skipped where the Vulkan headers or a Vulkan device are missing."""
     cc = compiler()
     assert cc is not None
     made = subprocess.run(
@@ -107,12 +107,21 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     if made.returncode != 0 and "vulkan/vulkan.h" in made.stderr:
         pytest.skip("no Vulkan headers (libvulkan-dev)")
     assert made.returncode == 0, made.stderr
-    build_witness(cc, out)
     alone = subprocess.run([str(out / "vk_prog"), "64"], env=dict(os.environ, VK_PROG_STOP="/"),
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     if alone.returncode != 0:
         pytest.skip(f"no Vulkan device here (a CPU one: mesa-vulkan-drivers): {alone.stderr}")
-    return Built(out / "vk_prog", out)
+    return out / "vk_prog"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    out = tmp_path_factory.mktemp("vulkan")
+    program = build_program(out)
+    cc = compiler()
+    assert cc is not None
+    build_witness(cc, out)
+    return Built(program, out)
 
 
 @dataclass
