@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
-from helpers.commands import vramlock, who_json
+from helpers.commands import strategy_of, vramlock, who_json
 from helpers.net import free_port
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import (
@@ -54,11 +54,6 @@ def script(path: Path, text: str) -> Path:
     return path
 
 
-def strategy_of(rig: Rig) -> str:
-    (row,) = [r for r in who_json(rig.arena) if r["member"]]
-    return str(row["strategy"])
-
-
 def test_auto_swaps_a_cuda_program(rig: Rig, spawn: Spawn) -> None:
     stop = rig.tmp / "stop"
     job = auto(
@@ -68,7 +63,7 @@ def test_auto_swaps_a_cuda_program(rig: Rig, spawn: Spawn) -> None:
     (program,) = descendants(job.pid)
     first = take_turn(rig, spawn)
     assert first.phys == (0, 0)
-    wait_until(lambda: strategy_of(rig) == "auto:swap")
+    wait_until(lambda: strategy_of(rig.arena) == "auto:swap")
     wait_until(resumed(rig, len(rig.launches())))
     assert descendants(job.pid) == [program]  # the same process: nothing restarted
     out, err = swap_turns(rig, spawn, job, stop, 3)  # memory gone, no launch, each turn
@@ -92,7 +87,7 @@ def test_auto_swaps_a_program_that_reached_cuda_after_a_waiter_came(rig: Rig, sp
     held = read_line(holder)
     assert held[0] == "held", held
     assert job.poll() is None, "the waiter got the GPU only once the command exited"
-    wait_until(lambda: strategy_of(rig) == "auto:swap")
+    wait_until(lambda: strategy_of(rig.arena) == "auto:swap")
     assert holder.stdin is not None
     holder.stdin.write("\n")
     holder.stdin.close()
@@ -237,12 +232,12 @@ def test_a_preset_command_that_joined_swap_is_swapped_not_restarted(
     env = dict(rig.env, SWAP_PROG_STOP=str(stop))
     job = auto(rig, spawn, str(server), "--port", str(free_port()), env=env)
     assert read_line(job) == ["ready"]
-    assert strategy_of(rig) == "auto:http:llama-server"
+    assert strategy_of(rig.arena) == "auto:http:llama-server"
     (program,) = descendants(job.pid)
     turn = take_turn(rig, spawn)
     assert turn.phys == (0, 0)
     assert descendants(job.pid) == [program]  # the same process: not restarted
-    wait_until(lambda: strategy_of(rig) == "auto:swap")
+    wait_until(lambda: strategy_of(rig.arena) == "auto:swap")
     wait_until(resumed(rig, len(rig.launches())))
     out, err = swap_turns(rig, spawn, job, stop, 2)
     assert not during(rig.launches(), [turn])
@@ -279,7 +274,7 @@ def test_a_preset_command_swap_refuses_falls_back_to_its_preset(
         # stop), then started it again on its turn.
         assert log().count(" req POST /slots/0?action=save\n") == n
         wait_until(started(n + 1), timeout=30)
-        wait_until(lambda: strategy_of(rig) == "auto:http:llama-server")
+        wait_until(lambda: strategy_of(rig.arena) == "auto:http:llama-server")
     assert not during(rig.launches(), turns)
     os.kill(job.pid, signal.SIGTERM)
     _, err = job.communicate(timeout=60)

@@ -16,13 +16,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.commands import vramlock, who_json
+from helpers.commands import strategy_of, vramlock, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import Fakes, ask, during, make_rig, read_line
 from helpers.swap_rig import take_turn as cuda_turn
 from helpers.vulkan import (
     BYTES,
-    HOLDER,
     MARKS,
     WORDS,
     Rig,
@@ -135,11 +134,6 @@ def mapped_by(pid: int) -> set[str]:
     return {ln.split()[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines()}
 
 
-def strategy_of(arena: Path) -> str:
-    (row,) = [r for r in who_json(arena) if r["member"]]
-    return str(row["strategy"])
-
-
 def test_auto_swaps_a_vulkan_program(rig: Rig, spawn: Spawn) -> None:
     """Nothing named: ``auto`` puts the layer in front of the command (its process maps
     vramlock's layer above the test's witness), and a waiter gets the program swapped:
@@ -175,9 +169,7 @@ def test_auto_takes_its_next_way_at_once_when_the_layer_refuses(rig: Rig, spawn:
     token when the program exits, and nothing hangs."""
     job = rig.run(spawn, "prog", "--min-hold", "0", VK_PROG_ADDRESS="1")
     assert read_line(job) == ["ready"]
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    holder = rig.holder(spawn)
     assert job.stderr is not None
     said = job.stderr.readline()
     assert said.startswith("vramlock: ") and said.endswith("holding the GPU until it exits\n")
@@ -209,9 +201,7 @@ def test_under_auto_a_process_that_cannot_reach_vramlock_runs_without_swap(
                     str(rig.built.program), str(WORDS))  # fmt: skip
     job = spawn(argv, env=rig.env("prog"))
     assert read_line(job) == ["ready"]
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    holder = rig.holder(spawn)
     assert job.stderr is not None
     said = job.stderr.readline()
     assert said.startswith("vramlock: ") and "keeps it until it exits" in said, said
@@ -341,9 +331,7 @@ def test_what_cannot_be_swapped_is_refused_and_the_program_keeps_the_gpu(
     the token only once it exits."""
     job = rig.run(spawn, "prog", "--min-hold", "0", "--release", "swap-vulkan", **{knob: "1"})
     assert read_line(job) == ["ready"]
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    holder = rig.holder(spawn)
     assert job.stderr is not None
     said = [job.stderr.readline()]  # a failure a second, three in a row: refused
     while "holding the GPU until it exits" not in said[-1]:
@@ -374,9 +362,7 @@ def test_a_process_that_runs_vulkan_without_the_layer_is_refused(rig: Rig, spawn
                     str(rig.built.program), str(WORDS))  # fmt: skip
     job = spawn(argv, env=env)
     assert read_line(job) == ["ready"]
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    holder = rig.holder(spawn)
     assert job.stderr is not None
     said = job.stderr.readline()
     assert said.startswith("vramlock: ") and said.endswith("holding the GPU until it exits\n")

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 
-from helpers.commands import who_json
+from helpers.commands import strategy_of, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import ask, read_line
 from helpers.vulkan import (
@@ -37,11 +36,6 @@ pytestmark = MARKS
 
 MIRROR = 2 * BYTES  # VK_PROG_SYNC2's mirror buffer: written by vkCmdCopyBuffer2 alone
 RELEASED = re.compile(r"released (\d+) bytes, (\d+) of them copied out")
-
-
-def strategy_of(arena: Path) -> str:
-    (row,) = [r for r in who_json(arena) if r["member"]]
-    return str(row["strategy"])
 
 
 def test_a_vulkan_1_3_program_is_swapped_under_auto_its_copies_followed(

@@ -40,3 +40,9 @@ def who_json(arena: Path) -> list[dict[str, Any]]:
     ).stdout
     members: list[dict[str, Any]] = json.loads(out, parse_constant=_no_constants)["members"]
     return members
+
+
+def strategy_of(arena: Path) -> str:
+    """The strategy ``vramlock who`` shows for the arena's one member."""
+    (row,) = [r for r in who_json(arena) if r["member"]]
+    return str(row["strategy"])

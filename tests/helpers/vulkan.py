@@ -152,6 +152,13 @@ class Rig:
         """The witness's lines of ``kind`` so far (complete lines only)."""
         return logged(self.log(name), kind)
 
+    def holder(self, spawn: Spawn) -> subprocess.Popen[str]:
+        """A member the test owns (HOLDER), queued: it says ``held`` once it has the token
+        and lets go when told on stdin."""
+        script = self.tmp / "holder.py"
+        script.write_text(HOLDER)
+        return spawn(["python3", str(script), str(self.arena)], stdin=subprocess.PIPE)
+
     def held_at(self, name: str, ns: int) -> int:
         """The device memory the program held at the driver at ``ns``."""
         return held_at(self.log(name), ns)
@@ -164,9 +171,7 @@ def rig(built: Built, arena: Path, tmp_path: Path) -> Rig:
 
 def take_turn(rig: Rig, spawn: Spawn) -> tuple[int, int]:
     """The test's member queues, holds the token a moment, lets go: when it held it."""
-    script = rig.tmp / "holder.py"
-    script.write_text(HOLDER)
-    holder = spawn(["python3", str(script), str(rig.arena)], stdin=subprocess.PIPE)
+    holder = rig.holder(spawn)
     held = read_line(holder)
     assert held[0] == "held", held
     time.sleep(0.3)  # the program keeps trying to submit meanwhile
