@@ -155,42 +155,25 @@ static VKAPI_ATTR void VKAPI_CALL image_requirements2_khr(
 }
 
 /* vkGetDevice{Buffer,Image}MemoryRequirements (Vulkan 1.3, VK_KHR_maintenance4): from a
- * create information, no handle. */
-static VKAPI_ATTR void VKAPI_CALL device_buffer_requirements(
-	VkDevice dev, const VkDeviceBufferMemoryRequirements *info, VkMemoryRequirements2 *req)
-{
-	struct vdev *d = dev_of(dev);
-	d->GetDeviceBufferMemoryRequirements(dev, info, req);
-	req->memoryRequirements.memoryTypeBits =
-		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
-}
-
-static VKAPI_ATTR void VKAPI_CALL device_buffer_requirements_khr(
-	VkDevice dev, const VkDeviceBufferMemoryRequirements *info, VkMemoryRequirements2 *req)
-{
-	struct vdev *d = dev_of(dev);
-	d->GetDeviceBufferMemoryRequirementsKHR(dev, info, req);
-	req->memoryRequirements.memoryTypeBits =
-		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
-}
-
-static VKAPI_ATTR void VKAPI_CALL device_image_requirements(
-	VkDevice dev, const VkDeviceImageMemoryRequirements *info, VkMemoryRequirements2 *req)
-{
-	struct vdev *d = dev_of(dev);
-	d->GetDeviceImageMemoryRequirements(dev, info, req);
-	req->memoryRequirements.memoryTypeBits =
-		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
-}
-
-static VKAPI_ATTR void VKAPI_CALL device_image_requirements_khr(
-	VkDevice dev, const VkDeviceImageMemoryRequirements *info, VkMemoryRequirements2 *req)
-{
-	struct vdev *d = dev_of(dev);
-	d->GetDeviceImageMemoryRequirementsKHR(dev, info, req);
-	req->memoryRequirements.memoryTypeBits =
-		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
-}
+ * create information, no handle; the driver's answer, in the types the program sees. */
+#define DEVICE_REQUIREMENTS(name, fn, info_type)                                          \
+	static VKAPI_ATTR void VKAPI_CALL name(VkDevice dev, const info_type *info,         \
+					       VkMemoryRequirements2 *req)                  \
+	{                                                                                   \
+		struct vdev *d = dev_of(dev);                                               \
+		d->fn(dev, info, req);                                                      \
+		req->memoryRequirements.memoryTypeBits =                                    \
+			memtypes_bits(d, req->memoryRequirements.memoryTypeBits);           \
+	}
+DEVICE_REQUIREMENTS(device_buffer_requirements, GetDeviceBufferMemoryRequirements,
+		    VkDeviceBufferMemoryRequirements)
+DEVICE_REQUIREMENTS(device_buffer_requirements_khr, GetDeviceBufferMemoryRequirementsKHR,
+		    VkDeviceBufferMemoryRequirements)
+DEVICE_REQUIREMENTS(device_image_requirements, GetDeviceImageMemoryRequirements,
+		    VkDeviceImageMemoryRequirements)
+DEVICE_REQUIREMENTS(device_image_requirements_khr, GetDeviceImageMemoryRequirementsKHR,
+		    VkDeviceImageMemoryRequirements)
+#undef DEVICE_REQUIREMENTS
 
 /* VK_EXT_external_memory_host: the types a host pointer may be imported as. */
 static VKAPI_ATTR VkResult VKAPI_CALL host_pointer_properties(
