@@ -422,11 +422,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_queries(VkCommandBuffer cb, VkQueryPool p
 
 void record_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(AllocateCommandBuffers, allocate_cbs),
 		HOOK(FreeCommandBuffers, free_cbs),
 		HOOK(ResetCommandPool, reset_cb_pool),
@@ -451,9 +447,6 @@ void record_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(CmdDrawIndirectCount, draw_indirect_count),
 		HOOK(CmdDrawIndexedIndirectCount, draw_indexed_indirect_count),
 		HOOK(CmdCopyQueryPoolResults, copy_queries),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name))
-			*fn = hooks[k].fn;
+	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }

@@ -205,11 +205,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL bind_sparse(VkQueue q, uint32_t n, const V
 
 void cmds2_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(CmdCopyBuffer2, copy_buffer2),
 		HOOK(CmdCopyBuffer2KHR, copy_buffer2),
 		HOOK(CmdCopyBufferToImage2, copy_to_image2),
@@ -230,9 +226,6 @@ void cmds2_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(GetDeviceMemoryOpaqueCaptureAddress, memory_capture),
 		HOOK(GetDeviceMemoryOpaqueCaptureAddressKHR, memory_capture),
 		HOOK(QueueBindSparse, bind_sparse),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name))
-			*fn = hooks[k].fn;
+	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }

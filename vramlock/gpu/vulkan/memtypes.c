@@ -191,11 +191,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL host_pointer_properties(
  * program's on a device the layer leaves alone (it saw the types shown). */
 int memtypes_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(GetImageMemoryRequirements, image_requirements),
 		HOOK(GetImageMemoryRequirements2, image_requirements2_core),
 		HOOK(GetImageMemoryRequirements2KHR, image_requirements2_khr),
@@ -204,14 +200,8 @@ int memtypes_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(GetDeviceImageMemoryRequirements, device_image_requirements),
 		HOOK(GetDeviceImageMemoryRequirementsKHR, device_image_requirements_khr),
 		HOOK(GetMemoryHostPointerPropertiesEXT, host_pointer_properties),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name)) {
-			*fn = hooks[k].fn;
-			return 1;
-		}
-	return 0;
+	return hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }
 
 /* Names table.c hooks that translate a type too, on any device. */

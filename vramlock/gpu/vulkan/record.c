@@ -571,11 +571,7 @@ static VKAPI_ATTR void VKAPI_CALL update_template_khr(VkDevice dev, VkDescriptor
 
 void sets_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(UpdateDescriptorSets, update_sets),
 		HOOK(AllocateDescriptorSets, allocate_sets),
 		HOOK(FreeDescriptorSets, free_sets),
@@ -589,9 +585,6 @@ void sets_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(DestroyDescriptorUpdateTemplateKHR, destroy_template_khr),
 		HOOK(UpdateDescriptorSetWithTemplate, update_template_core),
 		HOOK(UpdateDescriptorSetWithTemplateKHR, update_template_khr),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name))
-			*fn = hooks[k].fn;
+	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }

@@ -460,11 +460,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_view(VkDevice dev, const VkBufferVi
 
 void table_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(AllocateMemory, allocate_memory),
 		HOOK(FreeMemory, free_memory),
 		HOOK(MapMemory, map_memory),
@@ -487,9 +483,6 @@ void table_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(GetBufferDeviceAddressKHR, address_khr),
 		HOOK(GetBufferDeviceAddressEXT, address_ext),
 		HOOK(CreateBufferView, create_view),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name))
-			*fn = hooks[k].fn;
+	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }

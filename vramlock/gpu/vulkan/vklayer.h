@@ -265,4 +265,23 @@ void spirv_writes_free(struct spv_writes *w);
 
 /* start.c: the constructor; core/control.h's control_join at the first instance. */
 
+/* One entry point a part of the layer serves, by the name the program asks for. */
+struct hook {
+	const char *name;
+	PFN_vkVoidFunction fn;
+};
+#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+
+/* `*fn` becomes the part's own for `name` where its table `hooks` has one: 1 if so. */
+static inline int hook_lookup(const struct hook *hooks, size_t n, const char *name,
+			      PFN_vkVoidFunction *fn)
+{
+	for (size_t k = 0; k < n; k++)
+		if (!strcmp(hooks[k].name, name)) {
+			*fn = hooks[k].fn;
+			return 1;
+		}
+	return 0;
+}
+
 #endif

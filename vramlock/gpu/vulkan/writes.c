@@ -425,11 +425,7 @@ static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const 
 
 void writes_hook(const char *name, PFN_vkVoidFunction *fn)
 {
-	static const struct {
-		const char *name;
-		PFN_vkVoidFunction fn;
-	} hooks[] = {
-#define HOOK(n, f) {"vk" #n, (PFN_vkVoidFunction)f}
+	static const struct hook hooks[] = {
 		HOOK(CreateShaderModule, create_module),
 		HOOK(DestroyShaderModule, destroy_module),
 		HOOK(CreateComputePipelines, create_compute),
@@ -438,9 +434,6 @@ void writes_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(CmdDispatch, dispatch),
 		HOOK(CmdDispatchBase, dispatch_base),
 		HOOK(CmdExecuteCommands, execute),
-#undef HOOK
 	};
-	for (size_t k = 0; k < sizeof hooks / sizeof *hooks; k++)
-		if (!strcmp(hooks[k].name, name))
-			*fn = hooks[k].fn;
+	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }
