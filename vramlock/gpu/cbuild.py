@@ -81,6 +81,25 @@ class Library:
     def path(self, cache: Path) -> Path:
         """The library to load: the one a wheel carries, else one compiled into ``cache``
         (first if need be); BuildError when it cannot be."""
+        found = self._where(cache)
+        if not found.is_file():
+            try:
+                self.build(found)
+            except BuildError as err:
+                raise BuildError(f"{self.what} is not built, and {err}") from None
+        return found
+
+    def built(self, cache: Path) -> Path | None:
+        """The library ``path`` would give, where it is there already; nothing compiled."""
+        try:
+            found = self._where(cache)
+        except BuildError:
+            return None
+        return found if found.is_file() else None
+
+    def _where(self, cache: Path) -> Path:
+        """Where the library is or would be: the wheel's, else its name in ``cache`` for
+        these sources (BuildError: a source is missing)."""
         packaged = self.here / self.name
         if packaged.is_file():
             return packaged
@@ -91,13 +110,7 @@ class Library:
                 digest.update(name.encode() + b"\0" + source.read_bytes())
         except OSError as err:
             raise BuildError(f"{self.what}'s source is missing ({err.strerror})") from None
-        cached = cache / f"{self.name.removesuffix('.so')}-{digest.hexdigest()[:16]}.so"
-        if not cached.is_file():
-            try:
-                self.build(cached)
-            except BuildError as err:
-                raise BuildError(f"{self.what} is not built, and {err}") from None
-        return cached
+        return cache / f"{self.name.removesuffix('.so')}-{digest.hexdigest()[:16]}.so"
 
 
 # The engine's core, in both libraries (core/state.h draws the states).

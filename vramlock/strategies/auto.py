@@ -35,7 +35,6 @@ from contextlib import ExitStack
 from ..command.context import Context
 from ..errors import ControlError, Immovable
 from ..gpu.core.protocol import ENV_UNREACHED
-from ..gpu.vulkan import VulkanUnavailable
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
@@ -116,10 +115,7 @@ class AutoStrategy(Strategy):
             prepared = SwapStrategy.prepare(prepared, env, scratch)
             env[ENV_UNREACHED] = "run"  # a process swap cannot reach runs as under none
         if vulkan:
-            try:
-                prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
-            except VulkanUnavailable:  # its build failed since: the command runs without
-                return prepared
+            prepared = VulkanSwapStrategy.prepare(prepared, env, scratch)
             env[ENV_UNREACHED] = "run"  # nor does the layer hold one that cannot reach us
         return prepared
 

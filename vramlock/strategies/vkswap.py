@@ -29,7 +29,14 @@ from contextlib import ExitStack
 
 from .. import procfs
 from ..gpu.core.protocol import ENV_SOCKET, open_hub, prepared_hub
-from ..gpu.vulkan import LAYER_NAME, VulkanUnavailable, layer_path, loader_here, write_manifest
+from ..gpu.vulkan import (
+    LAYER_NAME,
+    VulkanUnavailable,
+    built_layer,
+    layer_path,
+    loader_here,
+    write_manifest,
+)
 from .base import Context, Settings
 from .swap import Hub, SwapStrategy, hub_of
 
@@ -59,10 +66,10 @@ def vulkan_peers(hub: Hub) -> bool:
     if not hub.joined():
         return False
     pids = hub.connected()
-    try:
-        layer = os.path.realpath(layer_path())  # as /proc/PID/maps names it
-    except VulkanUnavailable:  # not built, nor buildable: in front of no process
+    built = built_layer()  # never compiled here: unbuilt, it is in front of no process
+    if built is None:
         return False
+    layer = os.path.realpath(built)  # as /proc/PID/maps names it
     return any(layer in (procfs.mapped(pid) or ()) for pid in pids)
 
 

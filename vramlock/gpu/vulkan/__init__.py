@@ -43,6 +43,11 @@ def loader_here() -> bool:
     return True
 
 
+def built_layer() -> Path | None:
+    """The layer's library where it is built already, else None (nothing compiled)."""
+    return VULKAN.built(cache_dir())
+
+
 def layer_path() -> Path:
     """The layer's library, built first if needed; VulkanUnavailable when it cannot be."""
     try:
