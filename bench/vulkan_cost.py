@@ -15,7 +15,8 @@ after it loaded and stayed idle ``--settle`` seconds: prefill
 (``timings.prompt_per_second``) and decode (``timings.predicted_per_second``), the
 median of the requests. The cost is the median of the rounds' ratios (layer / bare - 1),
 beside each mode's median; ``none`` (``vramlock run --release none``: vramlock's wrapper,
-no layer) may be added as a column.
+no layer) may be added as a column, and ``staged`` and ``unmapped`` (see MODES) tell
+what staging copies cost.
 
 The environment is passed on as it is: name the Vulkan driver there where the loader
 would not find it (``VK_DRIVER_FILES``), and ``GGML_VK_VISIBLE_DEVICES=0`` to let
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,8 +43,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers.net import free_port  # noqa: E402
 from interpose import complete, side_by_side  # noqa: E402  (beside this file)
 
-# ``vramlock run --release`` of each mode; bare is the server alone.
-MODES = {"bare": None, "none": "none", "swap-vulkan": "swap-vulkan"}
+# ``vramlock run --release`` of each mode; bare is the server alone. The last two tell
+# where a cost comes from: ``staged`` is bare with llama.cpp kept off mappable
+# device-local memory (GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM: its inputs go through
+# staging copies, a submit and a wait each), ``unmapped`` is swap-vulkan without the
+# layer's mapped allowance (VRAMLOCK_VULKAN_MAPPED=0: the same, from the layer).
+MODES = {"bare": None, "none": "none", "swap-vulkan": "swap-vulkan", "staged": None,
+         "unmapped": "swap-vulkan"}  # fmt: skip
+ENVS = {"staged": {"GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM": "1"},
+        "unmapped": {"VRAMLOCK_VULKAN_MAPPED": "0"}}  # fmt: skip
 FIGURES = ("prefill tokens/s", "decode tokens/s")
 
 
@@ -79,6 +88,7 @@ def measure_of(args: argparse.Namespace) -> Callable[[str], dict[str, float]]:
             proc = subprocess.Popen(
                 command(mode, arena, server), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, **ENVS.get(mode, {})},
             )  # fmt: skip
             try:
                 up(port, proc, args.timeout)

@@ -89,11 +89,11 @@ def test_contents_survive_swaps_and_no_work_runs_while_released(
     assert turns_then_stop(rig, spawn, job, 5, held) == ""  # nothing said on the happy path
 
 
-def types_seen(rig: Rig, spawn: Spawn, *opts: str) -> list[str]:
+def types_seen(rig: Rig, spawn: Spawn, *opts: str, **extra: str) -> list[str]:
     """The memory types the program sees (``type INDEX FLAGS HEAP``) and what mapping its
     data memory (device-local) returned (``map RESULT``): without vramlock when no
-    ``opts``, else under ``vramlock run OPTS``."""
-    env = rig.env("prog", VK_PROG_TYPES="1")
+    ``opts``, else under ``vramlock run OPTS``; ``extra``: more of its environment."""
+    env = rig.env("prog", VK_PROG_TYPES="1", **extra)
     if not opts:
         argv = [str(rig.built.program), "64"]
     else:
@@ -111,10 +111,50 @@ def test_device_local_memory_is_shown_unmappable_and_host_memory_added(
     """Lavapipe has one memory type with every flag (device-local, host-visible, coherent,
     cached). Under the layer the program sees it device-local only, and cannot map memory
     of it (VK_ERROR_MEMORY_MAP_FAILED, -5); a second type, host-visible, coherent and
-    cached but not device-local, in the same heap, is added for what it maps."""
-    assert types_seen(rig, spawn) == ["type 0 0xf 0", "map 0"]
+    cached but not device-local, in the same heap, is added for what it maps; a third,
+    with every flag, is the mapped allowance, after both so that a program asking for
+    device-local memory finds the first."""
+    bare = types_seen(rig, spawn)
+    assert bare == ["type 0 0xf 0", "map 0", "bits 0x1 0x1", "small map 0", "bits 0x1"]
     shown = types_seen(rig, spawn, "--release", "swap-vulkan")
-    assert shown == ["type 0 0x1 0", "type 1 0xe 0", "map -5"]
+    assert shown[:4] == ["type 0 0x1 0", "type 1 0xe 0", "type 2 0xf 0", "map -5"]
+
+
+def test_small_buffers_may_take_mappable_device_local_memory_within_the_allowance(
+    rig: Rig, spawn: Spawn
+) -> None:
+    """The third type is the mapped allowance: a storage buffer may take it while it fits
+    in what is left of VRAMLOCK_VULKAN_MAPPED (256 MiB by default) on the device, so a 4
+    KiB one may (bits 0x7) and a 1 GiB one may not (0x3). Asked for device-local memory
+    it may map, as llama.cpp asks for its compute buffer, the 4 KiB buffer gets it, and
+    maps it; with a 4K allowance that spends it all, and the next 4 KiB buffer may take
+    it no more. With VRAMLOCK_VULKAN_MAPPED=0 there is no such type: the buffer finds no
+    device-local memory it may map and the program, as llama.cpp would, gives up (3)."""
+    shown = types_seen(rig, spawn, "--release", "swap-vulkan")
+    assert shown[4:] == ["bits 0x7 0x3", "small map 0", "bits 0x7"]
+    spent = types_seen(rig, spawn, "--release", "swap-vulkan", VRAMLOCK_VULKAN_MAPPED="4K")
+    assert spent[4:] == ["bits 0x7 0x3", "small map 0", "bits 0x3"]
+    env = rig.env("prog", VK_PROG_TYPES="1", VRAMLOCK_VULKAN_MAPPED="0")
+    argv = vramlock("run", "--arena", str(rig.arena), "--release", "swap-vulkan", "--",
+                    str(rig.built.program), "64")  # fmt: skip
+    job = spawn(argv, env=env)
+    out, err = job.communicate(timeout=60)
+    assert out.splitlines() == ["type 0 0x1 0", "type 1 0xe 0", "map -5", "bits 0x3 0x3"]
+    assert job.returncode == 3 and "vk_prog: no memory type" in err, (out, err)
+
+
+def test_an_allowance_that_is_no_size_is_said_and_the_default_taken(rig: Rig, spawn: Spawn) -> None:
+    env = rig.env("prog", VK_PROG_TYPES="1", VRAMLOCK_VULKAN_MAPPED="lots")
+    argv = vramlock("run", "--arena", str(rig.arena), "--release", "swap-vulkan", "--",
+                    str(rig.built.program), "64")  # fmt: skip
+    job = spawn(argv, env=env)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, (out, err)
+    assert (
+        "VRAMLOCK_VULKAN_MAPPED=lots is not a size (bytes, or K, M or G of them): "
+        "256 MiB taken" in err
+    )
+    assert out.splitlines()[4:] == ["bits 0x7 0x3", "small map 0", "bits 0x7"]
 
 
 def programs(program: Path) -> list[int]:

@@ -113,6 +113,35 @@ static VkBuffer buffer(VkDeviceSize size, VkBufferUsageFlags usage, VkDeviceMemo
 	return b;
 }
 
+/* The memory types a storage buffer of `size` bytes may take. */
+static uint32_t bits_of(VkDeviceSize size)
+{
+	VkBufferCreateInfo bi = {.sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, .size = size,
+				 .usage = VK_BUFFER_USAGE_STORAGE_BUFFER_BIT,
+				 .sharingMode = VK_SHARING_MODE_EXCLUSIVE};
+	VkBuffer b;
+	VkMemoryRequirements req;
+	CHECK(vkCreateBuffer(dev, &bi, NULL, &b));
+	vkGetBufferMemoryRequirements(dev, b, &req);
+	vkDestroyBuffer(dev, b, NULL);
+	return req.memoryTypeBits;
+}
+
+/* VK_PROG_TYPES: the types a 4 KiB and a 1 GiB buffer may take (`bits SMALL BIG`); a
+ * 4 KiB buffer in device-local memory it may map, as llama.cpp asks for it, and what
+ * mapping it returned (`small map RESULT`); and the 4 KiB buffer's types after. */
+static void allowance(void)
+{
+	VkDeviceMemory mem;
+	void *at;
+	printf("bits %#x %#x\n", bits_of(4096), bits_of(1ull << 30));
+	buffer(4096, VK_BUFFER_USAGE_STORAGE_BUFFER_BIT, &mem,
+	       VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
+		       VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
+	printf("small map %d\n", (int)vkMapMemory(dev, mem, 0, VK_WHOLE_SIZE, 0, &at));
+	printf("bits %#x\n", bits_of(4096));
+}
+
 /* bufferDeviceAddress through the 1.2 features: looked for, and enabled. */
 static void *addresses_12(VkPhysicalDeviceVulkan12Features *v12)
 {
@@ -426,6 +455,7 @@ int main(int argc, char **argv)
 			printf("type %u %#x %u\n", t, (unsigned)p.memoryTypes[t].propertyFlags,
 			       p.memoryTypes[t].heapIndex);
 		printf("map %d\n", (int)vkMapMemory(dev, data_mem, 0, VK_WHOLE_SIZE, 0, &at));
+		allowance();
 		return 0;
 	}
 	if (address) {

@@ -176,15 +176,18 @@ static void do_release(char *answer, size_t len, int stay_closed)
 		return;
 	}
 	engine.releases++;
+	double t0 = now_ms();
 	if ((why = spent()) ||
 	    (why = gate_close_within(DRAIN_SECONDS) ? "its GPU calls did not return" : NULL) ||
 	    (why = record_busy())) {
 		release_failed(answer, len, why, stay_closed);
 		return;
 	}
+	double t1 = now_ms();
 	for (struct vdev *d = dev_list(); d; d = d->next)
 		if (!d->passive)
 			d->DeviceWaitIdle(d->dev);
+	double t2 = now_ms();
 	char failed[200];
 	if (copy_out(failed, sizeof failed, &bytes, &copied)) {
 		release_failed(answer, len, failed, stay_closed);
@@ -193,9 +196,12 @@ static void do_release(char *answer, size_t len, int stay_closed)
 	for (struct vmem *m = mem_list(); m; m = m->next)
 		if (!table_swappable(m) && m->host) /* mapped since: stays */
 			stage_host_free(m);
+	double t3 = now_ms();
 	drop_swapped();
 	transition(STATE_RELEASING, STATE_RELEASED);
-	TRACE("released %zu bytes, %zu of them copied out", bytes, copied);
+	TRACE("released %zu bytes, %zu of them copied out; ms: drain %.1f, idle %.1f, copy %.1f, "
+	      "free %.1f",
+	      bytes, copied, t1 - t0, t2 - t1, t3 - t2, now_ms() - t3);
 	snprintf(answer, len, "released");
 }
 
@@ -216,23 +222,28 @@ static VkResult make_memory(struct vmem *m)
 	return r;
 }
 
-/* Buffers, memory, contents and bindings made again; VK_SUCCESS or the first error. */
-static VkResult remake(void)
+/* Buffers, memory, contents and bindings made again; VK_SUCCESS or the first error.
+ * `ms`: how long the making, the copies and the bindings took. */
+static VkResult remake(double ms[3])
 {
 	VkResult r = VK_SUCCESS;
+	double t0 = now_ms();
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
 		if (b->mem && b->mem->host && !b->real)
 			r = b->d->CreateBuffer(b->d->dev, &b->ci, NULL, &b->real);
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
 		if (m->host && !m->real)
 			r = make_memory(m);
+	double t1 = now_ms();
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
 		if (m->host)
 			r = stage_copy(m, 0);
 	r = stage_flush(r); /* every copy in made, then waited for */
+	double t2 = now_ms();
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
 		if (b->mem && b->mem->host)
 			r = b->d->BindBufferMemory(b->d->dev, b->real, b->mem->real, b->offset);
+	ms[0] = t1 - t0, ms[1] = t2 - t1, ms[2] = now_ms() - t2;
 	return r;
 }
 
@@ -253,17 +264,20 @@ static void do_restore(char *answer, size_t len)
 		snprintf(answer, len, "restored");
 		return;
 	}
-	VkResult r = remake();
+	double ms[3];
+	VkResult r = remake(ms);
 	if (r != VK_SUCCESS) {
 		drop_swapped(); /* released as before: the member gives the GPU back */
 		transition(STATE_RESTORING, STATE_RELEASED);
 		snprintf(answer, len, "failed the device has no memory for it (%d)", (int)r);
 		return;
 	}
+	double t = now_ms();
 	record_rewrite();
 	transition(STATE_RESTORING, STATE_RESIDENT);
 	gate_open_locked();
-	TRACE("restored, %zu bytes copied in", restored_bytes());
+	TRACE("restored, %zu bytes copied in; ms: make %.1f, copy %.1f, bind %.1f, rewrite %.1f",
+	      restored_bytes(), ms[0], ms[1], ms[2], now_ms() - t);
 	snprintf(answer, len, "restored");
 }
 

@@ -8,21 +8,32 @@
  *
  *  - every driver type that is device-local is shown device-local only, without
  *    HOST_VISIBLE, HOST_COHERENT or HOST_CACHED, under its own index: the program
- *    cannot map it (vkMapMemory is refused) and copies through its own staging
- *    memory, as without resizable BAR; the layer still maps it itself for its copies
- *    where the driver's type is host-visible;
+ *    cannot map memory of it (vkMapMemory is refused) and copies through its own
+ *    staging memory, as without resizable BAR; the layer still maps it itself for its
+ *    copies where the driver's type is host-visible;
  *  - where that leaves no host-visible type at all (one type with every flag:
  *    lavapipe, integrated GPUs), one type is added for each device-local,
  *    host-visible driver type: host-visible with the driver type's host flags, not
  *    device-local, backed by that driver type. What the program maps is there: it
  *    stays on the device through a release, but it is the host's memory on such a
- *    device.
+ *    device;
+ *  - last, each device-local, host-visible driver type is added again as it is, with
+ *    every flag: the *mapped allowance*. Buffers are told they may take it only while
+ *    they fit in what is left of VRAMLOCK_VULKAN_MAPPED (bytes, K, M or G; 256M by
+ *    default, 0 for none) of such memory per device. A program that copies its small
+ *    per-step inputs by hand where it can map device-local memory (llama.cpp's compute
+ *    buffer: its tokens, positions and masks at every step) keeps doing so, rather than
+ *    through a submit and a wait each; its large buffers (weights, KV cache) go
+ *    unmappable and are swapped. What the program maps of the allowance stays on the
+ *    device through a release.
  *
+ * The order keeps each program's first choice: a type asked for by its flags is found
+ * among the unmappable device-local ones, or the host ones, before the allowance.
  * Type indices and type bits are translated wherever they cross: the properties
  * (vkGetPhysicalDeviceMemoryProperties, 2, 2KHR), the requirements of buffers and
- * images (memoryTypeBits), a host pointer's properties, and vkAllocateMemory's
- * index (table.c). Without VRAMLOCK_SWAP_SOCKET (`engine.active` 0) the driver's types are
- * shown as they are.
+ * images (memoryTypeBits; images and host pointers never get the allowance), a host
+ * pointer's properties, and vkAllocateMemory's index (table.c). Without
+ * VRAMLOCK_SWAP_SOCKET (`engine.active` 0) the driver's types are shown as they are.
  */
 #include "vklayer.h"
 
@@ -30,27 +41,47 @@
 	(VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT | \
 	 VK_MEMORY_PROPERTY_HOST_CACHED_BIT)
 
+VkDeviceSize mapped_allowance = 256ull << 20;
+
+static void add(struct memmap *map, VkMemoryType type, uint32_t driver)
+{
+	if (map->count == VK_MAX_MEMORY_TYPES)
+		return;
+	map->types[map->count] = type;
+	map->driver[map->count++] = driver;
+}
+
+static int device_mappable(VkMemoryPropertyFlags f)
+{
+	return (f & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT) &&
+	       (f & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
+}
+
 void memtypes_build(const VkPhysicalDeviceMemoryProperties *driver, struct memmap *map)
 {
 	VkMemoryPropertyFlags host = 0;
-	map->count = driver->memoryTypeCount;
+	map->count = 0;
+	map->allowance = 0;
 	for (uint32_t t = 0; t < driver->memoryTypeCount; t++) {
 		VkMemoryType type = driver->memoryTypes[t];
 		if (type.propertyFlags & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)
 			type.propertyFlags &= ~(VkMemoryPropertyFlags)HOST_FLAGS;
-		map->types[t] = type;
-		map->driver[t] = t;
+		add(map, type, t);
 		host |= type.propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT;
 	}
 	for (uint32_t t = 0; !host && t < driver->memoryTypeCount; t++) {
 		VkMemoryType type = driver->memoryTypes[t];
-		if (!(type.propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) ||
-		    map->count == VK_MAX_MEMORY_TYPES)
+		if (!(type.propertyFlags & VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT))
 			continue;
 		type.propertyFlags &= HOST_FLAGS;
-		map->types[map->count] = type;
-		map->driver[map->count++] = t;
+		add(map, type, t);
 	}
+	for (uint32_t t = 0; mapped_allowance && t < driver->memoryTypeCount; t++)
+		if (device_mappable(driver->memoryTypes[t].propertyFlags) &&
+		    map->count < VK_MAX_MEMORY_TYPES) {
+			map->allowance |= 1u << map->count;
+			add(map, driver->memoryTypes[t], t);
+		}
 }
 
 /* `p` (the driver's) as the program sees it. */
@@ -72,7 +103,27 @@ uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
 	for (uint32_t i = 0; i < d->shown.count; i++)
 		if (driver_bits & (1u << d->shown.driver[i]))
 			shown |= 1u << i;
+	return shown & ~d->shown.allowance;
+}
+
+uint32_t memtypes_buffer_bits(struct vdev *d, uint32_t driver_bits, VkDeviceSize size)
+{
+	uint32_t shown = memtypes_bits(d, driver_bits);
+	if (!engine.active)
+		return shown;
+	pthread_mutex_lock(&mu);
+	int fits = d->allowance_used <= mapped_allowance &&
+		   size <= mapped_allowance - d->allowance_used;
+	pthread_mutex_unlock(&mu);
+	for (uint32_t i = 0; fits && i < d->shown.count; i++)
+		if ((d->shown.allowance & (1u << i)) && (driver_bits & (1u << d->shown.driver[i])))
+			shown |= 1u << i;
 	return shown;
+}
+
+int memtypes_allowance(const struct vdev *d, uint32_t shown)
+{
+	return engine.active && shown < d->shown.count && (d->shown.allowance & (1u << shown));
 }
 
 uint32_t memtypes_driver(const struct vdev *d, uint32_t shown)
@@ -155,24 +206,30 @@ static VKAPI_ATTR void VKAPI_CALL image_requirements2_khr(
 }
 
 /* vkGetDevice{Buffer,Image}MemoryRequirements (Vulkan 1.3, VK_KHR_maintenance4): from a
- * create information, no handle; the driver's answer, in the types the program sees. */
-#define DEVICE_REQUIREMENTS(name, fn, info_type)                                          \
+ * create information, no handle; the driver's answer, in the types the program sees
+ * (`bits`: a buffer's may take the mapped allowance, an image's not). */
+#define DEVICE_REQUIREMENTS(name, fn, info_type, bits)                                    \
 	static VKAPI_ATTR void VKAPI_CALL name(VkDevice dev, const info_type *info,         \
 					       VkMemoryRequirements2 *req)                  \
 	{                                                                                   \
 		struct vdev *d = dev_of(dev);                                               \
 		d->fn(dev, info, req);                                                      \
-		req->memoryRequirements.memoryTypeBits =                                    \
-			memtypes_bits(d, req->memoryRequirements.memoryTypeBits);           \
+		req->memoryRequirements.memoryTypeBits = bits;                              \
 	}
+#define BUFFER_BITS                                                          \
+	memtypes_buffer_bits(d, req->memoryRequirements.memoryTypeBits, \
+			     req->memoryRequirements.size)
+#define IMAGE_BITS memtypes_bits(d, req->memoryRequirements.memoryTypeBits)
 DEVICE_REQUIREMENTS(device_buffer_requirements, GetDeviceBufferMemoryRequirements,
-		    VkDeviceBufferMemoryRequirements)
+		    VkDeviceBufferMemoryRequirements, BUFFER_BITS)
 DEVICE_REQUIREMENTS(device_buffer_requirements_khr, GetDeviceBufferMemoryRequirementsKHR,
-		    VkDeviceBufferMemoryRequirements)
+		    VkDeviceBufferMemoryRequirements, BUFFER_BITS)
 DEVICE_REQUIREMENTS(device_image_requirements, GetDeviceImageMemoryRequirements,
-		    VkDeviceImageMemoryRequirements)
+		    VkDeviceImageMemoryRequirements, IMAGE_BITS)
 DEVICE_REQUIREMENTS(device_image_requirements_khr, GetDeviceImageMemoryRequirementsKHR,
-		    VkDeviceImageMemoryRequirements)
+		    VkDeviceImageMemoryRequirements, IMAGE_BITS)
+#undef BUFFER_BITS
+#undef IMAGE_BITS
 #undef DEVICE_REQUIREMENTS
 
 /* VK_EXT_external_memory_host: the types a host pointer may be imported as. */

@@ -6,6 +6,27 @@
  */
 #include "vklayer.h"
 
+/* VRAMLOCK_VULKAN_MAPPED (memtypes.c): bytes, or K, M, G of them; anything else, the
+ * default. */
+static void read_allowance(void)
+{
+	const char *given = getenv("VRAMLOCK_VULKAN_MAPPED");
+	char *end;
+	if (!given || !*given)
+		return;
+	errno = 0;
+	unsigned long long n = strtoull(given, &end, 10);
+	int shift = !*end ? 0 : strchr("kK", *end) ? 10 : strchr("mM", *end) ? 20
+		    : strchr("gG", *end) ? 30 : -1;
+	if (end == given || errno || shift < 0 || (*end && end[1]) || *given == '-' ||
+	    n > (~0ull >> shift)) {
+		say("VRAMLOCK_VULKAN_MAPPED=%s is not a size (bytes, or K, M or G of them): "
+		    "%llu MiB taken", given, (unsigned long long)(mapped_allowance >> 20));
+		return;
+	}
+	mapped_allowance = (VkDeviceSize)n << shift;
+}
+
 __attribute__((constructor)) static void setup(void)
 {
 	const char *staging = getenv("VRAMLOCK_VULKAN_STAGING");
@@ -14,6 +35,7 @@ __attribute__((constructor)) static void setup(void)
 	staging_forced = staging && !strcmp(staging, "1");
 	engine.active = control_setup();
 	if (engine.active) {
+		read_allowance();
 		control_register(&vulkan_engine);
 		gate_unjoined();
 	}

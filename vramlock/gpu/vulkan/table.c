@@ -89,6 +89,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_memory(VkDevice dev, const VkMemo
 		pthread_mutex_lock(&mu);
 		m->next = mems;
 		mems = m;
+		if (memtypes_allowance(d, m->shown))
+			d->allowance_used += m->size;
 		pthread_mutex_unlock(&mu);
 		*out = (VkDeviceMemory)m;
 	} else {
@@ -115,6 +117,8 @@ static VKAPI_ATTR void VKAPI_CALL free_memory(VkDevice dev, VkDeviceMemory mem,
 		}
 	if (m->real)
 		d->FreeMemory(dev, m->real, alloc);
+	if (memtypes_allowance(d, m->shown))
+		d->allowance_used -= m->size;
 	pthread_mutex_unlock(&mu);
 	stage_host_free(m);
 	free(m);
@@ -271,7 +275,7 @@ static VKAPI_ATTR void VKAPI_CALL buffer_requirements(VkDevice dev, VkBuffer buf
 	gate_enter();
 	d->GetBufferMemoryRequirements(dev, is_ours(d) ? real_buf(buf) : buf, req);
 	gate_leave();
-	req->memoryTypeBits = memtypes_bits(d, req->memoryTypeBits);
+	req->memoryTypeBits = memtypes_buffer_bits(d, req->memoryTypeBits, req->size);
 }
 
 static void requirements2(PFN_vkGetBufferMemoryRequirements2 fn, VkDevice dev,
@@ -284,8 +288,8 @@ static void requirements2(PFN_vkGetBufferMemoryRequirements2 fn, VkDevice dev,
 	gate_enter();
 	fn(dev, &copy, req);
 	gate_leave();
-	req->memoryRequirements.memoryTypeBits =
-		memtypes_bits(d, req->memoryRequirements.memoryTypeBits);
+	req->memoryRequirements.memoryTypeBits = memtypes_buffer_bits(
+		d, req->memoryRequirements.memoryTypeBits, req->memoryRequirements.size);
 }
 
 static VKAPI_ATTR void VKAPI_CALL buffer_requirements2(VkDevice dev,

@@ -66,6 +66,7 @@ struct memmap {
 	uint32_t count;
 	VkMemoryType types[VK_MAX_MEMORY_TYPES];
 	uint32_t driver[VK_MAX_MEMORY_TYPES]; /* each one's driver type */
+	uint32_t allowance;		      /* the types of the mapped allowance */
 };
 
 /* ---- per device: the next layer's entry points we call ------------------------ */
@@ -85,6 +86,7 @@ struct vdev {
 	uint32_t family;
 	PFN_vkSetDeviceLoaderData set_loader_data;
 	struct stage *stage;
+	VkDeviceSize allowance_used; /* with `mu`: memory of the mapped allowance's types */
 #define DEV_FN(name) PFN_vk##name name;
 #include "vkfuncs.h"
 #undef DEV_FN
@@ -178,6 +180,11 @@ void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProp
  * a shown type's driver type, and may the program map memory of it? */
 void memtypes_build(const VkPhysicalDeviceMemoryProperties *driver, struct memmap *map);
 uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits);
+/* A buffer's bits: with the mapped allowance's types while `size` fits in what is left of
+ * it (VRAMLOCK_VULKAN_MAPPED, `mapped_allowance` bytes a device); is `shown` one? */
+uint32_t memtypes_buffer_bits(struct vdev *d, uint32_t driver_bits, VkDeviceSize size);
+int memtypes_allowance(const struct vdev *d, uint32_t shown);
+extern VkDeviceSize mapped_allowance;
 uint32_t memtypes_driver(const struct vdev *d, uint32_t shown);
 int memtypes_mappable(const struct vdev *d, uint32_t shown);
 void memtypes_instance_hook(const char *name, PFN_vkVoidFunction *fn);
