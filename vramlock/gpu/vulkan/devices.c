@@ -1,7 +1,8 @@
 /*
  * devices.c: every instance and device the layer made (layer.c adds each), found by
  * any handle of it the loader dispatches. A device destroyed stays in the list, marked
- * gone: a release walks the list without its lock.
+ * gone: the list is read without a lock (a release walks it; every call looks a device
+ * up in it).
  */
 #include "vklayer.h"
 
@@ -56,27 +57,24 @@ void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProp
  * buffer) shares its dispatch key. */
 struct vdev *dev_of(VkDevice dev)
 {
+	/* Every call of the program's goes through here: no lock. The list only grows, and
+	 * a device is complete before it is published (dev_add). */
 	void *key = key_of(dev);
-	pthread_mutex_lock(&list_mu);
-	struct vdev *d = devices;
+	struct vdev *d = __atomic_load_n(&devices, __ATOMIC_ACQUIRE);
 	while (d && key_of(d->dev) != key)
 		d = d->next;
-	pthread_mutex_unlock(&list_mu);
 	return d;
 }
 
 struct vdev *dev_list(void)
 {
-	pthread_mutex_lock(&list_mu);
-	struct vdev *d = devices;
-	pthread_mutex_unlock(&list_mu);
-	return d;
+	return __atomic_load_n(&devices, __ATOMIC_ACQUIRE);
 }
 
 void dev_add(struct vdev *d)
 {
 	pthread_mutex_lock(&list_mu);
 	d->next = devices;
-	devices = d;
+	__atomic_store_n(&devices, d, __ATOMIC_RELEASE);
 	pthread_mutex_unlock(&list_mu);
 }

@@ -4,7 +4,8 @@
  * each allocation the layer can make again to its host copy (only where written since
  * that copy was last right: writes.c) and destroys it with its buffers; a restore
  * makes them again, copies the contents back, binds the buffers and writes again every
- * descriptor that named one. The copies themselves are stage.c's.
+ * descriptor that named one. The copies themselves are stage.c's; the memory is made
+ * and freed by several threads at once (spread.c).
  */
 #include "vklayer.h"
 
@@ -102,15 +103,23 @@ static const char *spent(void)
 }
 
 /* Every swapped allocation's memory and buffers destroyed (their contents are in
- * host memory, or never made it back there: a restore that failed). */
+ * host memory, or never made it back there: a restore that failed). A driver may take
+ * a while over each (NVIDIA's: ~20 ms a GiB), so the memory is freed by several
+ * threads at once (spread.c). */
 static void drop_swapped(void)
 {
+	struct spread w = {.job = SPREAD_FREE};
 	for (struct vbuf *b = buf_list(); b; b = b->next)
 		if (b->mem && b->mem->host && b->real) {
 			b->d->DestroyBuffer(b->d->dev, b->real, NULL);
 			b->real = VK_NULL_HANDLE;
 		}
-	for (struct vmem *m = mem_list(); m; m = m->next)
+	if (spread_collect(&w, SPREAD_FREE) == VK_SUCCESS) {
+		spread_run(&w);
+		spread_end(&w);
+		return;
+	}
+	for (struct vmem *m = mem_list(); m; m = m->next) /* no room for the list: one by one */
 		if (m->host && m->real) {
 			m->d->FreeMemory(m->d->dev, m->real, NULL);
 			m->real = VK_NULL_HANDLE;
@@ -207,23 +216,30 @@ static void do_release(char *answer, size_t len, int stay_closed)
 
 /* ---- restore ----------------------------------------------------------------- */
 
-static VkResult make_memory(struct vmem *m)
+/* The memories made again by several threads (spread.c) while this one records each
+ * one's copy back in once it is made, in order, and sends it to the device at once. */
+static VkResult make_and_copy(void)
 {
-	VkMemoryAllocateFlagsInfo flags = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-					   .flags = m->flags};
-	VkMemoryDedicatedAllocateInfo dedicated = {
-		.sType = VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO,
-		.pNext = m->flags ? &flags : NULL,
-		.buffer = m->dedicated ? m->dedicated->real : VK_NULL_HANDLE};
-	VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
-				     .allocationSize = m->size, .memoryTypeIndex = m->type};
-	info.pNext = m->dedicated ? (void *)&dedicated : m->flags ? (void *)&flags : NULL;
-	VkResult r = m->d->AllocateMemory(m->d->dev, &info, NULL, &m->real);
+	struct spread w = {.job = SPREAD_MAKE};
+	VkResult r = spread_collect(&w, SPREAD_MAKE);
+	if (r != VK_SUCCESS)
+		return r;
+	spread_start(&w);
+	for (size_t k = 0; k < w.n; k++) {
+		VkResult made = spread_wait(&w, k);
+		r = r == VK_SUCCESS ? made : r;
+		if (r == VK_SUCCESS)
+			r = stage_copy(w.mems[k], 0);
+		if (r == VK_SUCCESS)
+			r = stage_send(w.mems[k]->d);
+	}
+	spread_end(&w);
 	return r;
 }
 
 /* Buffers, memory, contents and bindings made again; VK_SUCCESS or the first error.
- * `ms`: how long the making, the copies and the bindings took. */
+ * `ms`: how long the making (with the copies recorded and sent meanwhile), what was
+ * left of the copies, and the bindings took. */
 static VkResult remake(double ms[3])
 {
 	VkResult r = VK_SUCCESS;
@@ -231,13 +247,9 @@ static VkResult remake(double ms[3])
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
 		if (b->mem && b->mem->host && !b->real)
 			r = b->d->CreateBuffer(b->d->dev, &b->ci, NULL, &b->real);
-	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
-		if (m->host && !m->real)
-			r = make_memory(m);
+	if (r == VK_SUCCESS)
+		r = make_and_copy();
 	double t1 = now_ms();
-	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next)
-		if (m->host)
-			r = stage_copy(m, 0);
 	r = stage_flush(r); /* every copy in made, then waited for */
 	double t2 = now_ms();
 	for (struct vbuf *b = buf_list(); r == VK_SUCCESS && b; b = b->next)
@@ -276,7 +288,8 @@ static void do_restore(char *answer, size_t len)
 	record_rewrite();
 	transition(STATE_RESTORING, STATE_RESIDENT);
 	gate_open_locked();
-	TRACE("restored, %zu bytes copied in; ms: make %.1f, copy %.1f, bind %.1f, rewrite %.1f",
+	TRACE("restored, %zu bytes copied in; ms: make and copy %.1f, copy left %.1f, bind %.1f, "
+	      "rewrite %.1f",
 	      restored_bytes(), ms[0], ms[1], ms[2], now_ms() - t);
 	snprintf(answer, len, "restored");
 }

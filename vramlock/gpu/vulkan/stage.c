@@ -14,7 +14,7 @@
  *
  * The host copy stays after a restore (it is what lets a release copy only what was
  * written since, writes.c) and goes when the program frees its memory. Per device,
- * made at its first copy the device's way and kept: a command pool, a command buffer
+ * made at its first copy the device's way and kept: a command pool, its command buffers
  * and a fence on the first queue family the program asked for. Called with `mu`, the
  * gate closed: no submit of the program's is in flight.
  *
@@ -28,12 +28,13 @@
 struct stage {
 	VkQueue queue;
 	VkCommandPool pool;
-	VkCommandBuffer cb;
+	VkCommandBuffer *cbs; /* the batch's, one for each part sent (stage_send) */
+	size_t ncb, capcb, used;
 	VkFence fence;
 	int type;	     /* host copies' memory type; -1: none, the CPU's way */
 	uint32_t cover;	     /* the memory types a buffer of the layer's can take */
 	VkDeviceSize align;  /* and the offsets it needs */
-	int recording, sent; /* a batch is being recorded into cb; it was submitted */
+	int recording, sent; /* cbs[used - 1] is being recorded; a part was submitted */
 	VkBuffer *made;	     /* the batch's buffers, destroyed after it */
 	size_t nmade, capmade;
 };
@@ -76,22 +77,44 @@ static VkResult make_queue(struct vdev *d, struct stage *s)
 	VkCommandPoolCreateInfo pci = {.sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
 				       .flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
 				       .queueFamilyIndex = d->family};
-	VkCommandBufferAllocateInfo cai = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
-					   .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
-					   .commandBufferCount = 1};
 	VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
 	d->GetDeviceQueue(d->dev, d->family, 0, &s->queue);
 	VkResult r = d->set_loader_data ? d->set_loader_data(d->dev, s->queue)
 					: VK_ERROR_INITIALIZATION_FAILED;
 	if (r == VK_SUCCESS)
 		r = d->CreateCommandPool(d->dev, &pci, NULL, &s->pool);
-	cai.commandPool = s->pool;
-	if (r == VK_SUCCESS)
-		r = d->AllocateCommandBuffers(d->dev, &cai, &s->cb);
-	if (r == VK_SUCCESS)
-		r = d->set_loader_data(d->dev, s->cb);
 	if (r == VK_SUCCESS)
 		r = d->CreateFence(d->dev, &fi, NULL, &s->fence);
+	return r;
+}
+
+/* The batch's next command buffer, begun (made the first time it is needed). */
+static VkResult next_cb(struct vdev *d, struct stage *s)
+{
+	VkCommandBufferAllocateInfo cai = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+					   .commandPool = s->pool,
+					   .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+					   .commandBufferCount = 1};
+	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
+	VkResult r = VK_SUCCESS;
+	if (s->used == s->ncb) {
+		if (s->ncb == s->capcb) {
+			size_t cap = s->capcb ? 2 * s->capcb : 8;
+			VkCommandBuffer *grown = realloc(s->cbs, sizeof *grown * cap);
+			if (!grown)
+				return VK_ERROR_OUT_OF_HOST_MEMORY;
+			s->cbs = grown, s->capcb = cap;
+		}
+		r = d->AllocateCommandBuffers(d->dev, &cai, &s->cbs[s->ncb]);
+		if (r == VK_SUCCESS)
+			r = d->set_loader_data(d->dev, s->cbs[s->ncb]);
+		if (r != VK_SUCCESS)
+			return r;
+		s->ncb++;
+	}
+	r = d->BeginCommandBuffer(s->cbs[s->used++], &bi);
+	s->recording = r == VK_SUCCESS;
 	return r;
 }
 
@@ -106,6 +129,7 @@ void stage_free(struct vdev *d)
 		d->DestroyFence(d->dev, s->fence, NULL);
 	if (s->pool)
 		d->DestroyCommandPool(d->dev, s->pool, NULL);
+	free(s->cbs);
 	free(s->made);
 	free(s);
 	d->stage = NULL;
@@ -214,13 +238,8 @@ static VkResult record_pieces(struct vmem *m, int out)
 {
 	struct vdev *d = m->d;
 	struct stage *s = d->stage;
-	VkResult r = VK_SUCCESS;
-	if (!s->recording) {
-		VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-					       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
-		r = d->BeginCommandBuffer(s->cb, &bi);
-		s->recording = r == VK_SUCCESS;
-	}
+	VkResult r = s->recording ? VK_SUCCESS : next_cb(d, s);
+	VkCommandBuffer cb = s->recording ? s->cbs[s->used - 1] : VK_NULL_HANDLE;
 	for (VkDeviceSize at = 0; r == VK_SUCCESS && at < m->size; at += PIECE) {
 		VkDeviceSize n = m->size - at < PIECE ? m->size - at : PIECE;
 		VkBuffer dev_side, host_side;
@@ -229,10 +248,33 @@ static VkResult record_pieces(struct vmem *m, int out)
 		if (r == VK_SUCCESS)
 			r = cover(d, s, m->host_mem, at, n, &host_side);
 		if (r == VK_SUCCESS)
-			d->CmdCopyBuffer(s->cb, out ? dev_side : host_side, out ? host_side : dev_side,
-					 1, &region);
+			d->CmdCopyBuffer(cb, out ? dev_side : host_side, out ? host_side : dev_side, 1,
+					 &region);
 	}
 	return r;
+}
+
+/* The part of `d`'s batch recorded so far submitted, without waiting (the copies
+ * start while more are recorded); the batch goes on in another command buffer. */
+static VkResult send(struct vdev *d, VkFence fence)
+{
+	struct stage *s = d->stage;
+	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO};
+	VkResult r = VK_SUCCESS;
+	if (s->recording) {
+		s->recording = 0;
+		r = d->EndCommandBuffer(s->cbs[s->used - 1]);
+		si.commandBufferCount = 1, si.pCommandBuffers = &s->cbs[s->used - 1];
+	}
+	if (r == VK_SUCCESS && (si.commandBufferCount || fence))
+		r = d->QueueSubmit(s->queue, si.commandBufferCount ? 1 : 0, &si, fence);
+	s->sent |= r == VK_SUCCESS;
+	return r;
+}
+
+VkResult stage_send(struct vdev *d)
+{
+	return d->stage && d->stage->recording ? send(d, VK_NULL_HANDLE) : VK_SUCCESS;
 }
 
 /* `m`'s contents to its host copy (out) or back (!out): at once the CPU's way, into
@@ -258,32 +300,36 @@ static VkResult finish(struct vdev *d, struct stage *s)
 		r = d->WaitForFences(d->dev, 1, &s->fence, VK_TRUE, UINT64_MAX);
 		d->ResetFences(d->dev, 1, &s->fence);
 	}
-	d->ResetCommandBuffer(s->cb, 0);
+	for (size_t k = 0; k < s->used; k++)
+		d->ResetCommandBuffer(s->cbs[k], 0);
 	for (size_t k = 0; k < s->nmade; k++)
 		d->DestroyBuffer(d->dev, s->made[k], NULL);
-	s->nmade = 0;
+	s->nmade = s->used = 0;
 	s->recording = s->sent = 0;
 	return r;
 }
 
-/* Every device's batch submitted, then each waited for: VK_SUCCESS or the first error
- * (`r`: an error met while recording; the batches are then dropped unsent). */
+/* Every device's batch submitted (what is left of it, and a fence, which signals once
+ * every part sent before it is done: they went to the same queue), then each waited
+ * for: VK_SUCCESS or the first error (`r`: an error met while recording; what is left
+ * is then not sent, but what was sent is waited for). */
 VkResult stage_flush(VkResult r)
 {
-	VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1};
 	for (struct vdev *d = dev_list(); d; d = d->next) {
 		struct stage *s = d->stage;
-		if (!s || !s->recording)
+		if (!s || !(s->recording || s->sent))
 			continue;
-		VkResult e = d->EndCommandBuffer(s->cb);
-		si.pCommandBuffers = &s->cb;
-		if (e == VK_SUCCESS && r == VK_SUCCESS)
-			e = d->QueueSubmit(s->queue, 1, &si, s->fence);
-		s->sent = e == VK_SUCCESS && r == VK_SUCCESS;
+		if (r != VK_SUCCESS && s->recording) {
+			s->recording = 0;
+			d->EndCommandBuffer(s->cbs[s->used - 1]);
+		}
+		VkResult e = s->recording || s->sent ? send(d, s->fence) : VK_SUCCESS;
+		if (e != VK_SUCCESS) /* no fence to wait for: the queue's work, then */
+			d->QueueWaitIdle(s->queue), s->sent = 0;
 		r = r == VK_SUCCESS ? e : r;
 	}
 	for (struct vdev *d = dev_list(); d; d = d->next)
-		if (d->stage && d->stage->recording) {
+		if (d->stage && (d->stage->used || d->stage->nmade)) {
 			VkResult e = finish(d, d->stage);
 			r = r == VK_SUCCESS ? e : r;
 		}

@@ -7,6 +7,7 @@
 DEV_FN(DestroyDevice)
 DEV_FN(GetDeviceQueue)
 DEV_FN(DeviceWaitIdle)
+DEV_FN(QueueWaitIdle)
 DEV_FN(QueueSubmit)
 DEV_FN(QueueSubmit2)
 DEV_FN(QueueSubmit2KHR)
