@@ -319,14 +319,16 @@ static VKAPI_ATTR void VKAPI_CALL pipeline_barrier(
 	const VkBufferMemoryBarrier *b, uint32_t ni, const VkImageMemoryBarrier *i)
 {
 	CMD_PROLOGUE(CmdPipelineBarrier, src, dst, dep, nm, m, nb, b, ni, i);
-	VkBufferMemoryBarrier *copy = malloc(sizeof *copy * (nb ? nb : 1));
+	VkBufferMemoryBarrier few[16]; /* at every dispatch, in some programs */
+	VkBufferMemoryBarrier *copy = nb <= 16 ? few : malloc(sizeof *copy * nb);
 	if (!copy) {
 		refuse("out of host memory for a barrier");
 		return;
 	}
 	barriers(copy, b, nb);
 	d->CmdPipelineBarrier(cb, src, dst, dep, nm, m, nb, copy, ni, i);
-	free(copy);
+	if (copy != few)
+		free(copy);
 }
 
 static VKAPI_ATTR void VKAPI_CALL wait_events(
@@ -335,14 +337,16 @@ static VKAPI_ATTR void VKAPI_CALL wait_events(
 	const VkBufferMemoryBarrier *b, uint32_t ni, const VkImageMemoryBarrier *i)
 {
 	CMD_PROLOGUE(CmdWaitEvents, ne, e, src, dst, nm, m, nb, b, ni, i);
-	VkBufferMemoryBarrier *copy = malloc(sizeof *copy * (nb ? nb : 1));
+	VkBufferMemoryBarrier few[16]; /* at every dispatch, in some programs */
+	VkBufferMemoryBarrier *copy = nb <= 16 ? few : malloc(sizeof *copy * nb);
 	if (!copy) {
 		refuse("out of host memory for a barrier");
 		return;
 	}
 	barriers(copy, b, nb);
 	d->CmdWaitEvents(cb, ne, e, src, dst, nm, m, nb, copy, ni, i);
-	free(copy);
+	if (copy != few)
+		free(copy);
 }
 
 static VKAPI_ATTR void VKAPI_CALL dispatch_indirect(VkCommandBuffer cb, VkBuffer buf,

@@ -102,6 +102,26 @@ static const char *spent(void)
 	return why;
 }
 
+/* With `mu`: the recordings over the program's buffers spent, then the gate closed
+ * with no call in flight; NULL, or why not. A recording may have
+ * begun just as recordings were held (its vkBeginCommandBuffer past the gate): it is
+ * seen once the gate is closed, and the drain is made again, a few times at most; the
+ * last time, the gate stays closed (release_failed says whether it opens). */
+static const char *drained(void)
+{
+	const char *why = NULL;
+	for (int tries = 0; tries < 4; tries++) {
+		if ((why = spent()))
+			return why;
+		if (gate_close_within(DRAIN_SECONDS))
+			return "its GPU calls did not return";
+		if (!(why = record_busy()) || tries == 3)
+			return why; /* the gate closed, as after any drain */
+		gate_open_locked();
+	}
+	return why;
+}
+
 /* Every swapped allocation's memory and buffers destroyed (their contents are in
  * host memory, or never made it back there: a restore that failed). A driver may take
  * a while over each (NVIDIA's: ~20 ms a GiB), so the memory is freed by several
@@ -186,9 +206,7 @@ static void do_release(char *answer, size_t len, int stay_closed)
 	}
 	engine.releases++;
 	double t0 = now_ms();
-	if ((why = spent()) ||
-	    (why = gate_close_within(DRAIN_SECONDS) ? "its GPU calls did not return" : NULL) ||
-	    (why = record_busy())) {
+	if ((why = drained())) {
 		release_failed(answer, len, why, stay_closed);
 		return;
 	}

@@ -230,10 +230,17 @@ static VKAPI_ATTR void VKAPI_CALL update_sets(VkDevice dev, uint32_t nw,
 	for (uint32_t k = 0; k < nw; k++)
 		if (is_buffer_type(w[k].descriptorType))
 			total += w[k].descriptorCount;
-	VkWriteDescriptorSet *writes = malloc(sizeof *writes * (nw ? nw : 1));
-	VkDescriptorBufferInfo *infos = malloc(sizeof *infos * (total ? total : 1));
+	/* A program may update at every dispatch (llama.cpp does): a few writes, on the
+	 * stack. */
+	VkWriteDescriptorSet few_writes[16];
+	VkDescriptorBufferInfo few_infos[64];
+	VkWriteDescriptorSet *writes = nw <= 16 ? few_writes : malloc(sizeof *writes * nw);
+	VkDescriptorBufferInfo *infos = total <= 64 ? few_infos : malloc(sizeof *infos * total);
 	if (!writes || !infos) {
-		free(writes), free(infos);
+		if (writes != few_writes)
+			free(writes);
+		if (infos != few_infos)
+			free(infos);
 		refuse("out of host memory for its descriptor writes");
 		return;
 	}
@@ -256,7 +263,10 @@ static VKAPI_ATTR void VKAPI_CALL update_sets(VkDevice dev, uint32_t nw,
 	d->UpdateDescriptorSets(dev, nw, writes, nc, c);
 	pthread_mutex_unlock(&mu);
 	gate_leave();
-	free(writes), free(infos);
+	if (writes != few_writes)
+		free(writes);
+	if (infos != few_infos)
+		free(infos);
 }
 
 static VKAPI_ATTR VkResult VKAPI_CALL allocate_sets(VkDevice dev,
