@@ -150,7 +150,6 @@ VULKAN = Library(
         *CORE_PARTS,
         *(f"vulkan/{part}" for part in ("layer", "table", "record", "cmds", "cmds2", "engine")),
         *(f"vulkan/{part}" for part in ("stage", "writes", "spirv", "memtypes", "devices")),
-        "vulkan/spread",
         "vulkan/start",
     ),
     headers=(*CORE_HEADERS, "vulkan/vklayer.h", "vulkan/vkfuncs.h"),

@@ -4,8 +4,7 @@
  * each allocation the layer can make again to its host copy (only where written since
  * that copy was last right: writes.c) and destroys it with its buffers; a restore
  * makes them again, copies the contents back, binds the buffers and writes again every
- * descriptor that named one. The copies themselves are stage.c's; the memory is made
- * and freed by several threads at once (spread.c).
+ * descriptor that named one. The copies themselves are stage.c's.
  */
 #include "vklayer.h"
 
@@ -123,23 +122,15 @@ static const char *drained(void)
 }
 
 /* Every swapped allocation's memory and buffers destroyed (their contents are in
- * host memory, or never made it back there: a restore that failed). A driver may take
- * a while over each (NVIDIA's: ~20 ms a GiB), so the memory is freed by several
- * threads at once (spread.c). */
+ * host memory, or never made it back there: a restore that failed). */
 static void drop_swapped(void)
 {
-	struct spread w = {.job = SPREAD_FREE};
 	for (struct vbuf *b = buf_list(); b; b = b->next)
 		if (b->mem && b->mem->host && b->real) {
 			b->d->DestroyBuffer(b->d->dev, b->real, NULL);
 			b->real = VK_NULL_HANDLE;
 		}
-	if (spread_collect(&w, SPREAD_FREE) == VK_SUCCESS) {
-		spread_run(&w);
-		spread_end(&w);
-		return;
-	}
-	for (struct vmem *m = mem_list(); m; m = m->next) /* no room for the list: one by one */
+	for (struct vmem *m = mem_list(); m; m = m->next)
 		if (m->host && m->real) {
 			m->d->FreeMemory(m->d->dev, m->real, NULL);
 			m->real = VK_NULL_HANDLE;
@@ -234,24 +225,37 @@ static void do_release(char *answer, size_t len, int stay_closed)
 
 /* ---- restore ----------------------------------------------------------------- */
 
-/* The memories made again by several threads (spread.c) while this one records each
- * one's copy back in once it is made, in order, and sends it to the device at once. */
+static VkResult make_memory(struct vmem *m)
+{
+	VkMemoryAllocateFlagsInfo flags = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+					   .flags = m->flags};
+	VkMemoryDedicatedAllocateInfo dedicated = {
+		.sType = VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO,
+		.pNext = m->flags ? &flags : NULL,
+		.buffer = m->dedicated ? m->dedicated->real : VK_NULL_HANDLE};
+	VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				     .allocationSize = m->size, .memoryTypeIndex = m->type};
+	info.pNext = m->dedicated ? (void *)&dedicated : m->flags ? (void *)&flags : NULL;
+	return m->d->AllocateMemory(m->d->dev, &info, NULL, &m->real);
+}
+
+/* Each memory made again, its copy back recorded and sent to the device at once: a
+ * driver may take as long to make memory as to copy it (NVIDIA's: ~20 ms a GiB), and
+ * the copies then run while the rest is made. (Made on several threads, NVIDIA's took
+ * as long, and sent the copies only after the last.) */
 static VkResult make_and_copy(void)
 {
-	struct spread w = {.job = SPREAD_MAKE};
-	VkResult r = spread_collect(&w, SPREAD_MAKE);
-	if (r != VK_SUCCESS)
-		return r;
-	spread_start(&w);
-	for (size_t k = 0; k < w.n; k++) {
-		VkResult made = spread_wait(&w, k);
-		r = r == VK_SUCCESS ? made : r;
+	VkResult r = VK_SUCCESS;
+	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next) {
+		if (!m->host)
+			continue;
+		if (!m->real)
+			r = make_memory(m);
 		if (r == VK_SUCCESS)
-			r = stage_copy(w.mems[k], 0);
+			r = stage_copy(m, 0);
 		if (r == VK_SUCCESS)
-			r = stage_send(w.mems[k]->d);
+			r = stage_send(m->d);
 	}
-	spread_end(&w);
 	return r;
 }
 

@@ -27,22 +27,6 @@ static void read_allowance(void)
 	mapped_allowance = (VkDeviceSize)n << shift;
 }
 
-/* VRAMLOCK_VULKAN_THREADS (spread.c): 1 to SPREAD_MAX; anything else, the default. */
-static void read_threads(void)
-{
-	const char *given = getenv("VRAMLOCK_VULKAN_THREADS");
-	char *end;
-	if (!given || !*given)
-		return;
-	long n = strtol(given, &end, 10);
-	if (*end || n < 1 || n > SPREAD_MAX) {
-		say("VRAMLOCK_VULKAN_THREADS=%s is not a number from 1 to %d: %d taken", given,
-		    SPREAD_MAX, spread_threads);
-		return;
-	}
-	spread_threads = (int)n;
-}
-
 __attribute__((constructor)) static void setup(void)
 {
 	const char *staging = getenv("VRAMLOCK_VULKAN_STAGING");
@@ -52,7 +36,6 @@ __attribute__((constructor)) static void setup(void)
 	engine.active = control_setup();
 	if (engine.active) {
 		read_allowance();
-		read_threads();
 		control_register(&vulkan_engine);
 		gate_unjoined();
 	}

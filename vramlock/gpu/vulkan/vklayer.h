@@ -21,7 +21,6 @@
  *             what each word of vramlock run does (core/control.h's engine_ops)
  *  stage.c    host copies, and the copies between them and the device: the
  *             device's own where it has host memory it can copy to
- *  spread.c   memory made and freed by several threads at once
  *  writes.c   which memory the program's GPU work may have written since the last
  *             restore: only that is copied out again
  *  spirv.c    which descriptor bindings a shader module may write
@@ -246,29 +245,6 @@ void stage_free(struct vdev *d);
 /* VRAMLOCK_VULKAN_STAGING=1 (a test's hook): the device copies, into host copies of
  * any host-visible memory type (lavapipe has no other). */
 extern int staging_forced;
-
-/* spread.c, with `mu`: memory made or freed by several threads at once. A job's
- * memories collected (its arrays allocated), the threads started, memory k's result
- * awaited (the caller helping meanwhile), every one done here too (run), the threads
- * joined and the arrays freed (end: what nobody took is done first). */
-#define SPREAD_MAX 16
-enum spread_job { SPREAD_MAKE, SPREAD_FREE };
-struct spread {
-	enum spread_job job;
-	struct vmem **mems;
-	size_t n;
-	atomic_size_t next;
-	VkResult *res;
-	atomic_int *done;
-	pthread_t threads[SPREAD_MAX];
-	int nthreads;
-};
-VkResult spread_collect(struct spread *w, enum spread_job job);
-void spread_start(struct spread *w);
-VkResult spread_wait(struct spread *w, size_t k);
-void spread_run(struct spread *w);
-void spread_end(struct spread *w);
-extern int spread_threads; /* VRAMLOCK_VULKAN_THREADS */
 
 /* writes.c: what command buffers write, marked at submit (with `mu` where said). */
 void writes_hook(const char *name, PFN_vkVoidFunction *fn);
