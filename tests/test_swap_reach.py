@@ -173,6 +173,8 @@ def test_a_process_that_cannot_reach_its_run_while_released_waits_for_the_turn(
     left = let_go(holder)
     assert not rig.between(int(held[1]), left)  # nothing ran in the turn
     assert read_line(job) == ["ready"]  # the second, on the command's turn
+    # It says ready before its first launch: that launch, when it comes, is after the turn.
+    wait_until(lambda: any(s > int(held[1]) for s, _ in rig.launches()))
     assert min(s for s, _ in rig.launches() if s > int(held[1])) > left
     holder = rig.holder(spawn)  # the command keeps the GPU until it ends
     assert read_line(job)[0] == "done"  # the second's 2 s
