@@ -108,17 +108,16 @@ static const char *spent(void)
  * last time, the gate stays closed (release_failed says whether it opens). */
 static const char *drained(void)
 {
-	const char *why = NULL;
-	for (int tries = 0; tries < 4; tries++) {
-		if ((why = spent()))
+	for (int tries = 1;; tries++) {
+		const char *why = spent();
+		if (why)
 			return why;
 		if (gate_close_within(DRAIN_SECONDS))
 			return "its GPU calls did not return";
-		if (!(why = record_busy()) || tries == 3)
+		if (!(why = record_busy()) || tries == 4)
 			return why; /* the gate closed, as after any drain */
 		gate_open_locked();
 	}
-	return why;
 }
 
 /* Every swapped allocation's memory and buffers destroyed (their contents are in

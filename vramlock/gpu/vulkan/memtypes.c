@@ -95,30 +95,32 @@ static void present(VkPhysicalDeviceMemoryProperties *p)
 	memcpy(p->memoryTypes, map.types, sizeof map.types[0] * map.count);
 }
 
-uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
+/* Every type shown backed by one of `driver_bits`, the mapped allowance's included. */
+static uint32_t shown_bits(const struct vdev *d, uint32_t driver_bits)
 {
 	uint32_t shown = 0;
-	if (!engine.active)
-		return driver_bits;
 	for (uint32_t i = 0; i < d->shown.count; i++)
 		if (driver_bits & (1u << d->shown.driver[i]))
 			shown |= 1u << i;
-	return shown & ~d->shown.allowance;
+	return shown;
+}
+
+uint32_t memtypes_bits(const struct vdev *d, uint32_t driver_bits)
+{
+	if (!engine.active)
+		return driver_bits;
+	return shown_bits(d, driver_bits) & ~d->shown.allowance;
 }
 
 uint32_t memtypes_buffer_bits(struct vdev *d, uint32_t driver_bits, VkDeviceSize size)
 {
-	uint32_t shown = memtypes_bits(d, driver_bits);
 	if (!engine.active)
-		return shown;
+		return driver_bits;
 	pthread_mutex_lock(&mu);
 	int fits = d->allowance_used <= mapped_allowance &&
 		   size <= mapped_allowance - d->allowance_used;
 	pthread_mutex_unlock(&mu);
-	for (uint32_t i = 0; fits && i < d->shown.count; i++)
-		if ((d->shown.allowance & (1u << i)) && (driver_bits & (1u << d->shown.driver[i])))
-			shown |= 1u << i;
-	return shown;
+	return shown_bits(d, driver_bits) & (fits ? ~0u : ~d->shown.allowance);
 }
 
 int memtypes_allowance(const struct vdev *d, uint32_t shown)

@@ -88,6 +88,19 @@ static VkResult make_queue(struct vdev *d, struct stage *s)
 	return r;
 }
 
+/* The array `a` (`*cap` elements of `size` bytes) with room for its element `n`: `a`,
+ * or it grown (`*cap` with it), or NULL (no host memory; `a` as it was). */
+static void *room(void *a, size_t *cap, size_t n, size_t size)
+{
+	if (n < *cap)
+		return a;
+	size_t more = *cap ? 2 * *cap : 16;
+	void *grown = realloc(a, size * more);
+	if (grown)
+		*cap = more;
+	return grown;
+}
+
 /* The batch's next command buffer, begun (made the first time it is needed). */
 static VkResult next_cb(struct vdev *d, struct stage *s)
 {
@@ -99,13 +112,10 @@ static VkResult next_cb(struct vdev *d, struct stage *s)
 				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
 	VkResult r = VK_SUCCESS;
 	if (s->used == s->ncb) {
-		if (s->ncb == s->capcb) {
-			size_t cap = s->capcb ? 2 * s->capcb : 8;
-			VkCommandBuffer *grown = realloc(s->cbs, sizeof *grown * cap);
-			if (!grown)
-				return VK_ERROR_OUT_OF_HOST_MEMORY;
-			s->cbs = grown, s->capcb = cap;
-		}
+		VkCommandBuffer *cbs = room(s->cbs, &s->capcb, s->ncb, sizeof *cbs);
+		if (!cbs)
+			return VK_ERROR_OUT_OF_HOST_MEMORY;
+		s->cbs = cbs;
 		r = d->AllocateCommandBuffers(d->dev, &cai, &s->cbs[s->ncb]);
 		if (r == VK_SUCCESS)
 			r = d->set_loader_data(d->dev, s->cbs[s->ncb]);
@@ -217,13 +227,10 @@ static VkResult cover(struct vdev *d, struct stage *s, VkDeviceMemory mem, VkDev
 		      VkDeviceSize n, VkBuffer *b)
 {
 	VkMemoryRequirements req;
-	if (s->nmade == s->capmade) {
-		size_t cap = s->capmade ? 2 * s->capmade : 16;
-		VkBuffer *grown = realloc(s->made, sizeof *grown * cap);
-		if (!grown)
-			return VK_ERROR_OUT_OF_HOST_MEMORY;
-		s->made = grown, s->capmade = cap;
-	}
+	VkBuffer *made = room(s->made, &s->capmade, s->nmade, sizeof *made);
+	if (!made)
+		return VK_ERROR_OUT_OF_HOST_MEMORY;
+	s->made = made;
 	VkResult r = copy_buffer(d, n, b, &req);
 	if (r != VK_SUCCESS)
 		return r;
@@ -323,7 +330,7 @@ VkResult stage_flush(VkResult r)
 			s->recording = 0;
 			d->EndCommandBuffer(s->cbs[s->used - 1]);
 		}
-		VkResult e = s->recording || s->sent ? send(d, s->fence) : VK_SUCCESS;
+		VkResult e = send(d, s->fence);
 		if (e != VK_SUCCESS) /* no fence to wait for: the queue's work, then */
 			d->QueueWaitIdle(s->queue), s->sent = 0;
 		r = r == VK_SUCCESS ? e : r;
