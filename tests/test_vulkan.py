@@ -11,11 +11,14 @@ other member is a process the test owns, holding the token itself (HOLDER).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 from helpers.commands import strategy_of, vramlock, who_json
 from helpers.processes import Spawn, wait_until
 from helpers.swap_rig import Fakes, ask, during, make_rig, read_line
@@ -412,3 +415,17 @@ def test_a_process_that_runs_vulkan_without_the_layer_is_refused(rig: Rig, spawn
     assert job.returncode == 0 and out.split()[-1] == "ok", out
     assert read_line(holder)[0] == "held"
     ask(holder, "")
+
+
+def test_the_recording_benchmark_times_the_layer_on_the_driver(tmp_path: Path) -> None:
+    """bench/vulkan_record.py (the figure of what the layer adds to each recorded
+    dispatch) runs the program bare and under the layer and says both."""
+    out = tmp_path / "record.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "vulkan_record.py"), "--pairs",
+                           "1", "--dispatches", "50", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| 50 dispatches, 1 pairs |" in done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["bare"] > 0 and figures["swap-vulkan"] > 0
+    assert figures["added"] == figures["swap-vulkan"] - figures["bare"]

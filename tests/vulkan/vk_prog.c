@@ -26,6 +26,12 @@
  * each of its words before adding it: after r rounds a word is seed(i) + r * input(i)
  * + r (r + 1) / 2, right only if the input kept every change.
  *
+ * With VK_PROG_RECORD=N it times its recording, as llama.cpp records, and exits: N
+ * dispatches in one command buffer, each with a descriptor set of its own (written
+ * once), a pipeline bound, push constants and a barrier, the buffer then submitted;
+ * after 5 rounds unmeasured, 50 measured, it prints `record NS ns per dispatch` (the
+ * median of the time from vkBeginCommandBuffer to vkQueueSubmit's return, over N).
+ *
  * With VK_PROG_SYNC2=1 it takes Vulkan 1.3's ways (synchronization2 enabled): its
  * descriptor set is written through a descriptor update template, and each round the
  * kernel's output goes through a mirror buffer (device memory, never mapped, twice the
@@ -231,6 +237,7 @@ static void load_v13(void)
 struct kernel {
 	VkPipeline pipe;
 	VkPipelineLayout layout;
+	VkDescriptorSetLayout sl;
 	VkDescriptorSet set;
 };
 
@@ -269,6 +276,7 @@ static struct kernel make_kernel(VkBuffer data, VkBuffer in)
 		.pBindings = b};
 	VkDescriptorSetLayout sl;
 	CHECK(vkCreateDescriptorSetLayout(dev, &li, NULL, &sl));
+	k.sl = sl;
 	VkPushConstantRange pc = {VK_SHADER_STAGE_COMPUTE_BIT, 0, 4};
 	VkPipelineLayoutCreateInfo pli = {.sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
 					  .setLayoutCount = 1, .pSetLayouts = &sl,
@@ -422,6 +430,75 @@ static void check(const uint32_t *seen, uint32_t words, unsigned rounds)
 		}
 }
 
+static int by_value(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static double seconds(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* VK_PROG_RECORD=n: `n` sets made and written, the rounds recorded and timed. */
+static void bench_record(VkQueue q, VkCommandBuffer cb, VkFence fence, struct kernel *k,
+			 VkBuffer data, uint32_t n)
+{
+	VkDescriptorPoolSize ps = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, 2 * n};
+	VkDescriptorPoolCreateInfo pi = {.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+					 .maxSets = n, .poolSizeCount = 1, .pPoolSizes = &ps};
+	VkDescriptorPool pool;
+	CHECK(vkCreateDescriptorPool(dev, &pi, NULL, &pool));
+	VkDescriptorSet *sets = calloc(n, sizeof *sets);
+	for (uint32_t i = 0; sets && i < n; i++) {
+		VkDescriptorSetAllocateInfo ai = {
+			.sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+			.descriptorPool = pool, .descriptorSetCount = 1, .pSetLayouts = &k->sl};
+		CHECK(vkAllocateDescriptorSets(dev, &ai, &sets[i]));
+		VkDescriptorBufferInfo info[2] = {{data, 0, VK_WHOLE_SIZE},
+						  {in_buf, 0, VK_WHOLE_SIZE}};
+		VkWriteDescriptorSet w = {.sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET,
+					  .dstSet = sets[i], .descriptorCount = input ? 2 : 1,
+					  .descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+					  .pBufferInfo = info};
+		vkUpdateDescriptorSets(dev, 1, &w, 0, NULL);
+	}
+	double took[55];
+	uint32_t words = 64;
+	VkMemoryBarrier bar = {.sType = VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+			       .srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT,
+			       .dstAccessMask = VK_ACCESS_SHADER_READ_BIT};
+	VkCommandBufferBeginInfo bi = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+				       .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
+	for (int round = 0; sets && round < 55; round++) {
+		double t0 = seconds();
+		CHECK(vkBeginCommandBuffer(cb, &bi));
+		for (uint32_t i = 0; i < n; i++) {
+			vkCmdPushConstants(cb, k->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 4, &words);
+			vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->pipe);
+			vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, k->layout, 0,
+						1, &sets[i], 0, NULL);
+			vkCmdDispatch(cb, 1, 1, 1);
+			vkCmdPipelineBarrier(cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+					     VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, &bar, 0,
+					     NULL, 0, NULL);
+		}
+		CHECK(vkEndCommandBuffer(cb));
+		submit(q, cb, fence);
+		took[round] = (seconds() - t0) / n;
+		CHECK(vkWaitForFences(dev, 1, &fence, VK_TRUE, UINT64_MAX));
+		CHECK(vkResetFences(dev, 1, &fence));
+	}
+	if (!sets)
+		exit(3);
+	qsort(took + 5, 50, sizeof *took, by_value);
+	printf("record %.1f ns per dispatch\n", took[5 + 25] * 1e9);
+	exit(0);
+}
+
 int main(int argc, char **argv)
 {
 	uint32_t words = argc > 1 ? (uint32_t)strtoul(argv[1], NULL, 10) : 1 << 20;
@@ -499,6 +576,9 @@ int main(int argc, char **argv)
 	VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
 	VkFence fence;
 	CHECK(vkCreateFence(dev, &fi, NULL, &fence));
+	if (getenv("VK_PROG_RECORD"))
+		bench_record(q, cb, fence, &k, data,
+			     (uint32_t)strtoul(getenv("VK_PROG_RECORD"), NULL, 10));
 	printf(wants && !strcmp(wants, "opt") && address ? "ready addresses\n" : "ready\n");
 	fflush(stdout);
 	unsigned rounds = 0;

@@ -3,6 +3,13 @@
  * executable) with whether a recording names the program's buffers (a buffer of
  * ours, or any descriptor set bound); the commands that name a buffer are
  * translated to the driver's buffer of the moment.
+ *
+ * A command is recorded with no lock taken: its command buffer's record is found in a
+ * table read without `mu` (each record published whole, with a release store; one that
+ * goes is unlinked at once but freed only once no command buffer is being recorded,
+ * for a reader can be on it until then). What a recording changes in its record is read
+ * under `mu` only once it is not being recorded: Vulkan has a command buffer recorded
+ * by one thread at a time, and record_busy returns first while any is recorded.
  */
 #include "vklayer.h"
 
@@ -12,43 +19,92 @@ struct vcb {
 	VkCommandBuffer cb;
 	VkCommandPool pool;
 	int state, names, once;
+	struct cbw *w; /* what it writes (writes.c) */
 	struct vcb *next;
+	struct vcb *dead; /* unlinked, to be freed (`graves`) */
 };
 
 #define BUCKETS 1024
 static struct vcb *cbs[BUCKETS];
-static int recording; /* command buffers being recorded now */
+static struct vcb *graves; /* unlinked records: freed once none is being recorded */
+static int recording;	    /* command buffers being recorded now */
 
 static size_t slot(const void *p)
 {
 	return (size_t)(((uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull) >> 54);
 }
 
+/* Without `mu`: `cb`'s record, or NULL. */
+static struct vcb *cb_find(VkCommandBuffer cb)
+{
+	struct vcb *c = __atomic_load_n(&cbs[slot(cb)], __ATOMIC_ACQUIRE);
+	while (c && c->cb != cb)
+		c = __atomic_load_n(&c->next, __ATOMIC_ACQUIRE);
+	return c;
+}
+
 /* With `mu`. */
 static struct vcb *cb_of(VkCommandBuffer cb, int make)
 {
-	struct vcb **head = &cbs[slot(cb)];
-	for (struct vcb *c = *head; c; c = c->next)
-		if (c->cb == cb)
-			return c;
-	struct vcb *c = make ? calloc(1, sizeof *c) : NULL;
+	struct vcb *c = cb_find(cb);
+	if (c || !make)
+		return c;
+	c = calloc(1, sizeof *c);
+	if (c && !(c->w = writes_new()))
+		free(c), c = NULL;
 	if (c) {
 		c->cb = cb;
-		c->next = *head;
-		*head = c;
+		c->next = cbs[slot(cb)];
+		__atomic_store_n(&cbs[slot(cb)], c, __ATOMIC_RELEASE);
 	}
 	return c;
 }
 
+/* With `mu`: the records unlinked meanwhile freed, where no command buffer is being
+ * recorded (no reader can be on one). */
+static void sweep(void)
+{
+	if (recording)
+		return;
+	for (struct vcb *c = graves, *next; c; c = next) {
+		next = c->dead;
+		writes_free(c->w);
+		free(c);
+	}
+	graves = NULL;
+	writes_sweep();
+}
+
+int record_quiet(void)
+{
+	return !recording;
+}
+
 static void set_state(struct vcb *c, int state)
 {
-	if (c->state == RECORDING)
+	int was = c->state;
+	if (was == RECORDING)
 		recording--;
 	if (state == RECORDING)
 		recording++;
 	c->state = state;
 	if (state != EXECUTABLE) /* recorded anew or reset: it writes nothing yet */
-		writes_clear(c->cb);
+		writes_clear(c->w);
+	if (was == RECORDING && !recording)
+		sweep();
+}
+
+/* Without `mu`: the record of what `cb` writes (made where there is none: with `mu`
+ * then), or NULL: out of host memory (writes.c knows). */
+struct cbw *cb_writes(VkCommandBuffer cb)
+{
+	struct vcb *c = cb_find(cb);
+	if (!c) {
+		pthread_mutex_lock(&mu);
+		c = cb_of(cb, 1);
+		pthread_mutex_unlock(&mu);
+	}
+	return c ? c->w : NULL;
 }
 
 /* With `mu`. */
@@ -63,20 +119,27 @@ const char *record_busy(void)
 	return NULL;
 }
 
-/* A command that names the program's buffers was recorded into `cb`. */
-void record_names(VkCommandBuffer cb)
+/* A command that names the program's buffers was recorded into `cb`: the record of
+ * what it writes, or NULL (out of host memory). */
+struct cbw *record_names(VkCommandBuffer cb)
 {
-	pthread_mutex_lock(&mu);
-	struct vcb *c = cb_of(cb, 1);
-	if (c)
-		c->names = 1;
-	pthread_mutex_unlock(&mu);
+	struct vcb *c = cb_find(cb);
+	if (!c) {
+		pthread_mutex_lock(&mu);
+		c = cb_of(cb, 1);
+		pthread_mutex_unlock(&mu);
+	}
+	if (!c)
+		return NULL;
+	c->names = 1;
+	return c->w;
 }
 
 void record_submitted(VkCommandBuffer cb)
 {
 	struct vcb *c = cb_of(cb, 0);
-	writes_submitted(cb); /* what it writes counts as written from now */
+	if (c)
+		writes_submitted(c->w); /* what it writes counts as written from now */
 	if (c && c->once)
 		set_state(c, INITIAL); /* invalid once it ran: never submitted again */
 }
@@ -102,13 +165,13 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_cbs(VkDevice dev,
 static void forget(struct vcb *gone)
 {
 	set_state(gone, INITIAL);
-	writes_forget(gone->cb);
 	for (struct vcb **p = &cbs[slot(gone->cb)]; *p; p = &(*p)->next)
 		if (*p == gone) {
-			*p = gone->next;
+			__atomic_store_n(p, gone->next, __ATOMIC_RELEASE);
 			break;
 		}
-	free(gone);
+	gone->dead = graves, graves = gone;
+	sweep();
 }
 
 static VKAPI_ATTR void VKAPI_CALL free_cbs(VkDevice dev, VkCommandPool pool, uint32_t n,
@@ -218,7 +281,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL reset_cb(VkCommandBuffer cb, VkCommandBuff
 		d->fn(cb, __VA_ARGS__);                    \
 		return;                                    \
 	}                                                  \
-	record_names(cb)
+	struct cbw *cw = record_names(cb);                 \
+	(void)cw
 
 static VKAPI_ATTR void VKAPI_CALL bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point,
 					    VkPipelineLayout layout, uint32_t first, uint32_t n,
@@ -226,7 +290,7 @@ static VKAPI_ATTR void VKAPI_CALL bind_sets(VkCommandBuffer cb, VkPipelineBindPo
 					    const uint32_t *dyn)
 {
 	CMD_PROLOGUE(CmdBindDescriptorSets, point, layout, first, n, sets, nd, dyn);
-	writes_bind_sets(cb, point, first, n, sets);
+	writes_bind_sets(cw, point, first, n, sets);
 	d->CmdBindDescriptorSets(cb, point, layout, first, n, sets, nd, dyn);
 }
 
@@ -251,7 +315,7 @@ static VKAPI_ATTR void VKAPI_CALL push_set(VkCommandBuffer cb, VkPipelineBindPoi
 			continue;
 		for (uint32_t i = 0; i < w[k].descriptorCount; i++) {
 			if (w[k].descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
-				writes_buffer(cb, w[k].pBufferInfo[i].buffer);
+				writes_buffer(cw, w[k].pBufferInfo[i].buffer);
 			infos[at + i] = w[k].pBufferInfo[i];
 			infos[at + i].buffer = real_buf(w[k].pBufferInfo[i].buffer);
 		}
@@ -266,7 +330,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_buffer(VkCommandBuffer cb, VkBuffer src, 
 					      uint32_t n, const VkBufferCopy *r)
 {
 	CMD_PROLOGUE(CmdCopyBuffer, src, dst, n, r);
-	writes_buffer(cb, dst);
+	writes_buffer(cw, dst);
 	d->CmdCopyBuffer(cb, real_buf(src), real_buf(dst), n, r);
 }
 
@@ -283,7 +347,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_from_image(VkCommandBuffer cb, VkImage sr
 						  const VkBufferImageCopy *r)
 {
 	CMD_PROLOGUE(CmdCopyImageToBuffer, src, layout, dst, n, r);
-	writes_buffer(cb, dst);
+	writes_buffer(cw, dst);
 	d->CmdCopyImageToBuffer(cb, src, layout, real_buf(dst), n, r);
 }
 
@@ -292,7 +356,7 @@ static VKAPI_ATTR void VKAPI_CALL update_buffer(VkCommandBuffer cb, VkBuffer dst
 						const void *data)
 {
 	CMD_PROLOGUE(CmdUpdateBuffer, dst, offset, size, data);
-	writes_buffer(cb, dst);
+	writes_buffer(cw, dst);
 	d->CmdUpdateBuffer(cb, real_buf(dst), offset, size, data);
 }
 
@@ -300,7 +364,7 @@ static VKAPI_ATTR void VKAPI_CALL fill_buffer(VkCommandBuffer cb, VkBuffer dst, 
 					      VkDeviceSize size, uint32_t data)
 {
 	CMD_PROLOGUE(CmdFillBuffer, dst, offset, size, data);
-	writes_buffer(cb, dst);
+	writes_buffer(cw, dst);
 	d->CmdFillBuffer(cb, real_buf(dst), offset, size, data);
 }
 
@@ -318,6 +382,10 @@ static VKAPI_ATTR void VKAPI_CALL pipeline_barrier(
 	VkDependencyFlags dep, uint32_t nm, const VkMemoryBarrier *m, uint32_t nb,
 	const VkBufferMemoryBarrier *b, uint32_t ni, const VkImageMemoryBarrier *i)
 {
+	if (!nb) { /* names no buffer (llama.cpp's, at every dispatch) */
+		dev_of((VkDevice)cb)->CmdPipelineBarrier(cb, src, dst, dep, nm, m, nb, b, ni, i);
+		return;
+	}
 	CMD_PROLOGUE(CmdPipelineBarrier, src, dst, dep, nm, m, nb, b, ni, i);
 	VkBufferMemoryBarrier few[16]; /* at every dispatch, in some programs */
 	VkBufferMemoryBarrier *copy = nb <= 16 ? few : malloc(sizeof *copy * nb);
@@ -353,7 +421,7 @@ static VKAPI_ATTR void VKAPI_CALL dispatch_indirect(VkCommandBuffer cb, VkBuffer
 						    VkDeviceSize offset)
 {
 	CMD_PROLOGUE(CmdDispatchIndirect, buf, offset);
-	writes_dispatch(cb);
+	writes_dispatch(cw);
 	d->CmdDispatchIndirect(cb, real_buf(buf), offset);
 }
 
@@ -420,7 +488,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_queries(VkCommandBuffer cb, VkQueryPool p
 					       VkQueryResultFlags flags)
 {
 	CMD_PROLOGUE(CmdCopyQueryPoolResults, pool, first, n, dst, offset, stride, flags);
-	writes_buffer(cb, dst);
+	writes_buffer(cw, dst);
 	d->CmdCopyQueryPoolResults(cb, pool, first, n, real_buf(dst), offset, stride, flags);
 }
 

@@ -17,7 +17,8 @@
 		fn(__VA_ARGS__);                           \
 		return;                                    \
 	}                                                  \
-	record_names(cb)
+	struct cbw *cw = record_names(cb);                 \
+	(void)cw
 
 /* ---- copies ------------------------------------------------------------------ */
 
@@ -28,7 +29,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_buffer2(VkCommandBuffer cb, const VkCopyB
 	VkCopyBufferInfo2 copy = *info;
 	copy.srcBuffer = real_buf(info->srcBuffer);
 	copy.dstBuffer = real_buf(info->dstBuffer);
-	writes_buffer(cb, info->dstBuffer);
+	writes_buffer(cw, info->dstBuffer);
 	fn(cb, &copy);
 }
 
@@ -51,7 +52,7 @@ static VKAPI_ATTR void VKAPI_CALL copy_from_image2(VkCommandBuffer cb,
 	CMD_PROLOGUE(fn, cb, info);
 	VkCopyImageToBufferInfo2 copy = *info;
 	copy.dstBuffer = real_buf(info->dstBuffer);
-	writes_buffer(cb, info->dstBuffer);
+	writes_buffer(cw, info->dstBuffer);
 	fn(cb, &copy);
 }
 
@@ -144,7 +145,7 @@ static VKAPI_ATTR void VKAPI_CALL push_template(VkCommandBuffer cb,
 {
 	CMD_PROLOGUE(d->CmdPushDescriptorSetWithTemplateKHR, cb, t, layout, set, data);
 	pthread_mutex_lock(&mu);
-	void *copy = template_data(t, data, cb, writes_buffer_locked);
+	void *copy = template_data(t, data, cw, writes_buffer);
 	pthread_mutex_unlock(&mu);
 	if (copy)
 		d->CmdPushDescriptorSetWithTemplateKHR(cb, t, layout, set, copy);

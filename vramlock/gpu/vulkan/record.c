@@ -491,10 +491,10 @@ static VKAPI_ATTR void VKAPI_CALL destroy_template_khr(VkDevice dev,
 }
 
 /* With `mu`: the buffer entries of `t` in `copy` (the raw data's copy) translated, each
- * kept in `s` (where a set is written), `written` told each storage buffer `cb` writes
+ * kept in `s` (where a set is written), `written` told each storage buffer `cw`'s writes
  * (where pushed). */
 static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
-			       VkCommandBuffer cb, void (*written)(VkCommandBuffer, VkBuffer))
+			       struct cbw *cw, void (*written)(struct cbw *, VkBuffer))
 {
 	for (uint32_t k = 0; k < t->n; k++) {
 		const VkDescriptorUpdateTemplateEntry *te = &t->e[k];
@@ -511,7 +511,7 @@ static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
 			if (s)
 				remember(s, &e);
 			if (written && te->descriptorType == VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
-				written(cb, in.buffer);
+				written(cw, in.buffer);
 			in.buffer = real_buf(in.buffer);
 			memcpy(at, &in, sizeof in);
 		}
@@ -520,7 +520,7 @@ static void translate_template(const struct tmpl *t, char *copy, struct dset *s,
 
 /* With `mu`: the raw data for `handle` translated into a copy, or NULL (refused). */
 static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, struct dset *s,
-			   VkCommandBuffer cb, void (*written)(VkCommandBuffer, VkBuffer))
+			   struct cbw *cw, void (*written)(struct cbw *, VkBuffer))
 {
 	struct tmpl *t = templates;
 	while (t && t->handle != handle)
@@ -534,14 +534,14 @@ static void *template_copy(VkDescriptorUpdateTemplate handle, const void *data, 
 		return NULL;
 	}
 	memcpy(copy, data, t->size);
-	translate_template(t, copy, s, cb, written);
+	translate_template(t, copy, s, cw, written);
 	return copy;
 }
 
-void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb,
-		    void (*written)(VkCommandBuffer, VkBuffer))
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, struct cbw *cw,
+		    void (*written)(struct cbw *, VkBuffer))
 {
-	return template_copy(t, data, NULL, cb, written);
+	return template_copy(t, data, NULL, cw, written);
 }
 
 static void update_template(PFN_vkUpdateDescriptorSetWithTemplate fn, VkDevice dev,
@@ -557,7 +557,7 @@ static void update_template(PFN_vkUpdateDescriptorSetWithTemplate fn, VkDevice d
 	struct dset *s = set_of(set, 1);
 	if (s)
 		s->d = d;
-	void *copy = template_copy(t, data, s, VK_NULL_HANDLE, NULL);
+	void *copy = template_copy(t, data, s, NULL, NULL);
 	if (copy)
 		fn(dev, set, t, copy);
 	pthread_mutex_unlock(&mu);

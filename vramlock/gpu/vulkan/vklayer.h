@@ -201,6 +201,9 @@ void table_device_gone(struct vdev *d);
 struct vmem *mem_list(void);
 struct vbuf *buf_list(void);
 
+/* writes.c's record of what a command buffer's recording writes (cmds.c keeps it). */
+struct cbw;
+
 /* record.c */
 void sets_hook(const char *name, PFN_vkVoidFunction *fn);
 /* With `mu`, after a restore: every kept descriptor write naming a buffer made again. */
@@ -211,9 +214,10 @@ void record_forget_buffer(struct vbuf *b);
 void record_mark_written(VkDescriptorSet set, uint32_t binding);
 /* With `mu`: a copy of an update template's raw data naming the driver's buffers (free
  * it), or NULL (refused); `written(cb, buffer)` is told each storage buffer it names
- * (pushed by `cb`: the caller's way to writes.c, which record.c does not call). */
-void *template_data(VkDescriptorUpdateTemplate t, const void *data, VkCommandBuffer cb,
-		    void (*written)(VkCommandBuffer, VkBuffer));
+ * (pushed by the command buffer whose record is `cw`: the caller's way to writes.c,
+ * which record.c does not call). */
+void *template_data(VkDescriptorUpdateTemplate t, const void *data, struct cbw *cw,
+		    void (*written)(struct cbw *, VkBuffer));
 
 /* cmds.c */
 void record_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -222,8 +226,13 @@ void record_hook(const char *name, PFN_vkVoidFunction *fn);
 const char *record_busy(void);
 /* With `mu`: `cb` was submitted (a one-time command buffer is spent). */
 void record_submitted(VkCommandBuffer cb);
-/* A command that names the program's buffers was recorded into `cb`. */
-void record_names(VkCommandBuffer cb);
+/* A command that names the program's buffers was recorded into `cb`: the record of
+ * what `cb` writes, or NULL (out of host memory). */
+struct cbw *record_names(VkCommandBuffer cb);
+/* Without `mu`: the record of what `cb` writes, or NULL (out of host memory). */
+struct cbw *cb_writes(VkCommandBuffer cb);
+/* With `mu`: is no command buffer being recorded (nothing read without `mu` now)? */
+int record_quiet(void);
 
 /* cmds2.c */
 void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -246,18 +255,20 @@ void stage_free(struct vdev *d);
  * any host-visible memory type (lavapipe has no other). */
 extern int staging_forced;
 
-/* writes.c: what command buffers write, marked at submit (with `mu` where said). */
+/* writes.c: what command buffers write, marked at submit (with `mu` where said). A
+ * command buffer's record (struct cbw) is cmds.c's to keep. */
 void writes_hook(const char *name, PFN_vkVoidFunction *fn);
-void writes_buffer(VkCommandBuffer cb, VkBuffer buf); /* a command writes into buf */
-void writes_buffer_locked(VkCommandBuffer cb, VkBuffer buf); /* the same, with `mu` */
-void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t first,
-		      uint32_t n, const VkDescriptorSet *sets);
-void writes_dispatch(VkCommandBuffer cb);
-void writes_clear(VkCommandBuffer cb);	   /* with `mu`: recorded anew, or reset */
-void writes_forget(VkCommandBuffer cb);	   /* with `mu`: freed */
-void writes_submitted(VkCommandBuffer cb); /* with `mu` */
-int writes_since(struct vmem *m);	   /* with `mu`: must it be copied out? */
-void writes_copied(void);		   /* with `mu`: every host copy right */
+void writes_buffer(struct cbw *c, VkBuffer buf); /* a command writes into buf */
+void writes_bind_sets(struct cbw *c, VkPipelineBindPoint point, uint32_t first, uint32_t n,
+		      const VkDescriptorSet *sets);
+void writes_dispatch(struct cbw *c);
+struct cbw *writes_new(void);	      /* with `mu`: a record, or NULL (track lost) */
+void writes_free(struct cbw *w);      /* with `mu` */
+void writes_clear(struct cbw *w);     /* with `mu`: recorded anew, or reset */
+void writes_submitted(struct cbw *w); /* with `mu` */
+void writes_sweep(void);	      /* with `mu`, none recorded: the dropped freed */
+int writes_since(struct vmem *m);     /* with `mu`: must it be copied out? */
+void writes_copied(void);	      /* with `mu`: every host copy right */
 
 /* spirv.c: the (set, binding)s a module's code may write; `all` where unsure. */
 struct spv_slot {

@@ -24,14 +24,18 @@
 
 /* ---- shader modules and pipelines: the bindings they may write ---------------- */
 
+/* The tables are read without `mu` while commands are recorded (as cmds.c's): a
+ * record dropped is unlinked at once and freed once none is being recorded. */
 struct shader {
 	uint64_t handle; /* a VkShaderModule or a VkPipeline */
 	struct spv_writes w;
 	struct shader *next;
+	struct shader *dead; /* unlinked, to be freed (`graves`) */
 };
 
 #define BUCKETS 1024
 static struct shader *modules[BUCKETS], *pipelines[BUCKETS];
+static struct shader *graves;
 static int lost; /* out of host memory once: every memory counts as written */
 
 static size_t slot(uint64_t h)
@@ -39,20 +43,30 @@ static size_t slot(uint64_t h)
 	return (size_t)((h * 0x9E3779B97F4A7C15ull) >> 54);
 }
 
-/* With `mu`. */
+/* Without `mu` while recording, else with it. */
 static struct shader *find(struct shader **table, uint64_t handle)
 {
-	for (struct shader *s = table[slot(handle)]; s; s = s->next)
-		if (s->handle == handle)
-			return s;
-	return NULL;
+	struct shader *s = __atomic_load_n(&table[slot(handle)], __ATOMIC_ACQUIRE);
+	while (s && s->handle != handle)
+		s = __atomic_load_n(&s->next, __ATOMIC_ACQUIRE);
+	return s;
 }
 
 /* With `mu`: `s` (its handle and writes set) kept in `table`. */
 static void keep(struct shader **table, struct shader *s)
 {
 	s->next = table[slot(s->handle)];
-	table[slot(s->handle)] = s;
+	__atomic_store_n(&table[slot(s->handle)], s, __ATOMIC_RELEASE);
+}
+
+void writes_sweep(void)
+{
+	for (struct shader *s = graves, *next; s; s = next) {
+		next = s->dead;
+		spirv_writes_free(&s->w);
+		free(s);
+	}
+	graves = NULL;
 }
 
 static void drop(struct shader **table, uint64_t handle)
@@ -61,11 +75,12 @@ static void drop(struct shader **table, uint64_t handle)
 	for (struct shader **p = &table[slot(handle)]; *p; p = &(*p)->next)
 		if ((*p)->handle == handle) {
 			struct shader *gone = *p;
-			*p = gone->next;
-			spirv_writes_free(&gone->w);
-			free(gone);
+			__atomic_store_n(p, gone->next, __ATOMIC_RELEASE);
+			gone->dead = graves, graves = gone;
 			break;
 		}
+	if (record_quiet())
+		writes_sweep();
 	pthread_mutex_unlock(&mu);
 }
 
@@ -174,52 +189,33 @@ struct cbw {
 	VkPipeline compute;
 	VkDescriptorSet sets[MAX_SETS]; /* bound for compute */
 	int all;			/* lost track: everything written */
-	struct cbw *next;
 };
 
-static struct cbw *cbws[BUCKETS];
-
-/* With `mu`. */
-static struct cbw *cbw_of(VkCommandBuffer cb, int make)
+struct cbw *writes_new(void)
 {
-	struct cbw **head = &cbws[slot((uint64_t)(uintptr_t)cb)];
-	for (struct cbw *c = *head; c; c = c->next)
-		if (c->cb == cb)
-			return c;
-	struct cbw *c = make ? calloc(1, sizeof *c) : NULL;
-	if (c) {
-		c->cb = cb;
-		c->next = *head;
-		*head = c;
-	} else if (make) {
-		lost = 1;
-	}
+	struct cbw *c = calloc(1, sizeof *c);
+	lost |= !c;
 	return c;
 }
 
-/* With `mu`: `cb` recorded anew (or reset): it has written nothing. */
-void writes_clear(VkCommandBuffer cb)
+void writes_free(struct cbw *c)
 {
-	struct cbw *c = cbw_of(cb, 0);
-	if (!c)
-		return;
-	free(c->mems), free(c->pairs);
-	struct cbw *next = c->next;
-	memset(c, 0, sizeof *c);
-	c->cb = cb, c->next = next;
+	if (c)
+		free(c->mems), free(c->pairs), free(c);
 }
 
-/* With `mu`: `cb` freed. */
-void writes_forget(VkCommandBuffer cb)
+/* With `mu`: recorded anew (or reset): it has written nothing. Its tables keep their
+ * room for the next recording. */
+void writes_clear(struct cbw *c)
 {
-	struct cbw **head = &cbws[slot((uint64_t)(uintptr_t)cb)];
-	for (struct cbw **p = head; *p; p = &(*p)->next)
-		if ((*p)->cb == cb) {
-			struct cbw *gone = *p;
-			*p = gone->next;
-			free(gone->mems), free(gone->pairs), free(gone);
-			return;
-		}
+	if (!c)
+		return;
+	if (c->npairs)
+		memset(c->pairs, 0, sizeof *c->pairs * c->cappairs);
+	c->nmems = c->npairs = 0;
+	c->compute = VK_NULL_HANDLE;
+	memset(c->sets, 0, sizeof c->sets);
+	c->all = 0;
 }
 
 static void add_mem(struct cbw *c, struct vmem *m)
@@ -278,31 +274,22 @@ static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding)
 	}
 }
 
-/* With `mu`: a command of `cb` writes into `buf` (a buffer of ours, or NULL). */
-void writes_buffer_locked(VkCommandBuffer cb, VkBuffer buf)
+/* A command of the command buffer whose record is `c` writes into `buf` (a buffer of
+ * ours, or NULL). */
+void writes_buffer(struct cbw *c, VkBuffer buf)
 {
 	struct vbuf *b = (struct vbuf *)buf;
-	struct cbw *c = cbw_of(cb, 1);
 	if (c && b && b->mem)
 		add_mem(c, b->mem);
 	else if (c && b)
 		c->all = 1; /* not bound yet: cannot be; be safe */
 }
 
-void writes_buffer(VkCommandBuffer cb, VkBuffer buf)
-{
-	pthread_mutex_lock(&mu);
-	writes_buffer_locked(cb, buf);
-	pthread_mutex_unlock(&mu);
-}
-
 /* Sets bound at `point`: for compute, kept for the dispatches; for graphics, every
  * storage buffer they name counts as written. */
-void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t first,
-		      uint32_t n, const VkDescriptorSet *sets)
+void writes_bind_sets(struct cbw *c, VkPipelineBindPoint point, uint32_t first, uint32_t n,
+		      const VkDescriptorSet *sets)
 {
-	pthread_mutex_lock(&mu);
-	struct cbw *c = cbw_of(cb, 1);
 	for (uint32_t k = 0; c && k < n; k++) {
 		if (point != VK_PIPELINE_BIND_POINT_COMPUTE)
 			add_pair(c, sets[k], ANY);
@@ -311,13 +298,11 @@ void writes_bind_sets(VkCommandBuffer cb, VkPipelineBindPoint point, uint32_t fi
 		else
 			c->all = 1;
 	}
-	pthread_mutex_unlock(&mu);
 }
 
-/* With `mu`: a dispatch: the bound pipeline's written bindings in the bound sets. */
-static void dispatched(VkCommandBuffer cb)
+/* A dispatch: the bound pipeline's written bindings in the bound sets. */
+void writes_dispatch(struct cbw *c)
 {
-	struct cbw *c = cbw_of(cb, 1);
 	if (!c)
 		return;
 	struct shader *p = c->compute ? find(pipelines, (uint64_t)(uintptr_t)c->compute) : NULL;
@@ -331,17 +316,9 @@ static void dispatched(VkCommandBuffer cb)
 			add_pair(c, c->sets[p->w.slots[k].set], p->w.slots[k].binding);
 }
 
-void writes_dispatch(VkCommandBuffer cb)
+/* With `mu`: its command buffer was submitted: what it writes counts as written. */
+void writes_submitted(struct cbw *c)
 {
-	pthread_mutex_lock(&mu);
-	dispatched(cb);
-	pthread_mutex_unlock(&mu);
-}
-
-/* With `mu`: `cb` was submitted: what it writes counts as written. */
-void writes_submitted(VkCommandBuffer cb)
-{
-	struct cbw *c = cbw_of(cb, 0);
 	if (!c)
 		return;
 	if (c->all)
@@ -377,11 +354,9 @@ static VKAPI_ATTR void VKAPI_CALL bind_pipeline(VkCommandBuffer cb, VkPipelineBi
 {
 	struct vdev *d = dev_of((VkDevice)cb);
 	if (is_ours(d) && point == VK_PIPELINE_BIND_POINT_COMPUTE) {
-		pthread_mutex_lock(&mu);
-		struct cbw *c = cbw_of(cb, 1);
+		struct cbw *c = cb_writes(cb);
 		if (c)
 			c->compute = p;
-		pthread_mutex_unlock(&mu);
 	}
 	d->CmdBindPipeline(cb, point, p);
 }
@@ -390,7 +365,7 @@ static VKAPI_ATTR void VKAPI_CALL dispatch(VkCommandBuffer cb, uint32_t x, uint3
 {
 	struct vdev *d = dev_of((VkDevice)cb);
 	if (is_ours(d))
-		writes_dispatch(cb);
+		writes_dispatch(cb_writes(cb));
 	d->CmdDispatch(cb, x, y, z);
 }
 
@@ -399,7 +374,7 @@ static VKAPI_ATTR void VKAPI_CALL dispatch_base(VkCommandBuffer cb, uint32_t bx,
 {
 	struct vdev *d = dev_of((VkDevice)cb);
 	if (is_ours(d))
-		writes_dispatch(cb);
+		writes_dispatch(cb_writes(cb));
 	d->CmdDispatchBase(cb, bx, by, bz, x, y, z);
 }
 
@@ -407,18 +382,16 @@ static VKAPI_ATTR void VKAPI_CALL dispatch_base(VkCommandBuffer cb, uint32_t bx,
 static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const VkCommandBuffer *s)
 {
 	struct vdev *d = dev_of((VkDevice)cb);
-	if (is_ours(d)) {
-		pthread_mutex_lock(&mu);
-		struct cbw *c = cbw_of(cb, 1);
+	if (is_ours(d)) { /* each recorded by this thread, or done: no lock (cmds.c) */
+		struct cbw *c = cb_writes(cb);
 		for (uint32_t k = 0; c && k < n; k++) {
-			struct cbw *from = cbw_of(s[k], 0);
+			struct cbw *from = cb_writes(s[k]);
 			for (uint32_t i = 0; from && i < from->nmems; i++)
 				add_mem(c, from->mems[i]);
 			for (uint32_t i = 0; from && i < from->cappairs; i++)
 				add_pair(c, from->pairs[i].set, from->pairs[i].binding);
 			c->all |= from && from->all;
 		}
-		pthread_mutex_unlock(&mu);
 	}
 	d->CmdExecuteCommands(cb, n, s);
 }
