@@ -138,16 +138,18 @@ static void drop_swapped(void)
 
 /* Each swappable allocation's contents to its host copy, where written since that
  * was last right (or it has none), all copies made before any waited for; 0, or -1
- * with `why`. `bytes`: what the release frees, `copied`: what it copied. */
-static int copy_out(char *why, size_t len, size_t *bytes, size_t *copied)
+ * with `why`. `n`: what the release frees, what it copied, and the host copies it had
+ * to make (those made ahead, ahead.c, not counted). */
+static int copy_out(char *why, size_t len, size_t n[3])
 {
 	VkResult r = VK_SUCCESS;
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next) {
 		if (!table_swappable(m))
 			continue;
-		*bytes += m->size;
+		n[0] += m->size;
 		if (!writes_since(m))
 			continue; /* its host copy is right: the memory is freed at once */
+		n[2] += m->host ? 0 : m->size;
 		if ((r = stage_host(m)) != VK_SUCCESS) {
 			if (r == VK_ERROR_FEATURE_NOT_PRESENT)
 				snprintf(why, len, "the device cannot copy its memory to the host");
@@ -158,7 +160,7 @@ static int copy_out(char *why, size_t len, size_t *bytes, size_t *copied)
 			return -1;
 		}
 		r = stage_copy(m, 1);
-		*copied += m->size;
+		n[1] += m->size;
 	}
 	if ((r = stage_flush(r)) != VK_SUCCESS) {
 		snprintf(why, len, "its memory could not be copied out (%d)", (int)r);
@@ -181,7 +183,7 @@ static void release_failed(char *answer, size_t len, const char *why, int stay_c
 static void do_release(char *answer, size_t len, int stay_closed)
 {
 	const char *why = cannot();
-	size_t bytes = 0, copied = 0;
+	size_t n[3] = {0, 0, 0}; /* freed, copied out, host copies made */
 	if (is_released()) {
 		snprintf(answer, len, "released");
 		return;
@@ -206,7 +208,7 @@ static void do_release(char *answer, size_t len, int stay_closed)
 			d->DeviceWaitIdle(d->dev);
 	double t2 = now_ms();
 	char failed[200];
-	if (copy_out(failed, sizeof failed, &bytes, &copied)) {
+	if (copy_out(failed, sizeof failed, n)) {
 		release_failed(answer, len, failed, stay_closed);
 		return;
 	}
@@ -216,9 +218,9 @@ static void do_release(char *answer, size_t len, int stay_closed)
 	double t3 = now_ms();
 	drop_swapped();
 	transition(STATE_RELEASING, STATE_RELEASED);
-	TRACE("released %zu bytes, %zu of them copied out; ms: drain %.1f, idle %.1f, copy %.1f, "
-	      "free %.1f",
-	      bytes, copied, t1 - t0, t2 - t1, t3 - t2, now_ms() - t3);
+	TRACE("released %zu bytes, %zu of them copied out, %zu of host copies made; ms: drain %.1f, "
+	      "idle %.1f, copy %.1f, free %.1f",
+	      n[0], n[1], n[2], t1 - t0, t2 - t1, t3 - t2, now_ms() - t3);
 	snprintf(answer, len, "released");
 }
 
