@@ -7,7 +7,9 @@
  *
  *   vk_prog WORDS            rounds until the file $VK_PROG_STOP exists
  *
- * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. With
+ * It says `ready` once its buffers are made, then `done ROUNDS ok` at the end. It
+ * sleeps VK_PROG_REST milliseconds between rounds (5 unless given: never idle long
+ * enough for the layer to make a host copy ahead, ahead.c, which wants 50). With
  * VK_PROG_ONCE=1 its command buffer is one-time-submit; with VK_PROG_KEEP=1 it is
  * recorded once and submitted every round (the layer must refuse to swap that); with
  * VK_PROG_ADDRESS=1 it takes its data buffer's device address (VK_PROG_ADDRESS=12: the
@@ -505,6 +507,7 @@ int main(int argc, char **argv)
 	const char *stop = getenv("VK_PROG_STOP");
 	int keep = getenv("VK_PROG_KEEP") && !strcmp(getenv("VK_PROG_KEEP"), "1");
 	int once = getenv("VK_PROG_ONCE") && !strcmp(getenv("VK_PROG_ONCE"), "1");
+	long rest = getenv("VK_PROG_REST") ? strtol(getenv("VK_PROG_REST"), NULL, 10) : 5;
 	const char *wants = getenv("VK_PROG_ADDRESS");
 	address = !wants		 ? 0
 		  : !strcmp(wants, "1")	 ? 1
@@ -596,7 +599,7 @@ int main(int argc, char **argv)
 		if (!keep)
 			CHECK(vkResetCommandBuffer(cb, 0));
 		check(seen, words, ++rounds);
-		struct timespec tick = {0, 5000000};
+		struct timespec tick = {rest / 1000, rest % 1000 * 1000000};
 		nanosleep(&tick, NULL);
 	} while (!stop || access(stop, F_OK));
 	vkDestroyFence(dev, fence, NULL);
