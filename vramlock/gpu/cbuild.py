@@ -150,6 +150,7 @@ VULKAN = Library(
         *CORE_PARTS,
         *(f"vulkan/{part}" for part in ("layer", "table", "record", "cmds", "cmds2", "engine")),
         *(f"vulkan/{part}" for part in ("stage", "writes", "spirv", "memtypes", "devices")),
+        "vulkan/ahead",
         "vulkan/start",
     ),
     headers=(*CORE_HEADERS, "vulkan/vklayer.h", "vulkan/vkfuncs.h"),

@@ -72,8 +72,7 @@ void engine_hook(const char *name, PFN_vkVoidFunction *fn)
 
 /* ---- release ----------------------------------------------------------------- */
 
-/* Why no release can ever work, or NULL. */
-static const char *cannot(void)
+const char *release_refused(void)
 {
 	if (engine.refused[0])
 		return engine.refused;
@@ -182,7 +181,7 @@ static void release_failed(char *answer, size_t len, const char *why, int stay_c
 /* With `mu`, from vramlock run's `release`. */
 static void do_release(char *answer, size_t len, int stay_closed)
 {
-	const char *why = cannot();
+	const char *why = release_refused();
 	size_t n[3] = {0, 0, 0}; /* freed, copied out, host copies made */
 	if (is_released()) {
 		snprintf(answer, len, "released");

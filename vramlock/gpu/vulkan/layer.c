@@ -250,6 +250,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL create_device(VkPhysicalDevice phys,
 	if (engine.active && d->passive)
 		TRACE("device %p left alone: %s", (void *)*out, d->why);
 	dev_add(d);
+	if (engine.active && !d->passive)
+		ahead_start(); /* host copies made ahead from now on (ahead.c) */
 	return VK_SUCCESS;
 }
 
@@ -259,15 +261,15 @@ static VKAPI_ATTR void VKAPI_CALL destroy_device(VkDevice dev, const VkAllocatio
 	if (!d)
 		return;
 	pthread_mutex_lock(&mu);
+	ahead_wait(d); /* no host copy is being made on it */
+	/* Kept in the list (a release walks it without the list's lock): marked gone, before
+	 * it goes, so that no host copy is made on it again (ahead.c). */
+	d->passive = 1;
+	snprintf(d->why, sizeof d->why, "destroyed");
 	table_device_gone(d);
 	stage_free(d);
 	pthread_mutex_unlock(&mu);
 	d->DestroyDevice(dev, alloc);
-	/* Kept in the list (a release walks it without the list's lock): marked gone. */
-	pthread_mutex_lock(&mu);
-	d->passive = 1;
-	snprintf(d->why, sizeof d->why, "destroyed");
-	pthread_mutex_unlock(&mu);
 }
 
 /* ---- entry points ------------------------------------------------------------ */

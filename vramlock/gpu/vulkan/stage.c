@@ -16,7 +16,9 @@
  * written since, writes.c) and goes when the program frees its memory. Per device,
  * made at its first copy the device's way and kept: a command pool, its command buffers
  * and a fence on the first queue family the program asked for. Called with `mu`, the
- * gate closed: no submit of the program's is in flight.
+ * gate closed: no submit of the program's is in flight. Except stage_host_ahead: the
+ * device's kind of host copy made before the first release, while the program runs
+ * (ahead.c), the memory only, never its contents (nothing is submitted).
  *
  * VRAMLOCK_VULKAN_STAGING=1 (a test's hook) takes the device's way with any
  * host-visible memory type, so that it runs on lavapipe.
@@ -188,6 +190,25 @@ static VkDeviceSize host_size(struct vmem *m)
 	return (m->size + a - 1) / a * a;
 }
 
+/* Host memory of `size` bytes of `type` on `d`, mapped at `*at`: VK_SUCCESS, or an
+ * error with nothing made. The driver's calls only: made with `mu` or without. */
+static VkResult host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
+			    VkDeviceMemory *mem, void **at)
+{
+	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+				   .allocationSize = size, .memoryTypeIndex = type};
+	*mem = VK_NULL_HANDLE, *at = NULL;
+	VkResult r = d->AllocateMemory(d->dev, &ai, NULL, mem);
+	if (r == VK_SUCCESS)
+		r = d->MapMemory(d->dev, *mem, 0, VK_WHOLE_SIZE, 0, at);
+	if (r != VK_SUCCESS) {
+		if (*mem)
+			d->FreeMemory(d->dev, *mem, NULL);
+		*mem = VK_NULL_HANDLE, *at = NULL;
+	}
+	return r;
+}
+
 VkResult stage_host(struct vmem *m)
 {
 	struct vdev *d = m->d;
@@ -199,18 +220,35 @@ VkResult stage_host(struct vmem *m)
 		m->host = malloc(m->size ? m->size : 1);
 		return m->host ? VK_SUCCESS : VK_ERROR_OUT_OF_HOST_MEMORY;
 	}
-	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
-				   .allocationSize = host_size(m),
-				   .memoryTypeIndex = (uint32_t)d->stage->type};
-	VkResult r = d->AllocateMemory(d->dev, &ai, NULL, &m->host_mem);
-	if (r == VK_SUCCESS)
-		r = d->MapMemory(d->dev, m->host_mem, 0, VK_WHOLE_SIZE, 0, &m->host);
-	if (r != VK_SUCCESS) {
-		if (m->host_mem)
-			d->FreeMemory(d->dev, m->host_mem, NULL);
-		m->host_mem = VK_NULL_HANDLE, m->host = NULL;
+	return host_memory(d, (uint32_t)d->stage->type, host_size(m), &m->host_mem, &m->host);
+}
+
+/* Made without `mu`, so that no call of the program waits for it (NVIDIA's driver takes
+ * as long to make host memory as to copy into it); attached only where `m` is still the
+ * program's memory, on the same device, without a host copy, moved by a release, as
+ * large, and the process resident: else freed again. */
+VkResult stage_host_ahead(struct vmem *m)
+{
+	struct vdev *d = m->d;
+	if (m->host || !by_device(m))
+		return VK_ERROR_FEATURE_NOT_PRESENT;
+	VkDeviceSize size = host_size(m);
+	uint32_t type = (uint32_t)d->stage->type;
+	VkDeviceMemory mem;
+	void *at;
+	pthread_mutex_unlock(&mu);
+	VkResult r = host_memory(d, type, size, &mem, &at);
+	pthread_mutex_lock(&mu);
+	if (r != VK_SUCCESS)
+		return r;
+	if (!table_has(m) || m->d != d || m->host || !table_swappable(m) || !by_device(m) ||
+	    host_size(m) != size || engine.state != STATE_RESIDENT) {
+		d->FreeMemory(d->dev, mem, NULL);
+		return VK_NOT_READY;
 	}
-	return r;
+	m->host_mem = mem, m->host = at;
+	m->written = 1; /* what it holds is nothing yet: the release copies it all */
+	return VK_SUCCESS;
 }
 
 void stage_host_free(struct vmem *m)

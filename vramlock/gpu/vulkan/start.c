@@ -2,9 +2,12 @@
  * start.c: the layer's set-up, at load: the settings read, and where the layer is to
  * act (VRAMLOCK_SWAP_SOCKET), the engine registered with the control connection and
  * the gate closed until the process joins (its first instance: layer.c). The trace
- * (VRAMLOCK_SWAP_DEBUG=1) goes to stderr.
+ * (VRAMLOCK_SWAP_DEBUG=1) goes to stderr. VRAMLOCK_SWAP_PREPARE=0: no host copies made
+ * ahead (ahead.c).
  */
 #include "vklayer.h"
+
+#include "../core/proc.h"
 
 /* VRAMLOCK_VULKAN_MAPPED (memtypes.c): bytes, or K, M, G of them; anything else, the
  * default. */
@@ -35,6 +38,9 @@ __attribute__((constructor)) static void setup(void)
 	staging_forced = staging && !strcmp(staging, "1");
 	engine.active = control_setup();
 	if (engine.active) {
+		char at_start[16];
+		const char *prepare = setting("VRAMLOCK_SWAP_PREPARE", at_start, sizeof at_start);
+		ahead_wanted = !prepare || strcmp(prepare, "0");
 		read_allowance();
 		control_register(&vulkan_engine);
 		gate_unjoined();

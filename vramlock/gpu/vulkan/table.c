@@ -8,6 +8,7 @@
 
 static struct vmem *mems;
 static struct vbuf *bufs;
+double table_changed_ms; /* when memory was last made or freed (ahead.c), with `mu` */
 
 struct vmem *mem_list(void)
 {
@@ -17,6 +18,14 @@ struct vmem *mem_list(void)
 struct vbuf *buf_list(void)
 {
 	return bufs;
+}
+
+int table_has(struct vmem *m)
+{
+	for (struct vmem *k = mems; k; k = k->next)
+		if (k == m)
+			return 1;
+	return 0;
 }
 
 void table_device_gone(struct vdev *d)
@@ -89,6 +98,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL allocate_memory(VkDevice dev, const VkMemo
 		pthread_mutex_lock(&mu);
 		m->next = mems;
 		mems = m;
+		table_changed_ms = now_ms();
 		if (memtypes_allowance(d, m->shown))
 			d->allowance_used += m->size;
 		pthread_mutex_unlock(&mu);
@@ -115,6 +125,7 @@ static VKAPI_ATTR void VKAPI_CALL free_memory(VkDevice dev, VkDeviceMemory mem,
 			*p = m->next;
 			break;
 		}
+	table_changed_ms = now_ms();
 	if (m->real)
 		d->FreeMemory(dev, m->real, alloc);
 	if (memtypes_allowance(d, m->shown))

@@ -21,6 +21,8 @@
  *             what each word of vramlock run does (core/control.h's engine_ops)
  *  stage.c    host copies, and the copies between them and the device: the
  *             device's own where it has host memory it can copy to
+ *  ahead.c    host copies made before the first release needs them, on a thread of
+ *             the layer's own while the program is idle
  *  writes.c   which memory the program's GPU work may have written since the last
  *             restore: only that is copied out again
  *  spirv.c    which descriptor bindings a shader module may write
@@ -112,6 +114,8 @@ struct vmem {
 	void *host;
 	VkDeviceMemory host_mem;
 	int written; /* since its host copy was last right (writes.c) */
+	int not_ahead; /* its host copy is not to be made ahead (ahead.c): it failed, or
+			* the host could not spare it */
 	struct vmem *next;
 };
 
@@ -200,6 +204,10 @@ int table_swappable(struct vmem *m);
 void table_device_gone(struct vdev *d);
 struct vmem *mem_list(void);
 struct vbuf *buf_list(void);
+/* With `mu`: is `m` the program's memory still (not freed)? */
+int table_has(struct vmem *m);
+/* With `mu`: when memory was last made or freed (now_ms). */
+extern double table_changed_ms;
 
 /* writes.c's record of what a command buffer's recording writes (cmds.c keeps it). */
 struct cbw;
@@ -240,12 +248,20 @@ void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
 /* engine.c: submits through the gate (core/gate.h), and the swap itself. */
 void engine_hook(const char *name, PFN_vkVoidFunction *fn);
 extern const struct engine_ops vulkan_engine;
+/* With `mu`: why no release can ever work (refused, or a device left alone), or NULL. */
+const char *release_refused(void);
 
 /* stage.c, with `mu`: `m`'s host copy made (if not yet); `m`'s contents to it (out)
  * or back (!out), at once or into the device's batch; every batch submitted and
  * waited for (given the first error so far, which drops them); VK_SUCCESS or the
  * first error. */
 VkResult stage_host(struct vmem *m);
+/* With `mu`, which it lets go while the memory is made: `m`'s host copy made ahead of a
+ * release, where it goes the device's way (else VK_ERROR_FEATURE_NOT_PRESENT), its
+ * contents not copied (it counts as written). VK_NOT_READY: made, but `m` changed
+ * meanwhile (freed, given a host copy by a release, ...), and freed again; `m` may then
+ * be gone. */
+VkResult stage_host_ahead(struct vmem *m);
 void stage_host_free(struct vmem *m);
 VkResult stage_copy(struct vmem *m, int out);
 VkResult stage_send(struct vdev *d); /* what is recorded of d's batch, started */
@@ -281,6 +297,14 @@ struct spv_writes {
 };
 void spirv_writes(const uint32_t *code, size_t bytes, struct spv_writes *out);
 void spirv_writes_free(struct spv_writes *w);
+
+/* ahead.c: host copies made ahead while the program is idle. `ahead_wanted`: not
+ * VRAMLOCK_SWAP_PREPARE=0 (start.c reads it); ahead_start: the thread started, once
+ * (at the first device the layer acts on); ahead_wait, with `mu`: returns once no host
+ * copy is being made on `d` (it lets go of `mu` meanwhile): the device may go. */
+extern int ahead_wanted;
+void ahead_start(void);
+void ahead_wait(struct vdev *d);
 
 /* start.c: the constructor; core/control.h's control_join at the first instance. */
 
