@@ -43,15 +43,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers.net import free_port  # noqa: E402
 from interpose import complete, side_by_side  # noqa: E402  (beside this file)
 
-# ``vramlock run --release`` of each mode; bare is the server alone. The last two tell
+# ``vramlock run --release`` of each mode; bare is the server alone. The last three tell
 # where a cost comes from: ``staged`` is bare with llama.cpp kept off mappable
 # device-local memory (GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM: its inputs go through
 # staging copies, a submit and a wait each), ``unmapped`` is swap-vulkan without the
-# layer's mapped allowance (VRAMLOCK_VULKAN_MAPPED=0: the same, from the layer).
+# layer's mapped allowance (VRAMLOCK_VULKAN_MAPPED=0: the same, from the layer), and
+# ``mapped-1g`` swap-vulkan with an allowance of 1 GiB (buffers up to that mapped).
 MODES = {"bare": None, "none": "none", "swap-vulkan": "swap-vulkan", "staged": None,
-         "unmapped": "swap-vulkan"}  # fmt: skip
+         "unmapped": "swap-vulkan", "mapped-1g": "swap-vulkan"}  # fmt: skip
 ENVS = {"staged": {"GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM": "1"},
-        "unmapped": {"VRAMLOCK_VULKAN_MAPPED": "0"}}  # fmt: skip
+        "unmapped": {"VRAMLOCK_VULKAN_MAPPED": "0"},
+        "mapped-1g": {"VRAMLOCK_VULKAN_MAPPED": "1G"}}  # fmt: skip
 FIGURES = ("prefill tokens/s", "decode tokens/s")
 
 
