@@ -8,7 +8,7 @@
 
 static pthread_mutex_t list_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct vinst *instances;
-static struct vdev *devices;
+struct vdev *devices;
 
 struct vinst *inst_of(const void *dispatchable)
 {
@@ -55,17 +55,6 @@ void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProp
 
 /* Any handle the device made that the loader dispatches (device, queue, command
  * buffer) shares its dispatch key. */
-struct vdev *dev_of(VkDevice dev)
-{
-	/* Every call of the program's goes through here: no lock. The list only grows, and
-	 * a device is complete before it is published (dev_add). */
-	void *key = key_of(dev);
-	struct vdev *d = __atomic_load_n(&devices, __ATOMIC_ACQUIRE);
-	while (d && key_of(d->dev) != key)
-		d = d->next;
-	return d;
-}
-
 struct vdev *dev_list(void)
 {
 	return __atomic_load_n(&devices, __ATOMIC_ACQUIRE);

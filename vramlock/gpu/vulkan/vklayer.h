@@ -171,7 +171,17 @@ static inline void *key_of(const void *dispatchable)
 struct vinst *inst_of(const void *dispatchable);
 void inst_add(struct vinst *i);
 void inst_remove(struct vinst *i);
-struct vdev *dev_of(VkDevice dev);
+/* devices.c's list: it only grows, and a device is complete before it is published
+ * (dev_add), so that every call of the program's finds its device here, no lock. */
+extern struct vdev *devices;
+static inline struct vdev *dev_of(VkDevice dev)
+{
+	void *key = key_of(dev);
+	struct vdev *d = __atomic_load_n(&devices, __ATOMIC_ACQUIRE);
+	while (d && key_of(d->dev) != key)
+		d = d->next;
+	return d;
+}
 struct vdev *dev_list(void);
 void dev_add(struct vdev *d);
 

@@ -176,15 +176,15 @@ static VKAPI_ATTR void VKAPI_CALL destroy_pipeline(VkDevice dev, VkPipeline p,
 /* ---- command buffers: what each recorded --------------------------------------- */
 
 struct pair {
-	VkDescriptorSet set; /* VK_NULL_HANDLE: an empty slot */
-	uint32_t binding;    /* or ANY */
+	VkDescriptorSet set;
+	uint32_t binding; /* or ANY */
 };
 
 struct cbw {
 	VkCommandBuffer cb;
 	struct vmem **mems; /* written by transfers and pushed descriptors */
 	uint32_t nmems, capmems;
-	struct pair *pairs; /* storage bindings dispatches may write: a hash set */
+	struct pair *pairs; /* storage bindings dispatches may write, in order */
 	uint32_t npairs, cappairs;
 	VkPipeline compute;
 	VkDescriptorSet sets[MAX_SETS]; /* bound for compute */
@@ -210,8 +210,6 @@ void writes_clear(struct cbw *c)
 {
 	if (!c)
 		return;
-	if (c->npairs)
-		memset(c->pairs, 0, sizeof *c->pairs * c->cappairs);
 	c->nmems = c->npairs = 0;
 	c->compute = VK_NULL_HANDLE;
 	memset(c->sets, 0, sizeof c->sets);
@@ -235,43 +233,27 @@ static void add_mem(struct cbw *c, struct vmem *m)
 	c->mems[c->nmems++] = m;
 }
 
-static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding);
-
-static void grow_pairs(struct cbw *c)
-{
-	struct pair *old = c->pairs;
-	uint32_t cap = old ? 2 * c->cappairs : 64;
-	c->pairs = calloc(cap, sizeof *c->pairs);
-	if (!c->pairs) {
-		c->pairs = old, c->all = 1;
-		return;
-	}
-	uint32_t was = c->cappairs;
-	c->cappairs = cap, c->npairs = 0;
-	for (uint32_t k = 0; k < was; k++)
-		if (old[k].set)
-			add_pair(c, old[k].set, old[k].binding);
-	free(old);
-}
-
+/* A binding a dispatch may write, kept in order (the last one not kept again: a
+ * program that dispatches over one set again and again); marked at the submit. A
+ * list, not a set: at every dispatch of a program that binds a set of its own for each
+ * (llama.cpp), looking for the pair elsewhere would cost more than marking it twice. */
 static void add_pair(struct cbw *c, VkDescriptorSet set, uint32_t binding)
 {
 	if (!set || c->all)
 		return;
-	if (2 * (c->npairs + 1) > c->cappairs)
-		grow_pairs(c);
-	if (c->all)
+	if (c->npairs && c->pairs[c->npairs - 1].set == set &&
+	    c->pairs[c->npairs - 1].binding == binding)
 		return;
-	uint64_t h = ((uint64_t)(uintptr_t)set ^ binding) * 0x9E3779B97F4A7C15ull;
-	for (uint32_t k = (uint32_t)(h >> 32) & (c->cappairs - 1);; k = (k + 1) & (c->cappairs - 1)) {
-		if (c->pairs[k].set == set && c->pairs[k].binding == binding)
-			return;
-		if (!c->pairs[k].set) {
-			c->pairs[k] = (struct pair){set, binding};
-			c->npairs++;
+	if (c->npairs == c->cappairs) {
+		uint32_t cap = c->cappairs ? 2 * c->cappairs : 64;
+		struct pair *grown = realloc(c->pairs, sizeof *grown * cap);
+		if (!grown) {
+			c->all = 1;
 			return;
 		}
+		c->pairs = grown, c->cappairs = cap;
 	}
+	c->pairs[c->npairs++] = (struct pair){set, binding};
 }
 
 /* A command of the command buffer whose record is `c` writes into `buf` (a buffer of
@@ -325,9 +307,8 @@ void writes_submitted(struct cbw *c)
 		lost = 1;
 	for (uint32_t k = 0; k < c->nmems; k++)
 		c->mems[k]->written = 1;
-	for (uint32_t k = 0; k < c->cappairs; k++)
-		if (c->pairs[k].set)
-			record_mark_written(c->pairs[k].set, c->pairs[k].binding);
+	for (uint32_t k = 0; k < c->npairs; k++)
+		record_mark_written(c->pairs[k].set, c->pairs[k].binding);
 }
 
 /* With `mu`, at a release: must `m`'s contents be copied out (its host copy is not
@@ -388,7 +369,7 @@ static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const 
 			struct cbw *from = cb_writes(s[k]);
 			for (uint32_t i = 0; from && i < from->nmems; i++)
 				add_mem(c, from->mems[i]);
-			for (uint32_t i = 0; from && i < from->cappairs; i++)
+			for (uint32_t i = 0; from && i < from->npairs; i++)
 				add_pair(c, from->pairs[i].set, from->pairs[i].binding);
 			c->all |= from && from->all;
 		}
