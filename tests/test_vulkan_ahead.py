@@ -1,10 +1,10 @@
 """Host copies made ahead by the Vulkan layer (vramlock/gpu/vulkan/ahead.c): once the
 program's allocations have stood still a second and it is idle (no call of it through
-the layer for 50 ms), a thread of the layer's own makes the host copy of each allocation
+the layer for a second), a thread of the layer's own makes the host copy of each allocation
 a release would move, so that the first release need not; never with
 VRAMLOCK_SWAP_PREPARE=0.
 
-The program (tests/vulkan/vk_prog.c) rests 300 ms between rounds here (VK_PROG_REST:
+The program (tests/vulkan/vk_prog.c) rests 1.5 s between rounds here (VK_PROG_REST:
 by default 5 ms, never idle long enough, so that the other tests never see a copy made
 ahead), and takes the device's way of copying (VRAMLOCK_VULKAN_STAGING=1 on lavapipe),
 whose host copies are memory of the layer's at the driver: the witness layer (below
@@ -30,12 +30,12 @@ AHEAD = re.compile(r"host copy of (\d+) bytes made ahead")
 RELEASED = re.compile(r"released (\d+) bytes, (\d+) of them copied out, (\d+) of host copies made")
 
 
-def resting(rig: Rig, spawn: Spawn, **extra: str) -> subprocess.Popen[str]:
-    """The program under swap-vulkan, resting between rounds, its copies the device's
-    way, the layer's trace on; once it is ready."""
+def resting(rig: Rig, spawn: Spawn, rest_ms: int = 1500, **extra: str) -> subprocess.Popen[str]:
+    """The program under swap-vulkan, resting ``rest_ms`` between rounds, its copies the
+    device's way, the layer's trace on; once it is ready."""
     job = rig.run(spawn, "prog", "--min-hold", "0", "--release", "swap-vulkan",
-                  VRAMLOCK_VULKAN_STAGING="1", VRAMLOCK_SWAP_DEBUG="1", VK_PROG_REST="300",
-                  **extra)  # fmt: skip
+                  VRAMLOCK_VULKAN_STAGING="1", VRAMLOCK_SWAP_DEBUG="1",
+                  VK_PROG_REST=str(rest_ms), **extra)  # fmt: skip
     assert read_line(job) == ["ready"]
     return job
 
@@ -77,7 +77,20 @@ def test_none_is_made_ahead_with_swap_prepare_0(rig: Rig, spawn: Spawn) -> None:
     """VRAMLOCK_SWAP_PREPARE=0: the program holds its two buffers only until the first
     release, which makes the host copy itself."""
     job = resting(rig, spawn, VRAMLOCK_SWAP_PREPARE="0")
-    time.sleep(2)  # quiet and idle long enough
+    time.sleep(3.5)  # quiet and idle long enough
+    assert job.poll() is None
+    assert rig.held_at("prog", time.monotonic_ns()) == 2 * BYTES
+    err = turn_then_stop(rig, spawn, job)
+    assert "made ahead" not in err, err
+    releases = [tuple(map(int, r)) for r in RELEASED.findall(err)]
+    assert releases and releases[0] == (BYTES, BYTES, BYTES), err
+
+
+def test_none_is_made_while_the_program_never_rests_a_second(rig: Rig, spawn: Spawn) -> None:
+    """Making a host copy cannot be cut short, and the program's work waits for it on a
+    GPU: a program that works at least every 300 ms gets none made ahead."""
+    job = resting(rig, spawn, rest_ms=300)
+    time.sleep(3.5)
     assert job.poll() is None
     assert rig.held_at("prog", time.monotonic_ns()) == 2 * BYTES
     err = turn_then_stop(rig, spawn, job)
