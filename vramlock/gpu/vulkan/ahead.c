@@ -9,7 +9,7 @@
  *
  * So once the program's allocations have stood still QUIET_MS and it is idle (no call
  * through the gate in flight, none begun for IDLE_MS), a thread of the layer's own makes
- * the host copy of one allocation that has none (stage_host_ahead), then looks at the
+ * the host copy of one allocation that has none (make), then looks at the
  * program again before the next. The memory is made without `mu` (a call of the program
  * never waits for it) and attached only where the allocation is still as it was; a
  * release that comes meanwhile makes its own, as before.
@@ -56,6 +56,37 @@ static struct vmem *next_ahead(void)
 	return NULL;
 }
 
+/* With `mu`, let go while the memory is made, so that no call of the program waits for
+ * it: `m`'s host copy made, the device's way (else VK_ERROR_FEATURE_NOT_PRESENT), its
+ * contents not copied (it counts as written). Attached only where `m` is still the
+ * program's memory, on the same device, without a host copy, moved by a release, of the
+ * same kind, and the process resident; else freed again (VK_NOT_READY: `m` may be
+ * gone). */
+static VkResult make(struct vmem *m)
+{
+	struct vdev *d = m->d;
+	VkDeviceSize size, now_size;
+	uint32_t type, now_type;
+	VkDeviceMemory mem;
+	void *at;
+	if (!stage_host_kind(m, &size, &type))
+		return VK_ERROR_FEATURE_NOT_PRESENT;
+	pthread_mutex_unlock(&mu);
+	VkResult r = stage_host_memory(d, type, size, &mem, &at);
+	pthread_mutex_lock(&mu);
+	if (r != VK_SUCCESS)
+		return r;
+	if (!table_has(m) || m->d != d || !table_swappable(m) ||
+	    !stage_host_kind(m, &now_size, &now_type) || now_size != size || now_type != type ||
+	    engine.state != STATE_RESIDENT) {
+		d->FreeMemory(d->dev, mem, NULL);
+		return VK_NOT_READY;
+	}
+	m->host_mem = mem, m->host = at;
+	m->written = 1; /* what it holds is nothing yet: the release copies it all */
+	return VK_SUCCESS;
+}
+
 /* One allocation's host copy made ahead: 1, or 0 when none is left to make. With `mu`,
  * let go while the memory is made. */
 static int step(void)
@@ -71,7 +102,7 @@ static int step(void)
 	}
 	making = m->d;
 	double t0 = now_ms();
-	VkResult r = stage_host_ahead(m);
+	VkResult r = make(m);
 	making = NULL;
 	pthread_cond_broadcast(&made);
 	if (r == VK_SUCCESS)

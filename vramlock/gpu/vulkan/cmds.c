@@ -75,11 +75,6 @@ static void sweep(void)
 	writes_sweep();
 }
 
-int record_quiet(void)
-{
-	return !recording;
-}
-
 static void set_state(struct vcb *c, int state)
 {
 	int was = c->state;
@@ -492,10 +487,53 @@ static VKAPI_ATTR void VKAPI_CALL copy_queries(VkCommandBuffer cb, VkQueryPool p
 	d->CmdCopyQueryPoolResults(cb, pool, first, n, real_buf(dst), offset, stride, flags);
 }
 
+/* ---- the commands that name no buffer, followed for what they write (writes.c) -- */
+
+static VKAPI_ATTR void VKAPI_CALL bind_pipeline(VkCommandBuffer cb, VkPipelineBindPoint point,
+						VkPipeline p)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d) && point == VK_PIPELINE_BIND_POINT_COMPUTE)
+		writes_bind_pipeline(cb_writes(cb), p);
+	d->CmdBindPipeline(cb, point, p);
+}
+
+static VKAPI_ATTR void VKAPI_CALL dispatch(VkCommandBuffer cb, uint32_t x, uint32_t y, uint32_t z)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d))
+		writes_dispatch(cb_writes(cb));
+	d->CmdDispatch(cb, x, y, z);
+}
+
+static VKAPI_ATTR void VKAPI_CALL dispatch_base(VkCommandBuffer cb, uint32_t bx, uint32_t by,
+						uint32_t bz, uint32_t x, uint32_t y, uint32_t z)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	if (is_ours(d))
+		writes_dispatch(cb_writes(cb));
+	d->CmdDispatchBase(cb, bx, by, bz, x, y, z);
+}
+
+/* A primary command buffer that executes secondaries writes what they write (each
+ * recorded by this thread, or done: no lock). */
+static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const VkCommandBuffer *s)
+{
+	struct vdev *d = dev_of((VkDevice)cb);
+	struct cbw *c = is_ours(d) ? cb_writes(cb) : NULL;
+	for (uint32_t k = 0; c && k < n; k++)
+		writes_execute(c, cb_writes(s[k]));
+	d->CmdExecuteCommands(cb, n, s);
+}
+
 void record_hook(const char *name, PFN_vkVoidFunction *fn)
 {
 	static const struct hook hooks[] = {
 		HOOK(AllocateCommandBuffers, allocate_cbs),
+		HOOK(CmdBindPipeline, bind_pipeline),
+		HOOK(CmdDispatch, dispatch),
+		HOOK(CmdDispatchBase, dispatch_base),
+		HOOK(CmdExecuteCommands, execute),
 		HOOK(FreeCommandBuffers, free_cbs),
 		HOOK(ResetCommandPool, reset_cb_pool),
 		HOOK(DestroyCommandPool, destroy_cb_pool),

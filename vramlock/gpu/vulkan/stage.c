@@ -16,7 +16,7 @@
  * written since, writes.c) and goes when the program frees its memory. Per device,
  * made at its first copy the device's way and kept: a command pool, its command buffers
  * and a fence on the first queue family the program asked for. Called with `mu`, the
- * gate closed: no submit of the program's is in flight. Except stage_host_ahead: the
+ * gate closed: no submit of the program's is in flight. Except stage_host_memory: the
  * device's kind of host copy made before the first release, while the program runs
  * (ahead.c), the memory only, never its contents (nothing is submitted).
  *
@@ -223,32 +223,19 @@ VkResult stage_host(struct vmem *m)
 	return host_memory(d, (uint32_t)d->stage->type, host_size(m), &m->host_mem, &m->host);
 }
 
-/* Made without `mu`, so that no call of the program waits for it (NVIDIA's driver takes
- * as long to make host memory as to copy into it); attached only where `m` is still the
- * program's memory, on the same device, without a host copy, moved by a release, as
- * large, and the process resident: else freed again. */
-VkResult stage_host_ahead(struct vmem *m)
+int stage_host_kind(struct vmem *m, VkDeviceSize *size, uint32_t *type)
 {
-	struct vdev *d = m->d;
 	if (m->host || !by_device(m))
-		return VK_ERROR_FEATURE_NOT_PRESENT;
-	VkDeviceSize size = host_size(m);
-	uint32_t type = (uint32_t)d->stage->type;
-	VkDeviceMemory mem;
-	void *at;
-	pthread_mutex_unlock(&mu);
-	VkResult r = host_memory(d, type, size, &mem, &at);
-	pthread_mutex_lock(&mu);
-	if (r != VK_SUCCESS)
-		return r;
-	if (!table_has(m) || m->d != d || m->host || !table_swappable(m) || !by_device(m) ||
-	    host_size(m) != size || engine.state != STATE_RESIDENT) {
-		d->FreeMemory(d->dev, mem, NULL);
-		return VK_NOT_READY;
-	}
-	m->host_mem = mem, m->host = at;
-	m->written = 1; /* what it holds is nothing yet: the release copies it all */
-	return VK_SUCCESS;
+		return 0;
+	*size = host_size(m);
+	*type = (uint32_t)m->d->stage->type;
+	return 1;
+}
+
+VkResult stage_host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
+			   VkDeviceMemory *mem, void **at)
+{
+	return host_memory(d, type, size, mem, at);
 }
 
 void stage_host_free(struct vmem *m)

@@ -249,8 +249,6 @@ void record_submitted(VkCommandBuffer cb);
 struct cbw *record_names(VkCommandBuffer cb);
 /* Without `mu`: the record of what `cb` writes, or NULL (out of host memory). */
 struct cbw *cb_writes(VkCommandBuffer cb);
-/* With `mu`: is no command buffer being recorded (nothing read without `mu` now)? */
-int record_quiet(void);
 
 /* cmds2.c */
 void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
@@ -266,12 +264,12 @@ const char *release_refused(void);
  * waited for (given the first error so far, which drops them); VK_SUCCESS or the
  * first error. */
 VkResult stage_host(struct vmem *m);
-/* With `mu`, which it lets go while the memory is made: `m`'s host copy made ahead of a
- * release, where it goes the device's way (else VK_ERROR_FEATURE_NOT_PRESENT), its
- * contents not copied (it counts as written). VK_NOT_READY: made, but `m` changed
- * meanwhile (freed, given a host copy by a release, ...), and freed again; `m` may then
- * be gone. */
-VkResult stage_host_ahead(struct vmem *m);
+/* With `mu`: where `m` has no host copy and would have one of the device's way, that
+ * copy's size and memory type, and 1; else 0. Then, with `mu` or without, host memory of
+ * that kind made and mapped at `*at` (ahead.c makes it without). */
+int stage_host_kind(struct vmem *m, VkDeviceSize *size, uint32_t *type);
+VkResult stage_host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
+			   VkDeviceMemory *mem, void **at);
 void stage_host_free(struct vmem *m);
 VkResult stage_copy(struct vmem *m, int out);
 VkResult stage_send(struct vdev *d); /* what is recorded of d's batch, started */
@@ -288,6 +286,8 @@ void writes_buffer(struct cbw *c, VkBuffer buf); /* a command writes into buf */
 void writes_bind_sets(struct cbw *c, VkPipelineBindPoint point, uint32_t first, uint32_t n,
 		      const VkDescriptorSet *sets);
 void writes_dispatch(struct cbw *c);
+void writes_bind_pipeline(struct cbw *c, VkPipeline p); /* bound for compute */
+void writes_execute(struct cbw *c, const struct cbw *from); /* executes from's */
 struct cbw *writes_new(void);	      /* with `mu`: a record, or NULL (track lost) */
 void writes_free(struct cbw *w);      /* with `mu` */
 void writes_clear(struct cbw *w);     /* with `mu`: recorded anew, or reset */

@@ -76,11 +76,9 @@ static void drop(struct shader **table, uint64_t handle)
 		if ((*p)->handle == handle) {
 			struct shader *gone = *p;
 			__atomic_store_n(p, gone->next, __ATOMIC_RELEASE);
-			gone->dead = graves, graves = gone;
+			gone->dead = graves, graves = gone; /* freed at cmds.c's next sweep */
 			break;
 		}
-	if (record_quiet())
-		writes_sweep();
 	pthread_mutex_unlock(&mu);
 }
 
@@ -328,53 +326,20 @@ void writes_copied(void)
 			m->written = 0;
 }
 
-/* ---- the commands that only this file follows -------------------------------- */
-
-static VKAPI_ATTR void VKAPI_CALL bind_pipeline(VkCommandBuffer cb, VkPipelineBindPoint point,
-						VkPipeline p)
+void writes_bind_pipeline(struct cbw *c, VkPipeline p)
 {
-	struct vdev *d = dev_of((VkDevice)cb);
-	if (is_ours(d) && point == VK_PIPELINE_BIND_POINT_COMPUTE) {
-		struct cbw *c = cb_writes(cb);
-		if (c)
-			c->compute = p;
-	}
-	d->CmdBindPipeline(cb, point, p);
+	if (c)
+		c->compute = p;
 }
 
-static VKAPI_ATTR void VKAPI_CALL dispatch(VkCommandBuffer cb, uint32_t x, uint32_t y, uint32_t z)
+void writes_execute(struct cbw *c, const struct cbw *from)
 {
-	struct vdev *d = dev_of((VkDevice)cb);
-	if (is_ours(d))
-		writes_dispatch(cb_writes(cb));
-	d->CmdDispatch(cb, x, y, z);
-}
-
-static VKAPI_ATTR void VKAPI_CALL dispatch_base(VkCommandBuffer cb, uint32_t bx, uint32_t by,
-						uint32_t bz, uint32_t x, uint32_t y, uint32_t z)
-{
-	struct vdev *d = dev_of((VkDevice)cb);
-	if (is_ours(d))
-		writes_dispatch(cb_writes(cb));
-	d->CmdDispatchBase(cb, bx, by, bz, x, y, z);
-}
-
-/* A primary command buffer that executes secondaries writes what they write. */
-static VKAPI_ATTR void VKAPI_CALL execute(VkCommandBuffer cb, uint32_t n, const VkCommandBuffer *s)
-{
-	struct vdev *d = dev_of((VkDevice)cb);
-	if (is_ours(d)) { /* each recorded by this thread, or done: no lock (cmds.c) */
-		struct cbw *c = cb_writes(cb);
-		for (uint32_t k = 0; c && k < n; k++) {
-			struct cbw *from = cb_writes(s[k]);
-			for (uint32_t i = 0; from && i < from->nmems; i++)
-				add_mem(c, from->mems[i]);
-			for (uint32_t i = 0; from && i < from->npairs; i++)
-				add_pair(c, from->pairs[i].set, from->pairs[i].binding);
-			c->all |= from && from->all;
-		}
-	}
-	d->CmdExecuteCommands(cb, n, s);
+	for (uint32_t i = 0; c && from && i < from->nmems; i++)
+		add_mem(c, from->mems[i]);
+	for (uint32_t i = 0; c && from && i < from->npairs; i++)
+		add_pair(c, from->pairs[i].set, from->pairs[i].binding);
+	if (c && from && from->all)
+		c->all = 1;
 }
 
 void writes_hook(const char *name, PFN_vkVoidFunction *fn)
@@ -384,10 +349,6 @@ void writes_hook(const char *name, PFN_vkVoidFunction *fn)
 		HOOK(DestroyShaderModule, destroy_module),
 		HOOK(CreateComputePipelines, create_compute),
 		HOOK(DestroyPipeline, destroy_pipeline),
-		HOOK(CmdBindPipeline, bind_pipeline),
-		HOOK(CmdDispatch, dispatch),
-		HOOK(CmdDispatchBase, dispatch_base),
-		HOOK(CmdExecuteCommands, execute),
 	};
 	hook_lookup(hooks, sizeof hooks / sizeof *hooks, name, fn);
 }
