@@ -13,8 +13,9 @@
  *             impossible to swap: refused)
  *  record.c   descriptor writes that name a buffer: translated, and kept to be
  *             written again after a restore
- *  cmds.c     command buffers: their states, and the commands that name a buffer,
- *             translated
+ *  cmds.c     command buffers: their states, found without a lock while recorded;
+ *             the commands that name a buffer, translated; what each command may
+ *             write, told to writes.c
  *  cmds2.c    their later forms (synchronization2, copy_commands2), pushed update
  *             templates, and what only a device left alone may use (sparse binds)
  *  engine.c   submits through the gate; swapping out to host memory and back in:
