@@ -67,7 +67,9 @@ def test_restart_jobs_longer_than_min_hold_all_finish(
     for job in jobs:
         _, err = job.communicate(timeout=60)
         assert job.returncode == 0, err
-    assert sorted(done.read_text().split()) == ["a", "b", "c"]
+    # each finished; one ended by a release just after its echo echoes again when it is
+    # started again (a restart job runs from its start)
+    assert sorted(set(done.read_text().split())) == ["a", "b", "c"]
 
 
 def test_a_released_restart_member_shows_no_stale_child(
