@@ -53,6 +53,18 @@ def turn_then_stop(rig: Rig, spawn: Spawn, job: subprocess.Popen[str]) -> str:
     return err
 
 
+def none_made(rig: Rig, spawn: Spawn, job: subprocess.Popen[str]) -> None:
+    """After 3.5 s (quiet and idle long enough, where it rests 1.5 s) the program holds its
+    two buffers only, and its first release makes the host copy itself."""
+    time.sleep(3.5)
+    assert job.poll() is None
+    assert rig.held_at("prog", time.monotonic_ns()) == 2 * BYTES
+    err = turn_then_stop(rig, spawn, job)
+    assert "made ahead" not in err, err
+    releases = [tuple(map(int, r)) for r in RELEASED.findall(err)]
+    assert releases and releases[0] == (BYTES, BYTES, BYTES), err
+
+
 def test_the_host_copy_is_made_while_the_program_rests(rig: Rig, spawn: Spawn) -> None:
     """Before any turn the witness sees the host copy made (the data buffer's size more
     than the program's two buffers), the layer says so, and the release makes none."""
@@ -76,24 +88,10 @@ def test_the_host_copy_is_made_while_the_program_rests(rig: Rig, spawn: Spawn) -
 def test_none_is_made_ahead_with_swap_prepare_0(rig: Rig, spawn: Spawn) -> None:
     """VRAMLOCK_SWAP_PREPARE=0: the program holds its two buffers only until the first
     release, which makes the host copy itself."""
-    job = resting(rig, spawn, VRAMLOCK_SWAP_PREPARE="0")
-    time.sleep(3.5)  # quiet and idle long enough
-    assert job.poll() is None
-    assert rig.held_at("prog", time.monotonic_ns()) == 2 * BYTES
-    err = turn_then_stop(rig, spawn, job)
-    assert "made ahead" not in err, err
-    releases = [tuple(map(int, r)) for r in RELEASED.findall(err)]
-    assert releases and releases[0] == (BYTES, BYTES, BYTES), err
+    none_made(rig, spawn, resting(rig, spawn, VRAMLOCK_SWAP_PREPARE="0"))
 
 
 def test_none_is_made_while_the_program_never_rests_a_second(rig: Rig, spawn: Spawn) -> None:
     """Making a host copy cannot be cut short, and the program's work waits for it on a
     GPU: a program that works at least every 300 ms gets none made ahead."""
-    job = resting(rig, spawn, rest_ms=300)
-    time.sleep(3.5)
-    assert job.poll() is None
-    assert rig.held_at("prog", time.monotonic_ns()) == 2 * BYTES
-    err = turn_then_stop(rig, spawn, job)
-    assert "made ahead" not in err, err
-    releases = [tuple(map(int, r)) for r in RELEASED.findall(err)]
-    assert releases and releases[0] == (BYTES, BYTES, BYTES), err
+    none_made(rig, spawn, resting(rig, spawn, rest_ms=300))

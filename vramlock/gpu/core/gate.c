@@ -168,3 +168,21 @@ void control_lock(void)
 	pthread_mutex_lock(&mu);
 	atomic_fetch_sub(&control_waits, 1);
 }
+
+void idleness_start(struct idleness *i)
+{
+	i->seen = atomic_load(&gate_entries);
+	i->busy_at = now_ms();
+}
+
+int idle_for(struct idleness *i, double ms)
+{
+	unsigned long entries = atomic_load(&gate_entries);
+	double now = now_ms();
+	if (entries != i->seen || atomic_load(&inflight) > 0) {
+		i->seen = entries;
+		i->busy_at = now;
+		return 0;
+	}
+	return now - i->busy_at >= ms && !atomic_load(&control_waits);
+}

@@ -58,6 +58,17 @@ void gate_after_fork(int join);
 /* `mu` for the control thread: it goes before a thread of the front end's that takes
  * `mu` again and again (the swap library's preparer) looks at `control_waits`. */
 void control_lock(void);
+/* What a thread of the library's own that works only while the program is idle (host
+ * copies made ahead: swap/prepare.c, vulkan/ahead.c) keeps between looks: the gate's
+ * count of calls when it last looked, and when it last saw the program busy. */
+struct idleness {
+	unsigned long seen;
+	double busy_at;
+};
+void idleness_start(struct idleness *i);
+/* Looked at now: has no call entered the gate, and none been in flight, for `ms`, and is
+ * the control thread not waiting for `mu`? */
+int idle_for(struct idleness *i, double ms);
 
 INLINE void gate_leave(void)
 {

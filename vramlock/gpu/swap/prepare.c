@@ -240,8 +240,8 @@ static int give_back(void)
 static void *preparer(void *arg)
 {
 	(void)arg;
-	unsigned long seen = atomic_load(&gate_entries);
-	double busy_at = now_ms();
+	struct idleness idle;
+	idleness_start(&idle);
 	/* Steps one after the other: each holds `mu` a few ms (a release waits at most that),
 	 * and between two the program's calls are looked at again. */
 	for (int worked = 0;;) {
@@ -250,15 +250,9 @@ static void *preparer(void *arg)
 		if (!worked) /* after a step, the next at once while the program stays idle */
 			nanosleep(&tick, NULL);
 		worked = 0;
-		unsigned long entries = atomic_load(&gate_entries);
+		if (!idle_for(&idle, IDLE_MS))
+			continue;
 		double now = now_ms();
-		if (entries != seen || atomic_load(&inflight) > 0) {
-			seen = entries;
-			busy_at = now;
-			continue;
-		}
-		if (now - busy_at < IDLE_MS || atomic_load(&control_waits))
-			continue;
 		struct phys *p;
 		pthread_mutex_lock(&mu);
 		if (is_released() || atomic_load(&closed) || atomic_load(&captures) > 0 ||

@@ -121,21 +121,14 @@ static int wanted_now(void)
 static void *ahead(void *arg)
 {
 	(void)arg;
-	unsigned long seen = atomic_load(&gate_entries);
-	double busy_at = now_ms();
+	struct idleness idle;
+	idleness_start(&idle);
 	for (int worked = 0;;) {
 		struct timespec tick = {0, TICK_NS}, pause = {0, REST_NS};
 		if (!worked) /* after a step, the next at once while the program stays idle */
 			nanosleep(&tick, NULL);
 		worked = 0;
-		unsigned long entries = atomic_load(&gate_entries);
-		double now = now_ms();
-		if (entries != seen || atomic_load(&inflight) > 0) {
-			seen = entries;
-			busy_at = now;
-			continue;
-		}
-		if (now - busy_at < IDLE_MS || atomic_load(&control_waits))
+		if (!idle_for(&idle, IDLE_MS))
 			continue;
 		pthread_mutex_lock(&mu);
 		int quiet = now_ms() - table_changed_ms >= QUIET_MS;

@@ -89,9 +89,9 @@ static void set_state(struct vcb *c, int state)
 		sweep();
 }
 
-/* Without `mu`: the record of what `cb` writes (made where there is none: with `mu`
- * then), or NULL: out of host memory (writes.c knows). */
-struct cbw *cb_writes(VkCommandBuffer cb)
+/* Without `mu`: `cb`'s record (made where there is none: with `mu` then), or NULL: out
+ * of host memory (writes.c knows). */
+static struct vcb *cb_now(VkCommandBuffer cb)
 {
 	struct vcb *c = cb_find(cb);
 	if (!c) {
@@ -99,6 +99,13 @@ struct cbw *cb_writes(VkCommandBuffer cb)
 		c = cb_of(cb, 1);
 		pthread_mutex_unlock(&mu);
 	}
+	return c;
+}
+
+/* Without `mu`: the record of what `cb` writes, or NULL. */
+struct cbw *cb_writes(VkCommandBuffer cb)
+{
+	struct vcb *c = cb_now(cb);
 	return c ? c->w : NULL;
 }
 
@@ -118,12 +125,7 @@ const char *record_busy(void)
  * what it writes, or NULL (out of host memory). */
 struct cbw *record_names(VkCommandBuffer cb)
 {
-	struct vcb *c = cb_find(cb);
-	if (!c) {
-		pthread_mutex_lock(&mu);
-		c = cb_of(cb, 1);
-		pthread_mutex_unlock(&mu);
-	}
+	struct vcb *c = cb_now(cb);
 	if (!c)
 		return NULL;
 	c->names = 1;

@@ -135,20 +135,25 @@ static void drop_swapped(void)
 		}
 }
 
+/* A release's bytes: what it frees, what it copies out, and the host copies it has to
+ * make (those made ahead, ahead.c, not counted). */
+struct released {
+	size_t freed, copied, made;
+};
+
 /* Each swappable allocation's contents to its host copy, where written since that
  * was last right (or it has none), all copies made before any waited for; 0, or -1
- * with `why`. `n`: what the release frees, what it copied, and the host copies it had
- * to make (those made ahead, ahead.c, not counted). */
-static int copy_out(char *why, size_t len, size_t n[3])
+ * with `why`; counted in `n`. */
+static int copy_out(char *why, size_t len, struct released *n)
 {
 	VkResult r = VK_SUCCESS;
 	for (struct vmem *m = mem_list(); r == VK_SUCCESS && m; m = m->next) {
 		if (!table_swappable(m))
 			continue;
-		n[0] += m->size;
+		n->freed += m->size;
 		if (!writes_since(m))
 			continue; /* its host copy is right: the memory is freed at once */
-		n[2] += m->host ? 0 : m->size;
+		n->made += m->host ? 0 : m->size;
 		if ((r = stage_host(m)) != VK_SUCCESS) {
 			if (r == VK_ERROR_FEATURE_NOT_PRESENT)
 				snprintf(why, len, "the device cannot copy its memory to the host");
@@ -159,7 +164,7 @@ static int copy_out(char *why, size_t len, size_t n[3])
 			return -1;
 		}
 		r = stage_copy(m, 1);
-		n[1] += m->size;
+		n->copied += m->size;
 	}
 	if ((r = stage_flush(r)) != VK_SUCCESS) {
 		snprintf(why, len, "its memory could not be copied out (%d)", (int)r);
@@ -182,7 +187,7 @@ static void release_failed(char *answer, size_t len, const char *why, int stay_c
 static void do_release(char *answer, size_t len, int stay_closed)
 {
 	const char *why = release_refused();
-	size_t n[3] = {0, 0, 0}; /* freed, copied out, host copies made */
+	struct released n = {0, 0, 0};
 	if (is_released()) {
 		snprintf(answer, len, "released");
 		return;
@@ -207,7 +212,7 @@ static void do_release(char *answer, size_t len, int stay_closed)
 			d->DeviceWaitIdle(d->dev);
 	double t2 = now_ms();
 	char failed[200];
-	if (copy_out(failed, sizeof failed, n)) {
+	if (copy_out(failed, sizeof failed, &n)) {
 		release_failed(answer, len, failed, stay_closed);
 		return;
 	}
@@ -219,7 +224,7 @@ static void do_release(char *answer, size_t len, int stay_closed)
 	transition(STATE_RELEASING, STATE_RELEASED);
 	TRACE("released %zu bytes, %zu of them copied out, %zu of host copies made; ms: drain %.1f, "
 	      "idle %.1f, copy %.1f, free %.1f",
-	      n[0], n[1], n[2], t1 - t0, t2 - t1, t3 - t2, now_ms() - t3);
+	      n.freed, n.copied, n.made, t1 - t0, t2 - t1, t3 - t2, now_ms() - t3);
 	snprintf(answer, len, "released");
 }
 
