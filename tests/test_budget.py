@@ -28,6 +28,7 @@ from vramlock.arena.budget import Budget, read_budget
 from vramlock.arena.directory import Arena
 from vramlock.arena.units import Candidate, choose
 from vramlock.errors import ArenaError
+from vramlock.procfs import read_proc_locks
 
 # -- primitives --------------------------------------------------------------------------
 
@@ -80,8 +81,8 @@ def test_byte_lock_of_a_killed_process_is_freed_and_shown_in_proc_locks(tmp_path
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "held"
         ino = str(os.stat(path).st_ino)
-        with open("/proc/locks") as f:
-            mine = [ln.split() for ln in f if any(p.endswith(":" + ino) for p in ln.split())]
+        listing = read_proc_locks().splitlines()
+        mine = [ln.split() for ln in listing if any(p.endswith(":" + ino) for p in ln.split())]
         assert [(m[1], m[3], m[-2], m[-1]) for m in mine] == [("OFDLCK", "WRITE", "3", "3")]
         fd = os.open(path, os.O_RDWR)
         try:

@@ -22,6 +22,8 @@ from helpers.errors import USAGE, ErrCli, expect_error
 from helpers.processes import Spawn, wait_until, waiting_holder
 from helpers.worker import events
 
+from vramlock.procfs import read_proc_locks
+
 
 @pytest.fixture
 def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
@@ -31,23 +33,21 @@ def room(spawn: Spawn, arena: Path, tmp_path: Path) -> Budgeted:
 def _token_readers(arena: Path) -> int:
     st = os.stat(arena / "token.lock")
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with open("/proc/locks") as f:
-        return sum(
-            1
-            for ln in f
-            if "->" not in ln.split() and inode in ln.split() and " READ " in f" {ln} "
-        )
+    return sum(
+        1
+        for ln in read_proc_locks().splitlines()
+        if "->" not in ln.split() and inode in ln.split() and " READ " in f" {ln} "
+    )
 
 
 def _queue_head(arena: Path) -> int | None:
     """The pid holding queue.lock, by /proc/locks."""
     st = os.stat(arena / "queue.lock")
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with open("/proc/locks") as f:
-        for ln in f:
-            fields = ln.split()
-            if "->" not in fields and inode in fields:
-                return int(fields[4])
+    for ln in read_proc_locks().splitlines():
+        fields = ln.split()
+        if "->" not in fields and inode in fields:
+            return int(fields[4])
     return None
 
 
@@ -292,10 +292,10 @@ def _blocked_on(path: Path, pid: int) -> bool:
     """Is ``pid`` blocked waiting for a lock on ``path``, by /proc/locks?"""
     st = os.stat(path)
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with open("/proc/locks") as f:
-        return any(
-            "->" in (fields := ln.split()) and inode in fields and fields[5] == str(pid) for ln in f
-        )
+    return any(
+        "->" in (fields := ln.split()) and inode in fields and fields[5] == str(pid)
+        for ln in read_proc_locks().splitlines()
+    )
 
 
 def test_a_run_queueing_when_the_budget_is_removed_carries_on_with_the_whole_gpu(

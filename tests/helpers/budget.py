@@ -15,6 +15,7 @@ from helpers.processes import Spawn, wait_until
 from helpers.worker import events
 from vramlock.arena.budget import CLAIMS, UNIT, read_budget
 from vramlock.arena.directory import Arena
+from vramlock.procfs import read_proc_locks
 
 DEADLINE = 20.0
 
@@ -196,13 +197,12 @@ def _bytes_locked(path: Path) -> int:
     st = os.stat(path)
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     total = 0
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" not in fields and "OFDLCK" in fields and inode in fields:
-                start, end = fields[-2:]
-                if int(start) < CLAIMS:
-                    total += min(int(end), CLAIMS - 1) - int(start) + 1
+    for line in read_proc_locks().splitlines():
+        fields = line.split()
+        if "->" not in fields and "OFDLCK" in fields and inode in fields:
+            start, end = fields[-2:]
+            if int(start) < CLAIMS:
+                total += min(int(end), CLAIMS - 1) - int(start) + 1
     return total
 
 
@@ -296,7 +296,8 @@ def asks(arena: Path) -> int:
     """Budget waiters' asks, by /proc/locks: OFD read locks on want.lock."""
     st = os.stat(arena / "want.lock")
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with open("/proc/locks") as f:
-        return sum(
-            1 for ln in f if "->" not in ln.split() and {"OFDLCK", "READ", inode} <= set(ln.split())
-        )
+    return sum(
+        1
+        for ln in read_proc_locks().splitlines()
+        if "->" not in ln.split() and {"OFDLCK", "READ", inode} <= set(ln.split())
+    )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vramlock.procfs import descendants, proc_stat
+from vramlock.procfs import descendants, proc_stat, read_proc_locks
 
 Spawn = Callable[..., "subprocess.Popen[str]"]
 
@@ -52,8 +52,7 @@ def wait_until(what: Callable[[], object], timeout: float = 10.0, step: float = 
 
 def queued(pid: int) -> bool:
     """Is ``pid`` blocked in a flock (a "->" line of /proc/locks)?"""
-    with open("/proc/locks") as f:
-        return any(f" {pid} " in line and "->" in line for line in f)
+    return any(f" {pid} " in line and "->" in line for line in read_proc_locks().splitlines())
 
 
 def hold(spawn: Spawn, path: Path, mode: str = "-x") -> subprocess.Popen[str]:

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from vramlock.procfs import read_proc_locks
+
 # -- the event log -----------------------------------------------------------------------------
 
 
@@ -112,11 +114,7 @@ def overlaps(spans: list[tuple[float, float, str]]) -> list[tuple[str, str, floa
 
 
 def _proc_locks() -> bytes:
-    fd = os.open("/proc/locks", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4 << 20)  # one read: the listing is regenerated between reads
-    finally:
-        os.close(fd)
+    return read_proc_locks().encode()
 
 
 def lock_key(path: Path) -> bytes:
