@@ -34,6 +34,14 @@
  * after 5 rounds unmeasured, 50 measured, it prints `record NS ns per dispatch` (the
  * median of the time from vkBeginCommandBuffer to vkQueueSubmit's return, over N).
  *
+ * With VK_PROG_FORK=1 it forks once its device is made and it holds an allocation on
+ * it (device memory, as large as its data buffer, kept to the end): the child, whose
+ * witness lines go to $WITNESS_LOG.child, makes a device of its own (a Vulkan device
+ * is not a forked child's to use) and runs as its parent does, both saying `ready` and
+ * `done ROUNDS ok`; the child then ends by _exit (the driver's exit handlers would wait
+ * for threads of its parent's), and the parent, after its own end, waits for it and
+ * exits 5 with a line where it failed.
+ *
  * With VK_PROG_SYNC2=1 it takes Vulkan 1.3's ways (synchronization2 enabled): its
  * descriptor set is written through a descriptor update template, and each round the
  * kernel's output goes through a mirror buffer (device memory, never mapped, twice the
@@ -46,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -501,6 +510,38 @@ static void bench_record(VkQueue q, VkCommandBuffer cb, VkFence fence, struct ke
 	exit(0);
 }
 
+/* VK_PROG_FORK=1: an allocation made (the parent's to the end), then a fork; the child
+ * makes a device of its own, its witness lines going to a log of its own. 0 in the
+ * child, the child's pid in the parent. */
+static pid_t fork_after_making(VkQueue *q, uint32_t words)
+{
+	VkDeviceMemory kept;
+	buffer((VkDeviceSize)words * 4, VK_BUFFER_USAGE_STORAGE_BUFFER_BIT, &kept,
+	       VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+	fflush(stdout);
+	pid_t pid = fork();
+	if (pid < 0)
+		exit(3);
+	if (pid == 0) {
+		const char *log = getenv("WITNESS_LOG");
+		char own[4096];
+		if (log && snprintf(own, sizeof own, "%s.child", log) < (int)sizeof own)
+			setenv("WITNESS_LOG", own, 1);
+		make_device(q);
+	}
+	return pid;
+}
+
+/* The parent of VK_PROG_FORK=1, at its end: 0 where the child ended well. */
+static int child_failed(pid_t child)
+{
+	int status = 0;
+	if (waitpid(child, &status, 0) == child && WIFEXITED(status) && !WEXITSTATUS(status))
+		return 0;
+	fprintf(stderr, "vk_prog: the child failed (status %#x)\n", status);
+	return 5;
+}
+
 int main(int argc, char **argv)
 {
 	uint32_t words = argc > 1 ? (uint32_t)strtoul(argv[1], NULL, 10) : 1 << 20;
@@ -519,6 +560,9 @@ int main(int argc, char **argv)
 	input = !in ? 0 : !strcmp(in, "ro") ? 1 : !strcmp(in, "rw") ? 2 : 0;
 	VkQueue q;
 	make_device(&q);
+	pid_t child = -1;
+	if (getenv("VK_PROG_FORK") && !strcmp(getenv("VK_PROG_FORK"), "1"))
+		child = fork_after_making(&q, words);
 	if (sync2)
 		load_v13();
 	VkDeviceMemory data_mem, staging_mem;
@@ -614,5 +658,8 @@ int main(int argc, char **argv)
 		vkFreeMemory(dev, in_mem, NULL);
 	}
 	printf("done %u ok\n", rounds);
-	return 0;
+	fflush(stdout);
+	if (!child) /* its exit handlers would wait for threads of its parent's driver */
+		_exit(0);
+	return child > 0 ? child_failed(child) : 0;
 }

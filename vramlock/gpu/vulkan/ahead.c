@@ -141,18 +141,16 @@ static void *ahead(void *arg)
 	return NULL;
 }
 
-/* In a forked child: the thread is its parent's, and so was what it was making. */
-static void forget(void)
+void ahead_forget(void)
 {
 	making = NULL;
+	pthread_cond_init(&made, NULL);
 }
 
 static void start(void)
 {
 	if (start_thread(ahead))
 		TRACE("no thread for host copies made ahead: a first release makes them");
-	else
-		pthread_atfork(NULL, NULL, forget);
 }
 
 void ahead_start(void)

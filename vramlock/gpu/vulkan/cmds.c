@@ -34,6 +34,13 @@ static size_t slot(const void *p)
 	return (size_t)(((uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull) >> 54);
 }
 
+void cmds_forget(void)
+{
+	memset(cbs, 0, sizeof cbs);
+	graves = NULL;
+	recording = 0; /* the recording threads were its parent's */
+}
+
 /* Without `mu`: `cb`'s record, or NULL. */
 static struct vcb *cb_find(VkCommandBuffer cb)
 {

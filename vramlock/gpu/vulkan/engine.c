@@ -208,7 +208,7 @@ static void do_release(char *answer, size_t len, int stay_closed)
 	}
 	double t1 = now_ms();
 	for (struct vdev *d = dev_list(); d; d = d->next)
-		if (!d->passive)
+		if (!d->passive && !d->inherited)
 			d->DeviceWaitIdle(d->dev);
 	double t2 = now_ms();
 	char failed[200];
@@ -321,9 +321,29 @@ static void do_restore(char *answer, size_t len)
 	snprintf(answer, len, "restored");
 }
 
+/* In a forked child (core/control.c: it joins as a peer of its own): nothing its parent
+ * made is its own. Its parent's devices stay known, so that a call on one (which no
+ * driver promises to serve in a child: lavapipe's queue threads, say, are not there)
+ * still passes the gate; but its releases wait for, copy, free and make again only what
+ * it makes on a device of its own, as a child that uses Vulkan must make. The records
+ * are forgotten, not freed: the driver's objects they name are its parent's. */
+static void forget(void)
+{
+	table_forget();
+	cmds_forget();
+	record_forget();
+	writes_forget();
+	ahead_forget();
+	for (struct vdev *d = dev_list(); d; d = d->next) {
+		d->inherited = 1;
+		d->stage = NULL;
+	}
+}
+
 /* What the wrapper's words do (core/control.h): no host copy is locked, so `unpin`
- * and `pin` have nothing to do; a forked child does not join. */
+ * and `pin` have nothing to do. */
 const struct engine_ops vulkan_engine = {
 	.release = do_release,
 	.restore = do_restore,
+	.forget = forget,
 };

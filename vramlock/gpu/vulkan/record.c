@@ -393,6 +393,13 @@ struct tmpl {
 
 static struct tmpl *templates;
 
+void record_forget(void)
+{
+	memset(sets, 0, sizeof sets);
+	layouts = NULL;
+	templates = NULL;
+}
+
 /* The bytes of one descriptor of type `t` in a template's raw data. */
 static size_t element_size(VkDescriptorType t)
 {

@@ -1,7 +1,8 @@
 /*
  * start.c: the layer's set-up, at load: the settings read, and where the layer is to
  * act (VRAMLOCK_SWAP_SOCKET), the engine registered with the control connection and
- * the gate closed until the process joins (its first instance: layer.c). The trace
+ * the gate closed until the process joins (its first instance: layer.c); a forked
+ * child joins as its own peer (core/control.c, engine.c's `forget`). The trace
  * (VRAMLOCK_SWAP_DEBUG=1) goes to stderr. VRAMLOCK_SWAP_PREPARE=0: no host copies made
  * ahead (ahead.c).
  */
@@ -44,5 +45,6 @@ __attribute__((constructor)) static void setup(void)
 		read_allowance();
 		control_register(&vulkan_engine);
 		gate_unjoined();
+		pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 	}
 }

@@ -35,10 +35,18 @@ void table_device_gone(struct vdev *d)
 			stage_host_free(m);
 }
 
+/* In a forked child: its parent's memory and buffers are not its own (forgotten, not
+ * freed: the copies of their records stay where they are, unreachable). */
+void table_forget(void)
+{
+	mems = NULL;
+	bufs = NULL;
+}
+
 /* Does a release move this memory to the host? */
 int table_swappable(struct vmem *m)
 {
-	return !m->kept && !m->mapped && !m->d->passive;
+	return !m->kept && !m->mapped && !m->d->passive && !m->d->inherited;
 }
 
 /* ---- memory ------------------------------------------------------------------ */

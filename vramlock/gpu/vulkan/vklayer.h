@@ -84,6 +84,10 @@ struct vdev {
 	 * (`passive`, with why), and a release is refused. */
 	int passive;
 	char why[160];
+	/* In a forked child: made by its parent before the fork (engine.c's `forget`). The
+	 * driver's device is its parent's: the child's calls on it still pass the gate, but
+	 * a release neither waits for it nor moves memory of it. */
+	int inherited;
 	/* For the layer's own copies (stage.c): the first queue the program asked for, and
 	 * what makes the layer's own dispatchable objects the loader's. */
 	uint32_t family;
@@ -219,6 +223,13 @@ struct vbuf *buf_list(void);
 int table_has(struct vmem *m);
 /* With `mu`: when memory was last made or freed (now_ms). */
 extern double table_changed_ms;
+/* In a forked child, each part's records of what its parent made forgotten (engine.c's
+ * `forget`). */
+void table_forget(void);
+void cmds_forget(void);
+void record_forget(void);
+void writes_forget(void);
+void ahead_forget(void);
 
 /* writes.c's record of what a command buffer's recording writes (cmds.c keeps it). */
 struct cbw;

@@ -43,6 +43,13 @@ static size_t slot(uint64_t h)
 	return (size_t)((h * 0x9E3779B97F4A7C15ull) >> 54);
 }
 
+void writes_forget(void)
+{
+	memset(modules, 0, sizeof modules);
+	memset(pipelines, 0, sizeof pipelines);
+	graves = NULL;
+}
+
 /* Without `mu` while recording, else with it. */
 static struct shader *find(struct shader **table, uint64_t handle)
 {
