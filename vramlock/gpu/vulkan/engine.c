@@ -184,7 +184,7 @@ static void release_failed(char *answer, size_t len, const char *why, int stay_c
 }
 
 /* With `mu`, from vramlock run's `release`. */
-static void do_release(char *answer, size_t len, int stay_closed)
+void engine_release(char *answer, size_t len, int stay_closed)
 {
 	const char *why = release_refused();
 	struct released n = {0, 0, 0};
@@ -296,7 +296,7 @@ static size_t restored_bytes(void)
 }
 
 /* With `mu`, from vramlock run's `restore`. */
-static void do_restore(char *answer, size_t len)
+void engine_restore(char *answer, size_t len)
 {
 	if (!is_released() || transition(engine.state, STATE_RESTORING)) {
 		gate_open_locked();
@@ -320,30 +320,3 @@ static void do_restore(char *answer, size_t len)
 	      restored_bytes(), ms[0], ms[1], ms[2], now_ms() - t);
 	snprintf(answer, len, "restored");
 }
-
-/* In a forked child (core/control.c: it joins as a peer of its own): nothing its parent
- * made is its own. Its parent's devices stay known, so that a call on one (which no
- * driver promises to serve in a child: lavapipe's queue threads, say, are not there)
- * still passes the gate; but its releases wait for, copy, free and make again only what
- * it makes on a device of its own, as a child that uses Vulkan must make. The records
- * are forgotten, not freed: the driver's objects they name are its parent's. */
-static void forget(void)
-{
-	table_forget();
-	cmds_forget();
-	record_forget();
-	writes_forget();
-	ahead_forget();
-	for (struct vdev *d = dev_list(); d; d = d->next) {
-		d->inherited = 1;
-		d->stage = NULL;
-	}
-}
-
-/* What the wrapper's words do (core/control.h): no host copy is locked, so `unpin`
- * and `pin` have nothing to do. */
-const struct engine_ops vulkan_engine = {
-	.release = do_release,
-	.restore = do_restore,
-	.forget = forget,
-};

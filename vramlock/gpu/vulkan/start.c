@@ -2,7 +2,7 @@
  * start.c: the layer's set-up, at load: the settings read, and where the layer is to
  * act (VRAMLOCK_SWAP_SOCKET), the engine registered with the control connection and
  * the gate closed until the process joins (its first instance: layer.c); a forked
- * child joins as its own peer (core/control.c, engine.c's `forget`). The trace
+ * child joins as its own peer (core/control.c; `forget`, below). The trace
  * (VRAMLOCK_SWAP_DEBUG=1) goes to stderr. VRAMLOCK_SWAP_PREPARE=0: no host copies made
  * ahead (ahead.c).
  */
@@ -30,6 +30,33 @@ static void read_allowance(void)
 	}
 	mapped_allowance = (VkDeviceSize)n << shift;
 }
+
+/* In a forked child (core/control.c: it joins as a peer of its own): nothing its parent
+ * made is its own. Its parent's devices stay known, so that a call on one (which no
+ * driver promises to serve in a child: lavapipe's queue threads, say, are not there)
+ * still passes the gate; but its releases wait for, copy, free and make again only what
+ * it makes on a device of its own, as a child that uses Vulkan must make. The records
+ * are forgotten, not freed: the driver's objects they name are its parent's. */
+static void forget(void)
+{
+	table_forget();
+	cmds_forget();
+	record_forget();
+	writes_forget();
+	ahead_forget();
+	for (struct vdev *d = dev_list(); d; d = d->next) {
+		d->inherited = 1;
+		d->stage = NULL;
+	}
+}
+
+/* What the wrapper's words do (core/control.h): no host copy is locked, so `unpin`
+ * and `pin` have nothing to do. */
+static const struct engine_ops vulkan_engine = {
+	.release = engine_release,
+	.restore = engine_restore,
+	.forget = forget,
+};
 
 __attribute__((constructor)) static void setup(void)
 {

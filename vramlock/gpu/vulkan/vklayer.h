@@ -30,7 +30,7 @@
  *  memtypes.c the memory types the program sees: device-local ones it cannot map,
  *             and where that leaves none it can, host ones the layer adds
  *  start.c    set-up: the engine registered with control, the gate closed until the
- *             process joins
+ *             process joins; in a forked child, what its parent made forgotten
  *
  * and below them the engine's core, the CUDA library's too (../core): the process's
  * state and its checked transitions, the gate that holds GPU work while released, the
@@ -84,7 +84,7 @@ struct vdev {
 	 * (`passive`, with why), and a release is refused. */
 	int passive;
 	char why[160];
-	/* In a forked child: made by its parent before the fork (engine.c's `forget`). The
+	/* In a forked child: made by its parent before the fork (start.c's `forget`). The
 	 * driver's device is its parent's: the child's calls on it still pass the gate, but
 	 * a release neither waits for it nor moves memory of it. */
 	int inherited;
@@ -223,7 +223,7 @@ struct vbuf *buf_list(void);
 int table_has(struct vmem *m);
 /* With `mu`: when memory was last made or freed (now_ms). */
 extern double table_changed_ms;
-/* In a forked child, each part's records of what its parent made forgotten (engine.c's
+/* In a forked child, each part's records of what its parent made forgotten (start.c's
  * `forget`). */
 void table_forget(void);
 void cmds_forget(void);
@@ -267,7 +267,10 @@ void cmds2_hook(const char *name, PFN_vkVoidFunction *fn);
 
 /* engine.c: submits through the gate (core/gate.h), and the swap itself. */
 void engine_hook(const char *name, PFN_vkVoidFunction *fn);
-extern const struct engine_ops vulkan_engine;
+/* What vramlock run's `release` and `restore` do (start.c puts them in the engine's
+ * callbacks, core/control.h), with `mu`. */
+void engine_release(char *answer, size_t len, int stay_closed);
+void engine_restore(char *answer, size_t len);
 /* With `mu`: why no release can ever work (refused, or a device left alone), or NULL. */
 const char *release_refused(void);
 
