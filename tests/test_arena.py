@@ -46,6 +46,17 @@ def test_default_arena_follows_xdg_runtime_dir_and_gpu() -> None:
     assert os.stat(f"{runtime}/vramlock/gpu3").st_mode & 0o777 == 0o700
 
 
+def test_default_arenas_may_be_put_elsewhere_by_the_environment(tmp_path: Path) -> None:
+    """VRAMLOCK_ARENAS_DIR (a Slurm node's arenas, say) is where the default arenas are,
+    whatever XDG_RUNTIME_DIR says; made private there as anywhere."""
+    env = dict(os.environ, VRAMLOCK_ARENAS_DIR=str(tmp_path / "arenas"))
+    out = subprocess.run(vramlock("arena", "--gpu", "3"), capture_output=True, text=True,
+                         timeout=30, env=env)  # fmt: skip
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"{tmp_path}/arenas/gpu3\n", "")
+    assert os.stat(tmp_path / "arenas" / "gpu3").st_mode & 0o777 == 0o700
+    assert not (Path(os.environ["XDG_RUNTIME_DIR"]) / "vramlock" / "gpu3").exists()
+
+
 def test_arena_command_creates_the_lock_files(errcli: ErrCli, arena: Path) -> None:
     """Scripts open token.lock right after `vramlock arena` (exec 9<"$A/token.lock")."""
     out = errcli("arena", "--arena", str(arena))

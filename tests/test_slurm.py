@@ -343,13 +343,14 @@ def launcher(tmp_path: Path, gpus: str, *command: str) -> list[str]:
     first = gpus.split(",")[0]
     env = (f"VRAMLOCK_SLURM_PROGRAM={command[0]}", f"VRAMLOCK_SLURM_ARENA={arenas}/gpu{first}",
            f"VRAMLOCK_SLURM_GPUS={gpus}", f"VRAMLOCK_SLURM_RUN={sys.executable} -m vramlock",
-           "SLURM_JOB_ID=7")  # fmt: skip
+           "SLURM_JOB_ID=7", f"XDG_RUNTIME_DIR={tmp_path / 'own'}")  # fmt: skip
     return ["env", *env, str(CONTRIB / "slurm-task"), *command[1:]]
 
 
 def test_a_job_of_several_gpus_waits_for_every_one_s_token(spawn: Spawn, tmp_path: Path) -> None:
     started = tmp_path / "started"
-    command = launcher(tmp_path, "0,1", "/bin/sh", "-c", f"echo $XDG_RUNTIME_DIR > {started}")
+    command = launcher(tmp_path, "0,1", "/bin/sh", "-c",
+                       f"echo $XDG_RUNTIME_DIR $VRAMLOCK_ARENAS_DIR > {started}")  # fmt: skip
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
     holder = spawn([sys.executable, str(script), str(tmp_path / "vramlock" / "gpu1"), "/dev/null"],
@@ -360,7 +361,8 @@ def test_a_job_of_several_gpus_waits_for_every_one_s_token(spawn: Spawn, tmp_pat
     assert not started.exists()
     let_go(holder)
     assert job.wait(30) == 0
-    assert started.read_text() == f"{tmp_path}\n"  # the job's XDG_RUNTIME_DIR then
+    # The job's XDG_RUNTIME_DIR is its own still; its arenas' directory is the node's.
+    assert started.read_text() == f"{tmp_path / 'own'} {tmp_path / 'vramlock'}\n"
 
 
 def test_the_launcher_is_for_the_plugin_only(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ MEMBERS = "members"
 JOURNAL = "journal"
 
 ENV_ARENA = "VRAMLOCK_ARENA"
+ENV_ARENAS_DIR = "VRAMLOCK_ARENAS_DIR"
 
 # statfs f_type values where flock(2) is not a local advisory lock: NFS turns it
 # into whole-file POSIX locks, CIFS/SMB make it mandatory, FUSE is up to the daemon.
@@ -73,6 +74,11 @@ def one_arena_or_gpus(arena: str | None, gpus: Sequence[int | None]) -> None:
 
 
 def default_base() -> str:
+    """Where the default arenas (``gpu<N>``) are: VRAMLOCK_ARENAS_DIR, else
+    ``$XDG_RUNTIME_DIR/vramlock``, else ``/tmp/vramlock-$UID``."""
+    given = os.environ.get(ENV_ARENAS_DIR)
+    if given:
+        return os.path.abspath(given)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "vramlock")
