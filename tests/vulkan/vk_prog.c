@@ -34,6 +34,9 @@
  * after 5 rounds unmeasured, 50 measured, it prints `record NS ns per dispatch` (the
  * median of the time from vkBeginCommandBuffer to vkQueueSubmit's return, over N).
  *
+ * With VK_PROG_START_MS it waits that many milliseconds before it makes its device (as
+ * a GPU driver's start takes a while).
+ *
  * With VK_PROG_FORK=1 it forks once its device is made and it holds an allocation on
  * it (device memory, as large as its data buffer, kept to the end): the child, whose
  * witness lines go to $WITNESS_LOG.child, makes a device of its own (a Vulkan device
@@ -558,6 +561,9 @@ int main(int argc, char **argv)
 	sync2 = getenv("VK_PROG_SYNC2") && !strcmp(getenv("VK_PROG_SYNC2"), "1");
 	const char *in = getenv("VK_PROG_INPUT");
 	input = !in ? 0 : !strcmp(in, "ro") ? 1 : !strcmp(in, "rw") ? 2 : 0;
+	long start_ms = getenv("VK_PROG_START_MS") ? strtol(getenv("VK_PROG_START_MS"), NULL, 10) : 0;
+	struct timespec wait = {start_ms / 1000, start_ms % 1000 * 1000000};
+	nanosleep(&wait, NULL);
 	VkQueue q;
 	make_device(&q);
 	pid_t child = -1;

@@ -176,22 +176,25 @@ class Strays:
         start = procfs.starttime(pid)
         if start is None or (pid in self.stopped and not again):
             return
-        label = self._strategy().label
+        strategy = self._strategy()
+        label, what = strategy.label, strategy.loose_uses(pid)
+        why = ("exec'd without the swap library, a static program, or not checkpointed"
+               if what == "CUDA" else "started without vramlock's layer")  # fmt: skip
         try:
             os.kill(pid, signal.SIGSTOP)
         except OSError as err:
             self._say(pid, start,
-                      f"process {pid} of the command began to use CUDA while it is released,"
+                      f"process {pid} of the command began to use {what} while it is released,"
                       f" beyond what {label} holds, and cannot be stopped ({err.strerror}):"
                       " it may run on the GPU in another member's turn")  # fmt: skip
             self.stopped[pid] = start
             return
         self._say(pid, start,
-                  f"process {pid} of the command began to use CUDA while it is released,"
-                  f" beyond what {label} holds (exec'd without the swap library, a static"
-                  " program, or not checkpointed): stopped until the command's turn")  # fmt: skip
+                  f"process {pid} of the command began to use {what} while it is released,"
+                  f" beyond what {label} holds ({why}):"
+                  " stopped until the command's turn")  # fmt: skip
         if pid not in self.stopped:
             self.stopped[pid] = start
             pids = ", ".join(map(str, self.stopped))
-            self._note(f"stopped until its turn: {pids} (began to use CUDA while released)")
+            self._note(f"stopped until its turn: {pids} (began to use {what} while released)")
         self.stopped[pid] = start

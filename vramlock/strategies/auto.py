@@ -35,15 +35,16 @@ from contextlib import ExitStack
 from ..command.context import Context
 from ..errors import ControlError, Immovable
 from ..gpu.core.protocol import ENV_UNREACHED
+from ..gpu.vulkan import LAYER_NAME
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
 from .none import NoneStrategy
 from .presets import PRESETS
 from .signal import SignalStrategy
-from .swap import SwapStrategy
+from .swap import SwapStrategy, hub_of
 from .swap import usable as swap_usable
-from .vkswap import VulkanSwapStrategy
+from .vkswap import ENV_LAYERS, VulkanSwapStrategy, either, uses, vulkan_loose
 from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
@@ -254,7 +255,19 @@ class AutoStrategy(Strategy):
         return self.current.holds_processes
 
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
-        return self.current.loose(pids)
+        found = self.current.loose(pids)
+        hub = hub_of(self.ctx)
+        if type(self.current) is SwapStrategy and hub is not None and self._layered():
+            # The layer is in front too: a Vulkan process without it runs unheld.
+            return either(found, vulkan_loose(hub, pids))
+        return found
+
+    def loose_uses(self, pid: int) -> str:
+        return uses(pid) if self._layered() else self.current.loose_uses(pid)
+
+    def _layered(self) -> bool:
+        """Was the Vulkan layer put in front of the command?"""
+        return LAYER_NAME in self.ctx.child.env.get(ENV_LAYERS, "").split(":")
 
     def restore(self) -> None:
         if self.current.killed:

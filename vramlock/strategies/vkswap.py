@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 
 from .. import procfs
+from ..gpu import cuda
 from ..gpu.core.protocol import ENV_SOCKET, open_hub, prepared_hub
 from ..gpu.vulkan import (
     LAYER_NAME,
@@ -73,6 +74,44 @@ def vulkan_peers(hub: Hub) -> bool:
     return any(layer in (procfs.mapped(pid) or ()) for pid in pids)
 
 
+def _layered(hub: Hub, pid: int) -> bool:
+    """Was ``pid`` started to load the layer and join ``hub`` (its environment at start
+    names the hub's socket and the layer)? Then it makes no device before it joins."""
+    env = procfs.environ(pid)
+    return env.get(ENV_SOCKET) == hub.path and LAYER_NAME in env.get(ENV_LAYERS, "").split(":")
+
+
+def vulkan_loose(hub: Hub, pids: list[int]) -> tuple[list[int], list[int]]:
+    """Released: among ``pids``, the Vulkan processes the layer does not hold (the loader
+    mapped, not connected, not started to load the layer), and those without the loader
+    that would not be held if they loaded it (``Strategy.loose``)."""
+    peers = hub.connected()
+    loose: list[int] = []
+    suspects: list[int] = []
+    for pid in pids:
+        paths = procfs.mapped(pid)
+        if pid in peers or paths is None or _layered(hub, pid):
+            continue
+        (loose if _vulkan(paths) else suspects).append(pid)
+    return loose, suspects
+
+
+def either(
+    a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]
+) -> tuple[list[int], list[int]]:
+    """Two ``loose`` answers as one: loose in either, and suspected by either."""
+    loose = a[0] + [p for p in b[0] if p not in a[0]]
+    suspects = [p for p in a[1] + b[1] if p not in loose]
+    return loose, list(dict.fromkeys(suspects))
+
+
+def uses(pid: int) -> str:
+    """What a process found loose uses: Vulkan where it maps the loader and not the CUDA
+    driver, else CUDA."""
+    paths = procfs.mapped(pid) or set()
+    return "Vulkan" if _vulkan(paths) and not cuda.driver_in(paths) else "CUDA"
+
+
 def vulkan_unverified(hub: Hub, pids: list[int]) -> str | None:
     """Why a release through ``hub`` cannot reach every Vulkan process among ``pids``, or
     None when it can: each that has the loader mapped must be connected, or be one that
@@ -83,9 +122,7 @@ def vulkan_unverified(hub: Hub, pids: list[int]) -> str | None:
         paths = procfs.mapped(pid)
         if pid in peers or paths is None or not _vulkan(paths):
             continue
-        env = procfs.environ(pid)
-        layers = env.get(ENV_LAYERS, "").split(":")
-        if env.get(ENV_SOCKET) == hub.path and LAYER_NAME in layers:
+        if _layered(hub, pid):
             continue  # no device before it joins (told release if it does)
         return (
             f"process {pid} of the command uses Vulkan without the vramlock layer (were"
@@ -117,6 +154,12 @@ class VulkanSwapStrategy(SwapStrategy):
     def _unverified(self, deadline: float | None) -> str | None:
         why = super()._unverified(deadline)
         return why if why is not None else vulkan_unverified(self.hub, self.ctx.child.processes())
+
+    def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
+        return either(super().loose(pids), vulkan_loose(self.hub, pids))
+
+    def loose_uses(self, pid: int) -> str:
+        return uses(pid)
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:
