@@ -450,6 +450,12 @@ static int by_value(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
+static void sleep_ms(long ms)
+{
+	struct timespec t = {ms / 1000, ms % 1000 * 1000000};
+	nanosleep(&t, NULL);
+}
+
 static double seconds(void)
 {
 	struct timespec t;
@@ -561,9 +567,8 @@ int main(int argc, char **argv)
 	sync2 = getenv("VK_PROG_SYNC2") && !strcmp(getenv("VK_PROG_SYNC2"), "1");
 	const char *in = getenv("VK_PROG_INPUT");
 	input = !in ? 0 : !strcmp(in, "ro") ? 1 : !strcmp(in, "rw") ? 2 : 0;
-	long start_ms = getenv("VK_PROG_START_MS") ? strtol(getenv("VK_PROG_START_MS"), NULL, 10) : 0;
-	struct timespec wait = {start_ms / 1000, start_ms % 1000 * 1000000};
-	nanosleep(&wait, NULL);
+	if (getenv("VK_PROG_START_MS"))
+		sleep_ms(strtol(getenv("VK_PROG_START_MS"), NULL, 10));
 	VkQueue q;
 	make_device(&q);
 	pid_t child = -1;
@@ -649,8 +654,7 @@ int main(int argc, char **argv)
 		if (!keep)
 			CHECK(vkResetCommandBuffer(cb, 0));
 		check(seen, words, ++rounds);
-		struct timespec tick = {rest / 1000, rest % 1000 * 1000000};
-		nanosleep(&tick, NULL);
+		sleep_ms(rest);
 	} while (!stop || access(stop, F_OK));
 	vkDestroyFence(dev, fence, NULL);
 	vkDestroyBuffer(dev, data, NULL);

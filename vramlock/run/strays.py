@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 from .. import procfs
 from ..strategies import Strategy
+from ..strategies.vkswap import api_of
 
 TICK = 0.01
 TREE_EVERY = 0.05
@@ -176,8 +177,7 @@ class Strays:
         start = procfs.starttime(pid)
         if start is None or (pid in self.stopped and not again):
             return
-        strategy = self._strategy()
-        label, what = strategy.label, strategy.loose_uses(pid)
+        label, what = self._strategy().label, api_of(pid)
         why = ("exec'd without the swap library, a static program, or not checkpointed"
                if what == "CUDA" else "started without vramlock's layer")  # fmt: skip
         try:

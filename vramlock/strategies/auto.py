@@ -44,7 +44,7 @@ from .presets import PRESETS
 from .signal import SignalStrategy
 from .swap import SwapStrategy, hub_of
 from .swap import usable as swap_usable
-from .vkswap import ENV_LAYERS, VulkanSwapStrategy, either, uses, vulkan_loose
+from .vkswap import ENV_LAYERS, VulkanSwapStrategy, either, vulkan_loose
 from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
@@ -261,9 +261,6 @@ class AutoStrategy(Strategy):
             # The layer is in front too: a Vulkan process without it runs unheld.
             return either(found, vulkan_loose(hub, pids))
         return found
-
-    def loose_uses(self, pid: int) -> str:
-        return uses(pid) if self._layered() else self.current.loose_uses(pid)
 
     def _layered(self) -> bool:
         """Was the Vulkan layer put in front of the command?"""

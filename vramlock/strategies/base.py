@@ -218,10 +218,6 @@ class Strategy:
         but would not be held if they began to (to be looked at more often)."""
         return [], []
 
-    def loose_uses(self, pid: int) -> str:
-        """What a process found loose uses (said when it is stopped)."""
-        return "CUDA"
-
     def end_command(self, grace: float) -> None:
         """End every process of the command (the leader, its group, adopted orphans);
         StrategyError, and the token kept, while any of them lives."""

@@ -105,9 +105,9 @@ def either(
     return loose, list(dict.fromkeys(suspects))
 
 
-def uses(pid: int) -> str:
-    """What a process found loose uses: Vulkan where it maps the loader and not the CUDA
-    driver, else CUDA."""
+def api_of(pid: int) -> str:
+    """What a process found loose uses (``run/strays.py`` says it): Vulkan where it maps
+    the loader and not the CUDA driver, else CUDA."""
     paths = procfs.mapped(pid) or set()
     return "Vulkan" if _vulkan(paths) and not cuda.driver_in(paths) else "CUDA"
 
@@ -157,9 +157,6 @@ class VulkanSwapStrategy(SwapStrategy):
 
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
         return either(super().loose(pids), vulkan_loose(self.hub, pids))
-
-    def loose_uses(self, pid: int) -> str:
-        return uses(pid)
 
     @classmethod
     def fit(cls, command: list[str], env: Mapping[str, str], settings: Settings) -> None:

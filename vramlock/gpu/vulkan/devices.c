@@ -53,8 +53,6 @@ void driver_memory_properties2(VkPhysicalDevice phys, VkPhysicalDeviceMemoryProp
 		phys, p);
 }
 
-/* Any handle the device made that the loader dispatches (device, queue, command
- * buffer) shares its dispatch key. */
 struct vdev *dev_list(void)
 {
 	return __atomic_load_n(&devices, __ATOMIC_ACQUIRE);

@@ -190,10 +190,8 @@ static VkDeviceSize host_size(struct vmem *m)
 	return (m->size + a - 1) / a * a;
 }
 
-/* Host memory of `size` bytes of `type` on `d`, mapped at `*at`: VK_SUCCESS, or an
- * error with nothing made. The driver's calls only: made with `mu` or without. */
-static VkResult host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
-			    VkDeviceMemory *mem, void **at)
+VkResult stage_host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
+			   VkDeviceMemory *mem, void **at)
 {
 	VkMemoryAllocateInfo ai = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
 				   .allocationSize = size, .memoryTypeIndex = type};
@@ -220,7 +218,8 @@ VkResult stage_host(struct vmem *m)
 		m->host = malloc(m->size ? m->size : 1);
 		return m->host ? VK_SUCCESS : VK_ERROR_OUT_OF_HOST_MEMORY;
 	}
-	return host_memory(d, (uint32_t)d->stage->type, host_size(m), &m->host_mem, &m->host);
+	return stage_host_memory(d, (uint32_t)d->stage->type, host_size(m), &m->host_mem,
+				 &m->host);
 }
 
 int stage_host_kind(struct vmem *m, VkDeviceSize *size, uint32_t *type)
@@ -230,12 +229,6 @@ int stage_host_kind(struct vmem *m, VkDeviceSize *size, uint32_t *type)
 	*size = host_size(m);
 	*type = (uint32_t)m->d->stage->type;
 	return 1;
-}
-
-VkResult stage_host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
-			   VkDeviceMemory *mem, void **at)
-{
-	return host_memory(d, type, size, mem, at);
 }
 
 void stage_host_free(struct vmem *m)

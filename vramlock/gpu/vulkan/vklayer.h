@@ -177,7 +177,9 @@ struct vinst *inst_of(const void *dispatchable);
 void inst_add(struct vinst *i);
 void inst_remove(struct vinst *i);
 /* devices.c's list: it only grows, and a device is complete before it is published
- * (dev_add), so that every call of the program's finds its device here, no lock. */
+ * (dev_add), so that every call of the program's finds its device here, no lock. Any
+ * handle the device made that the loader dispatches (device, queue, command buffer)
+ * shares its dispatch key. */
 extern struct vdev *devices;
 static inline struct vdev *dev_of(VkDevice dev)
 {
@@ -280,8 +282,9 @@ const char *release_refused(void);
  * first error. */
 VkResult stage_host(struct vmem *m);
 /* With `mu`: where `m` has no host copy and would have one of the device's way, that
- * copy's size and memory type, and 1; else 0. Then, with `mu` or without, host memory of
- * that kind made and mapped at `*at` (ahead.c makes it without). */
+ * copy's size and memory type, and 1; else 0. Then host memory of `size` bytes of `type`
+ * on `d`, mapped at `*at`: VK_SUCCESS, or an error with nothing made; the driver's calls
+ * only, made with `mu` or without (ahead.c makes it without). */
 int stage_host_kind(struct vmem *m, VkDeviceSize *size, uint32_t *type);
 VkResult stage_host_memory(struct vdev *d, uint32_t type, VkDeviceSize size,
 			   VkDeviceMemory *mem, void **at);
