@@ -23,11 +23,13 @@ pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.timeout(90)
 
 
-def serve(spawn: Spawn, tmp_path: Path, arena: Path, top: str = "", nvml: str = "") -> int:
+def serve(
+    spawn: Spawn, tmp_path: Path, arena: Path, top: str = "", nvml: str = "", **extra: str
+) -> int:
     """serve with the stand-in NVML (``nvml``: FAKE_NVML_DIR; "none": no driver)."""
     path = write_config(tmp_path, top + "models:\n" + echo_model("m"))
     env = {"PYTHONPATH": os.pathsep.join([FAKE_NVML, os.environ.get("PYTHONPATH", "")]),
-           "FAKE_NVML_DIR": nvml or str(tmp_path)}  # fmt: skip
+           "FAKE_NVML_DIR": nvml or str(tmp_path), **extra}  # fmt: skip
     return start(spawn, path, arena, env=env)[1]
 
 
@@ -110,6 +112,22 @@ def test_performance_is_sampled_every_period(spawn: Spawn, tmp_path: Path, arena
     status, _, body = call(port, "GET", "/api/performance?after=soon")
     assert status == 400
     assert json.loads(body)["error"]["message"] == "invalid 'after' timestamp, use RFC3339 format"
+
+
+def test_a_sample_is_seen_whole_while_the_gpus_are_slow_to_answer(
+    spawn: Spawn, tmp_path: Path, arena: Path
+) -> None:
+    """A client that polls with ?after= the last time it saw never misses the GPUs' part
+    of a sample: the machine's and the GPUs' are published together."""
+    port = serve(spawn, tmp_path, arena, "performance: {every: 5s}\n", FAKE_NVML_SLOW_MS="500")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = call_json(port, "GET", "/api/performance")
+        if got["sys_stats"]:
+            break
+        time.sleep(0.02)
+    times = {s["timestamp"] for s in got["sys_stats"]}
+    assert times and times == {g["timestamp"] for g in got["gpu_stats"] or []}, got
 
 
 def test_performance_disabled_is_a_503(spawn: Spawn, tmp_path: Path, arena: Path) -> None:

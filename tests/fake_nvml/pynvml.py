@@ -129,6 +129,8 @@ def nvmlDeviceGetTemperature(handle: int, sensor: int) -> int:
 
 
 def nvmlDeviceGetUtilizationRates(handle: int) -> _Rates:
+    # FAKE_NVML_SLOW_MS: as a busy driver, slow to answer
+    time.sleep(float(os.environ.get("FAKE_NVML_SLOW_MS", "0")) / 1000)
     return _Rates(gpu=7, memory=3)
 
 

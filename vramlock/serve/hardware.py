@@ -305,11 +305,14 @@ class Performance:
         while True:
             await asyncio.sleep(self.every)
             at, sys_stat = self.sample()
-            self.sys.append((at, sys_stat))
+            gpu_stats = None
             if self._nvml:
                 gpu_stats = await briefly(functools.partial(self._gpus, at / 1e6))
-                if gpu_stats:
-                    self.gpu.append((at, gpu_stats))
+            # Published together: a reader between the two would take `at` for done, and
+            # with ?after=at never see the GPUs' sample of that time.
+            self.sys.append((at, sys_stat))
+            if gpu_stats:
+                self.gpu.append((at, gpu_stats))
 
     def sample(self) -> tuple[int, dict[str, Any]]:
         """The machine's sample, and its time in microseconds (from /proc: quick)."""
