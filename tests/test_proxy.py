@@ -9,6 +9,7 @@ when it held it: whatever vramlock believes about itself.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import resource
@@ -721,6 +722,15 @@ def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     conn.close()
 
 
+def answer(conn: http.client.HTTPConnection) -> str:
+    try:
+        response = conn.getresponse()
+        assert response.status == 200
+        return response.read().decode()
+    finally:
+        conn.close()
+
+
 def test_out_of_descriptors_clients_wait_and_are_served(
     arena: Path, spawn: Spawn, tmp_path: Path
 ) -> None:
@@ -735,12 +745,19 @@ def test_out_of_descriptors_clients_wait_and_are_served(
     # Room for one more client, not for its connection to the server.
     used = len(os.listdir(f"/proc/{pid}/fd"))
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 1, used + 1))
-    waiting = [in_thread(served.get) for _ in range(4)]  # room enough for them once they go
+    waiting = []  # room enough for them once the kept ones go
+    for _ in range(4):  # each connected and asking before any descriptor comes back
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        conn.request("GET", "/hello")
+        waiting.append(in_thread(functools.partial(answer, conn)))
     time.sleep(1.0)  # a negative: ten pauses' worth of failed attempts
     for conn in kept:
         conn.close()
     assert [join() for join in waiting] == [f"hello {served.starts()[0][1]}\n"] * 4
-    assert served.get().startswith("hello ")  # and it goes on accepting
+    # Their descriptors closed, there is room for a client and its connection again: it goes
+    # on accepting, with no second shortage to say.
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= used - 1)
+    assert served.get().startswith("hello ")
     kill_group(served.job)
     assert served.job.stderr is not None
     err = served.job.stderr.read()
