@@ -116,8 +116,10 @@ def test_big_member_is_not_starved_by_a_stream_of_small_ones(room: Budgeted) -> 
     wait_until(lambda: _queue_head(room.arena) == big.proc.pid)  # the big one is gathering
     arrived = time.monotonic()
     big.wait_for("resident", timeout=DEADLINE)
-    came = [t for t, n, w in events(room.log) if w == "resident" and n != "big"]
-    gathered = next(t for t, n, w in events(room.log) if n == "big" and w == "resident")
+    # Each logs "gathered" while it holds queue.lock: a small one that got its units before
+    # the big one queued may log "resident" after `arrived`, but not "gathered".
+    came = [t for t, n, w in events(room.log) if w == "gathered" and n != "big"]
+    gathered = next(t for t, n, w in events(room.log) if n == "big" and w == "gathered")
     # Nobody comes in while the big one gathers: the others queue behind it.
     assert [t for t in came if arrived < t < gathered] == []
     assert room.over() == []

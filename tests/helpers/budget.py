@@ -26,7 +26,8 @@ DEADLINE = 20.0
 # deaf: never steps aside; liar: like idle, but its record claims units it does not
 # hold and that it has been idle the longest; silent: like idle, but its record never
 # says which units it holds. $MIN_HOLD: it refuses to step aside for
-# that long after it became resident, and says so in its record.
+# that long after it became resident, and says so in its record. It logs "gathered" when
+# it has its units, while it still holds queue.lock (all but silent ones).
 MEMBER = textwrap.dedent(
     """
     import fcntl, os, struct, sys, time
@@ -43,7 +44,11 @@ MEMBER = textwrap.dedent(
     budget = read_budget(arena)
     record = RecordWriter(arena, Record(pid=os.getpid(), name=name, command=sys.argv,
                                         strategy="test", state="released", since=time.time()))
-    share = Units(arena, budget, need, publish=None if mode == "silent" else record.change)
+    def publish(fields, at_once):
+        if fields.get("units"):
+            note("gathered")  # said inside queue(), while it holds queue.lock
+        record.change(fields, at_once)
+    share = Units(arena, budget, need, publish=None if mode == "silent" else publish)
     wfd = os.open(witness, os.O_RDWR)
     def witness(kind, start, length):
         fcntl.fcntl(wfd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
