@@ -108,8 +108,9 @@ def test_members_told_to_end_together_do_not_pass_the_gpu_back_and_forth(
         job.send_signal(signal.SIGTERM)
     for job in jobs:
         assert job.wait(30) == 0
-    after = [(n, w) for t, n, w in events(log) if t > signalled + 0.05]
-    assert [w for _, w in after if w == "release"] == [], after
+    after = [(n, w) for t, n, w in events(log) if t > signalled]
+    # A release asked for just before the signal may be said after it; no other comes.
+    assert [w for _, w in after if w == "release"] in ([], ["release"]), after
     assert sorted(n for n, w in after if w == "exit") == ["a", "b"]
 
 
