@@ -158,6 +158,16 @@ class Witness:
         return float(t0), float(t1), server
 
 
+def answer(conn: http.client.HTTPConnection) -> str:
+    """The body of the answer to the request sent on ``conn`` (200), which is then closed."""
+    try:
+        response = conn.getresponse()
+        assert response.status == 200
+        return response.read().decode()
+    finally:
+        conn.close()
+
+
 @dataclass
 class Served:
     job: subprocess.Popen[str]
@@ -176,11 +186,9 @@ class Served:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request("GET", path)
-            response = conn.getresponse()
-            assert response.status == 200
-            return response.read().decode()
+            return answer(conn)
         finally:
-            conn.close()
+            conn.close()  # where the request failed (answer closes it otherwise)
 
 
 def serve(
@@ -720,15 +728,6 @@ def test_ipv6_loopback(arena: Path, spawn: Spawn, tmp_path: Path) -> None:
     conn.request("GET", "/hello")
     assert conn.getresponse().read().startswith(b"hello ")
     conn.close()
-
-
-def answer(conn: http.client.HTTPConnection) -> str:
-    try:
-        response = conn.getresponse()
-        assert response.status == 200
-        return response.read().decode()
-    finally:
-        conn.close()
 
 
 def test_out_of_descriptors_clients_wait_and_are_served(

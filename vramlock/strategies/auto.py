@@ -35,7 +35,6 @@ from contextlib import ExitStack
 from ..command.context import Context
 from ..errors import ControlError, Immovable
 from ..gpu.core.protocol import ENV_UNREACHED
-from ..gpu.vulkan import LAYER_NAME
 from .base import Settings, Strategy
 from .checkpoint import CheckpointStrategy
 from .http import Preset
@@ -44,7 +43,7 @@ from .presets import PRESETS
 from .signal import SignalStrategy
 from .swap import SwapStrategy, hub_of
 from .swap import usable as swap_usable
-from .vkswap import ENV_LAYERS, VulkanSwapStrategy, either, vulkan_loose
+from .vkswap import VulkanSwapStrategy, either, names_layer, vulkan_loose
 from .vkswap import usable as vulkan_usable
 
 # In order of preference, each list: the first that fits is taken.
@@ -257,14 +256,11 @@ class AutoStrategy(Strategy):
     def loose(self, pids: list[int]) -> tuple[list[int], list[int]]:
         found = self.current.loose(pids)
         hub = hub_of(self.ctx)
-        if type(self.current) is SwapStrategy and hub is not None and self._layered():
+        if (type(self.current) is SwapStrategy and hub is not None
+                and names_layer(self.ctx.child.env)):  # fmt: skip
             # The layer is in front too: a Vulkan process without it runs unheld.
             return either(found, vulkan_loose(hub, pids))
         return found
-
-    def _layered(self) -> bool:
-        """Was the Vulkan layer put in front of the command?"""
-        return LAYER_NAME in self.ctx.child.env.get(ENV_LAYERS, "").split(":")
 
     def restore(self) -> None:
         if self.current.killed:

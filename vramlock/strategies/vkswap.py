@@ -74,11 +74,16 @@ def vulkan_peers(hub: Hub) -> bool:
     return any(layer in (procfs.mapped(pid) or ()) for pid in pids)
 
 
+def names_layer(env: Mapping[str, str]) -> bool:
+    """Does ``env`` put vramlock's layer in front of the program's Vulkan calls?"""
+    return LAYER_NAME in env.get(ENV_LAYERS, "").split(":")
+
+
 def _layered(hub: Hub, pid: int) -> bool:
     """Was ``pid`` started to load the layer and join ``hub`` (its environment at start
     names the hub's socket and the layer)? Then it makes no device before it joins."""
     env = procfs.environ(pid)
-    return env.get(ENV_SOCKET) == hub.path and LAYER_NAME in env.get(ENV_LAYERS, "").split(":")
+    return env.get(ENV_SOCKET) == hub.path and names_layer(env)
 
 
 def vulkan_loose(hub: Hub, pids: list[int]) -> tuple[list[int], list[int]]:
